@@ -1,0 +1,197 @@
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.helpers import TOL, max_err, rope_oracle
+from torchembed.functional import apply_rotary, rope_cos_sin, rope_inv_freq, rope_positions
+
+transformers = pytest.importorskip("transformers")
+
+ROPE_CASES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn_mscale": {
+        "rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0, "original_max_position_embeddings": 32,
+        "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2,
+    },
+    "longrope": {
+        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+        "long_factor": [1.0 + i / 8 for i in range(8)], "short_factor": [1.0 + i / 32 for i in range(8)],
+    },
+    "llama3": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+    },
+}
+
+
+def _hf_config(params, max_pos=128):
+    return transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+        rope_parameters=dict(params),
+    )
+
+
+@pytest.mark.parametrize("name", sorted(ROPE_CASES))
+@pytest.mark.parametrize("seq_len", [None, 100, 400])
+def test_inv_freq_matches_transformers(name, seq_len):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    params = ROPE_CASES[name]
+    config = _hf_config(params)
+    if params["rope_type"] == "default":
+        hf_inv, hf_scale = LlamaRotaryEmbedding.compute_default_rope_parameters(config)
+    else:
+        hf_inv, hf_scale = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, None, seq_len=seq_len)
+    ours, scale = rope_inv_freq(16, rope_parameters=params, max_position_embeddings=128, seq_len=seq_len)
+    assert ours.dtype == torch.float32 and ours.shape == (8,)
+    torch.testing.assert_close(ours, hf_inv, rtol=0, atol=0)  # bit-identical angles
+    assert scale == pytest.approx(hf_scale, rel=1e-12)
+
+
+def test_inv_freq_default_is_theta_progression():
+    inv, scale = rope_inv_freq(8, base=10000.0)
+    expected = torch.tensor([10000.0 ** (-i / 8) for i in range(0, 8, 2)])
+    torch.testing.assert_close(inv, expected)
+    assert scale == 1.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(dim=7), "positive even"),
+        (dict(dim=0), "positive even"),
+        (dict(dim=8, rope_parameters={"rope_type": "nope"}), "unknown rope_type"),
+        (dict(dim=8, rope_parameters={"rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),
+    ],
+)
+def test_inv_freq_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rope_inv_freq(**kwargs)
+
+
+def test_cos_sin_match_hf_rotary_module_fp32():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = _hf_config(ROPE_CASES["yarn"])
+    hf = LlamaRotaryEmbedding(config)
+    position_ids = torch.randint(0, 128, (2, 9))
+    x = torch.randn(2, 9, 64)
+    hf_cos, hf_sin = hf(x, position_ids)
+    inv, scale = rope_inv_freq(16, rope_parameters=ROPE_CASES["yarn"], max_position_embeddings=128)
+    cos, sin = rope_cos_sin(inv, position_ids, scale)
+    torch.testing.assert_close(torch.cat((cos, cos), -1), hf_cos, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat((sin, sin), -1), hf_sin, rtol=0, atol=0)
+
+
+def test_apply_rotary_is_bitwise_hf_in_fp32():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    q, k = torch.randn(2, 4, 7, 16), torch.randn(2, 2, 7, 16)
+    inv, _ = rope_inv_freq(16)
+    cos, sin = rope_cos_sin(inv, torch.arange(7)[None].expand(2, 7))
+    hf_q, hf_k = apply_rotary_pos_emb(q, k, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1))
+    ours_q = apply_rotary(q, cos[:, None], sin[:, None])
+    ours_k = apply_rotary(k, cos[:, None], sin[:, None])
+    assert torch.equal(ours_q, hf_q) and torch.equal(ours_k, hf_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [32, 16])
+def test_apply_rotary_vs_float64(dtype, interleaved, rotary_dim):
+    x = torch.randn(2, 3, 11, 32).to(dtype)
+    inv, _ = rope_inv_freq(rotary_dim, base=500000.0)
+    positions = torch.arange(5, 16)
+    cos, sin = rope_cos_sin(inv, positions)
+    out = apply_rotary(x, cos, sin, interleaved=interleaved)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out.double(), rope_oracle(x, positions, inv, interleaved=interleaved), **TOL[dtype])
+    assert torch.equal(out[..., rotary_dim:], x[..., rotary_dim:])  # pass-through untouched
+
+
+def test_bf16_reference_at_least_as_accurate_as_hf():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    torch.manual_seed(0)
+    q = torch.randn(4, 8, 256, 128).bfloat16()
+    inv, _ = rope_inv_freq(128, base=500000.0)
+    positions = torch.arange(1000, 1256)
+    cos, sin = rope_cos_sin(inv, positions)
+    truth = rope_oracle(q, positions, inv)
+    hf_q, _ = apply_rotary_pos_emb(q, q, torch.cat((cos, cos), -1).bfloat16()[None], torch.cat((sin, sin), -1).bfloat16()[None])
+    ours = apply_rotary(q, cos, sin)
+    assert max_err(ours, truth) <= max_err(hf_q, truth)
+    assert (ours.double() - truth).abs().mean() < (hf_q.double() - truth).abs().mean()
+
+
+def test_conjugate_inverts():
+    x = torch.randn(3, 5, 24, dtype=torch.float64)
+    inv, _ = rope_inv_freq(24)
+    cos, sin = rope_cos_sin(inv, torch.arange(5))
+    back = apply_rotary(apply_rotary(x, cos.double(), sin.double()), cos.double(), sin.double(), conjugate=True)
+    torch.testing.assert_close(back, x)
+
+
+def test_relative_position_property():
+    """<R_m q, R_n k> depends only on m - n."""
+    q, k = torch.randn(64, dtype=torch.float64), torch.randn(64, dtype=torch.float64)
+    inv, _ = rope_inv_freq(64)
+
+    def rotate(x, m):
+        cos, sin = rope_cos_sin(inv.double(), torch.tensor([m]))
+        return apply_rotary(x[None], cos, sin)[0]
+
+    base = rotate(q, 7) @ rotate(k, 3)
+    for shift in (1, 50, 1000):
+        assert rotate(q, 7 + shift) @ rotate(k, 3 + shift) == pytest.approx(base.item(), rel=1e-9, abs=1e-9)
+
+
+def test_rope_positions():
+    assert torch.equal(rope_positions(3, 4), torch.tensor([3, 4, 5, 6]))
+    assert torch.equal(rope_positions(torch.tensor([0, 2]), 2), torch.tensor([[0, 1], [2, 3]]))
+    with pytest.raises(ValueError, match="1-D integer"):
+        rope_positions(torch.tensor([[1]]), 2)
+
+
+def test_apply_rotary_errors():
+    x = torch.randn(2, 8)
+    cos = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="exceeds"):
+        apply_rotary(x, cos, cos)
+    with pytest.raises(ValueError, match="one shape"):
+        apply_rotary(x, cos[:, :2], cos[:, :3])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    seq=st.integers(1, 20),
+    half=st.integers(1, 12),
+    extra=st.integers(0, 6),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    interleaved=st.booleans(),
+    offset=st.integers(0, 5000),
+)
+def test_apply_rotary_property(batch, seq, half, extra, dtype, interleaved, offset):
+    x = torch.randn(batch, seq, 2 * (half + extra)).to(dtype)
+    inv, _ = rope_inv_freq(2 * half)
+    positions = torch.arange(offset, offset + seq)
+    cos, sin = rope_cos_sin(inv, positions)
+    out = apply_rotary(x, cos, sin, interleaved=interleaved)
+    # float32 angles pos * theta carry a rounding error of up to pos * 2^-24 rad (HF's tables too),
+    # which moves a rotated value by at most that times |x|.
+    tol = dict(TOL[dtype])
+    tol["atol"] += 2 * (offset + seq) * 2**-24 * x.abs().max().item()
+    torch.testing.assert_close(out.double(), rope_oracle(x, positions, inv, interleaved=interleaved), **tol)
+    # rotation preserves the norm of the rotated part
+    rot = 2 * half
+    n_in = x[..., :rot].double().norm(dim=-1)
+    n_out = out[..., :rot].double().norm(dim=-1)
+    torch.testing.assert_close(n_out, n_in, **TOL[dtype])

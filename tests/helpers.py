@@ -1,0 +1,35 @@
+"""Shared test helpers: float64 oracles and dtype tolerances."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# One rounding of a unit-scale result: half an ulp at 1.0, with headroom for a few fp32 ops
+# before the final rounding (inputs are N(0, 1), so values reach ~4-5).
+TOL = {
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
+    torch.float32: dict(atol=2e-5, rtol=1e-5),
+    torch.float16: dict(atol=4e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=1.6e-2),
+}
+
+
+def rope_oracle(x: Tensor, positions: Tensor, inv_freq: Tensor, *, interleaved: bool = False, scale: float = 1.0) -> Tensor:
+    """Float64 rotation of ``x (..., s, d)`` at integer ``positions`` broadcastable to ``(..., s)``."""
+    x = x.double()
+    half = inv_freq.shape[0]
+    angles = positions.double()[..., None] * inv_freq.double()
+    cos, sin = angles.cos() * scale, angles.sin() * scale
+    xr = x[..., : 2 * half]
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    rot = torch.stack((o1, o2), -1).flatten(-2) if interleaved else torch.cat((o1, o2), -1)
+    return torch.cat((rot, x[..., 2 * half :]), -1)
+
+
+def max_err(a: Tensor, b: Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()

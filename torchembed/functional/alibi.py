@@ -1,0 +1,87 @@
+"""Attention with Linear Biases (ALiBi), the pure-PyTorch reference.
+
+Press et al., "Train Short, Test Long: Attention with Linear Biases Enables Input Length
+Extrapolation", arXiv:2108.12409.
+
+Shape legend: ``b`` batch, ``h`` heads, ``q`` query length, ``k`` key length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["alibi_slopes", "alibi_bias", "alibi_key_bias"]
+
+
+def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> Tensor:
+    """Per-head slopes, the paper's recipe.
+
+    For ``n`` a power of two the slopes are the geometric sequence ``2^(-8/n), 2^(-16/n), ...,
+    2^-8``. Otherwise the ``n' = 2^floor(log2 n)`` slopes of the closest smaller power of two are
+    followed by every other slope of ``2 n'`` (the ones in between), as in the reference code.
+
+    Returns:
+        ``(h,)`` float32, all in ``(0, 1)``.
+
+    Raises:
+        ValueError: ``num_heads`` is not a positive int.
+    """
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads <= 0:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+
+    def power_of_2(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = power_of_2(closest)
+    if closest != num_heads:
+        slopes += power_of_2(2 * closest)[0::2][: num_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32, device=device)
+
+
+def alibi_bias(
+    slopes: Tensor, query_len: int, key_len: int, *, causal_offset: bool = True, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """The ALiBi bias ``-slope * |i - j|`` for every (query, key) pair.
+
+    Queries are the last ``query_len`` positions of the ``key_len`` keys (as with a KV cache), so
+    query ``i`` sits at absolute position ``key_len - query_len + i``. With ``causal_offset=False``
+    queries and keys both start at position 0.
+
+    Args:
+        slopes: ``(h,)`` float32.
+
+    Returns:
+        ``(h, q, k)`` in ``dtype``, non-positive, zero where query and key positions coincide.
+    """
+    start = key_len - query_len if causal_offset else 0
+    q_pos = torch.arange(start, start + query_len, device=slopes.device)
+    k_pos = torch.arange(key_len, device=slopes.device)
+    distance = (q_pos[:, None] - k_pos[None, :]).abs().to(torch.float32)
+    return (-slopes.float()[:, None, None] * distance).to(dtype)
+
+
+def alibi_key_bias(slopes: Tensor, attention_mask: Tensor) -> Tensor:
+    """ALiBi in key-only form, ``slope * (p_j - p_last)``, from a (left-)padded 2D mask.
+
+    ``p_j`` is key ``j``'s position counted over non-padded tokens (``cumsum(mask) - 1``), and
+    ``p_last`` the last key's. For a causal query at ``p_i`` this differs from ``-slope * (p_i -
+    p_j)`` by ``slope * (p_i - p_last)``, a constant per query row that softmax ignores; being
+    non-positive and zero at the newest key, it keeps the values near the diagonal small, where
+    low-precision dtypes round least.
+
+    Args:
+        slopes: ``(h,)`` float32.
+        attention_mask: ``(b, k)`` with 1 for real tokens, 0 for padding.
+
+    Returns:
+        ``(b, h, k)`` float32; padded keys get 0 (the attention mask removes them).
+    """
+    mask = attention_mask.to(torch.float32)
+    positions = (mask.cumsum(-1) - 1) * mask
+    last = positions[:, -1:]
+    return slopes.float()[None, :, None] * ((positions - last) * mask)[:, None, :]

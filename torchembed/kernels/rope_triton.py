@@ -1,0 +1,290 @@
+"""Fused rotary-embedding Triton kernel (q and k in one launch) and its host launcher.
+
+Rotary embedding: Su et al., "RoFormer", arXiv:2104.09864.  For each (batch b, head h,
+token s) row of q or k and each pair index j < R/2 (R = rotary dim):
+
+    x1, x2 = x[j], x[j + R/2]          (half-split, GPT-NeoX / LLaMA pairing)
+    x1, x2 = x[2j], x[2j + 1]          (interleaved, GPT-J pairing)
+    y1 = x1 * c - x2 * s
+    y2 = x2 * c + x1 * s               (s -> -s when CONJUGATE: the inverse rotation)
+
+Dims [R, D) pass through.  All math is float32 (float64 for float64 inputs); the result is
+rounded once, on store.
+
+This module imports Triton at import time; ``torchembed.kernels`` imports it lazily, only
+when a kernel is about to run.  Input validation lives in ``rope_op`` (the public entry);
+``rope_forward`` trusts its arguments.
+
+Grid: ``(cdiv(S, BLOCK_S), Hq // HPP + Hk // HPP, B)``.  Axis 1 enumerates head groups of q
+first, then of k, so q and k are rotated by ONE launch; a program loads the cos/sin (or
+computes them from inv_freq) for its BLOCK_S tokens once and applies them to HPP heads.
+
+Addressing: every index is cast to int64 *before* it is multiplied by a stride, so tensors
+(and cos/sin caches) with more than 2**31 elements are addressed correctly.  Only the last
+dim must have stride 1; every other stride is a runtime argument (HF's ``(B, H, S, D)``
+transposed view over ``(B, S, H, D)`` memory and padded views work without copies).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rope_forward"]
+
+
+@triton.jit
+def _rotate_rows(
+    x_ptr,
+    o_ptr,
+    x_row,  # [BLOCK_S] int64 element offset of each token row of the input head
+    o_row,  # [BLOCK_S] int64 element offset of each token row of the output head
+    c,  # [BLOCK_S, BLOCK_D] cos * scale, compute dtype
+    s,  # [BLOCK_S, BLOCK_D] sin * scale (negated when conjugate), compute dtype
+    s_mask,  # [BLOCK_S] token in range
+    HALF: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    HAS_PASS: tl.constexpr,
+    CDT: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr,
+):
+    j = tl.arange(0, BLOCK_D)
+    if INTERLEAVED:
+        d1 = 2 * j
+        d2 = 2 * j + 1
+    else:
+        d1 = j
+        d2 = j + HALF
+    m = s_mask[:, None] & (j < HALF)[None, :]
+    xp = x_ptr + x_row[:, None]
+    op = o_ptr + o_row[:, None]
+    x1 = tl.load(xp + d1[None, :], mask=m, other=0.0).to(CDT)
+    x2 = tl.load(xp + d2[None, :], mask=m, other=0.0).to(CDT)
+    y1 = x1 * c - x2 * s
+    y2 = x2 * c + x1 * s
+    if EMULATE_RTNE:
+        y1 = _round_f32_to_bf16_rtne(y1)
+        y2 = _round_f32_to_bf16_rtne(y2)
+    tl.store(op + d1[None, :], y1.to(o_ptr.dtype.element_ty), mask=m)
+    tl.store(op + d2[None, :], y2.to(o_ptr.dtype.element_ty), mask=m)
+    if HAS_PASS:
+        # Out-of-place with partial rotary: copy the pass-through dims [R, D) verbatim.
+        p = 2 * HALF + tl.arange(0, BLOCK_P)
+        pm = s_mask[:, None] & (p < D)[None, :]
+        tl.store(op + p[None, :], tl.load(xp + p[None, :], mask=pm), mask=pm)
+
+
+@triton.jit
+def _round_f32_to_bf16_rtne(y):
+    # Round-to-nearest-even onto the bf16 grid, staying in float32 (the later .to(bf16) is then
+    # exact).  Only used under TRITON_INTERPRET, whose fp32->bf16 cast truncates; the GPU cast
+    # already rounds to nearest even.
+    bits = y.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    qo_ptr,  # == q_ptr when in-place
+    ko_ptr,  # == k_ptr when in-place
+    cos_ptr,  # table rows of R/2 entries (unused with USE_INV_FREQ)
+    sin_ptr,
+    pos_ptr,  # int positions (unused with POS_MODE == 0)
+    inv_freq_ptr,  # (R/2,) (unused without USE_INV_FREQ)
+    S,  # tokens per sequence
+    NQG,  # number of q head groups (= Hq // HPP); axis-1 programs >= NQG rotate k
+    sq_b, sq_h, sq_s,  # q strides (the last dim has stride 1)
+    sk_b, sk_h, sk_s,
+    sqo_b, sqo_h, sqo_s,
+    sko_b, sko_h, sko_s,
+    sc_b,  # cos/sin stride per batch row (0: broadcast / cache table)
+    sc_s,  # cos/sin stride per position (per token in table mode)
+    sp_b, sp_s,  # positions strides (batch, token); 0 where broadcast
+    pos_offset,  # added to the token index when POS_MODE == 0
+    scale,  # multiplies cos and sin
+    HALF: tl.constexpr,  # R / 2: number of rotated pairs
+    D: tl.constexpr,  # head dim
+    BLOCK_D: tl.constexpr,  # next_power_of_2(HALF): pair lanes per token row
+    BLOCK_P: tl.constexpr,  # next_power_of_2(D - R): pass-through lanes (only if HAS_PASS)
+    BLOCK_S: tl.constexpr,  # tokens per program
+    HPP: tl.constexpr,  # heads per program (divides Hq and Hk, so no head mask is needed)
+    POS_MODE: tl.constexpr,  # 0: pos = pos_offset + s; 1: pos = P[b] + s; 2: pos = P[b, s]
+    USE_INV_FREQ: tl.constexpr,  # compute cos/sin from pos * inv_freq instead of loading a table
+    INTERLEAVED: tl.constexpr,  # pairs (2j, 2j+1) instead of (j, j + R/2)
+    CONJUGATE: tl.constexpr,  # rotate by -angle (inverse rotation; the backward pass)
+    HAS_PASS: tl.constexpr,  # copy dims [R, D) (out-of-place with R < D)
+    CDT: tl.constexpr,  # compute dtype: float32 (float64 for float64 inputs)
+    EMULATE_RTNE: tl.constexpr,  # interpreter-only bf16 rounding fix (see _round_f32_to_bf16_rtne)
+):
+    pid_s = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+
+    s_idx = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_mask = s_idx < S
+    s64 = s_idx.to(tl.int64)
+    j = tl.arange(0, BLOCK_D)
+    j_mask = j < HALF
+
+    # ---- position of each token -------------------------------------------------------
+    if POS_MODE == 0:
+        pos = s64 + pos_offset
+    elif POS_MODE == 1:
+        pos = tl.load(pos_ptr + b * sp_b).to(tl.int64) + s64
+    else:
+        pos = tl.load(pos_ptr + b * sp_b + s64 * sp_s, mask=s_mask, other=0).to(tl.int64)
+
+    # ---- cos / sin for the BLOCK_S tokens, shared by all HPP heads ------------------------
+    if USE_INV_FREQ:
+        inv = tl.load(inv_freq_ptr + j, mask=j_mask, other=0.0).to(CDT)
+        ang = pos.to(CDT)[:, None] * inv[None, :]
+        c = tl.cos(ang) * scale
+        sn = tl.sin(ang) * scale
+    else:
+        m = s_mask[:, None] & j_mask[None, :]
+        t_off = (b * sc_b + pos * sc_s)[:, None] + j[None, :]
+        c = tl.load(cos_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
+        sn = tl.load(sin_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
+    if CONJUGATE:
+        sn = -sn
+
+    # ---- rotate HPP heads of q (axis-1 ids < NQG) or of k ---------------------------------
+    if pid_h < NQG:
+        h0 = (pid_h * HPP).to(tl.int64)
+        for i in tl.static_range(HPP):
+            _rotate_rows(
+                q_ptr, qo_ptr,
+                b * sq_b + (h0 + i) * sq_h + s64 * sq_s,
+                b * sqo_b + (h0 + i) * sqo_h + s64 * sqo_s,
+                c, sn, s_mask,
+                HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, CDT, EMULATE_RTNE,
+            )
+    else:
+        h0 = ((pid_h - NQG) * HPP).to(tl.int64)
+        for i in tl.static_range(HPP):
+            _rotate_rows(
+                k_ptr, ko_ptr,
+                b * sk_b + (h0 + i) * sk_h + s64 * sk_s,
+                b * sko_b + (h0 + i) * sko_h + s64 * sko_s,
+                c, sn, s_mask,
+                HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, CDT, EMULATE_RTNE,
+            )
+
+
+# ------------------------------------------------------------------------------------------
+# Host launcher
+# ------------------------------------------------------------------------------------------
+
+# Per-shape launch configuration cache: key -> (grid, constexpr kwargs, NQG).  Everything
+# derivable from shapes/dtype/flags is computed once, so a cached call only reads strides and
+# launches.  Bounded: cleared when it grows past _CFG_MAX entries (prefill with many lengths).
+_CFG: dict = {}
+_CFG_MAX = 4096
+
+# Tile: at most _TILE_PAIRS (token, pair) lanes per program (4 KB of bf16 per operand).
+_TILE_PAIRS = 1024
+# Group several heads per program (amortising the cos/sin load/compute) only once the
+# 1-head-per-program grid would have at least this many programs (prefill); decode keeps
+# one head per program for parallelism.
+_HPP_MIN_PROGRAMS = 8192
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleaved, conjugate, inplace):
+    block_d = _next_pow2(half)
+    block_s = min(_next_pow2(S), max(1, _TILE_PAIRS // block_d))
+    n_s = triton.cdiv(S, block_s)
+    hpp = 1
+    if n_s * B * (Hq + Hk) >= _HPP_MIN_PROGRAMS:
+        for cand in (4, 2):
+            if Hq % cand == 0 and Hk % cand == 0:
+                hpp = cand
+                break
+    has_pass = (not inplace) and 2 * half < D
+    lanes = block_s * block_d
+    num_warps = 1 if lanes <= 128 else 2 if lanes <= 512 else 4
+    meta = dict(
+        HALF=half,
+        D=D,
+        BLOCK_D=block_d,
+        BLOCK_P=_next_pow2(D - 2 * half) if has_pass else 1,
+        BLOCK_S=block_s,
+        HPP=hpp,
+        POS_MODE=pos_mode,
+        USE_INV_FREQ=use_inv_freq,
+        INTERLEAVED=interleaved,
+        CONJUGATE=conjugate,
+        HAS_PASS=has_pass,
+        CDT=tl.float64 if dtype == torch.float64 else tl.float32,
+        EMULATE_RTNE=_INTERPRET and dtype == torch.bfloat16,
+        num_warps=num_warps,
+    )
+    grid = (n_s, Hq // hpp + Hk // hpp, B)
+    return grid, meta, Hq // hpp
+
+
+def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
+    """Launch the fused kernel once for q and k.  ``qo is q`` (and ``ko is k``) means in-place.
+
+    Preconditions (checked by ``rope_op``): q/k/qo/ko 4-D with stride(-1) == 1, same dtype and
+    device; cos/sin row-major in their last dim (or None with ``inv_freq`` given); positions
+    None, (B|1,) or (B|1, S) integer.  Table mode (positions None): cos (Bc, S, R/2).
+    Cache mode (positions given): cos (T, R/2).
+    """
+    B, Hq, S, D = q.shape
+    Hk = k.shape[1]
+    use_inv_freq = cos is None
+    half = (inv_freq if use_inv_freq else cos).shape[-1]
+    pos_mode = 0 if positions is None else positions.dim()
+    inplace = qo is q
+    key = (B, Hq, Hk, S, D, half, q.dtype, pos_mode, use_inv_freq, interleaved, conjugate, inplace)
+    cfg = _CFG.get(key)
+    if cfg is None:
+        if len(_CFG) >= _CFG_MAX:
+            _CFG.clear()
+        cfg = _CFG[key] = _make_config(B, Hq, Hk, S, D, half, q.dtype, pos_mode, use_inv_freq,
+                                       interleaved, conjugate, inplace)
+    grid, meta, nqg = cfg
+
+    if use_inv_freq:
+        cos = sin = inv_freq  # dummies for the unused table pointers
+        sc_b = sc_s = 0
+    elif positions is None:  # per-token table (Bc, S, R/2), Bc in {1, B}
+        sc_b = cos.stride(0) if cos.shape[0] != 1 else 0
+        sc_s = cos.stride(1)
+    else:  # position-indexed cache (T, R/2)
+        sc_b = 0
+        sc_s = cos.stride(0)
+    if positions is None:
+        pos_t = q  # dummy pointer, never read (POS_MODE == 0)
+        sp_b = sp_s = 0
+    else:
+        pos_t = positions
+        sp_b = positions.stride(0) if positions.shape[0] != 1 else 0
+        sp_s = positions.stride(1) if pos_mode == 2 else 0
+    if inv_freq is None:
+        inv_freq = q  # dummy pointer, never read
+
+    sq, sk, sqo, sko = q.stride(), k.stride(), qo.stride(), ko.stride()
+    _rope_kernel[grid](
+        q, k, qo, ko, cos, sin, pos_t, inv_freq,
+        S, nqg,
+        sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
+        sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
+        sc_b, sc_s, sp_b, sp_s,
+        pos_offset, scale,
+        **meta,
+    )

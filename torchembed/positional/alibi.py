@@ -1,0 +1,71 @@
+"""``ALiBiEmbedding``: linear distance biases on attention scores.
+
+Press et al., "Train Short, Test Long: Attention with Linear Biases Enables Input Length
+Extrapolation", arXiv:2108.12409.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from torchembed.functional.alibi import alibi_slopes
+
+__all__ = ["ALiBiEmbedding"]
+
+
+class ALiBiEmbedding(nn.Module):
+    """Add ``-slope_h * |i - j|`` to the attention logits of head ``h``.
+
+    No parameters. The slopes follow the paper (non-power-of-2 head counts interleave the slopes
+    of the next power of two). The bias is non-positive and zero where query and key positions
+    coincide. With ``seq_q < seq_k`` the queries are the last ``seq_q`` positions (KV cache).
+
+    Args:
+        num_heads: attention heads ``h``; each gets its own slope.
+        max_seq_len: distances ``0 .. max_seq_len - 1`` are precomputed per head as a
+            ``(h, max_seq_len)`` float32 table (non-persistent); longer inputs extend it.
+
+    Shapes:
+        ``attn_scores``: ``(b, h, q, k)`` -> same shape and dtype (bias added in float32).
+
+    Raises:
+        ValueError: bad ``num_heads``/``max_seq_len``; scores not 4D or with another head count.
+    """
+
+    def __init__(self, num_heads: int, max_seq_len: int = 2048) -> None:
+        super().__init__()
+        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+        self.num_heads, self.max_seq_len = num_heads, max_seq_len
+        self.register_buffer("slopes", alibi_slopes(num_heads), persistent=False)
+        self._build_table(max_seq_len)
+
+    def _build_table(self, length: int) -> None:
+        distance = torch.arange(length, device=self.slopes.device, dtype=torch.float32)
+        self.register_buffer("bias_table", -self.slopes[:, None] * distance, persistent=False)
+
+    def bias(self, seq_q: int, seq_k: int) -> Tensor:
+        """The ``(h, seq_q, seq_k)`` float32 bias; queries are the last ``seq_q`` of ``seq_k`` positions."""
+        if seq_q > seq_k:
+            raise ValueError(f"seq_q ({seq_q}) must not exceed seq_k ({seq_k}): queries are the last keys' positions")
+        if seq_k > self.bias_table.shape[1]:
+            self._build_table(max(seq_k, 2 * self.bias_table.shape[1]))
+        device = self.bias_table.device
+        q_pos = torch.arange(seq_k - seq_q, seq_k, device=device)
+        distance = (q_pos[:, None] - torch.arange(seq_k, device=device)[None, :]).abs()
+        return self.bias_table[:, distance]  # (h, q, k) gathered by |i - j|
+
+    def forward(self, attn_scores: Tensor) -> Tensor:
+        """Return ``attn_scores + bias``, shape ``(b, h, q, k)``, in ``attn_scores.dtype``."""
+        if not isinstance(attn_scores, Tensor) or not attn_scores.is_floating_point():
+            raise TypeError(f"attn_scores must be a floating-point tensor, got {getattr(attn_scores, 'dtype', type(attn_scores))}")
+        if attn_scores.dim() != 4:
+            raise ValueError(f"attn_scores must be (batch, heads, seq_q, seq_k), got shape {tuple(attn_scores.shape)}")
+        if attn_scores.shape[1] != self.num_heads:
+            raise ValueError(f"attn_scores has {attn_scores.shape[1]} heads, this ALiBiEmbedding has num_heads={self.num_heads}")
+        bias = self.bias(attn_scores.shape[-2], attn_scores.shape[-1])
+        return (attn_scores.float() + bias).to(attn_scores.dtype)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, max_seq_len={self.max_seq_len}"

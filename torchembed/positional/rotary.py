@@ -1,0 +1,206 @@
+"""``RotaryEmbedding``: rotary position embedding for queries and keys.
+
+Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", arXiv:2104.09864.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from torchembed import kernels
+from torchembed.functional.rope import apply_rotary, rope_cos_sin, rope_inv_freq, rope_positions
+
+__all__ = ["RotaryEmbedding"]
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate query/key features in 2D subspaces by position-dependent angles.
+
+    ``<R_m q, R_n k>`` depends only on ``m - n``; norms are preserved; position 0 is the identity.
+    The module has no parameters: ``inv_freq`` and the cos/sin cache are non-persistent float32
+    buffers (never in ``state_dict``), and the cache grows by itself past ``max_seq_len``.
+
+    Args:
+        dim: head dim ``d`` (even); the rotary dim unless ``rotary_dim`` is given.
+        max_seq_len: positions to precompute; longer sequences extend the cache.
+        base: ``theta`` of the frequency progression (LLaMA 3 uses 500000).
+        use_fused: rotate with the fused Triton kernel (q and k in one launch) for tensors it can
+            run on (CUDA, or any device under ``TRITON_INTERPRET=1``); the PyTorch path elsewhere.
+            Needs Triton (``pip install 'torchembed[triton]'``).
+        device: where to build the buffers.
+        rotary_dim: rotate only the first ``rotary_dim`` features (partial rotary); default ``dim``.
+        interleaved: pair features ``(2i, 2i+1)`` (GPT-J) instead of ``(i, i + r/2)`` (LLaMA).
+        rope_parameters: HF-style frequency scaling, e.g. ``{"rope_type": "llama3", "factor": 8, ...}``.
+
+    Shapes:
+        ``q``: ``(..., s, d)``, ``k``: ``(..., s, d)`` (leading dims may differ, e.g. GQA heads);
+        outputs have the input shapes and dtypes. The math runs in float32.
+
+    Raises:
+        ValueError: odd/non-positive ``dim``, bad ``rotary_dim``/``max_seq_len``.
+        ImportError: ``use_fused=True`` without Triton installed.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        max_seq_len: int = 2048,
+        base: int = 10000,
+        use_fused: bool = False,
+        device: torch.device | str | None = None,
+        *,
+        rotary_dim: int | None = None,
+        interleaved: bool = False,
+        rope_parameters: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0 or dim % 2:
+            raise ValueError(f"RotaryEmbedding dim must be a positive even int, got {dim!r}")
+        rotary_dim = dim if rotary_dim is None else rotary_dim
+        if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > dim:
+            raise ValueError(f"rotary_dim must be a positive even int <= dim={dim}, got {rotary_dim!r}")
+        if not isinstance(max_seq_len, int) or max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+        if use_fused and not kernels.triton_available():
+            raise ImportError(
+                "RotaryEmbedding(use_fused=True) needs Triton: pip install 'torchembed[triton]' "
+                "(or pass use_fused=False for the PyTorch path)"
+            )
+        self.dim, self.rotary_dim, self.base = dim, rotary_dim, base
+        self.max_seq_len, self.use_fused, self.interleaved = max_seq_len, use_fused, interleaved
+        inv_freq, self.attention_scaling = rope_inv_freq(
+            rotary_dim, float(base), rope_parameters, max_position_embeddings=max_seq_len, device=device
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._build_cache(max_seq_len)
+
+    def _build_cache(self, length: int) -> None:
+        positions = torch.arange(length, device=self.inv_freq.device)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.attention_scaling)
+        self.register_buffer("cos_cached", cos, persistent=False)  # (t, r/2) float32
+        self.register_buffer("sin_cached", sin, persistent=False)
+
+    def _ensure_cache(self, length: int) -> None:
+        if length > self.cos_cached.shape[0]:
+            # Grow geometrically so a decode loop past max_seq_len rebuilds the table rarely.
+            self._build_cache(max(length, 2 * self.cos_cached.shape[0]))
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        seq_dim: int = -2,
+        *,
+        offset: int | Tensor = 0,
+        position_ids: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """Rotate ``q`` and ``k``.
+
+        Args:
+            q, k: ``(..., s, d)`` with the sequence at ``seq_dim``.
+            seq_dim: dim of ``q``/``k`` that indexes positions (not the last).
+            offset: position of the first token: an int, or ``(b,)`` per sequence (KV cache).
+            position_ids: explicit positions, ``(s,)`` or ``(b, s)`` with ``b = q.shape[0]``;
+                excludes ``offset``.
+
+        Returns:
+            Rotated ``(q, k)``, same shapes and dtypes.
+        """
+        q_, k_, seq_len = self._check(q, k, seq_dim)
+        q_, k_ = q_.movedim(seq_dim, -2), k_.movedim(seq_dim, -2)
+        positions = self._positions(q_, seq_len, offset, position_ids)
+        if self.use_fused and kernels.kernel_can_run(q_):
+            q_out, k_out = self._fused(q_, k_, positions)
+        else:
+            q_out, k_out = self._reference(q_, k_, positions)
+        return q_out.movedim(-2, seq_dim), k_out.movedim(-2, seq_dim)
+
+    def _check(self, q: Tensor, k: Tensor, seq_dim: int) -> tuple[Tensor, Tensor, int]:
+        for name, t in (("q", q), ("k", k)):
+            if not isinstance(t, Tensor) or not t.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor, got {getattr(t, 'dtype', type(t))}")
+            if t.dim() < 2:
+                raise ValueError(f"{name} must have shape (..., seq_len, dim), got {tuple(t.shape)}")
+            if t.shape[-1] != self.dim:
+                raise ValueError(f"{name}.shape[-1] must be dim={self.dim}, got {tuple(t.shape)}")
+        nd = q.dim()
+        if k.dim() != nd:
+            raise ValueError(f"q and k must have the same rank, got {tuple(q.shape)} and {tuple(k.shape)}")
+        if not -nd <= seq_dim < nd or seq_dim % nd == nd - 1:
+            raise ValueError(f"seq_dim must index a dim of q other than the last, got {seq_dim} for rank {nd}")
+        if q.shape[seq_dim] != k.shape[seq_dim]:
+            raise ValueError(
+                f"q and k must have the same sequence length at seq_dim={seq_dim}, got {tuple(q.shape)} and {tuple(k.shape)}"
+            )
+        return q, k, q.shape[seq_dim]
+
+    def _positions(self, q: Tensor, seq_len: int, offset: int | Tensor, position_ids: Tensor | None) -> int | Tensor:
+        if position_ids is not None:
+            if isinstance(offset, Tensor) or offset != 0:
+                raise ValueError("pass either offset or position_ids, not both")
+            if position_ids.is_floating_point() or position_ids.dim() not in (1, 2) or position_ids.shape[-1] != seq_len:
+                raise ValueError(
+                    f"position_ids must be integer (s,) or (b, s) with s={seq_len}, got {position_ids.dtype} {tuple(position_ids.shape)}"
+                )
+            if position_ids.dim() == 2 and position_ids.shape[0] not in (1, q.shape[0]):
+                raise ValueError(f"position_ids batch {position_ids.shape[0]} does not match q.shape[0]={q.shape[0]}")
+            return position_ids
+        if isinstance(offset, Tensor):
+            if offset.dim() != 1 or offset.is_floating_point() or offset.shape[0] != q.shape[0]:
+                raise ValueError(f"offset tensor must be integer (b,) with b={q.shape[0]}, got {offset.dtype} {tuple(offset.shape)}")
+            return rope_positions(offset, seq_len)
+        if not isinstance(offset, int) or offset < 0:
+            raise ValueError(f"offset must be a non-negative int or a (b,) tensor, got {offset!r}")
+        self._ensure_cache(offset + seq_len)
+        return offset
+
+    def _reference(self, q: Tensor, k: Tensor, positions: int | Tensor) -> tuple[Tensor, Tensor]:
+        if isinstance(positions, int):
+            cos = self.cos_cached[positions : positions + q.shape[-2]]
+            sin = self.sin_cached[positions : positions + q.shape[-2]]
+        else:
+            cos, sin = rope_cos_sin(self.inv_freq, positions.to(q.device), self.attention_scaling)
+            if positions.dim() == 2:  # (b, s, r/2) -> (b, 1, ..., 1, s, r/2) against (b, ..., s, d)
+                cos = cos.view(cos.shape[0], *([1] * (q.dim() - 3)), *cos.shape[1:])
+                sin = sin.view(cos.shape)
+        return (
+            apply_rotary(q, cos, sin, interleaved=self.interleaved),
+            apply_rotary(k, cos, sin, interleaved=self.interleaved),
+        )
+
+    def _fused(self, q: Tensor, k: Tensor, positions: int | Tensor) -> tuple[Tensor, Tensor]:
+        shape_q, shape_k = q.shape, k.shape
+        q4, k4 = _as_bhsd(q), _as_bhsd(k)
+        if isinstance(positions, int):
+            q_out, k_out = kernels.rotary_fused(
+                q4, k4, self.cos_cached, self.sin_cached, positions=positions, interleaved=self.interleaved
+            )
+        else:
+            if positions.dim() == 1:
+                positions = positions[None]
+            q_out, k_out = kernels.rotary_fused(
+                q4, k4, inv_freq=self.inv_freq, scale=self.attention_scaling,
+                positions=positions.to(q.device), interleaved=self.interleaved,
+            )
+        return q_out.reshape(shape_q), k_out.reshape(shape_k)
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, rotary_dim={self.rotary_dim}, max_seq_len={self.max_seq_len}, base={self.base}, "
+            f"interleaved={self.interleaved}, use_fused={self.use_fused}"
+        )
+
+
+def _as_bhsd(x: Tensor) -> Tensor:
+    """View ``(..., s, d)`` as the kernel's ``(b, h, s, d)`` (a view for 2D-4D inputs)."""
+    if x.dim() == 4:
+        return x
+    if x.dim() == 3:
+        return x.unsqueeze(1)
+    if x.dim() == 2:
+        return x[None, None]
+    return x.flatten(1, -3)
