@@ -65,7 +65,8 @@ class ALiBiEmbedding(nn.Module):
         if attn_scores.shape[1] != self.num_heads:
             raise ValueError(f"attn_scores has {attn_scores.shape[1]} heads, this ALiBiEmbedding has num_heads={self.num_heads}")
         bias = self.bias(attn_scores.shape[-2], attn_scores.shape[-1])
-        return (attn_scores.float() + bias).to(attn_scores.dtype)
+        compute = torch.promote_types(attn_scores.dtype, torch.float32)  # add in >= float32, round once
+        return (attn_scores.to(compute) + bias).to(attn_scores.dtype)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, max_seq_len={self.max_seq_len}"

@@ -56,7 +56,8 @@ class SinusoidalEmbedding(nn.Module):
             pe = sinusoidal_table(seq_len, self.dim, offset=offset, device=x.device)
         if self.scale is not None:
             pe = self.scale * pe
-        return self.dropout((x.float() + pe).to(x.dtype))
+        compute = torch.promote_types(x.dtype, torch.float32)  # add in >= float32, round once
+        return self.dropout((x.to(compute) + pe).to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, max_seq_len={self.max_seq_len}, learned_scale={self.scale is not None}"
