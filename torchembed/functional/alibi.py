@@ -16,12 +16,14 @@ from torch import Tensor
 __all__ = ["alibi_slopes", "alibi_bias", "alibi_key_bias"]
 
 
-def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> Tensor:
+def alibi_slopes(num_heads: int, device: torch.device | str | None = None, *, max_bias: float = 8.0) -> Tensor:
     """Per-head slopes, the paper's recipe.
 
     For ``n`` a power of two the slopes are the geometric sequence ``2^(-8/n), 2^(-16/n), ...,
     2^-8``. Otherwise the ``n' = 2^floor(log2 n)`` slopes of the closest smaller power of two are
     followed by every other slope of ``2 n'`` (the ones in between), as in the reference code.
+    ``max_bias`` replaces the 8 (MPT's ``alibi_bias_max``); BLOOM, MPT and Falcon all produce
+    these slopes.
 
     Returns:
         ``(h,)`` float32, all in ``(0, 1)``.
@@ -33,7 +35,7 @@ def alibi_slopes(num_heads: int, device: torch.device | str | None = None) -> Te
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
 
     def power_of_2(n: int) -> list[float]:
-        start = 2.0 ** (-8.0 / n)
+        start = 2.0 ** (-max_bias / n)
         return [start ** (i + 1) for i in range(n)]
 
     closest = 2 ** math.floor(math.log2(num_heads))

@@ -1,0 +1,175 @@
+"""``patch`` / ``unpatch`` / ``is_patched`` / ``patched`` / ``find_positional_components``.
+
+A patch touches one model instance: modules are swapped in its tree, methods overridden on its
+modules; nothing module-global changes, so an upstream and a patched copy coexist. The undo
+record lives on the model (``model._torchembed_patch``, not in ``state_dict``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from torch import nn
+
+from torchembed import kernels
+from torchembed.patches import families  # noqa: F401  (registers the adapters)
+from torchembed.patches.actions import Component
+from torchembed.patches.errors import FusedUnavailableError, PatchError, UnsupportedModelError
+from torchembed.patches.registry import Family, PatchOptions, resolve, supported_families
+
+__all__ = ["patch", "unpatch", "is_patched", "patched", "find_positional_components", "PatchRecord"]
+
+M = TypeVar("M", bound=nn.Module)
+_RECORD = "_torchembed_patch"
+
+
+@dataclass
+class PatchRecord:
+    """What ``patch`` did to a model, in order; ``unpatch`` undoes it in reverse."""
+
+    family: Family
+    fused: bool | None
+    actions: list[Any] = field(default_factory=list)
+
+    @property
+    def components(self) -> list[Component]:
+        return [a.component for a in self.actions]
+
+
+def _config_of(model: nn.Module) -> Any:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "model_type"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no HF `config.model_type`; torchembed.patch expects a "
+            "transformers PreTrainedModel (e.g. from AutoModelForCausalLM.from_pretrained)"
+        )
+    return config
+
+
+def _family_of(model: nn.Module) -> Family:
+    config = _config_of(model)
+    family = resolve(config)
+    if family is None:
+        names = sorted({f.model_type for f in supported_families()})
+        raise UnsupportedModelError(
+            f"torchembed has no adapter for model_type {config.model_type!r} ({type(model).__name__}); "
+            f"supported: {', '.join(names)}. Pass strict=False to leave the model unpatched."
+        )
+    return family
+
+
+def _check_fused(model: nn.Module, family: Family, fused: bool | None) -> None:
+    if fused not in (None, True, False):
+        raise TypeError(f"fused must be None, True or False, got {fused!r}")
+    if not fused:
+        return
+    if family.encoding != "rope":
+        raise FusedUnavailableError(
+            f"fused=True: {family.name} uses {family.encoding} positions, which have no fused kernel; use fused=None"
+        )
+    if not kernels.triton_available():
+        raise FusedUnavailableError("fused=True needs Triton: pip install 'torchembed[triton]' (or pass fused=None)")
+    param = next(model.parameters(), None)
+    if param is not None and not kernels.kernel_can_run(param):
+        raise FusedUnavailableError(
+            f"fused=True needs the model on a CUDA device (it is on {param.device}); move it with "
+            "model.to('cuda') first, or pass fused=None to use the kernel only where it can run"
+        )
+
+
+def _plan(model: nn.Module, family: Family, fused: bool | None) -> list[Any]:
+    options = PatchOptions(fused=fused)
+    actions = [action for adapter in family.adapters for action in adapter.plan(model, model.config, options)]
+    if not actions:
+        raise PatchError(
+            f"found no positional component in this {family.name} model ({type(model).__name__}); "
+            "the installed transformers may have renamed its classes"
+        )
+    return actions
+
+
+def find_positional_components(model: nn.Module) -> list[Component]:
+    """Dry run: what ``patch`` would swap (module path, kind, upstream, replacement). Changes nothing.
+
+    Raises:
+        UnsupportedModelError: the architecture has no adapter.
+    """
+    record = getattr(model, _RECORD, None)
+    if record is not None:
+        return record.components
+    family = _family_of(model)
+    return [action.component for action in _plan(model, family, None)]
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether ``model`` currently carries torchembed's components."""
+    return getattr(model, _RECORD, None) is not None
+
+
+def patch(model: M, fused: bool | None = None, *, strict: bool = True) -> M:
+    """Swap torchembed's positional components into a loaded HF model, in place.
+
+    Args:
+        model: a transformers model of a supported family (``torchembed list``).
+        fused: ``None`` uses the Triton kernel where it can run (CUDA tensors, Triton installed) and
+            the PyTorch path elsewhere; ``True`` requires the kernel; ``False`` never uses it.
+        strict: if False, an unsupported model is returned untouched with a warning.
+
+    Returns:
+        The same model object. Patching a patched model is a no-op.
+
+    Raises:
+        UnsupportedModelError: unsupported architecture (and ``strict=True``).
+        FusedUnavailableError: ``fused=True`` where the kernel cannot run.
+    """
+    if is_patched(model):
+        return model
+    try:
+        family = _family_of(model)
+    except UnsupportedModelError as err:
+        if strict:
+            raise
+        warnings.warn(f"{err} The model is left unpatched.", stacklevel=2)
+        return model
+    _check_fused(model, family, fused)
+    record = PatchRecord(family, fused)
+    try:
+        for action in _plan(model, family, fused):
+            action.apply()
+            record.actions.append(action)
+    except BaseException:
+        for action in reversed(record.actions):
+            action.undo()
+        raise
+    setattr(model, _RECORD, record)
+    return model
+
+
+def unpatch(model: M) -> M:
+    """Restore the upstream components exactly (outputs bit for bit). No-op on an unpatched model."""
+    record = getattr(model, _RECORD, None)
+    if record is None:
+        return model
+    for action in reversed(record.actions):
+        action.undo()
+    delattr(model, _RECORD)
+    return model
+
+
+@contextlib.contextmanager
+def patched(model: M, fused: bool | None = None) -> Iterator[M]:
+    """``with torchembed.patched(model): ...`` patches for the block, then restores.
+
+    A model that was already patched on entry stays patched on exit.
+    """
+    was_patched = is_patched(model)
+    patch(model, fused=fused)
+    try:
+        yield model
+    finally:
+        if not was_patched:
+            unpatch(model)

@@ -1,0 +1,66 @@
+"""Learned absolute families (BERT, GPT-2): the position table becomes torchembed's.
+
+``BertEmbeddings.position_embeddings`` and ``GPT2Model.wpe`` (``nn.Embedding``) are replaced by
+:class:`HFPositionTable`, a :class:`~torchembed.positional.LearnedPositionalEmbedding` that holds
+the very same ``weight`` Parameter (``state_dict`` keys and values do not change) and is called
+as upstream calls the table: with position ids. Positions past the table raise a ``ValueError``
+naming the table length instead of an index error deep inside ``F.embedding``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from torchembed.patches.actions import Component, SwapModule
+from torchembed.patches.registry import Family, PatchOptions, register
+from torchembed.positional.learned import LearnedPositionalEmbedding
+
+__all__ = ["HFPositionTable"]
+
+
+class HFPositionTable(LearnedPositionalEmbedding):
+    """``LearnedPositionalEmbedding`` called like ``nn.Embedding``: ``(position_ids) -> (..., d)``."""
+
+    def forward(self, position_ids: Tensor) -> Tensor:  # type: ignore[override]
+        return self.lookup(position_ids)
+
+
+class SwapPositionTable:
+    """Replace ``attr`` (an ``nn.Embedding``) of every module of ``class_name``."""
+
+    def __init__(self, class_name: str, attr: str) -> None:
+        self.class_name, self.attr = class_name, attr
+
+    def plan(self, model: nn.Module, config: Any, options: PatchOptions) -> list[SwapModule]:
+        actions = []
+        for path, module in model.named_modules():
+            if type(module).__name__ != self.class_name:
+                continue
+            table = getattr(module, self.attr)
+            if not isinstance(table, nn.Embedding):
+                continue
+            new = HFPositionTable.from_embedding(table)
+            full = f"{path}.{self.attr}" if path else self.attr
+            component = Component(full, "learned", "torch.nn.Embedding", f"{HFPositionTable.__module__}.HFPositionTable")
+            actions.append(SwapModule(component, module, self.attr, new))
+        return actions
+
+
+register(
+    Family(
+        model_type="bert",
+        encoding="learned",
+        adapters=(SwapPositionTable("BertEmbeddings", "position_embeddings"),),
+        description="embeddings.position_embeddings -> LearnedPositionalEmbedding (same weight)",
+    )
+)
+register(
+    Family(
+        model_type="gpt2",
+        encoding="learned",
+        adapters=(SwapPositionTable("GPT2Model", "wpe"),),
+        description="wpe -> LearnedPositionalEmbedding (same weight)",
+    )
+)

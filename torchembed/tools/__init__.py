@@ -1,0 +1,1 @@
+"""Tools: numerics comparison against upstream (``compare``) and speed (``bench``)."""
