@@ -145,8 +145,9 @@ def _rope_kernel(
 
     # ---- cos / sin for the BLOCK_S tokens, shared by all HPP heads ------------------------
     if USE_INV_FREQ:
-        inv = tl.load(inv_freq_ptr + j, mask=j_mask, other=0.0).to(CDT)
-        ang = pos.to(CDT)[:, None] * inv[None, :]
+        # The angle is a float32 product (as HF computes it), whatever the compute dtype.
+        inv = tl.load(inv_freq_ptr + j, mask=j_mask, other=0.0).to(tl.float32)
+        ang = (pos.to(tl.float32)[:, None] * inv[None, :]).to(CDT)
         c = tl.cos(ang) * scale
         sn = tl.sin(ang) * scale
     else:
@@ -240,32 +241,33 @@ def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale,
     """Launch the fused kernel once for q and k.  ``qo is q`` (and ``ko is k``) means in-place.
 
     Preconditions (checked by ``rope_op``): q/k/qo/ko 4-D with stride(-1) == 1, same dtype and
-    device; cos/sin row-major in their last dim (or None with ``inv_freq`` given); positions
-    None, (B|1,) or (B|1, S) integer.  Table mode (positions None): cos (Bc, S, R/2).
-    Cache mode (positions given): cos (T, R/2).
+    device; cos/sin unit-stride in their last dim (or None with ``inv_freq`` given); positions
+    None, (B|1,) or (B|1, S) integer.  Per-token table mode: cos (Bc, S, R/2), positions None,
+    pos_offset 0.  Cache mode: cos (T, R/2), indexed by positions or by pos_offset + s.
     """
-    B, Hq, S, D = q.shape
-    Hk = k.shape[1]
+    qshape = q.shape
     use_inv_freq = cos is None
     half = (inv_freq if use_inv_freq else cos).shape[-1]
     pos_mode = 0 if positions is None else positions.dim()
     inplace = qo is q
-    key = (B, Hq, Hk, S, D, half, q.dtype, pos_mode, use_inv_freq, interleaved, conjugate, inplace)
+    key = (qshape, k.shape[1], half, q.dtype, pos_mode, use_inv_freq, interleaved, conjugate, inplace)
     cfg = _CFG.get(key)
     if cfg is None:
         if len(_CFG) >= _CFG_MAX:
             _CFG.clear()
-        cfg = _CFG[key] = _make_config(B, Hq, Hk, S, D, half, q.dtype, pos_mode, use_inv_freq,
+        B, Hq, S, D = qshape
+        cfg = _CFG[key] = _make_config(B, Hq, k.shape[1], S, D, half, q.dtype, pos_mode, use_inv_freq,
                                        interleaved, conjugate, inplace)
     grid, meta, nqg = cfg
+    S = qshape[2]
 
     if use_inv_freq:
         cos = sin = inv_freq  # dummies for the unused table pointers
         sc_b = sc_s = 0
-    elif positions is None:  # per-token table (Bc, S, R/2), Bc in {1, B}
+    elif cos.dim() == 3:  # per-token table (Bc, S, R/2), Bc in {1, B}; positions is None
         sc_b = cos.stride(0) if cos.shape[0] != 1 else 0
         sc_s = cos.stride(1)
-    else:  # position-indexed cache (T, R/2)
+    else:  # position-indexed cache (T, R/2); an int offset arrives as positions=None + pos_offset
         sc_b = 0
         sc_s = cos.stride(0)
     if positions is None:

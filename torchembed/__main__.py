@@ -1,0 +1,3 @@
+from torchembed.cli import main
+
+raise SystemExit(main())

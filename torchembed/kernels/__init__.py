@@ -1,0 +1,17 @@
+"""Fused Triton kernels, registered as PyTorch custom ops (optional dependency: ``triton``).
+
+``import torchembed.kernels`` never imports Triton: ``triton_available()`` imports it on its
+first call, and the kernel module (``rope_triton``) is imported only when a kernel launches.
+
+* ``triton_available()``: Triton importable (cached).
+* ``interpret_mode()``: ``TRITON_INTERPRET=1`` (kernels run on CPU tensors, slowly; for tests).
+* ``kernel_can_run(t)``: Triton available and ``t`` on CUDA (or on CPU in interpret mode);
+  ``TORCHEMBED_DISABLE_TRITON=1`` forces False.
+* ``rotary_fused(q, k, cos, sin, *, inv_freq, scale, positions, interleaved, inplace,
+  conjugate)``: RoPE on q and k in one launch (custom ops ``torchembed::rotary`` /
+  ``torchembed::rotary_``).
+"""
+
+from torchembed.kernels.rope_op import interpret_mode, kernel_can_run, rotary_fused, triton_available
+
+__all__ = ["interpret_mode", "kernel_can_run", "rotary_fused", "triton_available"]

@@ -1,0 +1,94 @@
+"""The embedded default: tiny random-weight checkpoints of every supported family.
+
+Each is built from a config, written with ``save_pretrained`` to a local cache and loaded back
+with ``from_pretrained`` like any checkpoint, so no network is needed. Weights come from a fixed
+seed: the same name gives the same checkpoint on every machine.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["TINY_MODELS", "tiny_config", "build_checkpoint", "default_cache_dir"]
+
+V = 128  # vocabulary
+_LLAMA = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2, vocab_size=V, max_position_embeddings=64)
+
+
+def _llama(**rope: Any) -> Callable[[], Any]:
+    def make():
+        import transformers
+
+        kwargs = dict(_LLAMA)
+        if rope:
+            kwargs["rope_parameters"] = {"rope_theta": 10000.0, **rope}
+        return transformers.LlamaConfig(**kwargs)
+
+    return make
+
+
+def _cfg(cls_name: str, **kwargs: Any) -> Callable[[], Any]:
+    def make():
+        import transformers
+
+        return getattr(transformers, cls_name)(**kwargs)
+
+    return make
+
+
+#: name -> config factory. The first seven are the families; the rest are rope-scaling variants.
+TINY_MODELS: dict[str, Callable[[], Any]] = {
+    "llama": _llama(),
+    "mistral": _cfg("MistralConfig", **_LLAMA, sliding_window=16),
+    "falcon": _cfg("FalconConfig", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=V, new_decoder_architecture=True, num_kv_heads=2),
+    "bloom": _cfg("BloomConfig", hidden_size=64, n_head=4, n_layer=2, vocab_size=V),
+    "mpt": _cfg("MptConfig", d_model=64, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=V, attn_config={"alibi": True}),
+    "bert": _cfg("BertConfig", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128, vocab_size=V, max_position_embeddings=64),
+    "gpt2": _cfg("GPT2Config", n_embd=64, n_head=4, n_layer=2, vocab_size=V, n_positions=64, bos_token_id=0, eos_token_id=0),
+    "falcon-mha": _cfg("FalconConfig", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=V),
+    "falcon-alibi": _cfg("FalconConfig", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=V, alibi=True),
+    "bloom-12heads": _cfg("BloomConfig", hidden_size=96, n_head=12, n_layer=2, vocab_size=V),
+    "llama-linear": _llama(rope_type="linear", factor=2.0),
+    "llama-dynamic": _llama(rope_type="dynamic", factor=2.0),
+    "llama-yarn": _llama(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+    "llama-longrope": _llama(
+        rope_type="longrope", original_max_position_embeddings=16,
+        long_factor=[1.0 + i / 4 for i in range(8)], short_factor=[1.0 + i / 16 for i in range(8)],
+    ),
+    "llama3": _llama(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16),
+}
+
+
+def tiny_config(name: str) -> Any:
+    """A fresh config of the tiny model ``name``.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in TINY_MODELS:
+        raise ValueError(f"unknown tiny model {name!r}; choose from {', '.join(TINY_MODELS)}")
+    return TINY_MODELS[name]()
+
+
+def default_cache_dir() -> Path:
+    """``$TORCHEMBED_CACHE`` or ``~/.cache/torchembed``."""
+    return Path(os.environ.get("TORCHEMBED_CACHE", Path.home() / ".cache" / "torchembed"))
+
+
+def build_checkpoint(name: str, cache_dir: str | os.PathLike[str] | None = None, *, seed: int = 0) -> Path:
+    """Write the tiny checkpoint ``name`` (if not there yet) and return its directory."""
+    import torch
+    import transformers
+
+    path = Path(cache_dir or default_cache_dir()) / "tiny" / f"{name}-seed{seed}"
+    if (path / "config.json").exists():
+        return path
+    config = tiny_config(name)
+    model_class = transformers.AutoModel if config.model_type == "bert" else transformers.AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = model_class.from_config(config)
+    model.save_pretrained(path)
+    return path

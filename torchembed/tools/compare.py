@@ -1,0 +1,311 @@
+"""Numerics: a patched model against its upstream self and against a float64 evaluation.
+
+For every model, dtype and attention implementation, three copies of the same weights run the
+same inputs (a left-padded batch with explicit ``position_ids`` where the model takes them, then
+a few KV-cache decode steps): upstream in the dtype, torchembed-patched in the dtype, and upstream
+in float64 (the truth). The report gives, over all real (non-padded) positions and decode steps:
+
+* ``max_abs`` / ``rel``: how far patched is from upstream (``rel`` = max abs / max |truth|);
+* ``upstream_err`` / ``patched_err``: max abs error of each against the float64 truth;
+* ``upstream_spread``: for non-eager attention, how far upstream itself is from upstream eager
+  (where upstream disagrees with itself, e.g. Falcon with ``alibi=True`` applies the bias twice in
+  eager attention, the note says so).
+
+A row passes when float32 agrees within ``rel <= 1e-5`` and, in half precision, patched is no
+further from float64 than upstream (mean error over all outputs; 5% allowance for the
+rounding noise of the other bf16 ops, which dominates end to end).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["compare", "CompareReport", "CompareRow", "FP32_REL_TOL"]
+
+FP32_REL_TOL = 1e-5
+HALF_SLACK = 1.05  # bf16/fp16: patched mean error may exceed upstream's by this factor (rounding noise)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class CompareRow:
+    model: str
+    family: str
+    dtype: str
+    attn: str
+    max_abs: float
+    rel: float
+    upstream_err: float
+    patched_err: float
+    upstream_mean_err: float
+    patched_mean_err: float
+    upstream_spread: float | None
+    ok: bool
+    note: str = ""
+
+
+@dataclass
+class CompareReport:
+    rows: list[CompareRow] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(row.ok for row in self.rows)
+
+    def to_json(self) -> str:
+        return json.dumps([asdict(r) for r in self.rows], indent=2)
+
+    def table(self) -> Any:
+        """A ``rich.table.Table`` of the rows."""
+        from rich.table import Table
+
+        table = Table(title="torchembed vs upstream (max abs error; errors vs float64 upstream)")
+        for col in ("model", "dtype", "attn", "patched vs upstream", "rel", "upstream err", "torchembed err", "ok", "note"):
+            table.add_column(col, justify="left" if col in ("model", "attn", "note") else "right")
+        for r in self.rows:
+            table.add_row(
+                r.model, r.dtype, r.attn, f"{r.max_abs:.2e}", f"{r.rel:.1e}", f"{r.upstream_err:.2e}",
+                f"{r.patched_err:.2e}", "[green]yes[/]" if r.ok else "[red]NO[/]", r.note,
+            )
+        return table
+
+    def __str__(self) -> str:
+        lines = [f"{'model':16} {'dtype':9} {'attn':6} {'vs upstream':>11} {'rel':>8} {'up err':>9} {'te err':>9} ok"]
+        for r in self.rows:
+            lines.append(
+                f"{r.model:16} {r.dtype:9} {r.attn:6} {r.max_abs:11.2e} {r.rel:8.1e} {r.upstream_err:9.2e} "
+                f"{r.patched_err:9.2e} {'yes' if r.ok else 'NO'} {r.note}"
+            )
+        return "\n".join(lines)
+
+
+def _attn_implementations(model: nn.Module) -> list[str]:
+    impls = ["eager"]
+    if getattr(model, "_supports_sdpa", False):
+        impls.append("sdpa")
+    return impls
+
+
+def _set_attn(model: nn.Module, impl: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(impl)
+    if model.config._attn_implementation != impl:
+        # Models that pick their attention at run time from the config (Falcon, 4.x) refuse the
+        # setter but honour the config field.
+        model.config._attn_implementation = impl
+
+
+def _inputs(model: nn.Module, batch: int, seq_len: int, steps: int, seed: int, device: torch.device) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq_len), generator=gen)
+    mask = torch.ones(batch, seq_len, dtype=torch.long)
+    for b in range(1, batch):  # rows after the first are left-padded by a growing amount
+        mask[b, : min(b * 3, seq_len - 1)] = 0
+    next_tokens = torch.randint(0, vocab, (steps, batch, 1), generator=gen)
+    return {"ids": ids.to(device), "mask": mask.to(device), "next": next_tokens.to(device)}
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    return hasattr(model, "lm_head") or type(model).__name__.endswith("ForCausalLM") or type(model).__name__.endswith("LMHeadModel")
+
+
+def _forward_kwargs(model: nn.Module) -> tuple[bool, bool]:
+    takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    return takes_positions, _is_causal_lm(model)
+
+
+@torch.no_grad()
+def _run(model: nn.Module, inputs: dict[str, Any]) -> Tensor:
+    """Batched run: outputs at every real position, then every decode step; flat, float64."""
+    ids, mask = inputs["ids"], inputs["mask"]
+    takes_positions, causal = _forward_kwargs(model)
+    kwargs: dict[str, Any] = {"attention_mask": mask}
+    if takes_positions:
+        kwargs["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    if causal:
+        kwargs["use_cache"] = True
+    out = model(input_ids=ids, **kwargs)
+    outputs = [(out.logits if causal else out.last_hidden_state)[mask.bool()].double()]
+    if causal:
+        past = out.past_key_values
+        for token in inputs["next"]:
+            positions = mask.sum(-1, keepdim=True)
+            mask = torch.cat((mask, torch.ones_like(token)), dim=-1)
+            kwargs = {"attention_mask": mask, "past_key_values": past, "use_cache": True}
+            if takes_positions:
+                kwargs["position_ids"] = positions
+            out = model(input_ids=token, **kwargs)
+            past = out.past_key_values
+            outputs.append(out.logits[:, -1].double())
+    return torch.cat([o.reshape(-1) for o in outputs]).cpu()
+
+
+@torch.no_grad()
+def _run_unpadded(model: nn.Module, inputs: dict[str, Any]) -> Tensor:
+    """The same outputs, one sequence at a time without padding (what the truth model runs).
+
+    Mathematically identical to the padded batch; it also keeps float64 eager attention away from
+    fully masked padding rows, which upstream turns into NaN (its softmax runs in float32).
+    """
+    _, causal = _forward_kwargs(model)
+    prefill, steps = [], []
+    for b in range(inputs["ids"].shape[0]):
+        ids = inputs["ids"][b][inputs["mask"][b].bool()][None]
+        out = model(input_ids=ids, use_cache=True) if causal else model(input_ids=ids)
+        prefill.append((out.logits if causal else out.last_hidden_state)[0].double())
+        row = []
+        if causal:
+            past = out.past_key_values
+            for token in inputs["next"]:
+                out = model(input_ids=token[b : b + 1], past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                row.append(out.logits[0, -1].double())
+        steps.append(row)
+    flat = [p.reshape(-1) for p in prefill]
+    flat += [steps[b][t] for t in range(len(inputs["next"]) if causal else 0) for b in range(len(steps))]
+    return torch.cat(flat).cpu()
+
+
+def _load(source: str | nn.Module, dtype: torch.dtype, impl: str, device: torch.device) -> nn.Module:
+    if isinstance(source, nn.Module):
+        model = copy.deepcopy(source).to(device=device, dtype=dtype)
+    else:
+        from torchembed.patches.loading import model_class_for
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(source)
+        model = model_class_for(config).from_pretrained(source, dtype=dtype, attn_implementation=impl).to(device)
+    _set_attn(model, impl)
+    return model.eval()
+
+
+def _compare_one(
+    name: str, source: str | nn.Module, dtype_name: str, impl: str, inputs: dict[str, Any], device: torch.device,
+    fused: bool | None, eager_reference: dict[str, Tensor],
+) -> CompareRow:
+    from torchembed.patches.core import patch
+    from torchembed.patches.registry import resolve
+
+    dtype = _DTYPES[dtype_name]
+    upstream = _load(source, dtype, impl, device)
+    family = resolve(upstream.config)
+    truth = _run_unpadded(_load(source, torch.float64, impl, device), inputs)
+    out_up = _run(upstream, inputs)
+    patched = patch(upstream, fused=fused)  # same weights: patch the loaded upstream in place
+    out_pt = _run(patched, inputs)
+    scale = truth.abs().max().item() or 1.0
+    max_abs = (out_pt - out_up).abs().max().item()
+    err_up, err_pt = (out_up - truth).abs(), (out_pt - truth).abs()
+    spread = None
+    if impl == "eager":
+        eager_reference[dtype_name] = out_up
+    elif dtype_name in eager_reference:
+        spread = (out_up - eager_reference[dtype_name]).abs().max().item()
+    if dtype == torch.float32 or dtype == torch.float64:
+        ok = max_abs / scale <= FP32_REL_TOL
+    else:
+        ok = err_pt.mean().item() <= err_up.mean().item() * HALF_SLACK
+    note = ""
+    if spread is not None and spread / scale > (FP32_REL_TOL if dtype == torch.float32 else 5e-2):
+        note = f"upstream {impl} differs from upstream eager by {spread:.2e}"
+    return CompareRow(
+        model=name, family=family.name if family else "?", dtype=dtype_name, attn=impl, max_abs=max_abs,
+        rel=max_abs / scale, upstream_err=err_up.max().item(), patched_err=err_pt.max().item(),
+        upstream_mean_err=err_up.mean().item(), patched_mean_err=err_pt.mean().item(), upstream_spread=spread,
+        ok=ok, note=note,
+    )
+
+
+def compare(
+    models: str | nn.Module | Sequence[str | nn.Module] | None = None,
+    *,
+    dtypes: Iterable[str] = ("float32", "bfloat16"),
+    attn_implementations: Iterable[str] | None = None,
+    batch_size: int = 2,
+    seq_len: int = 16,
+    decode_steps: int = 3,
+    seed: int = 0,
+    fused: bool | None = None,
+    device: str | torch.device = "cpu",
+    cache_dir: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+) -> CompareReport:
+    """Compare torchembed-patched models with upstream and with float64.
+
+    Args:
+        models: a model, a checkpoint directory or hub id, or a list of them. ``None`` runs the
+            embedded default: tiny random-weight checkpoints of every family and rope variant.
+        dtypes: any of float32, bfloat16, float16.
+        attn_implementations: default: every one the model supports among eager and sdpa.
+        fused: passed to :func:`torchembed.patch`.
+        progress: show a progress bar (rich) while models load and run.
+
+    Returns:
+        A :class:`CompareReport`; ``report.ok`` is the verdict, ``print(report)`` a table.
+    """
+    from torchembed.tools.checkpoints import TINY_MODELS, build_checkpoint
+
+    device = torch.device(device)
+    if models is None:
+        sources: list[tuple[str, str | nn.Module]] = [(n, str(build_checkpoint(n, cache_dir))) for n in TINY_MODELS]
+    else:
+        items = [models] if isinstance(models, (str, os.PathLike, nn.Module)) else list(models)
+        sources = [(_name(m), m if isinstance(m, nn.Module) else str(m)) for m in items]
+    for dtype_name in dtypes:
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype_name!r}; choose from {sorted(_DTYPES)}")
+    report = CompareReport()
+    tasks = []
+    for name, source in sources:
+        probe = _load(source, torch.float32, "eager", torch.device("cpu")) if not isinstance(source, nn.Module) else source
+        impls = list(attn_implementations) if attn_implementations else _attn_implementations(probe)
+        inputs = _inputs(probe, batch_size, seq_len, decode_steps, seed, device)
+        tasks += [(name, source, d, impl, inputs) for d in dtypes for impl in impls]
+    eager_refs: dict[str, dict[str, Tensor]] = {}
+    with _progress(progress, len(tasks)) as advance:
+        for name, source, dtype_name, impl, inputs in tasks:
+            advance(f"{name} {dtype_name} {impl}")
+            report.rows.append(
+                _compare_one(name, source, dtype_name, impl, inputs, device, fused, eager_refs.setdefault(name, {}))
+            )
+    return report
+
+
+def _name(model: Any) -> str:
+    if isinstance(model, nn.Module):
+        return getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    return Path(str(model)).name or str(model)
+
+
+class _progress:
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.enabled, self.total, self.bar = enabled, total, None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda label: None
+        from rich.progress import Progress
+
+        self.bar = Progress(transient=True)
+        self.bar.start()
+        task = self.bar.add_task("comparing", total=self.total)
+
+        def advance(label: str) -> None:
+            self.bar.update(task, advance=1, description=label)
+
+        return advance
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.stop()
