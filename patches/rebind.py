@@ -2,14 +2,19 @@
 
 HF attention code calls helpers such as ``apply_rotary_pos_emb`` through its module's globals.
 Rebinding the module global would change every model of that family in the process. Instead we
-clone the method's function with a globals mapping in which only the given names differ, and
+clone the method's function with a globals namespace in which only the given names differ, and
 install the clone on one instance. The clone shares code, defaults and closure with the
-original; the globals are a snapshot of the module's namespace taken at patch time.
+original; the namespace is a snapshot of the module's taken at patch time.
+
+The namespace is the ``__dict__`` of a real module registered in ``sys.modules`` under its own
+name: ``torch.compile`` resolves a function's globals through ``sys.modules[__name__]``, so the
+clone must not claim the upstream module's name. Clones are cached per (function, overrides).
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -37,7 +42,25 @@ def rebind_globals(fn: Callable[..., Any], overrides: Mapping[str, Any]) -> Call
     missing = [name for name in overrides if name not in fn.__code__.co_names]
     if missing:
         raise ValueError(f"{fn.__qualname__} does not reference {missing}; the upstream code changed")
-    return _clone(fn, {**fn.__globals__, **overrides}, fn.__closure__)
+    key = (fn, tuple(sorted((name, id(value)) for name, value in overrides.items())))
+    if key not in _CACHE:
+        _CACHE[key] = _clone(fn, _namespace(fn, overrides), fn.__closure__)
+    return _CACHE[key]
+
+
+_CACHE: dict[tuple, Callable[..., Any]] = {}
+
+
+def _namespace(fn: Callable[..., Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A snapshot of ``fn``'s module namespace with ``overrides``, as a registered module."""
+    upstream = fn.__globals__.get("__name__", "module")
+    name = f"torchembed._rebound.{upstream}.{len(_CACHE)}"
+    module = types.ModuleType(name)
+    module.__dict__.update(fn.__globals__)
+    module.__dict__.update(overrides)
+    module.__name__, module.__spec__, module.__package__ = name, None, None
+    sys.modules[name] = module
+    return module.__dict__
 
 
 def _clone(fn, globals_: dict, closure, wrapped=None):

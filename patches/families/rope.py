@@ -14,6 +14,7 @@ Two components per model:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -111,12 +112,14 @@ class HFRotaryEmbedding(nn.Module):
         return f"rope_type={self.rope_type!r}, rotary_dim={self.rotary_dim}, scaling={self.attention_scaling:g}"
 
 
+@functools.lru_cache(maxsize=None)
 def make_apply_rotary_pos_emb(fused: bool | None, upstream: Callable[..., Any]) -> Callable[..., tuple[Tensor, Tensor]]:
     """torchembed's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (HF's signature).
 
     ``q``: ``(b, h, s, d)`` (``unsqueeze_dim=1``) or ``(b, s, h, d)`` (``unsqueeze_dim=2``), ``k``
     likewise with its own head count; ``cos``/``sin``: :class:`HFRotaryEmbedding`'s ``(b, s, r/2)``
     float32 tables. Upstream's duplicated ``(b, s, d)`` tables are passed to ``upstream``.
+    One function per (fused, upstream), so patched models share their rebound attention code.
     """
     use_triton = fused is not False and kernels.triton_available()
 

@@ -1,0 +1,202 @@
+"""What "patched" guarantees: instance scope, exact undo, idempotence, no data change, errors."""
+
+import copy
+
+import pytest
+import torch
+
+import torchembed
+from torchembed.patches import FusedUnavailableError, UnsupportedModelError
+from torchembed.tools.checkpoints import TINY_MODELS
+
+transformers = pytest.importorskip("transformers")
+FAMILY_MODELS = ["llama", "mistral", "falcon", "falcon-alibi", "bloom", "mpt", "bert", "gpt2"]
+
+
+def _inputs(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def _out(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_instance_scope_unpatch_idempotence_and_state(name, load):
+    model, other = load(name), load(name)
+    inputs = _inputs(model)
+    before = _out(model, inputs)
+    state_before = {k: v.clone() for k, v in model.state_dict().items()}
+    tensors_before = {k: v.data_ptr() for k, v in model.state_dict().items()}
+
+    assert torchembed.patch(model) is model and torchembed.is_patched(model)
+    components = torchembed.find_positional_components(model)
+    assert components and all(c.replacement.startswith("torchembed") for c in components)
+    assert torchembed.patch(model) is model  # twice: a no-op
+    assert torchembed.find_positional_components(model) == components
+
+    # no data change: same keys, values, storage
+    state = model.state_dict()
+    assert list(state) == list(state_before)
+    for key, value in state.items():
+        assert torch.equal(value, state_before[key]) and value.data_ptr() == tensors_before[key], key
+
+    # instance scope: an unpatched model of the same family in the same process is untouched
+    assert not torchembed.is_patched(other)
+    assert torch.equal(_out(other, inputs), before)
+    assert all("torchembed" not in type(m).__module__ for m in other.modules())
+
+    patched_out = _out(model, inputs)
+    assert torchembed.unpatch(model) is model and not torchembed.is_patched(model)
+    assert torch.equal(_out(model, inputs), before)  # bit for bit
+    assert all("torchembed" not in type(m).__module__ for m in model.modules())
+    assert all("forward" not in vars(m) for m in model.modules())
+    torch.testing.assert_close(patched_out, before, rtol=1e-5, atol=1e-5 * before.abs().max().item())
+    assert torchembed.unpatch(model) is model  # unpatching an unpatched model is a no-op
+
+
+@pytest.mark.parametrize("name", ["llama", "bloom", "gpt2"])
+def test_save_pretrained_of_patched_model_loads_in_plain_transformers(name, load, tmp_path):
+    model = torchembed.patch(load(name))
+    inputs = _inputs(model)
+    model.save_pretrained(tmp_path)
+    plain = type(model).from_pretrained(tmp_path).eval()
+    assert not torchembed.is_patched(plain)
+    torchembed.unpatch(model)
+    assert torch.equal(_out(plain, inputs), _out(model, inputs))
+
+
+@pytest.mark.parametrize("name", ["llama", "falcon-alibi", "bert"])
+def test_deepcopy_of_patched_model_is_patched_independently(name, load):
+    model = torchembed.patch(load(name))
+    clone = copy.deepcopy(model)
+    assert torchembed.is_patched(clone)
+    inputs = _inputs(model)
+    torch.testing.assert_close(_out(clone, inputs), _out(model, inputs), rtol=0, atol=0)
+    torchembed.unpatch(clone)
+    assert torchembed.is_patched(model) and not torchembed.is_patched(clone)
+    assert all("torchembed" not in type(m).__module__ for m in clone.modules())
+    assert any("torchembed" in type(m).__module__ for m in model.modules()) or name == "falcon-alibi"
+
+
+def test_patched_context_manager(load):
+    model = load("llama")
+    inputs = _inputs(model)
+    before = _out(model, inputs)
+    with torchembed.patched(model) as m:
+        assert m is model and torchembed.is_patched(model)
+    assert not torchembed.is_patched(model)
+    assert torch.equal(_out(model, inputs), before)
+    torchembed.patch(model)
+    with torchembed.patched(model):
+        pass
+    assert torchembed.is_patched(model)  # stays patched when it was on entry
+
+
+def test_patch_is_atomic_on_failure(load, monkeypatch):
+    from torchembed.patches.actions import OverrideAttribute
+
+    model = load("llama")
+    inputs = _inputs(model)
+    before = _out(model, inputs)
+    calls = {"n": 0}
+    original = OverrideAttribute.apply
+
+    def failing(self):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        original(self)
+
+    monkeypatch.setattr(OverrideAttribute, "apply", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        torchembed.patch(model)
+    assert not torchembed.is_patched(model)
+    assert all("torchembed" not in type(m).__module__ for m in model.modules())
+    assert torch.equal(_out(model, inputs), before)
+
+
+def test_find_positional_components_is_a_dry_run(load):
+    model = load("llama")
+    components = torchembed.find_positional_components(model)
+    assert not torchembed.is_patched(model)
+    kinds = [c.kind for c in components]
+    assert kinds.count("rope") == 1 and kinds.count("rope-apply") == model.config.num_hidden_layers
+    assert components[0].path == "model.rotary_emb"
+    assert "LlamaRotaryEmbedding" in components[0].upstream and "HFRotaryEmbedding" in components[0].replacement
+    assert "model.rotary_emb" in str(components[0])
+
+
+def test_unsupported_model_error_and_strict_false():
+    config = transformers.GPTNeoXConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64, vocab_size=64)
+    model = transformers.GPTNeoXForCausalLM(config)
+    with pytest.raises(UnsupportedModelError, match=r"gpt_neox.*supported: bert, bloom, falcon, gpt2, llama, mistral, mpt.*strict=False"):
+        torchembed.patch(model)
+    with pytest.warns(UserWarning, match="left unpatched"):
+        assert torchembed.patch(model, strict=False) is model
+    assert not torchembed.is_patched(model)
+    with pytest.raises(UnsupportedModelError, match="config.model_type"):
+        torchembed.patch(torch.nn.Linear(2, 2))
+    with pytest.raises(UnsupportedModelError):
+        torchembed.find_positional_components(model)
+
+
+def test_fused_true_where_it_cannot_run_is_a_clear_error(load):
+    model = load("llama")
+    with pytest.raises(FusedUnavailableError, match="fused=True"):
+        torchembed.patch(model, fused=True)
+    assert not torchembed.is_patched(model)
+    with pytest.raises(FusedUnavailableError, match="no fused kernel"):
+        torchembed.patch(load("gpt2"), fused=True)
+    with pytest.raises(TypeError, match="fused"):
+        torchembed.patch(model, fused="yes")
+
+
+def test_learned_table_overflow_is_a_clear_error(load):
+    model = torchembed.patch(load("gpt2"))
+    ids = torch.zeros(1, 65, dtype=torch.long)  # n_positions is 64
+    with pytest.raises(ValueError, match="outside the learned table of 64 positions"):
+        model(input_ids=ids)
+
+
+def test_from_pretrained_loads_and_patches(checkpoint):
+    model = torchembed.from_pretrained(checkpoint("mistral"), dtype=torch.float32)
+    assert torchembed.is_patched(model) and type(model).__name__ == "MistralForCausalLM"
+    bert = torchembed.from_pretrained(checkpoint("bert"))
+    assert torchembed.is_patched(bert) and type(bert).__name__ == "BertModel"
+
+
+def test_device_map_through_accelerate(checkpoint, load):
+    pytest.importorskip("accelerate")
+    upstream = load("llama")
+    model = torchembed.from_pretrained(checkpoint("llama"), device_map={"": "cpu"})
+    inputs = _inputs(upstream)
+    torch.testing.assert_close(_out(model, inputs), _out(upstream, inputs), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama", "bloom", "gpt2"])
+def test_torch_compile_fullgraph_no_new_graph_breaks(name, load):
+    from torch._dynamo.utils import counters
+
+    upstream = load(name)
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    ids = torch.randint(0, upstream.config.vocab_size, (1, 8))
+
+    def breaks(model):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model, backend="aot_eager")
+        with torch.no_grad():
+            out = compiled(input_ids=ids).logits
+        return sum(counters["graph_break"].values()), out
+
+    ref_breaks, _ = breaks(upstream)
+    our_breaks, out = breaks(patched)
+    assert our_breaks <= ref_breaks
+    torch.testing.assert_close(out, _out(upstream, dict(input_ids=ids)), rtol=1e-5, atol=1e-5)
