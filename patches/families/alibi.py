@@ -13,6 +13,13 @@ and round least in low precision.
 * Falcon: ``build_alibi_tensor`` as called by ``FalconModel.forward`` (rebound for the instance).
   Upstream rounds Falcon's slopes to bfloat16 even in float32 models; torchembed does not, so for
   head counts whose slopes are not powers of two the two differ by that rounding.
+
+BLOOM and MPT also get torchembed's attention (``BloomAttention``/``MptAttention`` forward, per
+instance): upstream's eager attention materialises the scores in the model dtype, a float32
+softmax and the probabilities; torchembed's runs ALiBi inside FlexAttention on CUDA prefill
+(nothing quadratic materialised, masked blocks skipped) and SDPA with a row-centred bias
+elsewhere (:func:`torchembed.kernels.alibi_attention.alibi_attention`). ``output_attentions=True``
+and BLOOM's ``slow_but_exact`` tensor-parallel emulation fall back to upstream's forward.
 """
 
 from __future__ import annotations
@@ -20,9 +27,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchembed.functional.alibi import alibi_key_bias, alibi_slopes
+from torchembed.kernels.alibi_attention import alibi_attention
 from torchembed.patches.actions import Component, OverrideAttribute, bind
 from torchembed.patches.rebind import rebind_globals
 from torchembed.patches.registry import Family, PatchOptions, register
@@ -47,6 +56,88 @@ def mpt_alibi_tensor(num_heads: int, sequence_length: int, alibi_bias_max: float
 def alibi_slopes_for(num_heads: int, device: torch.device | None = None) -> Tensor:
     """Drop-in for BLOOM's ``_get_alibi_slopes(num_heads, device)``."""
     return alibi_slopes(num_heads, device)
+
+
+def bloom_attention_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    residual: Tensor,
+    alibi: Tensor,
+    attention_mask: Tensor | None,
+    layer_past: Any = None,
+    use_cache: bool = False,
+    output_attentions: bool = False,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """``BloomAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs)."""
+    if output_attentions or (self.pretraining_tp > 1 and self.slow_but_exact):
+        return type(self).forward(self, hidden_states, residual, alibi, attention_mask, layer_past, use_cache, output_attentions, **kwargs)
+    batch, q_len, _ = hidden_states.shape
+    q, k, v = self._reshape(self.query_key_value(hidden_states))  # (b, h, s, d) views
+    if layer_past is not None:
+        k, v = layer_past.update(k, v, self.layer_idx)
+    k_len = k.shape[-2]
+    key_bias = alibi.view(batch, self.num_heads, -1)  # (b*h, 1, k) -> (b, h, k)
+    if key_bias.shape[-1] != k_len:
+        raise ValueError(f"ALiBi bias covers {key_bias.shape[-1]} keys, attention has {k_len}")
+    keep = None
+    if attention_mask is not None:  # additive float (0 = attend) or bool (True = attend)
+        keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    dropout = self.attention_dropout.p if self.training else 0.0
+    context = alibi_attention(q, k, v, key_bias, keep, scale=self.inv_norm_factor, dropout_p=dropout)
+    context = context.transpose(1, 2).reshape(batch, q_len, self.hidden_size)  # (b, s, h*d)
+    output = F.dropout(self.dense(context), p=self.hidden_dropout, training=self.training) + residual
+    return output, None
+
+
+def mpt_attention_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    position_bias: Tensor | None,
+    past_key_values: Any = None,
+    attention_mask: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """``MptAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs)."""
+    if kwargs.get("output_attentions"):
+        return type(self).forward(self, hidden_states, position_bias, past_key_values, attention_mask, **kwargs)
+    batch, q_len = hidden_states.shape[:2]
+    qkv = self.Wqkv(hidden_states)
+    if self.clip_qkv:
+        qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+    # (b, s, 3*h*d) -> three (b, h, s, d)
+    q, k, v = (t.reshape(batch, q_len, self.n_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, self.layer_idx)
+    k_len = k.shape[-2]
+    if position_bias is None:
+        key_bias = k.new_zeros(1, self.n_heads, k_len, dtype=torch.float32)
+    else:
+        if position_bias.shape[-1] < k_len:
+            raise ValueError(
+                f"{k_len} keys exceed MPT's ALiBi table of {position_bias.shape[-1]} positions (config.max_seq_len)"
+            )
+        key_bias = position_bias[None, :, 0, -k_len:]  # (h, 1, L) -> (1, h, k)
+    keep = None if attention_mask is None else ~attention_mask  # MPT's bool mask is True where masked
+    dropout = self.attn_dropout_p if self.training else 0.0
+    context = alibi_attention(q, k, v, key_bias, keep, scale=self.softmax_scale, dropout_p=dropout)
+    context = context.transpose(1, 2).reshape(batch, q_len, -1)  # (b, s, h*d)
+    return self.out_proj(context), None
+
+
+class OverrideForward:
+    """Replace ``forward`` of every module of ``class_name`` by ``forward`` (bound per instance)."""
+
+    def __init__(self, class_name: str, forward: Any) -> None:
+        self.class_name, self.forward = class_name, forward
+
+    def plan(self, model: nn.Module, config: Any, options: PatchOptions) -> list[OverrideAttribute]:
+        actions = []
+        for path, module in model.named_modules():
+            if type(module).__name__ == self.class_name:
+                component = Component(path, "alibi-attention", _qualname(type(module).forward), _qualname(self.forward))
+                actions.append(OverrideAttribute(component, module, "forward", bind(self.forward, module)))
+        return actions
 
 
 def _qualname(fn: Any) -> str:
@@ -111,16 +202,20 @@ register(
         adapters=(
             OverrideMethod("BloomModel", "build_alibi_tensor", bloom_alibi_tensor),
             RebindForwardGlobals("BloomModel", {"_get_alibi_slopes": alibi_slopes_for}),
+            OverrideForward("BloomAttention", bloom_attention_forward),
         ),
-        description="build_alibi_tensor / ALiBi slopes -> torchembed ALiBi (float32, paper slopes)",
+        description="build_alibi_tensor / slopes -> torchembed ALiBi; attention -> fused ALiBi attention",
     )
 )
 register(
     Family(
         model_type="mpt",
         encoding="alibi",
-        adapters=(OverrideMethod("MptModel", "build_mpt_alibi_tensor", mpt_alibi_tensor),),
-        description="build_mpt_alibi_tensor -> torchembed ALiBi (float32, paper slopes)",
+        adapters=(
+            OverrideMethod("MptModel", "build_mpt_alibi_tensor", mpt_alibi_tensor),
+            OverrideForward("MptAttention", mpt_attention_forward),
+        ),
+        description="build_mpt_alibi_tensor -> torchembed ALiBi; attention -> fused ALiBi attention",
     )
 )
 register(

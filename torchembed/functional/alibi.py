@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["alibi_slopes", "alibi_bias", "alibi_key_bias"]
+__all__ = ["alibi_slopes", "alibi_bias", "alibi_key_bias", "alibi_attention_reference"]
 
 
 def alibi_slopes(num_heads: int, device: torch.device | str | None = None, *, max_bias: float = 8.0) -> Tensor:
@@ -87,3 +87,42 @@ def alibi_key_bias(slopes: Tensor, attention_mask: Tensor) -> Tensor:
     positions = (mask.cumsum(-1) - 1) * mask
     last = positions[:, -1:]
     return slopes.float()[None, :, None] * ((positions - last) * mask)[:, None, :]
+
+
+def alibi_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_bias: Tensor,
+    keep: Tensor | None = None,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """Attention with a key-only ALiBi bias via ``scaled_dot_product_attention``.
+
+    ``softmax(scale * q k^T + key_bias | keep) v``. The bias is re-centred per query row so that
+    its largest kept entry is 0 (softmax ignores a per-row constant): the entries near the
+    diagonal, which carry the attention, are then small and exact even in bfloat16, where a
+    key-only bias of hundreds would be rounded to steps of several units. The ``(b, h, q, k)``
+    bias is materialised in ``q.dtype`` (no separate score and float32 softmax tensors, unlike
+    eager attention); the fused path (:mod:`torchembed.kernels.alibi_attention`) materialises none.
+
+    Args:
+        q: ``(b, h, q, d)``; k, v: ``(b, h, k, d)``.
+        key_bias: ``(b or 1, h, k)`` float, added to every query row.
+        keep: ``(b or 1, 1, q, k)`` bool, True where a query may attend; None: everything.
+        scale: multiplies ``q k^T``.
+
+    Returns:
+        ``(b, h, q, d)`` in ``q.dtype``. Rows with no key kept attend uniformly (as upstream's
+        eager attention does with its finite mask), never NaN.
+    """
+    compute = torch.promote_types(q.dtype, torch.float32)
+    bias = key_bias[:, :, None, :].to(compute)
+    if keep is not None:
+        bias = bias.masked_fill(~keep, -math.inf)
+    row_max = bias.amax(dim=-1, keepdim=True)
+    bias = bias - torch.where(torch.isfinite(row_max), row_max, 0.0)
+    bias = bias.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)  # masked: finite minimum, as upstream
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)

@@ -241,10 +241,10 @@ def _torch_rotate_into(x: Tensor, out: Tensor, c: Tensor, s: Tensor, interleaved
         out[..., r:] = x[..., r:]
 
 
-def _run(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate):
+def _run(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate) -> None:
     """Rotate (q, k) into (qo, ko) (which may be q, k).  All four have stride(-1) == 1."""
     if kernel_can_run(q):
-        _launcher()(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
+        (_launch or _launcher())(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
         return
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     c, s = _torch_cos_sin(q.shape[0], q.shape[2], cos, sin, inv_freq, pos_t, pos_off, scale, cdt, q.device)
@@ -253,18 +253,14 @@ def _run(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, c
 
 
 def _rotary_impl(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate) -> Tuple[Tensor, Tensor]:
-    if q.stride(-1) == 1 and k.stride(-1) == 1:  # the normal case, kept lean (host overhead)
-        qo, ko = _empty_like(q), _empty_like(k)
-        if kernel_can_run(q):
-            (_launch or _launcher())(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
-        else:
-            _run(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
-        return qo, ko
     # Fallback for a non-unit last-dim stride (rare: HF never produces it): copy THAT tensor.
-    qx = q if q.stride(-1) == 1 else q.contiguous()
-    kx = k if k.stride(-1) == 1 else k.contiguous()
-    qo, ko = _alloc_like(q), _alloc_like(k)
-    _run(qx, kx, qo, ko, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
+    # Its output is then contiguous, as _alloc_like (the fake impl's rule) says.
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    qo, ko = _empty_like(q), _empty_like(k)
+    _run(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
     return qo, ko
 
 

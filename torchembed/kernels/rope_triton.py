@@ -17,7 +17,9 @@ when a kernel is about to run.  Input validation lives in ``rope_op`` (the publi
 
 Grid: ``(cdiv(S, BLOCK_S), Hq // HPP + Hk // HPP, B)``.  Axis 1 enumerates head groups of q
 first, then of k, so q and k are rotated by ONE launch; a program loads the cos/sin (or
-computes them from inv_freq) for its BLOCK_S tokens once and applies them to HPP heads.
+computes them from inv_freq) for its BLOCK_S tokens once and applies them to HPP heads
+(HPP = 1 for decode-sized grids, for parallelism; up to 4 for prefill).  Batch is grid axis
+2, so B <= 65535.
 
 Addressing: every index is cast to int64 *before* it is multiplied by a stride, so tensors
 (and cos/sin caches) with more than 2**31 elements are addressed correctly.  Only the last

@@ -56,6 +56,84 @@ class ALiBiEmbedding(nn.Module):
         distance = (q_pos[:, None] - torch.arange(seq_k, device=device)[None, :]).abs()
         return self.bias_table[:, distance]  # (h, q, k) gathered by |i - j|
 
+    def score_mod(self, offset: int = 0):
+        """A FlexAttention ``score_mod`` adding this module's bias, ``-slope_h * |i + offset - j|``.
+
+        Example::
+
+            from torch.nn.attention.flex_attention import flex_attention
+            out = flex_attention(q, k, v, score_mod=alibi.score_mod())  # nothing materialised
+        """
+        slopes = self.slopes
+
+        def alibi_score_mod(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx + offset - kv_idx).abs()
+
+        return alibi_score_mod
+
+    def attention(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        causal: bool = True,
+        key_padding_mask: Tensor | None = None,
+        scale: float | None = None,
+        dropout_p: float = 0.0,
+    ) -> Tensor:
+        """Attention with this ALiBi bias fused in: ``softmax(q k^T * scale + bias) v``.
+
+        Causal attention runs ALiBi inside FlexAttention on CUDA (no ``(b, h, q, k)`` tensor is
+        materialised) and through SDPA with a row-centred bias elsewhere; non-causal attention
+        uses SDPA with :meth:`bias`. Queries are the last ``seq_q`` positions (KV cache).
+
+        Args:
+            q: ``(b, h, seq_q, d)``; k, v: ``(b, h, seq_k, d)``.
+            key_padding_mask: ``(b, seq_k)`` bool, True for real tokens (left padding).
+            scale: default ``d ** -0.5``.
+
+        Returns:
+            ``(b, h, seq_q, d)``.
+
+        Example::
+
+            alibi = ALiBiEmbedding(num_heads=8)
+            out = alibi.attention(q, k, v)      # == softmax(alibi(q @ k^T / sqrt(d)) + causal mask) @ v
+        """
+        from torchembed.kernels.alibi_attention import alibi_attention
+        from torchembed.functional.alibi import alibi_attention_reference
+
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[1] != self.num_heads:
+            raise ValueError(
+                f"q, k, v must be (batch, {self.num_heads} heads, seq, dim), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        seq_q, seq_k = q.shape[-2], k.shape[-2]
+        if seq_q > seq_k:
+            raise ValueError(f"seq_q ({seq_q}) must not exceed seq_k ({seq_k}): queries are the last keys' positions")
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        keep = None
+        if key_padding_mask is not None:
+            if key_padding_mask.shape != (q.shape[0], seq_k) or key_padding_mask.dtype != torch.bool:
+                raise ValueError(f"key_padding_mask must be bool (batch, seq_k) = {(q.shape[0], seq_k)}, got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+            keep = key_padding_mask[:, None, None, :]
+        slopes = self.slopes.to(q.device)
+        if causal:
+            # Key-only form slope * (j - (seq_k - 1)): equal to -slope * (i - j) up to a per-row constant.
+            key_bias = slopes[None, :, None] * torch.arange(1 - seq_k, 1, device=q.device, dtype=torch.float32)
+            if keep is not None:
+                positions = torch.arange(seq_k, device=q.device)
+                keep = keep & (positions[None, :] <= positions[seq_k - seq_q :, None])[None, None]
+            return alibi_attention(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p)
+        bias = self.bias(seq_q, seq_k).to(q.device)[None]  # (1, h, q, k)
+        zero = torch.zeros(1, self.num_heads, seq_k, device=q.device)
+        if keep is not None:
+            bias = bias.masked_fill(~keep, -float("inf"))
+        return alibi_attention_reference(q, k, v, zero, None, scale=scale, dropout_p=dropout_p) if False else \
+            torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias.clamp(min=torch.finfo(q.dtype).min).to(q.dtype), dropout_p=dropout_p, scale=scale
+            )
+
     def forward(self, attn_scores: Tensor) -> Tensor:
         """Return ``attn_scores + bias``, shape ``(b, h, q, k)``, in ``attn_scores.dtype``."""
         if not isinstance(attn_scores, Tensor) or not attn_scores.is_floating_point():

@@ -1,0 +1,655 @@
+"""Tests of the fused Triton RoPE kernel (``torchembed.kernels.rotary_fused``).
+
+Every result is compared against a float64 oracle written here in plain PyTorch.  On a machine
+without CUDA the kernel runs through Triton's interpreter (``TRITON_INTERPRET=1``, set by
+conftest.py), so shapes are kept small: B <= 2, S <= ~40, heads <= 5.
+
+Tolerances (inputs and cos/sin are unit-scale, |x| <~ 5): the kernel loads, computes in
+float32 and rounds ONCE on store, so the error is about half an ulp of the output dtype:
+    fp32: 1e-5 (a few fp32 ulps from the 2 products + 1 add, and the fp32 angle),
+    fp16: 1e-3 abs + 1e-3 rel (half-ulp 2**-11 relative),
+    bf16: 1e-2 abs + 1e-2 rel (half-ulp 2**-8 relative).
+
+int64 addressing: the kernel casts every index to int64 before multiplying it by a stride (by
+construction, see rope_triton.py); testing it for real needs a > 2**31-element tensor, too
+big for this suite.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchembed.kernels import interpret_mode, kernel_can_run, rotary_fused, triton_available
+
+if not triton_available():
+    pytest.skip("triton is not importable", allow_module_level=True)
+
+from torchembed.kernels import rope_op, rope_triton  # noqa: E402  (imports triton)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and not interpret_mode():
+    pytest.skip("no CUDA device and TRITON_INTERPRET != 1", allow_module_level=True)
+
+TOL = {
+    torch.float64: dict(atol=1e-10, rtol=1e-10),
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=1e-3, rtol=1e-3),
+    torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
+}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+# ------------------------------------------------------------------------------------------
+# float64 oracle
+# ------------------------------------------------------------------------------------------
+
+
+def oracle_cos_sin(B, S, cos=None, sin=None, *, inv_freq=None, scale=1.0, positions=None):
+    """Per-token (Bc, S, R/2) float64 cos/sin, following the documented semantics."""
+    if positions is None:
+        c, s = cos.double(), sin.double()
+    else:
+        ar = torch.arange(S, device=DEV)
+        if isinstance(positions, int):
+            pos = (ar + positions)[None]
+        elif positions.dim() == 1:
+            pos = positions.long()[:, None] + ar
+        else:
+            pos = positions.long()
+        if inv_freq is not None:
+            # the angle is defined as a float32 product (as HF computes it); cos/sin exact
+            ang = (pos.float()[..., None] * inv_freq.float()).double()
+            c, s = ang.cos(), ang.sin()
+        else:
+            c, s = cos.double()[pos], sin.double()[pos]
+    return c * scale, s * scale
+
+
+def oracle_rotate(x, c, s, interleaved=False, conjugate=False):
+    """x (B, H, S, D); c, s (Bc, S, R/2) -> float64 rotated x."""
+    x = x.double()
+    c, s = c[:, None].double(), s[:, None].double()
+    if conjugate:
+        s = -s
+    half = c.shape[-1]
+    r = 2 * half
+    if interleaved:
+        x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
+    else:
+        x1, x2 = x[..., :half], x[..., half:r]
+    y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
+    y = torch.stack((y1, y2), -1).flatten(-2) if interleaved else torch.cat((y1, y2), -1)
+    return torch.cat((y, x[..., r:]), -1)
+
+
+def oracle(q, k, cos=None, sin=None, *, inv_freq=None, scale=1.0, positions=None, interleaved=False,
+           conjugate=False):
+    c, s = oracle_cos_sin(q.shape[0], q.shape[2], cos, sin, inv_freq=inv_freq, scale=scale, positions=positions)
+    return oracle_rotate(q, c, s, interleaved, conjugate), oracle_rotate(k, c, s, interleaved, conjugate)
+
+
+# ------------------------------------------------------------------------------------------
+# input builders
+# ------------------------------------------------------------------------------------------
+
+
+def make_qk(B, Hq, Hk, S, D, dtype, layout="contig", gen=None):
+    """Random q, k in (B, H, S, D) with the requested memory layout."""
+    def one(H):
+        if layout == "contig":
+            return torch.randn(B, H, S, D, generator=gen).to(DEV, dtype)
+        if layout == "hf":  # HF: (B, S, H, D) memory viewed as (B, H, S, D)
+            return torch.randn(B, S, H, D, generator=gen).to(DEV, dtype).transpose(1, 2)
+        if layout == "padded":  # padded last-but-one stride
+            return torch.randn(B, H, S, D + 8, generator=gen).to(DEV, dtype)[..., :D]
+        if layout == "laststride":  # last dim not unit-stride: the documented copy fallback
+            return torch.randn(B, H, S, D, 2, generator=gen).to(DEV, dtype)[..., 0]
+        raise AssertionError(layout)
+    return one(Hq), one(Hk)
+
+
+def make_table(rows, half, lead=(), dtype=torch.float32, gen=None):
+    """cos/sin of random angles: unit-scale tables of shape (*lead, rows, half)."""
+    ang = torch.rand(*lead, rows, half, generator=gen, dtype=torch.float64) * 20 - 10
+    return ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
+
+
+def make_inv_freq(half):
+    return (1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float32) / half))).to(DEV)
+
+
+def make_positions(mode, B, S, T=64, gen=None):
+    """(rotary_fused positions argument, table length needed)."""
+    if mode == "none":
+        return None
+    if mode == "int":
+        return 5
+    if mode == "batch":  # per-batch offsets (B,)
+        return torch.randint(0, T - S, (B,), generator=gen).to(DEV)
+    if mode == "ids":  # (B, S) position ids
+        return torch.randint(0, T, (B, S), generator=gen).to(DEV)
+    if mode == "ids1":  # (1, S) broadcast over the batch, int32
+        return torch.randint(0, T, (1, S), generator=gen).to(DEV, torch.int32)
+    raise AssertionError(mode)
+
+
+def assert_close(got, want, dtype):
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, **TOL[dtype])
+
+
+def run_case(B=2, Hq=3, Hk=1, S=7, D=64, R=None, dtype=torch.float32, interleaved=False, pos_mode="none",
+             source="table", scale=1.0, inplace=False, conjugate=False, layout="contig", table_dtype=torch.float32,
+             bc1=False, gen=None):
+    """Build inputs, run rotary_fused, check against the oracle (and that out-of-place calls leave
+    their inputs alone); return the outputs.  bc1: per-token tables (1, S, R/2) broadcast over B."""
+    R = D if R is None else R
+    half = R // 2
+    q, k = make_qk(B, Hq, Hk, S, D, dtype, layout, gen)
+    positions = make_positions(pos_mode, B, S, gen=gen)
+    cos = sin = inv_freq = None
+    if source == "inv_freq":
+        inv_freq = make_inv_freq(half)
+    elif pos_mode == "none":
+        cos, sin = make_table(S, half, (1,) if bc1 else (B,), table_dtype, gen)
+    else:
+        cos, sin = make_table(64, half, (), table_dtype, gen)
+    q0, k0 = q.clone(), k.clone()
+    want_q, want_k = oracle(q, k, cos, sin, inv_freq=inv_freq, scale=scale, positions=positions,
+                            interleaved=interleaved, conjugate=conjugate)
+    qo, ko = rotary_fused(q, k, cos, sin, inv_freq=inv_freq, scale=scale, positions=positions,
+                          interleaved=interleaved, inplace=inplace, conjugate=conjugate)
+    assert qo.shape == q.shape and ko.shape == k.shape
+    assert_close(qo, want_q, dtype)
+    assert_close(ko, want_k, dtype)
+    if inplace:
+        assert qo is q and ko is k
+    else:
+        assert torch.equal(q, q0) and torch.equal(k, k0), "out-of-place call modified its inputs"
+    return qo, ko
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Out-of-place outputs start as NaN, so any element the kernel does not write shows up."""
+    def alloc(x, **kw):
+        return torch.empty_like(x, **kw).fill_(float("nan"))
+
+    monkeypatch.setattr(rope_op, "_empty_like", alloc)
+
+
+class LaunchCounter:
+    """Stand-in for the jitted kernel that counts ``kernel[grid](...)`` launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    counter = LaunchCounter(rope_triton._rope_kernel)
+    monkeypatch.setattr(rope_triton, "_rope_kernel", counter)
+    return counter
+
+
+# ------------------------------------------------------------------------------------------
+# correctness
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+def test_head_dims_dtypes(D, dtype, interleaved, poisoned):
+    run_case(D=D, S=19, dtype=dtype, interleaved=interleaved, bc1=interleaved)  # S > BLOCK_S for D >= 128
+
+
+# (positions mode, angle source); inv_freq needs positions (its ValueError is tested below)
+POS_SOURCE = [("none", "table"), ("none_bc1", "table")] + [
+    (mode, source) for mode in ["int", "batch", "ids", "ids1"] for source in ["table", "inv_freq"]
+]
+
+
+@pytest.mark.parametrize("pos_mode,source", POS_SOURCE)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_position_modes(pos_mode, source, backend, poisoned, monkeypatch):
+    bc1 = pos_mode == "none_bc1"
+    pos_mode = "none" if bc1 else pos_mode
+    if backend == "torch":  # the PyTorch fallback shares the semantics
+        monkeypatch.setenv("TORCHEMBED_DISABLE_TRITON", "1")
+    scale = 0.75 if source == "inv_freq" else 1.0
+    run_case(D=64, R=48, pos_mode=pos_mode, source=source, scale=scale, bc1=bc1)
+    run_case(D=64, R=48, pos_mode=pos_mode, source=source, scale=scale, bc1=bc1, interleaved=True,
+             dtype=torch.float16)
+
+
+def test_table_scale_and_half_precision_tables(poisoned):
+    # HF passes cos/sin in the activation dtype; scale also applies to tables.
+    run_case(D=64, dtype=torch.bfloat16, table_dtype=torch.bfloat16, scale=1.25)
+    run_case(D=64, dtype=torch.float16, table_dtype=torch.float16, pos_mode="ids")
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["outofplace", "inplace"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("R", [16, 32, 64])
+def test_partial_rotary(R, interleaved, inplace, poisoned):
+    run_case(D=80, R=R, interleaved=interleaved, inplace=inplace, pos_mode="int")
+
+
+@pytest.mark.parametrize("Hq,Hk", [(3, 1), (5, 5), (4, 2), (1, 3)])
+@pytest.mark.parametrize("S", [1, 37])  # 37 > BLOCK_S (32 for D=64): several token blocks
+def test_heads_and_lengths(Hq, Hk, S, poisoned):
+    cfg = rope_triton._make_config(2, Hq, Hk, S, 64, 32, torch.float32, 0, False, False, False, False)
+    if S == 37:
+        assert cfg[0][0] > 1, "expected S to span several token blocks"
+    run_case(B=2, Hq=Hq, Hk=Hk, S=S, D=64)
+
+
+def test_heads_per_program_grouping(monkeypatch, poisoned):
+    # Prefill-sized grids group several heads per program; force it at a small size.
+    monkeypatch.setattr(rope_triton, "_HPP_MIN_PROGRAMS", 0)
+    monkeypatch.setattr(rope_triton, "_CFG", {})
+    grid, meta, nqg = rope_triton._make_config(2, 4, 2, 9, 64, 32, torch.float32, 0, False, False, False, False)
+    assert meta["HPP"] == 2 and nqg == 2 and grid[1] == 3
+    run_case(B=2, Hq=4, Hk=2, S=9, D=64)
+    run_case(B=2, Hq=4, Hk=2, S=9, D=64, R=32, interleaved=True, inplace=True, pos_mode="ids")
+
+
+@pytest.mark.parametrize("layout", ["hf", "padded", "laststride"])
+@pytest.mark.parametrize("inplace", [False, True], ids=["outofplace", "inplace"])
+def test_strided_inputs(layout, inplace, poisoned):
+    qo, ko = run_case(D=64, R=48, layout=layout, inplace=inplace, pos_mode="ids", dtype=torch.float16)
+    if not inplace and layout == "hf":
+        # documented: dense inputs get outputs with the same strides (HF's (B, S, H, D) memory)
+        q, k = make_qk(2, 3, 1, 7, 64, torch.float16, "hf")
+        assert qo.stride() == q.stride() and ko.stride() == k.stride()
+
+
+def test_padded_inplace_leaves_padding_alone():
+    base = torch.randn(2, 3, 7, 72, device=DEV)
+    q, k = base[..., :64], torch.randn(2, 1, 7, 64, device=DEV)
+    pad = base[..., 64:].clone()
+    cos, sin = make_table(7, 32, (1,))
+    rotary_fused(q, k, cos, sin, inplace=True)
+    assert torch.equal(base[..., 64:], pad)
+
+
+def test_outofplace_never_aliases_and_inplace_writes_storage():
+    q, k = make_qk(2, 3, 1, 5, 64, torch.float32, "hf")
+    cos, sin = make_table(5, 32, (2,))
+    qo, ko = rotary_fused(q, k, cos, sin)
+    ptrs_in = {q.untyped_storage().data_ptr(), k.untyped_storage().data_ptr()}
+    assert qo.untyped_storage().data_ptr() not in ptrs_in and ko.untyped_storage().data_ptr() not in ptrs_in
+    q2, k2 = q.clone(), k.clone()
+    qp, kp = q.data_ptr(), k.data_ptr()
+    qi, ki = rotary_fused(q, k, cos, sin, inplace=True)
+    assert qi is q and ki is k and q.data_ptr() == qp and k.data_ptr() == kp
+    assert torch.equal(q, qo) and torch.equal(k, ko)
+    assert not torch.equal(q, q2) and not torch.equal(k, k2)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("source", ["table", "inv_freq"])
+def test_conjugate_inverts(source, interleaved):
+    q, k = make_qk(2, 3, 1, 9, 64, torch.float32)
+    kw = dict(positions=torch.randint(0, 60, (2, 9), device=DEV), interleaved=interleaved)
+    if source == "table":
+        kw["cos"], kw["sin"] = make_table(64, 24)
+    else:
+        kw["inv_freq"] = make_inv_freq(24)
+    qr, kr = rotary_fused(q, k, **kw)
+    assert not torch.allclose(qr, q)
+    qb, kb = rotary_fused(qr, kr, conjugate=True, **kw)
+    torch.testing.assert_close(qb, q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kb, k, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_not_worse_than_hf_way():
+    """Kernel (fp32 math, one rounding) vs HF's bf16 eager formula, both against float64."""
+    gen = torch.Generator().manual_seed(0)
+    B, H, S, D = 2, 4, 16, 128
+    q, k = make_qk(B, H, H, S, D, torch.bfloat16, "hf", gen)
+    pos = torch.arange(S, device=DEV)[None].expand(B, S) + 1000
+    inv_freq = make_inv_freq(D // 2)
+    ang = pos.float()[..., None] * inv_freq
+    cos, sin = ang.cos(), ang.sin()  # float32 (B, S, D/2) per-token tables
+    want_q, _ = oracle(q, k, cos, sin)
+    qo, _ = rotary_fused(q, k, cos, sin)
+
+    def rotate_half(x):
+        x1, x2 = x[..., : D // 2], x[..., D // 2:]
+        return torch.cat((-x2, x1), dim=-1)
+
+    cos_hf = torch.cat((cos, cos), -1)[:, None].to(torch.bfloat16)
+    sin_hf = torch.cat((sin, sin), -1)[:, None].to(torch.bfloat16)
+    hf_q = q * cos_hf + rotate_half(q) * sin_hf
+    err_kernel = (qo.double() - want_q).abs()
+    err_hf = (hf_q.double() - want_q).abs()
+    assert err_kernel.max() <= err_hf.max()
+    assert err_kernel.mean() <= err_hf.mean()
+    assert_close(qo, want_q, torch.bfloat16)
+
+
+def test_bf16_rounds_to_nearest_even():
+    """The bf16 store is ONE round-to-nearest-even of the float32 result (bitwise)."""
+    q, k = make_qk(2, 2, 1, 16, 64, torch.bfloat16)
+    cos, sin = make_table(16, 32, (2,))
+    qo, _ = rotary_fused(q, k, cos, sin)
+    x = q.float()
+    c, s = cos[:, None], sin[:, None]
+    y = torch.cat((x[..., :32] * c - x[..., 32:] * s, x[..., 32:] * c + x[..., :32] * s), -1)
+    # FMA contraction on the GPU may move a float32 result by an ulp, which can flip a tie
+    mismatch = (qo != y.to(torch.bfloat16)).float().mean().item()
+    assert mismatch <= (0.0 if DEV == "cpu" else 0.01)
+
+
+# ------------------------------------------------------------------------------------------
+# launch structure and host fast path
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_decode_is_one_launch(B, launches):
+    q, k = make_qk(B, 32, 8, 1, 128, torch.bfloat16, "hf")
+    cos, sin = make_table(1, 64, (B,))
+    want = oracle(q, k, cos, sin)
+    qo, ko = rotary_fused(q, k, cos, sin)
+    assert len(launches.grids) == 1, launches.grids
+    assert_close(qo, want[0], torch.bfloat16)
+    assert_close(ko, want[1], torch.bfloat16)
+
+
+def test_launch_config_is_cached(launches):
+    q, k = make_qk(1, 3, 1, 4, 64, torch.float32)
+    cos, sin = make_table(4, 32, (1,))
+    rotary_fused(q, k, cos, sin)
+    n = len(rope_triton._CFG)
+    rotary_fused(q, k, cos, sin)
+    assert len(rope_triton._CFG) == n and len(launches.grids) == 2
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_fast_path_skips_dispatcher():
+    q, k = make_qk(1, 3, 1, 2, 64, torch.float32)
+    cos, sin = make_table(2, 32, (1,))
+    with OpLog() as log:
+        rotary_fused(q, k, cos, sin)
+        rotary_fused(q, k, cos, sin, inplace=True)
+    assert not any("torchembed" in op for op in log.ops), log.ops
+    q.requires_grad_(True)
+    with OpLog() as log:
+        rotary_fused(q, k, cos, sin)
+    assert any("torchembed.rotary" in op for op in log.ops), log.ops
+
+
+def test_disable_switch(monkeypatch):
+    q = torch.empty(1, device=DEV)
+    assert kernel_can_run(q)
+    monkeypatch.setenv("TORCHEMBED_DISABLE_TRITON", "1")
+    assert not kernel_can_run(q)
+    assert not kernel_can_run(torch.empty(1, device="meta"))
+
+
+def test_import_does_not_import_triton():
+    code = "import sys, torchembed.kernels as K; assert 'triton' not in sys.modules, 'triton imported eagerly'"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert res.returncode == 0, res.stderr
+
+
+# ------------------------------------------------------------------------------------------
+# autograd
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("source", ["table", "inv_freq", "hf_table"])
+def test_backward_matches_oracle(source, interleaved, dtype):
+    B, Hq, Hk, S, D, half = 2, 3, 1, 6, 48, 16
+    q, k = make_qk(B, Hq, Hk, S, D, dtype, "hf")
+    kw = dict(interleaved=interleaved)
+    if source == "table":
+        kw["cos"], kw["sin"] = make_table(32, half)
+        kw["positions"] = torch.randint(0, 32, (B, S), device=DEV)
+    elif source == "inv_freq":
+        kw["inv_freq"], kw["scale"], kw["positions"] = make_inv_freq(half), 0.75, 3
+    else:
+        kw["cos"], kw["sin"] = make_table(S, half, (B,))
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    qo, ko = rotary_fused(q, k, **kw)
+    ((qo * gq).sum() + (ko * gk).sum()).backward()
+
+    q64, k64 = q.detach().double().requires_grad_(True), k.detach().double().requires_grad_(True)
+    wq, wk = oracle(q64, k64, **kw)
+    ((wq * gq.double()).sum() + (wk * gk.double()).sum()).backward()
+    tol = TOL[dtype]
+    torch.testing.assert_close(q.grad.double(), q64.grad, **tol)
+    torch.testing.assert_close(k.grad.double(), k64.grad, **tol)
+
+
+def test_backward_of_sum_expanded_grad():
+    # .sum() hands back stride-0 (expanded) gradients: the last-dim copy fallback handles them.
+    q, k = make_qk(1, 2, 1, 3, 16, torch.float32)
+    q.requires_grad_(True)
+    cos, sin = make_table(3, 8, (1,))
+    qo, ko = rotary_fused(q, k, cos, sin)
+    qo.sum().backward()
+    q64 = q.detach().double().requires_grad_(True)
+    oracle(q64, k, cos, sin)[0].sum().backward()
+    torch.testing.assert_close(q.grad.double(), q64.grad, **TOL[torch.float32])
+
+
+def test_inplace_with_grad_goes_through_autograd():
+    q, k = make_qk(1, 2, 1, 3, 16, torch.float32)
+    cos, sin = make_table(3, 8, (1,))
+    leaf = q.clone().requires_grad_(True)
+    qn = leaf * 1.0  # non-leaf, so in-place is legal
+    qo, ko = rotary_fused(qn, k, cos, sin, inplace=True)
+    assert qo is qn
+    qo.sum().backward()
+    q64 = q.double().requires_grad_(True)
+    oracle(q64, k, cos, sin)[0].sum().backward()
+    torch.testing.assert_close(leaf.grad.double(), q64.grad, **TOL[torch.float32])
+
+
+def test_gradcheck_custom_op_float64():
+    q, k = make_qk(1, 2, 1, 3, 8, torch.float64, "hf")
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    cos, sin = make_table(6, 3, (), torch.float64)
+    pos = torch.tensor([[0, 4, 2]], device=DEV)
+
+    def f(a, b):
+        return torch.ops.torchembed.rotary(a, b, cos, sin, None, pos, 0, 1.0, False, False)
+
+    assert torch.autograd.gradcheck(f, (q, k), fast_mode=True)
+    inv = make_inv_freq(3).double()
+    assert torch.autograd.gradcheck(
+        lambda a, b: torch.ops.torchembed.rotary(a, b, None, None, inv, None, 2, 0.9, True, False), (q, k),
+        fast_mode=True,
+    )
+
+
+def test_opcheck():
+    q, k = make_qk(1, 2, 1, 3, 8, torch.float32, "hf")
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    cos, sin = make_table(6, 3)
+    pos = torch.tensor([1], device=DEV)
+    torch.library.opcheck(torch.ops.torchembed.rotary.default, (q, k, cos, sin, None, pos, 0, 1.0, False, False))
+    q2, k2 = q.detach().clone(), k.detach().clone()
+    torch.library.opcheck(torch.ops.torchembed.rotary_.default, (q2, k2, cos, sin, None, pos, 0, 1.0, True, False))
+
+
+# ------------------------------------------------------------------------------------------
+# torch.compile
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["outofplace", "inplace"])
+def test_compile_fullgraph_no_graph_break(inplace):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    inv_freq = make_inv_freq(16)
+
+    def f(q, k, pos):
+        q = q * 2.0
+        qo, ko = rotary_fused(q, k, inv_freq=inv_freq, scale=0.5, positions=pos, inplace=inplace)
+        return qo + 1.0, ko
+
+    q, k = make_qk(2, 3, 1, 5, 48, torch.float32, "hf")
+    pos = torch.randint(0, 50, (2, 5), device=DEV)
+    cf = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got = cf(q.clone(), k.clone(), pos)
+    want = f(q.clone(), k.clone(), pos)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_compile_backward():
+    torch._dynamo.reset()
+    cos, sin = make_table(5, 16, (2,))
+
+    def f(q, k):
+        qo, ko = rotary_fused(q, k, cos, sin)
+        return (qo * ko.sum(1, keepdim=True)).sum()
+
+    q, k = make_qk(2, 3, 1, 5, 32, torch.float32)
+    q.requires_grad_(True)
+    cf = torch.compile(f, backend="aot_eager", fullgraph=True)
+    cf(q, k).backward()
+    g_compiled = q.grad.clone()
+    q.grad = None
+    f(q, k).backward()
+    torch.testing.assert_close(g_compiled, q.grad)
+
+
+# ------------------------------------------------------------------------------------------
+# errors
+# ------------------------------------------------------------------------------------------
+
+
+def _err_cases():
+    q = torch.randn(2, 3, 4, 16, device=DEV)
+    k = torch.randn(2, 1, 4, 16, device=DEV)
+    cos, sin = torch.randn(2, 4, 8, device=DEV), torch.randn(2, 4, 8, device=DEV)
+    tab_c, tab_s = torch.randn(32, 8, device=DEV), torch.randn(32, 8, device=DEV)
+    inv = make_inv_freq(8)
+    P = torch.zeros(2, 4, dtype=torch.long, device=DEV)
+    return [
+        ("rank", dict(q=q[0], k=k, cos=cos, sin=sin), "4-D"),
+        ("k rank", dict(q=q, k=k[..., None], cos=cos, sin=sin), "4-D"),
+        ("batch", dict(q=q, k=k[:1], cos=cos, sin=sin), "same B, S, D"),
+        ("seq", dict(q=q, k=k[:, :, :3], cos=cos, sin=sin), "same B, S, D"),
+        ("headdim", dict(q=q, k=k[..., :8], cos=cos, sin=sin), "same B, S, D"),
+        ("non-floating q", dict(q=q.long(), k=k.long(), cos=cos, sin=sin), "floating dtype"),
+        ("dtype mismatch", dict(q=q, k=k.half(), cos=cos, sin=sin), "one floating dtype"),
+        ("R > D", dict(q=q, k=k, cos=torch.randn(2, 4, 9, device=DEV), sin=torch.randn(2, 4, 9, device=DEV)), "<= head dim"),
+        ("R == 0", dict(q=q, k=k, cos=cos[..., :0], sin=sin[..., :0]), "positive even"),
+        ("cos/sin shape", dict(q=q, k=k, cos=cos, sin=sin[..., :4]), "same shape"),
+        ("table batch", dict(q=q, k=k, cos=cos.repeat(2, 1, 1), sin=sin.repeat(2, 1, 1)), "per-token cos/sin"),
+        ("table seq", dict(q=q, k=k, cos=cos[:, :3], sin=sin[:, :3]), "per-token cos/sin"),
+        ("cache table rank", dict(q=q, k=k, cos=cos, sin=sin, positions=2), "(T, R/2)"),
+        ("offset past table", dict(q=q, k=k, cos=tab_c, sin=tab_s, positions=30), "table length"),
+        ("negative offset", dict(q=q, k=k, cos=tab_c, sin=tab_s, positions=-1), "non-negative"),
+        ("positions shape 1d", dict(q=q, k=k, cos=tab_c, sin=tab_s, positions=P[:, 0].repeat(2)), "positions of shape"),
+        ("positions shape 2d", dict(q=q, k=k, cos=tab_c, sin=tab_s, positions=P[:, :3]), "positions of shape"),
+        ("positions shape 3d", dict(q=q, k=k, cos=tab_c, sin=tab_s, positions=P[None]), "positions of shape"),
+        ("positions dtype", dict(q=q, k=k, cos=tab_c, sin=tab_s, positions=P.float()), "integer positions"),
+        ("positions bool", dict(q=q, k=k, cos=tab_c, sin=tab_s, positions=P.bool()), "integer positions"),
+        ("positions type", dict(q=q, k=k, cos=tab_c, sin=tab_s, positions=1.5), "positions None"),
+        ("device k", dict(q=q, k=k.to("meta"), cos=cos, sin=sin), "device"),
+        ("device cos", dict(q=q, k=k, cos=cos.to("meta"), sin=sin.to("meta")), "device"),
+        ("device positions", dict(q=q, k=k, cos=tab_c, sin=tab_s, positions=P.to("meta")), "device"),
+        ("device inv_freq", dict(q=q, k=k, inv_freq=inv.to("meta"), positions=P), "device"),
+        ("both", dict(q=q, k=k, cos=tab_c, sin=tab_s, inv_freq=inv, positions=P), "got both"),
+        ("neither", dict(q=q, k=k, positions=P), "got neither"),
+        ("cos only", dict(q=q, k=k, cos=cos), "together"),
+        ("inv_freq without positions", dict(q=q, k=k, inv_freq=inv), "with inv_freq"),
+        ("inv_freq rank", dict(q=q, k=k, inv_freq=inv[None], positions=P), "1-D floating"),
+    ]
+
+
+@pytest.mark.parametrize("case", _err_cases(), ids=lambda c: c[0])
+def test_value_errors(case):
+    _, kw, match = case
+    q, k = kw.pop("q"), kw.pop("k")
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        rotary_fused(q, k, kw.pop("cos", None), kw.pop("sin", None), **kw)
+
+
+# ------------------------------------------------------------------------------------------
+# property test
+# ------------------------------------------------------------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def _cases(draw):
+    D = draw(st.sampled_from([8, 16, 24, 48, 64, 80]))
+    half = draw(st.integers(1, D // 2))
+    pos_mode = draw(st.sampled_from(["none", "int", "batch", "ids", "ids1"]))
+    source = "table" if pos_mode == "none" else draw(st.sampled_from(["table", "inv_freq"]))
+    return dict(
+        B=draw(st.integers(1, 2)),
+        Hq=draw(st.integers(1, 4)),
+        Hk=draw(st.integers(1, 3)),
+        S=draw(st.integers(1, 24)),
+        D=D,
+        R=2 * half,
+        dtype=draw(st.sampled_from(DTYPES)),
+        interleaved=draw(st.booleans()),
+        pos_mode=pos_mode,
+        source=source,
+        scale=draw(st.sampled_from([1.0, 0.5, 1.25])),  # exact in float32 (the kernel's scale)
+        bc1=draw(st.booleans()),
+        inplace=draw(st.booleans()),
+        conjugate=draw(st.booleans()),
+        layout=draw(st.sampled_from(["contig", "hf", "padded"])),
+        seed=draw(st.integers(0, 2**31 - 1)),
+        backend=draw(st.sampled_from(["triton", "triton", "torch"])),  # the fallback shares the oracle
+    )
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_cases())
+def test_hypothesis_random_cases(case):
+    seed = case.pop("seed")
+    backend = case.pop("backend")
+    old = os.environ.get("TORCHEMBED_DISABLE_TRITON")
+    if backend == "torch":
+        os.environ["TORCHEMBED_DISABLE_TRITON"] = "1"
+    try:
+        run_case(gen=torch.Generator().manual_seed(seed), **case)
+    finally:
+        if old is None:
+            os.environ.pop("TORCHEMBED_DISABLE_TRITON", None)
+        else:
+            os.environ["TORCHEMBED_DISABLE_TRITON"] = old
