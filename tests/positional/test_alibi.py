@@ -83,3 +83,63 @@ def test_property_matches_definition(heads, sq, extra):
     qpos = torch.arange(sk - sq, sk)[:, None]
     expected = -alibi_slopes(heads)[:, None, None] * (qpos - torch.arange(sk)[None]).abs()
     torch.testing.assert_close(out[0], expected)
+
+
+def _naive_attention(q, k, v, bias, keep):
+    scores = (q.double() @ k.double().transpose(-1, -2)) * q.shape[-1] ** -0.5 + bias.double()
+    scores = scores.masked_fill(~keep, float("-inf"))
+    return scores.softmax(-1) @ v.double()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq_q, seq_k", [(7, 7), (1, 9), (3, 9)])
+def test_attention_matches_scores_path(causal, seq_q, seq_k):
+    alibi = ALiBiEmbedding(num_heads=6)
+    q, k, v = torch.randn(2, 6, seq_q, 16), torch.randn(2, 6, seq_k, 16), torch.randn(2, 6, seq_k, 16)
+    padding = torch.ones(2, seq_k, dtype=torch.bool)
+    padding[1, :2] = False
+    out = alibi.attention(q, k, v, causal=causal, key_padding_mask=padding)
+    keep = padding[:, None, None, :].expand(2, 6, seq_q, seq_k)
+    if causal:
+        qpos = torch.arange(seq_k - seq_q, seq_k)[:, None]
+        keep = keep & (torch.arange(seq_k)[None, :] <= qpos)
+    expected = _naive_attention(q, k, v, alibi.bias(seq_q, seq_k)[None], keep)
+    rows = keep.any(-1)  # padded queries with no key to attend to are undefined (NaN in the naive path)
+    torch.testing.assert_close(out.double()[rows], expected[rows], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out).all()
+
+
+def test_attention_bf16_is_closer_to_float64_than_bf16_scores_path():
+    """The fused path keeps the bias exact near the diagonal; eager bf16 scores round it."""
+    torch.manual_seed(0)
+    alibi = ALiBiEmbedding(num_heads=4)
+    q, k, v = (torch.randn(1, 4, 512, 32) for _ in range(3))
+    qpos = torch.arange(512)[:, None]
+    keep = (torch.arange(512)[None, :] <= qpos).expand(1, 4, 512, 512)
+    truth = _naive_attention(q, k, v, alibi.bias(512, 512)[None], keep)
+    ours = alibi.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    scores = alibi((q.bfloat16() @ k.bfloat16().transpose(-1, -2)) * 32**-0.5)
+    eager = scores.masked_fill(~keep, float("-inf")).float().softmax(-1).bfloat16() @ v.bfloat16()
+    assert (ours.double() - truth).abs().mean() <= (eager.double() - truth).abs().mean()
+
+
+def test_score_mod_equals_bias():
+    alibi = ALiBiEmbedding(num_heads=3)
+    mod = alibi.score_mod(offset=2)
+    q_idx, kv_idx = torch.arange(4)[:, None], torch.arange(6)[None, :]
+    for h in range(3):
+        torch.testing.assert_close(mod(torch.zeros(4, 6), 0, h, q_idx, kv_idx), alibi.bias(4, 6)[h])
+
+
+@pytest.mark.parametrize(
+    "shapes, kwargs, match",
+    [
+        (((1, 3, 2, 8), (1, 3, 2, 8)), {}, "4 heads"),
+        (((1, 4, 5, 8), (1, 4, 3, 8)), {}, "must not exceed"),
+        (((1, 4, 2, 8), (1, 4, 3, 8)), {"key_padding_mask": torch.ones(1, 2, dtype=torch.bool)}, "key_padding_mask"),
+    ],
+)
+def test_attention_errors(shapes, kwargs, match):
+    q_shape, k_shape = shapes
+    with pytest.raises(ValueError, match=match):
+        ALiBiEmbedding(num_heads=4).attention(torch.randn(q_shape), torch.randn(k_shape), torch.randn(k_shape), **kwargs)

@@ -102,7 +102,6 @@ class ALiBiEmbedding(nn.Module):
             out = alibi.attention(q, k, v)      # == softmax(alibi(q @ k^T / sqrt(d)) + causal mask) @ v
         """
         from torchembed.kernels.alibi_attention import alibi_attention
-        from torchembed.functional.alibi import alibi_attention_reference
 
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[1] != self.num_heads:
             raise ValueError(
@@ -125,14 +124,10 @@ class ALiBiEmbedding(nn.Module):
                 positions = torch.arange(seq_k, device=q.device)
                 keep = keep & (positions[None, :] <= positions[seq_k - seq_q :, None])[None, None]
             return alibi_attention(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p)
-        bias = self.bias(seq_q, seq_k).to(q.device)[None]  # (1, h, q, k)
-        zero = torch.zeros(1, self.num_heads, seq_k, device=q.device)
+        bias = self.bias(seq_q, seq_k).to(q.device)[None]  # (1, h, q, k), exact near the diagonal
         if keep is not None:
-            bias = bias.masked_fill(~keep, -float("inf"))
-        return alibi_attention_reference(q, k, v, zero, None, scale=scale, dropout_p=dropout_p) if False else \
-            torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=bias.clamp(min=torch.finfo(q.dtype).min).to(q.dtype), dropout_p=dropout_p, scale=scale
-            )
+            bias = bias.masked_fill(~keep, torch.finfo(q.dtype).min)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p, scale=scale)
 
     def forward(self, attn_scores: Tensor) -> Tensor:
         """Return ``attn_scores + bias``, shape ``(b, h, q, k)``, in ``attn_scores.dtype``."""
