@@ -34,9 +34,10 @@ run() {  # run NAME TIMEOUT CMD...: log to $RESULTS/logs/NAME.log, print the tai
 
 for step in $STEPS; do
   case $step in
-    tests)   run tests "${TESTS_LIMIT:-900}" "$PYTHON" -m pytest -q -x tests/kernels tests/positional tests/functional tests/patches -p no:cacheprovider ;;
+    tests)   run tests "${TESTS_LIMIT:-900}" "$PYTHON" -m pytest -q -x ${TEST_PATHS:-tests/kernels tests/positional tests/functional tests/patches} -p no:cacheprovider ;;
     compare) run compare "${COMPARE_LIMIT:-600}" "$PYTHON" -m torchembed compare --device cuda ;
              "$PYTHON" -m torchembed compare --device cuda --json >"$RESULTS/compare_cuda.json" 2>/dev/null ;;
+    tune)    run tune "${TUNE_LIMIT:-600}" "$PYTHON" scripts/tune_rope.py ;;
     rope)    run rope "${ROPE_LIMIT:-900}" "$PYTHON" -m torchembed bench rope --out "$RESULTS" ${ROPE_ARGS:-} ;;
     alibi)   run alibi "${ALIBI_LIMIT:-900}" "$PYTHON" -m torchembed bench alibi --out "$RESULTS" ${ALIBI_ARGS:-} ;;
     e2e)     run e2e "${E2E_LIMIT:-1200}" "$PYTHON" -m torchembed bench e2e --out "$RESULTS" ${E2E_ARGS:-} ;;

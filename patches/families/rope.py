@@ -128,8 +128,12 @@ def make_apply_rotary_pos_emb(fused: bool | None, upstream: Callable[..., Any]) 
             return upstream(q, k, cos, sin, unsqueeze_dim)
         if use_triton and kernels.kernel_can_run(q):
             if unsqueeze_dim == 2:  # (b, s, h, d): view as (b, h, s, d)
-                q_out, k_out = kernels.rotary_fused(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+                q_out, k_out = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
                 return q_out.transpose(1, 2), k_out.transpose(1, 2)
+            if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)) and not torch.compiler.is_compiling():
+                # Inference: rotate the fresh projections in place, no checks (the tables are
+                # ours): the per-layer host cost is one kernel launch.
+                return kernels.rotary_tables_(q, k, cos, sin)
             return kernels.rotary_fused(q, k, cos, sin)
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

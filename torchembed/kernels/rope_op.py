@@ -28,7 +28,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["rotary_fused", "triton_available", "interpret_mode", "kernel_can_run"]
+__all__ = ["rotary_fused", "rotary_tables_", "triton_available", "interpret_mode", "kernel_can_run"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -340,6 +340,40 @@ def _rotary_inplace_fake(q, k, cos, sin, inv_freq, positions, pos_offset, scale,
     return None
 
 
+class _RotaryFunction(torch.autograd.Function):
+    """Eager autograd for the out-of-place rotation, without the custom-op dispatcher.
+
+    ``register_autograd`` on the custom op is what torch.compile needs, but in eager mode its
+    Python dispatch costs several times the kernel; this Function calls the implementation
+    directly. Backward is the conjugate rotation through the same Function (so it is itself
+    differentiable).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate):
+        ctx.save_for_backward(cos, sin, inv_freq, pos_t)
+        ctx.consts = (pos_off, scale, interleaved, conjugate)
+        return _rotary_impl(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin, inv_freq, pos_t = ctx.saved_tensors
+        pos_off, scale, interleaved, conjugate = ctx.consts
+        dq, dk = _RotaryFunction.apply(grad_q, grad_k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, not conjugate)
+        return dq, dk, None, None, None, None, None, None, None, None
+
+
+def rotary_tables_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
+    """Hot path for per-token float32 tables (the patched HF attention): rotate q and k in place.
+
+    No validation, no autograd, no fallback: the caller guarantees q ``(B, Hq, S, D)`` and k
+    ``(B, Hk, S, D)`` on a device the kernel runs on, unit last-dim stride, cos/sin
+    ``(B or 1, S, R/2)`` with unit last-dim stride, and that nothing needs gradients.
+    """
+    (_launch or _launcher())(q, k, q, k, cos, sin, None, None, 0, 1.0, False, False)
+    return q, k
+
+
 # ------------------------------------------------------------------------------------------
 # Public entry point
 # ------------------------------------------------------------------------------------------
@@ -404,14 +438,17 @@ def rotary_fused(
             return q, k
         return _rotary_impl(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
 
+    # Eager with autograd: a plain autograd.Function (no dispatcher); compiled: the custom ops.
+    compiling = torch.compiler.is_compiling()
+    rotate = torch.ops.torchembed.rotary if compiling else _RotaryFunction.apply
     if inplace:
         if needs_grad:
             # Mutating custom ops have no autograd formula: go out-of-place, then copy_ (which
             # autograd tracks), preserving in-place semantics.
-            qo, ko = torch.ops.torchembed.rotary(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
+            qo, ko = rotate(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
             q.copy_(qo)
             k.copy_(ko)
         else:
             torch.ops.torchembed.rotary_(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
         return q, k
-    return torch.ops.torchembed.rotary(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
+    return rotate(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)

@@ -236,7 +236,8 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
         num_warps=num_warps,
     )
     grid = (n_s, Hq // hpp + Hk // hpp, B)
-    return grid, meta, Hq // hpp
+    constexprs = tuple(meta[name] for name in _CONSTEXPR_NAMES)  # signature order, for direct launch
+    return grid, meta, Hq // hpp, constexprs
 
 
 def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
@@ -260,7 +261,7 @@ def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale,
         B, Hq, S, D = qshape
         cfg = _CFG[key] = _make_config(B, Hq, k.shape[1], S, D, half, q.dtype, pos_mode, use_inv_freq,
                                        interleaved, conjugate, inplace)
-    grid, meta, nqg = cfg
+    grid, meta, nqg, constexprs = cfg
     S = qshape[2]
 
     if use_inv_freq:
@@ -283,12 +284,64 @@ def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale,
         inv_freq = q  # dummy pointer, never read
 
     sq, sk, sqo, sko = q.stride(), k.stride(), qo.stride(), ko.stride()
-    _rope_kernel[grid](
+    args = (
         q, k, qo, ko, cos, sin, pos_t, inv_freq,
         S, nqg,
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
         sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
         sc_b, sc_s, sp_b, sp_s,
         pos_offset, scale,
-        **meta,
     )
+    if _DIRECT and q.is_cuda:
+        _direct_launch(key, grid, meta, constexprs, args, q.device.index)
+    else:
+        _rope_kernel[grid](*args, **meta)
+
+
+# ------------------------------------------------------------------------------------------
+# Direct launch: replay the compiled kernel without Triton's per-call binding
+# ------------------------------------------------------------------------------------------
+# ``kernel[grid](...)`` re-derives the specialisation of every argument on each call (dtype,
+# 16-byte alignment, ints equal to 1, 32/64-bit ints), which at decode sizes costs more than the
+# kernel. We compute the same facts ourselves, keep the CompiledKernel Triton returned for them,
+# and call its launcher. Any mismatch with the installed Triton disables this path for good.
+# ``TORCHEMBED_DIRECT_LAUNCH=0`` switches it off.
+
+_DIRECT = os.environ.get("TORCHEMBED_DIRECT_LAUNCH", "1") == "1"
+_COMPILED: dict = {}
+_I32 = 2**31
+
+
+def _spec(args) -> tuple:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, int):
+            out.append((a == 1, a % 16 == 0, -_I32 <= a < _I32))
+    return tuple(out)
+
+
+def _direct_launch(key, grid, meta, constexprs, args, device_index) -> None:
+    global _DIRECT
+    spec = (key, _spec(args))
+    compiled = _COMPILED.get(spec)
+    if compiled is None:
+        if len(_COMPILED) >= _CFG_MAX:
+            _COMPILED.clear()
+        _COMPILED[spec] = _rope_kernel[grid](*args, **meta)
+        return
+    try:
+        compiled.run(
+            grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device_index),
+            compiled.function, compiled.packed_metadata, None, None, None, *args, *constexprs,
+        )
+    except Exception:  # the installed Triton launches differently: use its own path from now on
+        _DIRECT = False
+        _rope_kernel[grid](*args, **meta)
+
+
+_CONSTEXPR_NAMES = (
+    "HALF", "D", "BLOCK_D", "BLOCK_P", "BLOCK_S", "HPP", "POS_MODE", "USE_INV_FREQ", "INTERLEAVED",
+    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE",
+)

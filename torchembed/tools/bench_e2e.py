@@ -1,0 +1,256 @@
+"""``torchembed bench e2e``: whole ~1B-parameter models, upstream vs torchembed-patched vs liger.
+
+Random-weight LLaMA-, Mistral- and Falcon-style configs in bf16 on CUDA. Variants share weights:
+``upstream``, ``patched`` (``copy.deepcopy`` + ``torchembed.patch``) and ``liger`` (a copy whose
+attention instances call liger-kernel's ``liger_rotary_pos_emb``; skipped when not installed).
+Phases, each repeated in interleaved order (A/B/C/A/B/C...) after one warm-up per variant and
+reported as median [min-max]:
+
+* ``prefill``: latency (ms) of one forward over batch x prompt tokens (KV cache on, last logits).
+* ``decode``: eager greedy ``generate`` (DynamicCache) of N tokens; ms/token = (total - prefill)
+  / (N - 1), timed per token with a streamer; tokens/s = batch * 1000 / (ms/token).
+* ``compiled``: the same with ``cache_implementation="static"`` and HF's compile_config
+  (``torch.compile(mode="reduce-overhead", fullgraph=True)``); graph breaks counted from
+  ``torch._dynamo.utils.counters["graph_break"]`` (fullgraph failing: retried without).
+
+Peak memory: ``torch.cuda.max_memory_allocated`` during a run minus what was allocated before it
+(weights excluded), in GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import sys
+import time
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchembed.tools import bench
+
+MODELS = ("llama", "mistral", "falcon")
+VARIANTS = ("upstream", "patched", "liger")
+PHASES = ("prefill", "decode", "compiled")
+ATTENTION = {"llama": ("LlamaAttention",), "mistral": ("MistralAttention",),
+             "falcon": ("FalconAttention", "FalconFlashAttention2")}
+
+
+def make_config(name: str, smoke: bool, max_positions: int) -> Any:
+    """~1B-parameter configs (tiny ones for ``--smoke``: hidden 64, 2 layers)."""
+    import transformers
+
+    # LLaMA/Mistral ~1.1B; Falcon ~1.0B (parallel attention + 4x GELU MLP, so 22 layers)
+    hidden, layers, falcon_layers, heads, kv, inter, vocab = (
+        (64, 2, 2, 4, 2, 128, 128) if smoke else (2048, 16, 22, 32, 8, 8192, 32000))
+    llama = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                 intermediate_size=inter, vocab_size=vocab)
+    falcon = dict(hidden_size=hidden, num_hidden_layers=falcon_layers, num_attention_heads=heads, num_kv_heads=kv,
+                  vocab_size=vocab)
+    if name == "llama":
+        return transformers.LlamaConfig(**llama, max_position_embeddings=max_positions)
+    if name == "mistral":
+        return transformers.MistralConfig(**llama, max_position_embeddings=max_positions, sliding_window=None)
+    if name == "falcon":
+        return transformers.FalconConfig(**falcon, max_position_embeddings=max_positions, new_decoder_architecture=True,
+                                         parallel_attn=True, bias=False, alibi=False)
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+
+
+def liger_copy(model: nn.Module, name: str) -> nn.Module:
+    """A copy whose attention instances call liger's rotary function (instance-level rebinding).
+    Raises ImportError without liger-kernel, ValueError when no attention forward can be rebound."""
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    from torchembed.patches.rebind import rebind_globals
+
+    model = copy.deepcopy(model)
+    swapped = 0
+    for module in model.modules():
+        if type(module).__name__ in ATTENTION[name]:
+            forward = rebind_globals(type(module).forward, {"apply_rotary_pos_emb": liger_rotary_pos_emb})
+            module.forward = types.MethodType(forward, module)
+            swapped += 1
+    if not swapped:
+        raise ValueError(f"no {ATTENTION[name]} module to rebind")
+    return model
+
+
+def build_variants(name: str, args: argparse.Namespace, device: torch.device,
+                   skipped: dict[str, str]) -> dict[str, nn.Module]:
+    import torchembed
+
+    config = make_config(name, args.smoke, max(args.prompt_lens) + args.new_tokens + 8)
+    upstream = bench.random_causal_lm(config, device, args.torch_dtype)
+    out: dict[str, nn.Module] = {}
+    for variant in args.variants:
+        try:
+            if variant == "upstream":
+                out[variant] = upstream
+            elif variant == "patched":
+                out[variant] = torchembed.patch(copy.deepcopy(upstream))
+            elif variant == "liger":
+                if device.type != "cuda":
+                    raise ImportError("liger-kernel needs CUDA")
+                out[variant] = liger_copy(upstream, name)
+        except Exception as exc:  # liger missing, failing to import (version skew) or not applicable
+            skipped[f"{name}/{variant}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return out
+
+
+def _compile_kwargs(fullgraph: bool) -> dict[str, Any]:
+    from transformers import CompileConfig
+
+    return {"cache_implementation": "static", "disable_compile": False,
+            "compile_config": CompileConfig(fullgraph=fullgraph, mode="reduce-overhead")}
+
+
+def run_case(name: str, models: dict[str, nn.Module], batch: int, prompt: int, args: argparse.Namespace,
+             device: torch.device, budget: bench.Budget) -> list[dict[str, Any]]:
+    """All requested phases for one (model, batch, prompt length)."""
+    vocab = next(iter(models.values())).config.vocab_size
+    ids = torch.randint(1, vocab, (batch, prompt), device=device)
+    n = args.new_tokens
+    takes_keep = "logits_to_keep" in inspect.signature(next(iter(models.values())).forward).parameters
+    records = []
+    for phase in args.phases:
+        base = {"model": name, "phase": phase, "batch": batch, "prompt_len": prompt}
+        if budget.exhausted():
+            records += [{**base, "variant": v, "ms": "skipped: time budget"} for v in models]
+            continue
+        print(f"e2e {name} batch {batch} prompt {prompt} {phase} ...", file=sys.stderr, flush=True)
+        if phase == "prefill":
+            kw = {"logits_to_keep": 1} if takes_keep else {}
+
+            def run(m: nn.Module) -> float:
+                with torch.no_grad():
+                    return bench.wall(lambda: m(input_ids=ids, use_cache=True, **kw), device)
+
+            res = bench.measure(models, run, args.repeats, device)
+        elif phase == "decode":
+            res = bench.measure(models, lambda m: bench.generate_timed(m, ids, n, disable_compile=True)["per_token"],
+                                args.repeats, device)
+        else:
+            if device.type != "cuda":
+                records += [{**base, "variant": v, "ms": "skipped: compiled decode needs CUDA"} for v in models]
+                continue
+            res = bench.measure(models, lambda m: bench.generate_timed(m, ids, n, **m._bench_compile)["per_token"],
+                                args.repeats, device, warm=lambda m: _warm_compiled(m, ids, n))
+        for variant, r in res.items():
+            rec = {**base, "variant": variant, "new_tokens": n if phase != "prefill" else None, **r}
+            if phase != "prefill" and isinstance(r.get("ms"), dict):
+                rec["tokens_per_s"] = batch * 1e3 / r["ms"]["median"]
+            records.append(rec)
+    return records
+
+
+def _warm_compiled(model: nn.Module, ids: torch.Tensor, n: int) -> dict[str, Any]:
+    """Compile (first generate) with fullgraph=True, else without; count graph breaks."""
+    from torch._dynamo.utils import counters
+
+    info: dict[str, Any] = {}
+    before = sum(counters["graph_break"].values())
+    start = time.perf_counter()
+    for fullgraph in (True, False):
+        model._bench_compile = _compile_kwargs(fullgraph)
+        try:
+            bench.generate_timed(model, ids, n, **model._bench_compile)
+            info["fullgraph"] = fullgraph
+            break
+        except Exception as exc:
+            if not fullgraph or bench.is_oom(exc):
+                raise
+            info["note"] = f"fullgraph=True failed: {bench.short_error(exc)}"
+    info["graph_breaks"] = sum(counters["graph_break"].values()) - before
+    info["compile_s"] = time.perf_counter() - start
+    return info
+
+
+def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[str, str]) -> str:
+    titles = {"prefill": "prefill latency (ms)", "decode": "eager decode (ms/token, DynamicCache)",
+              "compiled": "compiled static-cache decode (ms/token, reduce-overhead)"}
+    out = []
+    for phase in PHASES:
+        rows_of = [r for r in records if r["phase"] == phase]
+        if not rows_of:
+            continue
+        keys = list(dict.fromkeys((r["model"], r["batch"], r["prompt_len"]) for r in rows_of))
+        peak = "peak GB (" + "/".join(v[0] for v in variants) + ")"
+        headers = ["model", "batch x prompt", *variants, "upstream / patched", peak]
+        if phase != "prefill":
+            headers.insert(-1, "tokens/s patched")
+        if phase == "compiled":
+            headers.append("graph breaks")
+        rows = []
+        for model, batch, prompt in keys:
+            by = {r["variant"]: r for r in rows_of if (r["model"], r["batch"], r["prompt_len"]) == (model, batch, prompt)}
+            ms = {v: by.get(v, {}).get("ms") for v in variants}
+            med = {v: m["median"] for v, m in ms.items() if isinstance(m, dict)}
+            speed = f"{med['upstream'] / med['patched']:.2f}x" if "upstream" in med and "patched" in med else "-"
+            row = [model, f"{batch} x {prompt}", *(bench.fmt_stats(ms[v]) for v in variants), speed]
+            if phase != "prefill":
+                row.append(bench.fmt(by.get("patched", {}).get("tokens_per_s"), 1))
+            row.append(" / ".join(bench.fmt(by.get(v, {}).get("peak_mem_gb"), 2) for v in variants))
+            if phase == "compiled":
+                row.append(" / ".join(bench.fmt(by.get(v, {}).get("graph_breaks"), 0) for v in variants))
+            rows.append(row)
+        out += [f"## {titles[phase]}", "", bench.md_table(headers, rows), ""]
+    out += ["median [min-max] over interleaved repeats; peak GB = max allocated during a run minus weights"]
+    out += [f"- {k}: skipped ({v})" for k, v in skipped.items()]
+    out += [f"- {r['model']}/{r['variant']} b{r['batch']}: {r['note']}" for r in records if r.get("note")]
+    return "\n".join(out)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="torchembed bench e2e", description=__doc__.split("\n\n")[0].replace("``", ""))
+    bench.add_common_args(parser)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--phases", nargs="+", default=None, choices=PHASES, help="default: all (--smoke: prefill decode)")
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="default 1 8 (--smoke: 1 2)")
+    parser.add_argument("--prompt-lens", nargs="+", type=int, default=None, help="default 2048 (--smoke: 16)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="decode steps, >= 2 (default 128; --smoke: 4)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5; --smoke: 2)")
+    args = parser.parse_args(argv)
+    device = bench.setup(args)
+    smoke = args.smoke
+    args.phases = args.phases or (["prefill", "decode"] if smoke else list(PHASES))
+    args.batch_sizes = args.batch_sizes or ([1, 2] if smoke else [1, 8])
+    args.prompt_lens = args.prompt_lens or ([16] if smoke else [2048])
+    args.new_tokens = args.new_tokens or (4 if smoke else 128)
+    args.repeats = args.repeats or (2 if smoke else 5)
+    if args.new_tokens < 2 or args.repeats < 1 or min(args.batch_sizes + args.prompt_lens) < 1:
+        raise ValueError("--new-tokens must be >= 2, --repeats >= 1, batch sizes and prompt lengths >= 1")
+    if smoke and args.dtype == "bfloat16":
+        args.torch_dtype = torch.float32  # CPU smoke: float32 (bf16 matmuls are slow on many CPUs)
+    name = "-".join(["e2e", *(args.models if args.models != list(MODELS) else []),
+                     *(args.phases if args.phases != list(PHASES) and not smoke else [])])
+    env, skipped, records = bench.environment(device), {}, []
+    budget = bench.Budget(args.max_seconds)
+
+    def save(quiet: bool) -> str:
+        md = markdown(records, [v for v in args.variants if any(r["variant"] == v for r in records)], skipped)
+        payload = {"variants": args.variants, "skipped": skipped, "results": records}
+        bench.write_results(args, name, "torchembed bench e2e", env, payload, md, quiet=quiet)
+        return md
+
+    limits = {("recompile_limit", "cache_size_limit"): 64,
+              ("accumulated_recompile_limit", "accumulated_cache_size_limit"): 1024}
+    with bench.no_interpreter(device), bench.dynamo_config(limits):  # every variant and batch size is its own graph
+        for model_name in args.models:
+            if budget.exhausted():
+                skipped[model_name] = "time budget (--max-seconds)"
+                continue
+            models = build_variants(model_name, args, device, skipped)
+            for batch in args.batch_sizes:
+                for prompt in args.prompt_lens:
+                    records += run_case(model_name, models, batch, prompt, args, device, budget)
+                    save(quiet=True)  # partial results survive an interrupted run
+            del models
+            bench.free_memory(device)
+    print(save(quiet=False))
+    return 0
+
