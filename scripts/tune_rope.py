@@ -16,7 +16,7 @@ from torchembed.kernels import rope_triton
 from torchembed.kernels.rope_op import rotary_fused
 from torchembed.tools.bench import copy_bandwidth
 
-SHAPES = [(4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (8, 2048, 64, 8, 128), (1, 2048, 32, 8, 128)]
+SHAPES = [(4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (8, 2048, 64, 8, 128)]
 
 
 def main() -> None:
@@ -31,9 +31,11 @@ def main() -> None:
         cos, sin = rope_cos_sin(inv, torch.arange(S, device=device).expand(B, S))
         floor_ms = 2 * (q.numel() + k.numel()) * 2 / bandwidth * 1e3
         results = []
-        for tile, hpp_min, warps in itertools.product((1024, 2048, 4096), (0, 1 << 60), (4, 8)):
-            def config(*a, _tile=tile, _hpp=hpp_min, _warps=warps):
-                rope_triton._TILE_PAIRS, rope_triton._HPP_MIN_PROGRAMS = _tile, _hpp
+        grid_space = itertools.product((512, 1024, 2048), ((8, 4, 2), (4, 2), (2,), ()), (False, True), (4, 8))
+        for tile, hpps, heads_fast, warps in grid_space:
+            def config(*a, _tile=tile, _hpps=hpps, _fast=heads_fast, _warps=warps):
+                rope_triton._TILE_PAIRS, rope_triton._HPP_MIN_PROGRAMS = _tile, 0
+                rope_triton._HPP_CANDIDATES, rope_triton._HEADS_FAST = _hpps, _fast
                 grid, meta, nqg, constexprs = original(*a)
                 meta = dict(meta, num_warps=_warps)
                 return grid, meta, nqg, constexprs
@@ -41,14 +43,14 @@ def main() -> None:
             rope_triton._CFG.clear()
             rope_triton._COMPILED.clear()
             ms = triton.testing.do_bench(lambda: rotary_fused(q, k, cos, sin, inplace=True), return_mode="median")
-            results.append((ms, tile, "grouped" if hpp_min == 0 else "1 head", warps))
+            results.append((ms, tile, f"hpp<={max(hpps, default=1)}", "heads-fast" if heads_fast else "tokens-fast", warps))
         rope_triton._make_config = original
         rope_triton._CFG.clear()
         rope_triton._COMPILED.clear()
         results.sort()
         print(f"\n{B}x{S} h{Hq}/{Hk} d{D}: floor {floor_ms:.4f} ms")
-        for ms, tile, hpp, warps in results[:6] + results[-2:]:
-            print(f"  tile {tile:5} {hpp:8} warps {warps}: {ms:.4f} ms  {100 * floor_ms / ms:5.1f}% of floor")
+        for ms, tile, hpp, order, warps in results[:8] + results[-2:]:
+            print(f"  tile {tile:5} {hpp:7} {order:11} warps {warps}: {ms:.4f} ms  {100 * floor_ms / ms:5.1f}% of floor")
 
 
 if __name__ == "__main__":

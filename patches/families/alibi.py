@@ -31,19 +31,26 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchembed.functional.alibi import alibi_key_bias, alibi_slopes
-from torchembed.kernels.alibi_attention import alibi_attention
+from torchembed.kernels.alibi_attention import MaskCache, alibi_attention
 from torchembed.patches.actions import Component, OverrideAttribute, bind
 from torchembed.patches.rebind import rebind_globals
 from torchembed.patches.registry import Family, PatchOptions, register
 
-__all__ = ["bloom_alibi_tensor", "mpt_alibi_tensor", "alibi_slopes_for"]
+__all__ = ["bloom_alibi_tensor", "falcon_alibi_tensor", "mpt_alibi_tensor", "alibi_slopes_for"]
 
 
 def bloom_alibi_tensor(attention_mask: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
-    """BLOOM/Falcon's bias from a ``(b, k)`` mask: ``(b * h, 1, k)`` in ``dtype`` (computed in float32)."""
+    """BLOOM's bias from a ``(b, k)`` mask: ``(b * h, 1, k)`` float32 (torchembed's BLOOM
+    attention consumes it in float32; ``dtype`` is ignored)."""
     batch, length = attention_mask.shape
     bias = alibi_key_bias(alibi_slopes(num_heads, attention_mask.device), attention_mask)
-    return bias.reshape(batch * num_heads, 1, length).to(dtype)
+    return bias.reshape(batch * num_heads, 1, length)
+
+
+def falcon_alibi_tensor(attention_mask: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
+    """Falcon's bias from a ``(b, k)`` mask: ``(b * h, 1, k)`` in ``dtype`` (computed in float32),
+    since upstream's attention folds it into its mask."""
+    return bloom_alibi_tensor(attention_mask, num_heads, dtype).to(dtype)
 
 
 def mpt_alibi_tensor(num_heads: int, sequence_length: int, alibi_bias_max: float = 8, device=None) -> Tensor:
@@ -71,6 +78,7 @@ def bloom_attention_forward(
 ) -> tuple[Tensor, None]:
     """``BloomAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs)."""
     if output_attentions or (self.pretraining_tp > 1 and self.slow_but_exact):
+        alibi = alibi.to(hidden_states.dtype)  # upstream's baddbmm wants the model dtype
         return type(self).forward(self, hidden_states, residual, alibi, attention_mask, layer_past, use_cache, output_attentions, **kwargs)
     batch, q_len, _ = hidden_states.shape
     q, k, v = self._reshape(self.query_key_value(hidden_states))  # (b, h, s, d) views
@@ -80,11 +88,10 @@ def bloom_attention_forward(
     key_bias = alibi.view(batch, self.num_heads, -1)  # (b*h, 1, k) -> (b, h, k)
     if key_bias.shape[-1] != k_len:
         raise ValueError(f"ALiBi bias covers {key_bias.shape[-1]} keys, attention has {k_len}")
-    keep = None
-    if attention_mask is not None:  # additive float (0 = attend) or bool (True = attend)
-        keep = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    # HF's mask: additive float (0 = attend) or bool (True = attend); derived once per forward.
+    keep, cache = _keep_mask(attention_mask, lambda m: m if m.dtype == torch.bool else m == 0)
     dropout = self.attention_dropout.p if self.training else 0.0
-    context = alibi_attention(q, k, v, key_bias, keep, scale=self.inv_norm_factor, dropout_p=dropout)
+    context = alibi_attention(q, k, v, key_bias, keep, scale=self.inv_norm_factor, dropout_p=dropout, cache=cache)
     context = context.transpose(1, 2).reshape(batch, q_len, self.hidden_size)  # (b, s, h*d)
     output = F.dropout(self.dense(context), p=self.hidden_dropout, training=self.training) + residual
     return output, None
@@ -118,11 +125,24 @@ def mpt_attention_forward(
                 f"{k_len} keys exceed MPT's ALiBi table of {position_bias.shape[-1]} positions (config.max_seq_len)"
             )
         key_bias = position_bias[None, :, 0, -k_len:]  # (h, 1, L) -> (1, h, k)
-    keep = None if attention_mask is None else ~attention_mask  # MPT's bool mask is True where masked
+    keep, cache = _keep_mask(attention_mask, torch.logical_not)  # MPT's bool mask is True where masked
     dropout = self.attn_dropout_p if self.training else 0.0
-    context = alibi_attention(q, k, v, key_bias, keep, scale=self.softmax_scale, dropout_p=dropout)
+    context = alibi_attention(q, k, v, key_bias, keep, scale=self.softmax_scale, dropout_p=dropout, cache=cache)
     context = context.transpose(1, 2).reshape(batch, q_len, -1)  # (b, s, h*d)
     return self.out_proj(context), None
+
+
+_MASKS = MaskCache()
+
+
+def _keep_mask(attention_mask: Tensor | None, to_keep: Any) -> tuple[Tensor | None, MaskCache | None]:
+    """``keep`` (True = attend) for HF's mask, computed once per forward (all layers share the mask)."""
+    if attention_mask is None:
+        return None, None
+    cache = _MASKS.lookup(attention_mask)
+    if cache is None:
+        cache = _MASKS.store(attention_mask, to_keep(attention_mask))
+    return cache.keep, cache
 
 
 class OverrideForward:
@@ -224,7 +244,7 @@ register(
         encoding="alibi",
         variant="alibi",
         applies=lambda config: bool(getattr(config, "alibi", False)),
-        adapters=(RebindForwardGlobals("FalconModel", {"build_alibi_tensor": bloom_alibi_tensor}),),
+        adapters=(RebindForwardGlobals("FalconModel", {"build_alibi_tensor": falcon_alibi_tensor}),),
         description="build_alibi_tensor -> torchembed ALiBi (float32 slopes; upstream rounds them to bf16)",
     )
 )

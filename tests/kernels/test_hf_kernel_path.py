@@ -43,3 +43,24 @@ def test_patched_model_on_the_kernel_matches_upstream(name):
     for pname, param in patched.named_parameters():
         ref_grad = grads[pname].grad
         torch.testing.assert_close(param.grad, ref_grad, rtol=1e-4, atol=1e-5 * ref_grad.abs().max().item() + 1e-12, msg=pname)
+
+
+@pytest.mark.parametrize("name", ["bloom", "mpt"])
+def test_patched_alibi_attention_matches_upstream(name):
+    """On CUDA this runs ALiBi inside FlexAttention (prefill) and SDPA (decode steps)."""
+    upstream = _tiny(name)
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    ids = torch.randint(0, upstream.config.vocab_size, (2, 24), device=DEV)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    with torch.no_grad():
+        ref = upstream.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_logits=True,
+                                return_dict_in_generate=True, pad_token_id=0)
+        out = patched.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_logits=True,
+                               return_dict_in_generate=True, pad_token_id=0)
+        prefill_ref = upstream(ids, attention_mask=mask).logits[mask.bool()]
+        prefill_out = patched(ids, attention_mask=mask).logits[mask.bool()]
+    scale = prefill_ref.abs().max().item()
+    torch.testing.assert_close(prefill_out, prefill_ref, rtol=1e-5, atol=1e-5 * scale)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * scale)

@@ -197,6 +197,7 @@ class LaunchCounter:
 def launches(monkeypatch):
     counter = LaunchCounter(rope_triton._rope_kernel)
     monkeypatch.setattr(rope_triton, "_rope_kernel", counter)
+    monkeypatch.setattr(rope_triton, "_DIRECT", False)  # count every launch through kernel[grid]
     return counter
 
 
@@ -251,6 +252,15 @@ def test_heads_and_lengths(Hq, Hk, S, poisoned):
     if S == 37:
         assert cfg[0][0] > 1, "expected S to span several token blocks"
     run_case(B=2, Hq=Hq, Hk=Hk, S=S, D=64)
+
+
+@pytest.mark.parametrize("heads_fast", [False, True])
+def test_grid_orders(monkeypatch, poisoned, heads_fast):
+    monkeypatch.setattr(rope_triton, "_HEADS_FAST", heads_fast)
+    monkeypatch.setattr(rope_triton, "_CFG", {})
+    monkeypatch.setattr(rope_triton, "_HPP_MIN_PROGRAMS", 0)
+    run_case(B=2, Hq=4, Hk=2, S=37, D=64)
+    run_case(B=1, Hq=3, Hk=1, S=1, D=128, pos_mode="ids")
 
 
 def test_heads_per_program_grouping(monkeypatch, poisoned):
@@ -656,3 +666,19 @@ def test_hypothesis_random_cases(case):
             os.environ.pop("TORCHEMBED_DISABLE_TRITON", None)
         else:
             os.environ["TORCHEMBED_DISABLE_TRITON"] = old
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="direct launch replays compiled CUDA kernels")
+def test_direct_launch_replays_the_compiled_kernel(monkeypatch):
+    q, k = make_qk(2, 5, 3, 7, 128, torch.bfloat16)
+    cos, sin = make_table(7, 64, (2,))
+    monkeypatch.setattr(rope_triton, "_DIRECT", False)
+    expected = rotary_fused(q, k, cos, sin)
+    monkeypatch.setattr(rope_triton, "_DIRECT", True)
+    rope_triton._COMPILED.clear()
+    first = rotary_fused(q, k, cos, sin)  # compiles through kernel[grid] and keeps the kernel
+    assert len(rope_triton._COMPILED) == 1
+    second = rotary_fused(q, k, cos, sin)  # replayed directly
+    assert rope_triton._DIRECT, "the direct launch failed and switched itself off"
+    for out in (first, second):
+        assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])

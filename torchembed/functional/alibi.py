@@ -119,6 +119,12 @@ def alibi_attention_reference(
         eager attention does with its finite mask), never NaN.
     """
     compute = torch.promote_types(q.dtype, torch.float32)
+    if q.shape[-2] == 1:
+        # Decode: one row; centre on the newest key (few, small ops: decode is host-bound).
+        bias = (key_bias.to(compute) - key_bias[..., -1:].to(compute))[:, :, None, :]
+        if keep is not None:
+            bias = bias.masked_fill(~keep, torch.finfo(q.dtype).min)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p, scale=scale)
     bias = key_bias[:, :, None, :].to(compute)
     if keep is not None:
         bias = bias.masked_fill(~keep, -math.inf)

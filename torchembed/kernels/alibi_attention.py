@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 import torch
 from torch import Tensor
 
 from torchembed.functional.alibi import alibi_attention_reference
 
-__all__ = ["alibi_attention", "flex_available", "alibi_score_mod"]
+__all__ = ["alibi_attention", "flex_available", "alibi_score_mod", "MaskCache"]
+
+
+_CAUSAL: dict = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,6 +53,47 @@ def alibi_score_mod(key_bias: Tensor):
     return score_mod
 
 
+def _causal(q_len: int, k_len: int, device: torch.device) -> tuple[Tensor, "MaskCache"]:
+    """The causal ``keep`` mask (queries last) and its cache slot, shared by all layers."""
+    key = (q_len, k_len, device)
+    entry = _CAUSAL.get(key)
+    if entry is None:
+        if len(_CAUSAL) >= 8:
+            _CAUSAL.clear()
+        positions = torch.arange(k_len, device=device)
+        entry = MaskCache()
+        entry.keep = (positions[None, :] <= positions[k_len - q_len :, None])[None, None]
+        _CAUSAL[key] = entry
+    return entry.keep, entry
+
+
+class MaskCache:
+    """The ``keep`` mask and FlexAttention block mask derived from one HF mask tensor.
+
+    HF passes the same attention-mask tensor to every layer of a forward; deriving the boolean
+    mask and the block mask (which evaluates the mask over all blocks) once per forward instead
+    of once per layer matters at long sequences. Keyed by the identity of the source tensor
+    through a weak reference, so a new forward (a new mask tensor) always recomputes.
+    """
+
+    def __init__(self) -> None:
+        self._source: weakref.ref | None = None
+        self.keep: Tensor | None = None
+        self.block_mask = None
+
+    def lookup(self, source: Tensor) -> "MaskCache | None":
+        return self if self._source is not None and self._source() is source else None
+
+    def store(self, source: Tensor, keep: Tensor | None) -> "MaskCache":
+        # When the source mask dies (the forward is over), drop what was derived from it.
+        self._source, self.keep, self.block_mask = weakref.ref(source, self._clear), keep, None
+        return self
+
+    def _clear(self, ref: weakref.ref) -> None:
+        if ref is self._source:
+            self._source, self.keep, self.block_mask = None, None, None
+
+
 def alibi_attention(
     q: Tensor,
     k: Tensor,
@@ -58,6 +103,7 @@ def alibi_attention(
     *,
     scale: float,
     dropout_p: float = 0.0,
+    cache: MaskCache | None = None,
 ) -> Tensor:
     """Attention with a key-only ALiBi bias: ``softmax(scale * q k^T + key_bias | keep) v``.
 
@@ -68,23 +114,30 @@ def alibi_attention(
             mask, static-cache slots included). None: causal, queries at the last positions.
         scale: multiplies ``q k^T``.
         dropout_p: attention dropout (taken by the SDPA path, which implements it).
+        cache: where the block mask for ``keep`` is kept across the layers of one forward.
 
     Returns:
         ``(b, h, q, d)`` in ``q.dtype``.
     """
     q_len, k_len = q.shape[-2], k.shape[-2]
-    key_bias = key_bias.float()
-    if keep is None:
-        positions = torch.arange(k_len, device=q.device)
-        keep = (positions[None, :] <= positions[k_len - q_len :, None])[None, None]
-    use_flex = q.is_cuda and q_len > 1 and dropout_p == 0.0 and flex_available() and not torch.compiler.is_compiling()
+    if keep is None and q_len > 1:
+        keep, cache = _causal(q_len, k_len, q.device)
+    use_flex = (
+        q.is_cuda and q_len > 1 and dropout_p == 0.0 and q.shape[-1] >= 16 and flex_available()
+        and not torch.compiler.is_compiling()
+    )
     if not use_flex:
         return alibi_attention_reference(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p)
     flex, create_block_mask = _compiled()
-    batch_keep = keep.shape[0] != 1
+    block_mask = cache.block_mask if cache is not None else None
+    if block_mask is None:
+        batch_keep = keep.shape[0] != 1
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        return keep[b if batch_keep else 0, 0, q_idx, kv_idx]
+        def mask_mod(b, h, q_idx, kv_idx):
+            return keep[b if batch_keep else 0, 0, q_idx, kv_idx]
 
-    block_mask = create_block_mask(mask_mod, keep.shape[0] if batch_keep else None, None, q_len, k_len, device=q.device, _compile=True)
-    return flex(q, k, v, score_mod=alibi_score_mod(key_bias), block_mask=block_mask, scale=scale)
+        batch = keep.shape[0] if batch_keep else None
+        block_mask = create_block_mask(mask_mod, batch, None, q_len, k_len, device=q.device, _compile=True)
+        if cache is not None:
+            cache.block_mask = block_mask
+    return flex(q, k, v, score_mod=alibi_score_mod(key_bias.float()), block_mask=block_mask, scale=scale)

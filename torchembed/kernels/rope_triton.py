@@ -126,9 +126,14 @@ def _rope_kernel(
     HAS_PASS: tl.constexpr,  # copy dims [R, D) (out-of-place with R < D)
     CDT: tl.constexpr,  # compute dtype: float32 (float64 for float64 inputs)
     EMULATE_RTNE: tl.constexpr,  # interpreter-only bf16 rounding fix (see _round_f32_to_bf16_rtne)
+    HEADS_FAST: tl.constexpr,  # grid axis 0 enumerates head groups (else token blocks)
 ):
-    pid_s = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    if HEADS_FAST:  # consecutive programs take neighbouring heads of the same tokens
+        pid_h = tl.program_id(0)
+        pid_s = tl.program_id(1)
+    else:
+        pid_s = tl.program_id(0)
+        pid_h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
 
     s_idx = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -200,6 +205,10 @@ _TILE_PAIRS = 1024
 # one head per program for parallelism.
 _HPP_MIN_PROGRAMS = 8192
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Heads per program, largest first that divides both head counts (prefill-sized grids only).
+_HPP_CANDIDATES = (4, 2)
+# Grid order: head groups fastest (programs running together share their tokens' memory).
+_HEADS_FAST = False
 
 
 def _next_pow2(n: int) -> int:
@@ -212,7 +221,7 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
     n_s = triton.cdiv(S, block_s)
     hpp = 1
     if n_s * B * (Hq + Hk) >= _HPP_MIN_PROGRAMS:
-        for cand in (4, 2):
+        for cand in _HPP_CANDIDATES:
             if Hq % cand == 0 and Hk % cand == 0:
                 hpp = cand
                 break
@@ -233,9 +242,11 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
         HAS_PASS=has_pass,
         CDT=tl.float64 if dtype == torch.float64 else tl.float32,
         EMULATE_RTNE=_INTERPRET and dtype == torch.bfloat16,
+        HEADS_FAST=_HEADS_FAST and n_s < 65536,  # grid axis 1 is limited to 65535
         num_warps=num_warps,
     )
-    grid = (n_s, Hq // hpp + Hk // hpp, B)
+    n_h = Hq // hpp + Hk // hpp
+    grid = (n_h, n_s, B) if meta["HEADS_FAST"] else (n_s, n_h, B)
     constexprs = tuple(meta[name] for name in _CONSTEXPR_NAMES)  # signature order, for direct launch
     return grid, meta, Hq // hpp, constexprs
 
@@ -343,5 +354,5 @@ def _direct_launch(key, grid, meta, constexprs, args, device_index) -> None:
 
 _CONSTEXPR_NAMES = (
     "HALF", "D", "BLOCK_D", "BLOCK_P", "BLOCK_S", "HPP", "POS_MODE", "USE_INV_FREQ", "INTERLEAVED",
-    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE",
+    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST",
 )
