@@ -35,8 +35,10 @@ run() {  # run NAME TIMEOUT CMD...: log to $RESULTS/logs/NAME.log, print the tai
 for step in $STEPS; do
   case $step in
     tests)   run tests "${TESTS_LIMIT:-900}" "$PYTHON" -m pytest -q -x ${TEST_PATHS:-tests/kernels tests/positional tests/functional tests/patches} -p no:cacheprovider ;;
-    compare) run compare "${COMPARE_LIMIT:-600}" "$PYTHON" -m torchembed compare --device cuda ;
-             "$PYTHON" -m torchembed compare --device cuda --json >"$RESULTS/compare_cuda.json" 2>/dev/null ;;
+    compare) echo "=== compare (CUDA, fused kernel where it runs) -> compare_cuda.json"
+             timeout "${COMPARE_LIMIT:-600}" "$PYTHON" -m torchembed compare --device cuda --json \
+               >"$RESULTS/compare_cuda.json" 2>"$RESULTS/logs/compare.log"
+             echo "=== compare: rc=$? (1 = a mismatch)" ;;
     tune)    run tune "${TUNE_LIMIT:-600}" "$PYTHON" scripts/tune_rope.py ;;
     rope)    run rope "${ROPE_LIMIT:-900}" "$PYTHON" -m torchembed bench rope --out "$RESULTS" ${ROPE_ARGS:-} ;;
     alibi)   run alibi "${ALIBI_LIMIT:-900}" "$PYTHON" -m torchembed bench alibi --out "$RESULTS" ${ALIBI_ARGS:-} ;;

@@ -248,15 +248,17 @@ def test_partial_rotary(R, interleaved, inplace, poisoned):
 @pytest.mark.parametrize("Hq,Hk", [(3, 1), (5, 5), (4, 2), (1, 3)])
 @pytest.mark.parametrize("S", [1, 37])  # 37 > BLOCK_S (32 for D=64): several token blocks
 def test_heads_and_lengths(Hq, Hk, S, poisoned):
-    cfg = rope_triton._make_config(2, Hq, Hk, S, 64, 32, torch.float32, 0, False, False, False, False)
+    grid, meta, _, _ = rope_triton._make_config(2, Hq, Hk, S, 64, 32, torch.float32, 0, False, False, False, False)
     if S == 37:
-        assert cfg[0][0] > 1, "expected S to span several token blocks"
+        token_axis = 1 if meta["HEADS_FAST"] else 0
+        assert grid[token_axis] > 1, "expected S to span several token blocks"
     run_case(B=2, Hq=Hq, Hk=Hk, S=S, D=64)
 
 
 @pytest.mark.parametrize("heads_fast", [False, True])
 def test_grid_orders(monkeypatch, poisoned, heads_fast):
     monkeypatch.setattr(rope_triton, "_HEADS_FAST", heads_fast)
+    monkeypatch.setattr(rope_triton, "_HPP_CANDIDATES", (4, 2))
     monkeypatch.setattr(rope_triton, "_CFG", {})
     monkeypatch.setattr(rope_triton, "_HPP_MIN_PROGRAMS", 0)
     run_case(B=2, Hq=4, Hk=2, S=37, D=64)
@@ -266,6 +268,8 @@ def test_grid_orders(monkeypatch, poisoned, heads_fast):
 def test_heads_per_program_grouping(monkeypatch, poisoned):
     # Prefill-sized grids group several heads per program; force it at a small size.
     monkeypatch.setattr(rope_triton, "_HPP_MIN_PROGRAMS", 0)
+    monkeypatch.setattr(rope_triton, "_HPP_CANDIDATES", (4, 2))
+    monkeypatch.setattr(rope_triton, "_HEADS_FAST", False)
     monkeypatch.setattr(rope_triton, "_CFG", {})
     grid, meta, nqg, _ = rope_triton._make_config(2, 4, 2, 9, 64, 32, torch.float32, 0, False, False, False, False)
     assert meta["HPP"] == 2 and nqg == 2 and grid[1] == 3
