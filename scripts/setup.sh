@@ -5,6 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-"$PYTHON" -m pip install -q --upgrade pip
 "$PYTHON" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
 "$PYTHON" -m pip install -q -c scripts/constraints.txt -e ".[triton,hf,dev]"
