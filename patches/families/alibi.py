@@ -36,7 +36,7 @@ from torchembed.patches.actions import Component, OverrideAttribute, bind
 from torchembed.patches.rebind import rebind_globals
 from torchembed.patches.registry import Family, PatchOptions, register
 
-__all__ = ["bloom_alibi_tensor", "falcon_alibi_tensor", "mpt_alibi_tensor", "alibi_slopes_for"]
+__all__ = ["bloom_alibi_tensor", "falcon_alibi_tensor", "mpt_alibi_tensor"]
 
 
 def bloom_alibi_tensor(attention_mask: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
@@ -58,11 +58,6 @@ def mpt_alibi_tensor(num_heads: int, sequence_length: int, alibi_bias_max: float
     slopes = alibi_slopes(num_heads, device, max_bias=float(alibi_bias_max))
     distance = torch.arange(1 - sequence_length, 1, device=device, dtype=torch.float32)
     return slopes[:, None, None] * distance[None, None, :]
-
-
-def alibi_slopes_for(num_heads: int, device: torch.device | None = None) -> Tensor:
-    """Drop-in for BLOOM's ``_get_alibi_slopes(num_heads, device)``."""
-    return alibi_slopes(num_heads, device)
 
 
 def bloom_attention_forward(
@@ -221,7 +216,7 @@ register(
         encoding="alibi",
         adapters=(
             OverrideMethod("BloomModel", "build_alibi_tensor", bloom_alibi_tensor),
-            RebindForwardGlobals("BloomModel", {"_get_alibi_slopes": alibi_slopes_for}),
+            RebindForwardGlobals("BloomModel", {"_get_alibi_slopes": alibi_slopes}),  # same signature
             OverrideForward("BloomAttention", bloom_attention_forward),
         ),
         description="build_alibi_tensor / slopes -> torchembed ALiBi; attention -> fused ALiBi attention",
