@@ -1,0 +1,205 @@
+"""Train a tiny (patched) HF model for a few steps, single-process or data-parallel.
+
+    python scripts/train_distributed.py --model llama --patch before --out run1.safetensors
+    python -m torch.distributed.run --nproc_per_node=2 scripts/train_distributed.py \\
+        --model llama --patch before --out run2.safetensors
+
+Built for checking that torchembed-patched models train identically under DDP/FSDP
+(``accelerate.Accelerator().prepare(model, optimizer)``; gloo on CPU, nccl on CUDA):
+
+* model: ``tiny_config(--model)`` (hidden 64, 2 layers, vocab 128), random weights from ``--seed``,
+  float32, every dropout off, ``use_cache=False``;
+* data: each step draws ``--global-batch`` x ``--seq-len`` token ids from a generator seeded with
+  ``--seed``; rank r of N trains on rows ``[r*B/N, (r+1)*B/N)``, so N processes see exactly the
+  global batch one process sees (labels = inputs; every sequence has the same number of tokens,
+  so the mean of the per-rank mean losses is the global mean loss, and DDP's gradient average is
+  the single-process gradient up to float32 summation order);
+* AdamW at a fixed learning rate; deterministic algorithms on.
+
+``--patch before`` patches the plain model before ``prepare``; ``--patch after`` patches
+``accelerator.unwrap_model(model)`` after it. ``--fsdp`` uses accelerate's FSDP plugin (FSDP2,
+one unit per decoder layer); where accelerate cannot run FSDP (CPU/gloo) it says why and exits 3.
+``--cpu`` keeps a CUDA machine on CPU/gloo (what the tests use).
+``--out FILE``: rank 0 writes the final full state dict to FILE (safetensors when FILE ends in
+``.safetensors``, else ``torch.save``) and the per-step global losses (plus the run's settings)
+to FILE with the suffix ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+MODELS = ("llama", "falcon", "bloom", "gpt2")
+PATCH = ("none", "before", "after")
+FSDP_UNSUPPORTED = 3  # exit code: FSDP cannot run here
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="train_distributed.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama", choices=MODELS, help="tiny config (torchembed.tools.checkpoints)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--global-batch", type=int, default=4, help="sequences per step over all processes")
+    parser.add_argument("--seq-len", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--patch", default="before", choices=PATCH, help="torchembed.patch before/after prepare, or not")
+    parser.add_argument("--fsdp", action="store_true", help="accelerate's FSDP plugin (FSDP2) instead of DDP")
+    parser.add_argument("--grad-checkpointing", action="store_true", help="HF gradient checkpointing (non-reentrant)")
+    parser.add_argument("--cpu", action="store_true", help="CPU and gloo even where CUDA is available")
+    parser.add_argument("--out", type=Path, default=None, help="final parameters (rank 0); losses go to FILE.json")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.global_batch < 1 or args.seq_len < 2 or not args.lr > 0:
+        raise ValueError("--steps and --global-batch must be >= 1, --seq-len >= 2, --lr > 0")
+    if args.out is not None and args.out.suffix == ".json":
+        raise ValueError("--out names the parameter file (e.g. run.safetensors); the losses go next to it as .json")
+    return args
+
+
+def build_model(name: str, seq_len: int, seed: int) -> nn.Module:
+    """The tiny causal LM ``name`` in float32, seeded, dropout off, no KV cache, train mode."""
+    import transformers
+
+    from torchembed.tools.checkpoints import tiny_config
+
+    transformers.logging.set_verbosity_error()
+    config = tiny_config(name)
+    for key, value in config.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    config.use_cache = False
+    limit = getattr(config, "max_position_embeddings", None)
+    if name == "gpt2" and seq_len > limit:  # learned positions: no table rows past the limit
+        raise ValueError(f"--seq-len {seq_len} exceeds {name}'s {limit} positions")
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model.train()
+
+
+def checkpointing_on(model: nn.Module) -> None:
+    """HF gradient (activation) checkpointing of every decoder layer, non-reentrant."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def make_accelerator(fsdp: bool, model: nn.Module, cpu: bool) -> Any:
+    """An ``Accelerator`` (CPU/gloo with ``cpu`` or without CUDA); with ``fsdp``, accelerate's FSDP2 plugin.
+
+    Exits with :data:`FSDP_UNSUPPORTED` (after printing why) when accelerate does not run FSDP
+    here: it would otherwise fall back to plain DDP without a word.
+    """
+    import accelerate
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    cpu = cpu or not torch.cuda.is_available()
+    plugin = None
+    if fsdp:
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=list(model._no_split_modules or []), reshard_after_forward=True,
+            state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=False)
+    accelerator = Accelerator(cpu=cpu, fsdp_plugin=plugin)
+    if fsdp and accelerator.distributed_type != DistributedType.FSDP:
+        where = f"{accelerator.distributed_type.value} on {accelerator.device.type}"
+        backend = getattr(accelerator.state, "backend", None)
+        why = ("it needs several processes (torchrun)" if accelerator.num_processes == 1 else
+               "it enables FSDP only on accelerator devices (CUDA/XPU/NPU/...), not on CPU/gloo")
+        accelerator.print(
+            f"FSDP unsupported here: accelerate {accelerate.__version__} ran this as {where}"
+            f"{f' (backend {backend})' if backend else ''} and ignored the FSDP plugin: {why}; "
+            "training would silently fall back to DDP", file=sys.stderr, flush=True)
+        raise SystemExit(FSDP_UNSUPPORTED)
+    return accelerator
+
+
+def batches(steps: int, global_batch: int, seq_len: int, vocab: int, seed: int, rank: int,
+            world: int) -> list[torch.Tensor]:
+    """This rank's share of each step's global batch (identical global batches for any ``world``)."""
+    if global_batch % world:
+        raise ValueError(f"--global-batch {global_batch} is not divisible by the {world} processes")
+    local = global_batch // world
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (global_batch, seq_len), generator=generator)
+        out.append(ids[rank * local:(rank + 1) * local])
+    return out
+
+
+def save(path: Path, state: dict[str, torch.Tensor], record: dict[str, Any]) -> None:
+    """Parameters to ``path`` (safetensors or torch), ``record`` to ``path.with_suffix('.json')``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}  # unties shared weights
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(path))
+    else:
+        torch.save(tensors, path)
+    path.with_suffix(".json").write_text(json.dumps(record, indent=1))
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    import torchembed
+
+    model = build_model(args.model, args.seq_len, args.seed)
+    if args.grad_checkpointing:
+        checkpointing_on(model)
+    accelerator = make_accelerator(args.fsdp, model, args.cpu)
+    data = batches(args.steps, args.global_batch, args.seq_len, model.config.vocab_size, args.seed,
+                   accelerator.process_index, accelerator.num_processes)
+    if args.patch == "before":
+        torchembed.patch(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if args.patch == "after":
+        torchembed.patch(accelerator.unwrap_model(model))
+    patched = torchembed.is_patched(accelerator.unwrap_model(model))
+
+    losses = []
+    for step, ids in enumerate(data):
+        ids = ids.to(accelerator.device)
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        global_loss = accelerator.reduce(loss.detach(), reduction="mean").item()  # equal token counts per rank
+        if not math.isfinite(global_loss):
+            raise FloatingPointError(f"step {step}: loss {global_loss}")
+        losses.append(global_loss)
+        accelerator.print(f"step {step} loss {global_loss:.6f}", flush=True)
+
+    state = accelerator.get_state_dict(model)  # collective: every rank calls it
+    if args.out is not None and accelerator.is_main_process:
+        record = {"model": args.model, "world_size": accelerator.num_processes,
+                  "distributed_type": accelerator.distributed_type.value, "device": accelerator.device.type,
+                  "patch": args.patch, "patched": patched, "fsdp": args.fsdp,
+                  "grad_checkpointing": args.grad_checkpointing, "steps": args.steps,
+                  "global_batch": args.global_batch, "seq_len": args.seq_len, "seed": args.seed, "lr": args.lr,
+                  "losses": losses}
+        save(args.out, state, record)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
