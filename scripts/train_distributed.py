@@ -18,7 +18,8 @@ Built for checking that torchembed-patched models train identically under DDP/FS
 
 ``--patch before`` patches the plain model before ``prepare``; ``--patch after`` patches
 ``accelerator.unwrap_model(model)`` after it. ``--fsdp`` uses accelerate's FSDP plugin (FSDP2,
-one unit per decoder layer); where accelerate cannot run FSDP (CPU/gloo) it says why and exits 3.
+one unit per decoder layer); where accelerate does not run FSDP (CPU/gloo, or one process) it
+says why and exits 3 (accelerate would otherwise fall back to DDP without a word).
 ``--cpu`` keeps a CUDA machine on CPU/gloo (what the tests use).
 ``--out FILE``: rank 0 writes the final full state dict to FILE (safetensors when FILE ends in
 ``.safetensors``, else ``torch.save``) and the per-step global losses (plus the run's settings)
@@ -97,34 +98,35 @@ def checkpointing_on(model: nn.Module) -> None:
 
 
 def make_accelerator(fsdp: bool, model: nn.Module, cpu: bool) -> Any:
-    """An ``Accelerator`` (CPU/gloo with ``cpu`` or without CUDA); with ``fsdp``, accelerate's FSDP2 plugin.
-
-    Exits with :data:`FSDP_UNSUPPORTED` (after printing why) when accelerate does not run FSDP
-    here: it would otherwise fall back to plain DDP without a word.
-    """
-    import accelerate
+    """An ``Accelerator`` (CPU/gloo with ``cpu`` or without CUDA); with ``fsdp``, accelerate's FSDP2
+    plugin, one unit per decoder layer (``model._no_split_modules``)."""
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils import FullyShardedDataParallelPlugin
 
-    cpu = cpu or not torch.cuda.is_available()
     plugin = None
     if fsdp:
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=list(model._no_split_modules or []), reshard_after_forward=True,
             state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=False)
-    accelerator = Accelerator(cpu=cpu, fsdp_plugin=plugin)
-    if fsdp and accelerator.distributed_type != DistributedType.FSDP:
-        where = f"{accelerator.distributed_type.value} on {accelerator.device.type}"
-        backend = getattr(accelerator.state, "backend", None)
-        why = ("it needs several processes (torchrun)" if accelerator.num_processes == 1 else
-               "it enables FSDP only on accelerator devices (CUDA/XPU/NPU/...), not on CPU/gloo")
-        accelerator.print(
-            f"FSDP unsupported here: accelerate {accelerate.__version__} ran this as {where}"
-            f"{f' (backend {backend})' if backend else ''} and ignored the FSDP plugin: {why}; "
-            "training would silently fall back to DDP", file=sys.stderr, flush=True)
-        raise SystemExit(FSDP_UNSUPPORTED)
-    return accelerator
+    return Accelerator(cpu=cpu or not torch.cuda.is_available(), fsdp_plugin=plugin)
+
+
+def fsdp_unsupported(accelerator: Any) -> str | None:
+    """Why accelerate is not running FSDP in this run (``None`` when it is): it ignores the plugin
+    outside multi-process accelerator-device runs and would silently train with DDP instead."""
+    import accelerate
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.FSDP:
+        return None
+    backend = getattr(accelerator.state, "backend", None)
+    where = f"{accelerator.distributed_type.value} on {accelerator.device.type}" + (f" (backend {backend})" if backend
+                                                                                    else "")
+    why = ("it needs several processes (torchrun)" if accelerator.num_processes == 1 else
+           "it enables FSDP only on accelerator devices (CUDA/XPU/NPU/...), not on CPU/gloo")
+    return (f"FSDP unsupported here: accelerate {accelerate.__version__} ran this as {where} and ignored the FSDP "
+            f"plugin: {why}; training would silently fall back to DDP")
 
 
 def batches(steps: int, global_batch: int, seq_len: int, vocab: int, seed: int, rank: int,
@@ -164,6 +166,10 @@ def main(argv: list[str]) -> int:
     if args.grad_checkpointing:
         checkpointing_on(model)
     accelerator = make_accelerator(args.fsdp, model, args.cpu)
+    if args.fsdp and (why := fsdp_unsupported(accelerator)) is not None:
+        accelerator.print(why, file=sys.stderr, flush=True)
+        accelerator.end_training()
+        return FSDP_UNSUPPORTED
     data = batches(args.steps, args.global_batch, args.seq_len, model.config.vocab_size, args.seed,
                    accelerator.process_index, accelerator.num_processes)
     if args.patch == "before":
@@ -202,4 +208,10 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # Skip interpreter finalization: with torch 2.13 and gloo a finished worker sometimes hangs
+    # there (~1 run in 30 here; c10d/autograd threads racing the GIL teardown, see
+    # pytorch/pytorch#190489). By now the files are written and the process group destroyed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
