@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchembed.tools.bench_train import checkpointing_on
+
 MODELS = ("llama", "falcon", "bloom", "gpt2")
 PATCH = ("none", "before", "after")
 FSDP_UNSUPPORTED = 3  # exit code: FSDP cannot run here
@@ -86,15 +88,6 @@ def build_model(name: str, seq_len: int, seed: int) -> nn.Module:
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     return model.train()
-
-
-def checkpointing_on(model: nn.Module) -> None:
-    """HF gradient (activation) checkpointing of every decoder layer, non-reentrant."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x; the old name warns
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def make_accelerator(fsdp: bool, model: nn.Module, cpu: bool) -> Any:
