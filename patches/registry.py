@@ -13,7 +13,6 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from torchembed.patches.actions import Component
 
 __all__ = ["Adapter", "Family", "REGISTRY", "register", "resolve", "supported_families"]
 
@@ -66,7 +65,3 @@ def resolve(config: Any) -> Family | None:
 def supported_families() -> list[Family]:
     """Every registered family, sorted by model type."""
     return [f for model_type in sorted(REGISTRY) for f in REGISTRY[model_type]]
-
-
-def describe(actions: list[Any]) -> list[Component]:
-    return [action.component for action in actions]

@@ -35,7 +35,7 @@ def test_slopes_12_heads_explicit():
 
 @pytest.mark.parametrize("heads", [5, 12, 16])
 def test_slopes_match_bloom_and_mpt(heads):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.models.bloom.modeling_bloom import build_alibi_tensor
     from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 

@@ -7,7 +7,6 @@ import torch
 
 import torchembed
 from torchembed.patches import FusedUnavailableError, UnsupportedModelError
-from torchembed.tools.checkpoints import TINY_MODELS
 
 transformers = pytest.importorskip("transformers")
 FAMILY_MODELS = ["llama", "mistral", "falcon", "falcon-alibi", "bloom", "mpt", "bert", "gpt2"]

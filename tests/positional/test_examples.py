@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from torchembed import kernels
 
 
 def test_rotary_basic_usage_llama_style():

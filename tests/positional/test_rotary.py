@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import TOL, max_err, rope_oracle
+from tests.helpers import TOL, rope_oracle
 from torchembed.positional import RotaryEmbedding
 
 
