@@ -16,6 +16,11 @@ Built for checking that torchembed-patched models train identically under DDP/FS
   the single-process gradient up to float32 summation order);
 * AdamW at a fixed learning rate; deterministic algorithms on.
 
+``--size 1b --dtype bfloat16`` trains the ~1B-parameter LLaMA/Falcon configs of ``torchembed bench
+e2e`` instead (pure bf16: parameters, gradients, AdamW states) for throughput: the record then holds
+each step's wall time (``step_ms``, device synchronised, the first ``--warmup`` steps excluded) and
+``tokens_per_s`` over all processes.
+
 ``--patch before`` patches the plain model before ``prepare``; ``--patch after`` patches
 ``accelerator.unwrap_model(model)`` after it. ``--fsdp`` uses accelerate's FSDP plugin (FSDP2,
 one unit per decoder layer); where accelerate does not run FSDP (CPU/gloo, or one process) it
@@ -33,15 +38,21 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from torchembed import kernels
+
 from torchembed.tools.bench_train import checkpointing_on
 
 MODELS = ("llama", "falcon", "bloom", "gpt2")
+SIZES = {"tiny": MODELS, "1b": ("llama", "falcon")}  # sizes and the models each offers
+ROPE_MODELS = ("llama", "falcon")  # patched, these rotate q/k with the Triton kernel where it runs
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PATCH = ("none", "before", "after")
 FSDP_UNSUPPORTED = 3  # exit code: FSDP cannot run here
 
@@ -53,6 +64,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=4, help="sequences per step over all processes")
     parser.add_argument("--seq-len", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", default="tiny", choices=tuple(SIZES), help="tiny test config or ~1B (llama/falcon)")
+    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="parameters, gradients, optimizer")
+    parser.add_argument("--warmup", type=int, default=0, help="first steps left out of step_ms / tokens_per_s")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--patch", default="before", choices=PATCH, help="torchembed.patch before/after prepare, or not")
     parser.add_argument("--fsdp", action="store_true", help="accelerate's FSDP plugin (FSDP2) instead of DDP")
@@ -62,19 +76,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.global_batch < 1 or args.seq_len < 2 or not args.lr > 0:
         raise ValueError("--steps and --global-batch must be >= 1, --seq-len >= 2, --lr > 0")
+    if not 0 <= args.warmup < args.steps:
+        raise ValueError(f"--warmup must be in [0, --steps), got {args.warmup} with --steps {args.steps}")
+    if args.model not in SIZES[args.size]:
+        raise ValueError(f"--size {args.size} offers {', '.join(SIZES[args.size])}, not {args.model!r}")
     if args.out is not None and args.out.suffix == ".json":
         raise ValueError("--out names the parameter file (e.g. run.safetensors); the losses go next to it as .json")
     return args
 
 
-def build_model(name: str, seq_len: int, seed: int) -> nn.Module:
-    """The tiny causal LM ``name`` in float32, seeded, dropout off, no KV cache, train mode."""
+def build_model(name: str, seq_len: int, seed: int, size: str = "tiny",
+                dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The causal LM ``name`` (``size`` tiny or 1b) in ``dtype``, seeded, dropout off, no KV cache,
+    train mode."""
     import transformers
 
+    from torchembed.tools.bench_e2e import make_config
     from torchembed.tools.checkpoints import tiny_config
 
     transformers.logging.set_verbosity_error()
-    config = tiny_config(name)
+    config = tiny_config(name) if size == "tiny" else make_config(name, False, seq_len + 8)
     for key, value in config.to_dict().items():
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
@@ -83,7 +104,7 @@ def build_model(name: str, seq_len: int, seed: int) -> nn.Module:
     if name == "gpt2" and seq_len > limit:  # learned positions: no table rows past the limit
         raise ValueError(f"--seq-len {seq_len} exceeds {name}'s {limit} positions")
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -155,7 +176,7 @@ def main(argv: list[str]) -> int:
     torch.use_deterministic_algorithms(True, warn_only=True)
     import torchembed
 
-    model = build_model(args.model, args.seq_len, args.seed)
+    model = build_model(args.model, args.seq_len, args.seed, args.size, DTYPES[args.dtype])
     if args.grad_checkpointing:
         checkpointing_on(model)
     accelerator = make_accelerator(args.fsdp, model, args.cpu)
@@ -173,27 +194,41 @@ def main(argv: list[str]) -> int:
         torchembed.patch(accelerator.unwrap_model(model))
     patched = torchembed.is_patched(accelerator.unwrap_model(model))
 
-    losses = []
+    losses, step_ms = [], []
+    sync = torch.cuda.synchronize if accelerator.device.type == "cuda" else (lambda: None)
     for step, ids in enumerate(data):
+        sync()
+        start = time.perf_counter()
         ids = ids.to(accelerator.device)
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        sync()
+        step_ms.append((time.perf_counter() - start) * 1e3)
         global_loss = accelerator.reduce(loss.detach(), reduction="mean").item()  # equal token counts per rank
         if not math.isfinite(global_loss):
             raise FloatingPointError(f"step {step}: loss {global_loss}")
         losses.append(global_loss)
-        accelerator.print(f"step {step} loss {global_loss:.6f}", flush=True)
+        accelerator.print(f"step {step} loss {global_loss:.6f} {step_ms[-1]:.1f} ms", flush=True)
+    timed = sorted(step_ms[args.warmup:])
+    median_ms = timed[len(timed) // 2] if len(timed) % 2 else sum(timed[len(timed) // 2 - 1:len(timed) // 2 + 1]) / 2
 
     state = accelerator.get_state_dict(model)  # collective: every rank calls it
     if args.out is not None and accelerator.is_main_process:
+        probe = torch.empty(1, 1, 1, 2, device=accelerator.device, dtype=DTYPES[args.dtype])
         record = {"model": args.model, "world_size": accelerator.num_processes,
                   "distributed_type": accelerator.distributed_type.value, "device": accelerator.device.type,
-                  "patch": args.patch, "patched": patched, "fsdp": args.fsdp,
+                  "patch": args.patch, "patched": patched, "fsdp": args.fsdp, "size": args.size,
+                  "dtype": args.dtype, "rope_kernel": patched and args.model in ROPE_MODELS and kernels.kernel_can_run(probe),
                   "grad_checkpointing": args.grad_checkpointing, "steps": args.steps,
                   "global_batch": args.global_batch, "seq_len": args.seq_len, "seed": args.seed, "lr": args.lr,
-                  "losses": losses}
+                  "losses": losses, "warmup": args.warmup, "step_ms": step_ms, "median_step_ms": median_ms,
+                  "tokens_per_s": args.global_batch * args.seq_len * 1e3 / median_ms,
+                  "peak_mem_gb": (torch.cuda.max_memory_allocated(accelerator.device) / 1e9
+                                  if accelerator.device.type == "cuda" else None),
+                  "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+                  if accelerator.device.type == "cuda" else []}
         save(args.out, state, record)
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -1,0 +1,433 @@
+"""Patched models on several GPUs of one host: a model split over the GPUs, DDP and FSDP training.
+
+    bash scripts/multi_gpu.sh                      # every part, every visible GPU
+    python scripts/multi_gpu.py --parts infer --out benchmarks/results/$(date +%F)
+    python scripts/multi_gpu.py --smoke --out /tmp/mg   # CPU, tiny configs, 2 gloo processes
+
+Parts (``--parts``, comma-separated):
+
+* ``infer``: a ~1B LLaMA-style and a ~0.9B BLOOM-style random-weight checkpoint (``save_pretrained``
+  then ``from_pretrained(device_map="auto")``, bf16) split layer-wise over the GPUs. Logits on a
+  batch with a left-padded row (real tokens only) of upstream, patched and unpatched, against a
+  float32 copy of the same weights on one GPU: the patched error must not exceed upstream's by
+  more than ``ERROR_ALLOWANCE`` (other bf16 ops are noisy), unpatching must restore upstream's
+  logits bit for bit, and the split patched model is compared with the same model on one GPU.
+  Then greedy generation, patched vs upstream on the split model, interleaved repeats: prefill
+  ms and decode tokens/s.
+* ``parity``: ``scripts/train_distributed.py`` (tiny configs, float32, patched with the fused
+  kernels) on one GPU vs ``accelerate launch`` DDP and FSDP on all GPUs: same global batches, so
+  parameters after the steps agree to float32 summation order (``PARAM_ATOL``, the reasoning is
+  in tests/distributed/test_ddp.py) and losses to ``LOSS_RTOL``; the one-GPU upstream run gives
+  the patched-vs-upstream loss difference.
+* ``speed``: the ~1B LLaMA config trained in bf16 (``--size 1b``), DDP and FSDP over all GPUs and
+  one GPU at the same per-GPU batch, upstream vs patched: tokens/s (median step) and peak memory.
+
+NCCL's NVLink multicast stays off (``NCCL_NVLS_ENABLE=0`` and friends, set for every child).
+Writes ``multi_gpu.json`` and ``multi_gpu.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "scripts" / "train_distributed.py"
+PARTS = ("infer", "parity", "speed")
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+ERROR_ALLOWANCE = 1.05  # patched bf16 mean error vs float32 <= 1.05 x upstream's
+PARAM_ATOL, LOSS_RTOL = 1e-5, 1e-5
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="multi_gpu.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / str(datetime.date.today()))
+    parser.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny configs, 2 gloo processes (checks the script)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each generation")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per training launch")
+    args = parser.parse_args(argv)
+    args.parts = [p for p in args.parts.split(",") if p]
+    if unknown := set(args.parts) - set(PARTS):
+        parser.error(f"unknown part(s) {sorted(unknown)}; choose from {PARTS}")
+    if args.smoke:
+        args.gpus = 2  # processes
+    else:
+        count = torch.cuda.device_count()
+        args.gpus = count if args.gpus is None else args.gpus
+        if args.gpus < 2 or args.gpus > count:
+            parser.error(f"needs 2 or more GPUs (--gpus {args.gpus}, {count} visible); --smoke runs on CPU")
+    return args
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    import accelerate
+    import transformers
+    import triton
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if not args.smoke else []
+    return {"date": str(datetime.date.today()), "python": platform.python_version(), "torch": torch.__version__,
+            "triton": triton.__version__, "transformers": transformers.__version__,
+            "accelerate": accelerate.__version__,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None, "gpus": gpus,
+            "gpus_used": args.gpus, "env": {k: os.environ.get(k) for k in NO_MULTICAST}}
+
+
+# --- infer: one model split over the GPUs -----------------------------------------------
+
+
+def infer_configs(smoke: bool) -> dict[str, Any]:
+    """``name -> config``: ~1B LLaMA (``torchembed bench e2e``'s) and ~0.9B BLOOM (hidden 2048, 16 layers)."""
+    import transformers
+
+    from torchembed.tools.bench_e2e import make_config
+    from torchembed.tools.checkpoints import tiny_config
+
+    if smoke:
+        return {"llama": tiny_config("llama"), "bloom": tiny_config("bloom")}
+    bloom = transformers.BloomConfig(hidden_size=2048, n_layer=16, n_head=16, vocab_size=32000)
+    return {"llama": make_config("llama", False, 4096), "bloom": bloom}
+
+
+def load(path: Path, dtype: torch.dtype, device_map: Any, gpus: int, smoke: bool) -> torch.nn.Module:
+    """``from_pretrained(path)``; with ``device_map="auto"`` also checks the layers are spread over
+    ``gpus`` devices (accelerate's balanced split), retrying with an explicit ``max_memory``."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map).eval()
+    if device_map != "auto" or smoke:
+        return model
+    used = {d for d in model.hf_device_map.values() if isinstance(d, int)}
+    if len(used) < gpus:
+        del model
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors")) * (4 if dtype == torch.float32 else 2) // 2
+        budget = {i: int(size / gpus * 1.15) + 2**30 for i in range(gpus)}
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, device_map="auto", max_memory=budget).eval()
+    return model
+
+
+def batch_inputs(vocab: int, device: torch.device, smoke: bool) -> dict[str, torch.Tensor]:
+    """2 rows of random ids, the second left-padded by a quarter; ``position_ids`` from the mask."""
+    seq = 32 if smoke else 512
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (2, seq), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, : seq // 4] = 0
+    ids[1, : seq // 4] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "position_ids": positions.to(device)}
+
+
+@torch.no_grad()
+def logits_of(model: torch.nn.Module, inputs: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    kwargs = dict(inputs)
+    if name == "bloom":  # positions come from the mask (ALiBi); BLOOM takes no position_ids
+        kwargs.pop("position_ids")
+    return model(**kwargs).logits.float().cpu()
+
+
+def infer_model(name: str, config: Any, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    import torchembed
+    from torchembed.tools import bench
+
+    device = torch.device("cpu" if args.smoke else "cuda:0")
+    split = "cpu" if args.smoke else "auto"
+    path = workdir / name
+    print(f"[infer] {name}: building and saving a random-weight checkpoint", flush=True)
+    torch.manual_seed(0)
+    source = bench.random_causal_lm(config, device, torch.bfloat16)
+    params = sum(p.numel() for p in source.parameters())
+    source.save_pretrained(path)
+    del source
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    inputs = batch_inputs(config.vocab_size, device, args.smoke)
+    real = inputs["attention_mask"].bool().cpu()  # compare real tokens only
+    reference = logits_of(load(path, torch.float32, {"": device.index or 0} if not args.smoke else "cpu",
+                               args.gpus, args.smoke), inputs, name)
+    model = load(path, torch.bfloat16, split, args.gpus, args.smoke)
+    device_map = dict(getattr(model, "hf_device_map", {}) or {})
+    upstream = logits_of(model, inputs, name)
+    torchembed.patch(model)
+    patched = logits_of(model, inputs, name)
+    components = len(torchembed.find_positional_components(model))
+    torchembed.unpatch(model)
+    restored = logits_of(model, inputs, name)
+    single = load(path, torch.bfloat16, {"": device.index or 0} if not args.smoke else "cpu", args.gpus, args.smoke)
+    torchembed.patch(single)
+    patched_single = logits_of(single, inputs, name)
+    del single
+
+    def mean_err(x: torch.Tensor) -> float:
+        return (x.double() - reference.double()).abs()[real].mean().item()
+
+    err_up, err_patched = mean_err(upstream), mean_err(patched)
+    record: dict[str, Any] = {
+        "model": name, "params": params, "devices": sorted({f"cuda:{d}" if isinstance(d, int) else str(d) for d in device_map.values()}) or [str(device)],
+        "device_map_layers": len(device_map), "components_patched": components,
+        "mean_abs_err_vs_fp32": {"upstream": err_up, "patched": err_patched},
+        "max_abs_diff_patched_vs_upstream": (patched - upstream).abs()[real].max().item(),
+        "argmax_agreement": (patched.argmax(-1) == upstream.argmax(-1))[real].float().mean().item(),
+        "max_abs_diff_split_vs_one_gpu": (patched - patched_single).abs()[real].max().item(),
+        "unpatch_bit_exact": torch.equal(restored, upstream),
+    }
+    record["ok"] = bool(err_patched <= ERROR_ALLOWANCE * err_up and record["unpatch_bit_exact"]
+                        and len(record["devices"]) >= (1 if args.smoke else 2))
+    print(f"[infer] {name}: {json.dumps(record)}", flush=True)
+    record["generate"] = generation_speed(model, config.vocab_size, device, args)
+    del model
+    return record
+
+
+def generation_speed(model: torch.nn.Module, vocab: int, device: torch.device,
+                     args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Greedy generation on the split model, upstream and patched in turns (the same object,
+    patched and unpatched in place): prefill ms, decode ms/token and tokens/s, median [min, max]."""
+    import torchembed
+    from torchembed.tools import bench
+
+    prompt, new_tokens = (16, 4) if args.smoke else (512, 64)
+    rows = []
+    for batch in (1, 8):
+        ids = torch.randint(1, vocab, (batch, prompt), generator=torch.Generator().manual_seed(batch)).to(device)
+        runs: dict[str, list[dict[str, float]]] = {"upstream": [], "patched": []}
+        for repeat in range(args.repeats + 1):  # the first round warms up (compiles, caches)
+            for variant in runs:
+                if variant == "patched":
+                    torchembed.patch(model)
+                timing = bench.generate_timed(model, ids, new_tokens)
+                torchembed.unpatch(model)
+                if repeat:
+                    runs[variant].append(timing)
+        row: dict[str, Any] = {"batch": batch, "prompt": prompt, "new_tokens": new_tokens}
+        for variant, timings in runs.items():
+            per_token = bench.stats([t["per_token"] for t in timings])
+            row[variant] = {"prefill_ms": bench.stats([t["prefill"] for t in timings]), "per_token_ms": per_token,
+                            "decode_tokens_per_s": batch * 1e3 / per_token["median"]}
+        row["decode_speedup"] = row["upstream"]["per_token_ms"]["median"] / row["patched"]["per_token_ms"]["median"]
+        print(f"[infer] generate batch {batch}: {json.dumps(row)}", flush=True)
+        rows.append(row)
+    return rows
+
+
+# --- training runs (parity, speed) ------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(out: Path, procs: int, script_args: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Run train_distributed.py: one process on GPU 0 (``procs`` == 1) or ``accelerate launch`` over
+    ``procs`` GPUs (torchrun with gloo on CPU for ``--smoke``). Returns its record (+ params path)."""
+    env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1" if args.smoke else "4"}
+    for key in [k for k in env if k.startswith(("ACCELERATE_", "TORCHELASTIC_"))] + ["RANK", "WORLD_SIZE", "LOCAL_RANK"]:
+        env.pop(key, None)
+    if procs == 1:
+        if not args.smoke:
+            env["CUDA_VISIBLE_DEVICES"] = "0"
+        cmd = [sys.executable, str(TRAIN)]
+    elif args.smoke:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs}", "--master-addr=127.0.0.1",
+               f"--master-port={free_port()}", str(TRAIN)]
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(procs)))
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={procs}",
+               "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", f"--main_process_port={free_port()}",
+               str(TRAIN)]
+    cmd += [*script_args, "--out", str(out)] + (["--cpu"] if args.smoke else [])
+    print(f"[train] {' '.join(cmd[cmd.index(str(TRAIN)):])} ({procs} process{'es' if procs > 1 else ''})", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0 or not out.exists():
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        print(f"[train] FAILED rc={proc.returncode}\n{tail}", flush=True)
+        return {"returncode": proc.returncode, "error": tail, "wall_s": wall}
+    record = json.loads(out.with_suffix(".json").read_text())
+    record.update(returncode=0, wall_s=wall, params_file=str(out))
+    return record
+
+
+def params_of(record: dict[str, Any]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(record["params_file"])
+
+
+def parity(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    """Single GPU vs DDP / FSDP on ``args.gpus`` GPUs, patched (tiny configs, float32)."""
+    rows = []
+    common = ["--steps", "3", "--global-batch", str(2 * args.gpus), "--seq-len", "32", "--lr", "1e-3"]
+    modes = ["ddp"] + ([] if args.smoke else ["fsdp"])  # FSDP needs accelerator devices
+    for model in ("llama", "falcon", "bloom"):
+        base = [*common, "--model", model]
+        single = launch(workdir / f"{model}-single.safetensors", 1, [*base, "--patch", "before"], args)
+        upstream = launch(workdir / f"{model}-upstream.safetensors", 1, [*base, "--patch", "none"], args)
+        for mode in modes:
+            dist = launch(workdir / f"{model}-{mode}.safetensors", args.gpus,
+                          [*base, "--patch", "before", *(["--fsdp"] if mode == "fsdp" else [])], args)
+            row: dict[str, Any] = {"model": model, "mode": mode, "processes": args.gpus}
+            if any(r.get("returncode") for r in (single, upstream, dist)):
+                row.update(ok=False, error=next(r["error"] for r in (single, upstream, dist) if r.get("returncode")))
+                rows.append(row)
+                continue
+            a, b = params_of(single), params_of(dist)
+            diffs = {k: (a[k] - b[k]).abs().max().item() for k in a if k in b}
+            worst = max(diffs, key=diffs.get)
+            loss_rel = max(abs(x - y) / abs(x) for x, y in zip(single["losses"], dist["losses"]))
+            up = params_of(upstream)
+            vs_upstream = max((a[k] - up[k]).abs().max().item() for k in a)
+            row.update(
+                distributed_type=dist["distributed_type"], rope_kernel=dist["rope_kernel"],
+                same_keys=sorted(a) == sorted(b), max_param_diff=diffs[worst], worst_param=worst,
+                max_loss_rel_diff=loss_rel, losses_single=single["losses"], losses_dist=dist["losses"],
+                losses_upstream_single=upstream["losses"],
+                max_loss_rel_diff_patched_vs_upstream=max(
+                    abs(x - y) / abs(x) for x, y in zip(upstream["losses"], single["losses"])),
+                max_param_diff_patched_vs_upstream=vs_upstream)
+            row["ok"] = bool(row["same_keys"] and row["max_param_diff"] <= PARAM_ATOL and loss_rel <= LOSS_RTOL
+                             and dist["world_size"] == args.gpus
+                             and dist["distributed_type"] == ("FSDP" if mode == "fsdp" else "MULTI_GPU" if not args.smoke
+                                                              else "MULTI_CPU"))
+            print(f"[parity] {model} {mode}: ok={row['ok']} max param diff {row['max_param_diff']:.2e} "
+                  f"({worst}), loss rel diff {loss_rel:.2e}", flush=True)
+            rows.append(row)
+    return rows
+
+
+def speed(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    """~1B LLaMA, bf16: DDP, FSDP and one GPU (same per-GPU batch), upstream vs patched."""
+    per_gpu, seq = (2, 32) if args.smoke else (4, 2048)
+    size = ["--size", "tiny", "--dtype", "float32"] if args.smoke else ["--size", "1b", "--dtype", "bfloat16"]
+    base = [*size, "--model", "llama", "--steps", "12", "--warmup", "4", "--seq-len", str(seq), "--lr", "1e-5"]
+    modes = [("one-gpu", 1)] + [("ddp", args.gpus)] + ([] if args.smoke else [("fsdp", args.gpus)])
+    rows = []
+    for mode, procs in modes:
+        row: dict[str, Any] = {"model": "llama-1b" if not args.smoke else "llama-tiny", "mode": mode,
+                               "processes": procs, "global_batch": per_gpu * procs, "seq_len": seq}
+        for patch in ("none", "before"):
+            variant = "upstream" if patch == "none" else "patched"
+            rec = launch(workdir / f"speed-{mode}-{variant}.safetensors", procs,
+                         [*base, "--global-batch", str(per_gpu * procs), "--patch", patch,
+                          *(["--fsdp"] if mode == "fsdp" else [])], args)
+            row[variant] = ({"error": rec["error"]} if rec.get("returncode") else
+                            {k: rec[k] for k in ("median_step_ms", "step_ms", "tokens_per_s", "peak_mem_gb",
+                                                 "distributed_type", "rope_kernel")})
+        if "tokens_per_s" in row["upstream"] and "tokens_per_s" in row["patched"]:
+            row["speedup"] = row["patched"]["tokens_per_s"] / row["upstream"]["tokens_per_s"]
+        print(f"[speed] {json.dumps({k: v for k, v in row.items() if k not in ('upstream', 'patched')})}", flush=True)
+        rows.append(row)
+    return rows
+
+
+# --- report -----------------------------------------------------------------------------------------
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env = result["environment"]
+    lines = [f"# Multi-GPU: patched vs upstream ({env['date']})", "",
+             f"{env['gpus_used']} x {env['gpus'][0] if env['gpus'] else 'CPU (smoke)'}; torch {env['torch']}, "
+             f"triton {env['triton']}, transformers {env['transformers']}, accelerate {env['accelerate']}, "
+             f"NCCL {env['nccl']}; NVLink multicast off ({', '.join(f'{k}={v}' for k, v in env['env'].items())}).",
+             ""]
+    if rows := result.get("infer"):
+        lines += ["## One model split over the GPUs (`device_map=\"auto\"`, bf16)", "",
+                  "| model | params | devices | mean err vs fp32 upstream / patched | max diff patched-upstream "
+                  "| argmax agree | split vs one GPU | unpatch exact | ok |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            e = r["mean_abs_err_vs_fp32"]
+            lines.append(f"| {r['model']} | {r['params'] / 1e9:.2f}B | {', '.join(r['devices'])} | {e['upstream']:.2e} / "
+                         f"{e['patched']:.2e} | {r['max_abs_diff_patched_vs_upstream']:.2e} | "
+                         f"{r['argmax_agreement']:.4f} | {r['max_abs_diff_split_vs_one_gpu']:.1e} | "
+                         f"{r['unpatch_bit_exact']} | {r['ok']} |")
+        lines += ["", "Greedy generation on the split model (median [min-max] of interleaved repeats):", "",
+                  "| model | batch | prompt | prefill ms upstream / patched | decode ms/token upstream / patched "
+                  "| decode tokens/s upstream / patched | speedup |", "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            for g in r["generate"]:
+                u, p = g["upstream"], g["patched"]
+                lines.append(f"| {r['model']} | {g['batch']} | {g['prompt']} | {u['prefill_ms']['median']:.1f} / "
+                             f"{p['prefill_ms']['median']:.1f} | {_stat(u['per_token_ms'])} / {_stat(p['per_token_ms'])}"
+                             f" | {u['decode_tokens_per_s']:.0f} / {p['decode_tokens_per_s']:.0f} | "
+                             f"{g['decode_speedup']:.2f}x |")
+        lines.append("")
+    if rows := result.get("parity"):
+        lines += ["## Training parity: one GPU vs all GPUs (tiny configs, float32, patched, 3 AdamW steps)", "",
+                  "| model | mode | accelerate | RoPE kernel | max param diff (worst) | max loss rel diff "
+                  "| one GPU patched vs upstream: loss / params | ok |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if "error" in r:
+                lines.append(f"| {r['model']} | {r['mode']} | failed | | | | | False |")
+                continue
+            lines.append(f"| {r['model']} | {r['mode']} | {r['distributed_type']} | {r['rope_kernel']} | "
+                         f"{r['max_param_diff']:.1e} ({r['worst_param']}) | {r['max_loss_rel_diff']:.1e} | "
+                         f"{r['max_loss_rel_diff_patched_vs_upstream']:.1e} / {r['max_param_diff_patched_vs_upstream']:.1e} | "
+                         f"{r['ok']} |")
+        lines += ["", f"Tolerances: parameters {PARAM_ATOL} absolute (an optimizer step moves them by ~1e-3), "
+                  f"losses {LOSS_RTOL} relative.", ""]
+    if rows := result.get("speed"):
+        lines += ["## Training throughput (LLaMA ~1B, bf16 AdamW, batch per GPU x 2048 tokens)", "",
+                  "| mode | GPUs | global batch | tokens/s upstream | tokens/s patched | speedup | peak GB upstream / patched |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            u, p = r["upstream"], r["patched"]
+            if "error" in u or "error" in p:
+                lines.append(f"| {r['mode']} | {r['processes']} | {r['global_batch']} | failed | | | |")
+                continue
+            lines.append(f"| {r['mode']} | {r['processes']} | {r['global_batch']} | {u['tokens_per_s']:.0f} | "
+                         f"{p['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {_gb(u)} / {_gb(p)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _stat(s: dict[str, float]) -> str:
+    return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+
+
+def _gb(r: dict[str, Any]) -> str:
+    return "n/a" if r.get("peak_mem_gb") is None else f"{r['peak_mem_gb']:.1f}"
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    os.environ.update(NO_MULTICAST)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"environment": environment(args), "smoke": args.smoke}
+    name = "multi_gpu_smoke" if args.smoke else "multi_gpu"
+    with tempfile.TemporaryDirectory(prefix="torchembed-multi-gpu-") as tmp:
+        workdir = Path(tmp)
+        for part in args.parts:
+            if part == "infer":
+                configs = infer_configs(args.smoke)
+                result["infer"] = [infer_model(model, config, args, workdir) for model, config in configs.items()]
+            elif part == "parity":
+                result["parity"] = parity(args, workdir)
+            elif part == "speed":
+                result["speed"] = speed(args, workdir)
+            (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))  # after each part
+    (args.out / f"{name}.md").write_text(markdown(result))
+    print(markdown(result))
+    failed = [r for part in ("infer", "parity") for r in result.get(part, []) if not r.get("ok")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
