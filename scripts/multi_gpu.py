@@ -23,7 +23,8 @@ Parts (``--parts``, comma-separated):
   one GPU at the same per-GPU batch, upstream vs patched: tokens/s (median step) and peak memory.
 
 NCCL's NVLink multicast stays off (``NCCL_NVLS_ENABLE=0`` and friends, set for every child).
-Writes ``multi_gpu.json`` and ``multi_gpu.md`` to ``--out``.
+Writes ``multi_gpu.json`` and ``multi_gpu.md`` to ``--out`` (parts already in a ``multi_gpu.json``
+there and not run again are kept, so the parts can be run in separate calls).
 """
 
 from __future__ import annotations
@@ -410,8 +411,10 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     os.environ.update(NO_MULTICAST)
     args.out.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"environment": environment(args), "smoke": args.smoke}
     name = "multi_gpu_smoke" if args.smoke else "multi_gpu"
+    previous = args.out / f"{name}.json"  # parts run earlier into the same folder are kept
+    result: dict[str, Any] = json.loads(previous.read_text()) if previous.exists() else {}
+    result.update(environment=environment(args), smoke=args.smoke)
     with tempfile.TemporaryDirectory(prefix="torchembed-multi-gpu-") as tmp:
         workdir = Path(tmp)
         for part in args.parts:
