@@ -40,6 +40,9 @@ class Family:
     description: str
     applies: Callable[[Any], bool] = field(default=lambda config: True)
     variant: str = ""  # shown in `torchembed list` when a model_type has several families
+    # The attn_implementation whose upstream function the patched model computes under every
+    # setting, where upstream's implementations disagree ("" = each its own; Falcon-ALiBi: "sdpa").
+    reference_attn: str = ""
 
     @property
     def name(self) -> str:

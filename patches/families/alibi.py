@@ -1,4 +1,4 @@
-"""ALiBi families (BLOOM, MPT, Falcon with ``alibi=True``): torchembed's slopes and bias.
+"""ALiBi families (BLOOM, MPT, Falcon with ``alibi=True``): torchembed's slopes, bias and attention.
 
 Upstream builds the bias in key-only form (``slope * position_of_key``), which differs from the
 paper's ``-slope * |i - j|`` by a constant per query row, which softmax ignores. torchembed's
@@ -10,16 +10,28 @@ and round least in low precision.
 * BLOOM: ``BloomModel.build_alibi_tensor`` (instance method) and, where transformers builds the
   bias inline without a mask, the slopes it uses (``_get_alibi_slopes``, rebound for the instance).
 * MPT: ``MptModel.build_mpt_alibi_tensor`` (instance method).
-* Falcon: ``build_alibi_tensor`` as called by ``FalconModel.forward`` (rebound for the instance).
-  Upstream rounds Falcon's slopes to bfloat16 even in float32 models; torchembed does not, so for
-  head counts whose slopes are not powers of two the two differ by that rounding.
+* Falcon: ``build_alibi_tensor`` and ``create_causal_mask`` as called by ``FalconModel.forward``
+  (rebound for the instance). Upstream rounds Falcon's slopes to bfloat16 even in float32 models;
+  torchembed does not, so for head counts whose slopes are not powers of two the two differ by
+  that rounding.
 
-BLOOM and MPT also get torchembed's attention (``BloomAttention``/``MptAttention`` forward, per
-instance): upstream's eager attention materialises the scores in the model dtype, a float32
-softmax and the probabilities; torchembed's runs ALiBi inside FlexAttention on CUDA prefill
-(nothing quadratic materialised, masked blocks skipped) and SDPA with a row-centred bias
-elsewhere (:func:`torchembed.kernels.alibi_attention.alibi_attention`). ``output_attentions=True``
-and BLOOM's ``slow_but_exact`` tensor-parallel emulation fall back to upstream's forward.
+All three also get torchembed's attention (``BloomAttention``/``MptAttention``/``FalconAttention``
+forward, per instance): upstream's eager attention materialises the scores in the model dtype, a
+float32 softmax and the probabilities, and Falcon's model folds the bias into a ``(b, h, q, k)``
+mask in the model dtype that every layer reads; torchembed's runs ALiBi inside FlexAttention on
+CUDA prefill (nothing quadratic materialised, masked blocks skipped) and SDPA with a row-centred
+bias elsewhere (:func:`torchembed.kernels.alibi_attention.alibi_attention`).
+``output_attentions=True`` and BLOOM's ``slow_but_exact`` tensor-parallel emulation fall back to
+upstream's forward.
+
+Falcon: the patched ``FalconModel.forward`` gets the mask from :func:`falcon_causal_mask`, which
+drops the singleton head dim of ``create_causal_mask``'s ``(b, 1, q, k)`` mask, so upstream's
+fold (taken only for a 4-D mask) is skipped; the layers receive the ``(b * h, 1, k)`` float32 key
+bias and the ``(b, q, k)`` mask separately. The patched attention computes upstream's **sdpa**
+path, ``softmax(q k^T / sqrt(d) + alibi / sqrt(d))``, whatever ``attn_implementation`` says:
+upstream's eager path adds the bias a second time on top of the folded mask (an upstream bug),
+so a patched eager Falcon-ALiBi model differs from upstream eager and agrees with upstream sdpa
+(the registry records this as ``reference_attn="sdpa"``; ``torchembed compare`` uses it).
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ from torchembed.patches.actions import Component, OverrideAttribute, bind
 from torchembed.patches.rebind import rebind_globals
 from torchembed.patches.registry import Family, PatchOptions, register
 
-__all__ = ["bloom_alibi_tensor", "falcon_alibi_tensor", "mpt_alibi_tensor"]
+__all__ = ["bloom_alibi_tensor", "falcon_alibi_tensor", "falcon_causal_mask", "mpt_alibi_tensor"]
 
 
 def bloom_alibi_tensor(attention_mask: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
@@ -48,9 +60,33 @@ def bloom_alibi_tensor(attention_mask: Tensor, num_heads: int, dtype: torch.dtyp
 
 
 def falcon_alibi_tensor(attention_mask: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
-    """Falcon's bias from a ``(b, k)`` mask: ``(b * h, 1, k)`` in ``dtype`` (computed in float32),
-    since upstream's attention folds it into its mask."""
-    return bloom_alibi_tensor(attention_mask, num_heads, dtype).to(dtype)
+    """Falcon's bias from a ``(b, k)`` mask: ``(b * h, 1, k)`` float32, ``slope * position`` with
+    positions counted over non-padded keys as upstream (up to a constant per row). Not rounded to
+    bfloat16 and not scaled: :func:`falcon_attention_forward` multiplies it by ``1 / sqrt(d)`` in
+    float32 (``dtype`` is ignored)."""
+    return bloom_alibi_tensor(attention_mask, num_heads, dtype)
+
+
+def falcon_causal_mask(*args: Any, **kwargs: Any) -> Tensor | None:
+    """``create_causal_mask`` for ``FalconModel.forward``, returned without its head dim.
+
+    Upstream folds the ALiBi bias into the mask when it is 4-D (``causal_mask.ndim == 4``),
+    materialising ``(b, h, q, k)`` in the model dtype. The ``(b, 1, q, k)`` mask (bool, True =
+    attend; additive float for eager) is returned as the ``(b, q, k)`` view, so that fold is skipped
+    and :func:`falcon_attention_forward` gets the mask and the key bias separately. Other masks
+    (None, 2-D for flash attention) pass through unchanged.
+
+    Raises:
+        ValueError: a 4-D mask with several heads (nothing upstream produces).
+    """
+    from transformers import masking_utils
+
+    mask = masking_utils.create_causal_mask(*args, **kwargs)
+    if mask is None or mask.ndim != 4:
+        return mask
+    if mask.shape[1] != 1:
+        raise ValueError(f"expected a (b, 1, q, k) causal mask, got {tuple(mask.shape)}")
+    return mask[:, 0]
 
 
 def mpt_alibi_tensor(num_heads: int, sequence_length: int, alibi_bias_max: float = 8, device=None) -> Tensor:
@@ -90,6 +126,106 @@ def bloom_attention_forward(
     context = context.transpose(1, 2).reshape(batch, q_len, self.hidden_size)  # (b, s, h*d)
     output = F.dropout(self.dense(context), p=self.hidden_dropout, training=self.training) + residual
     return output, None
+
+
+def falcon_attention_forward(
+    self: nn.Module,
+    hidden_states: Tensor,
+    alibi: Tensor | None,
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None = None,
+    layer_past: Any = None,
+    use_cache: bool = False,
+    output_attentions: bool = False,
+    position_embeddings: Any = None,
+    **kwargs: Any,
+) -> tuple[Tensor, Tensor | None]:
+    """``FalconAttention.forward`` for ALiBi models with torchembed's ALiBi attention.
+
+    Computes upstream's sdpa path, ``softmax(q k^T / sqrt(d) + alibi / sqrt(d) | mask) v``.
+
+    Args:
+        hidden_states: ``(b, q, hidden)``.
+        alibi: ``(b * h, 1, k)`` key bias (:func:`falcon_alibi_tensor`).
+        attention_mask: ``(b, q, k)`` from :func:`falcon_causal_mask` or ``(b, 1, q, k)``; bool
+            (True = attend) or additive float (0 = attend); None: causal.
+
+    Returns:
+        ``(dense(context) (b, q, hidden), None)``; with ``output_attentions`` upstream's eager
+        forward runs on the unfolded mask and returns its ``(b, h, q, k)`` probabilities.
+
+    Raises:
+        ValueError: no ``alibi``, a 4-D float mask (upstream's fold, which already holds the
+            bias), or a bias that does not cover the keys (e.g. a static cache).
+    """
+    if alibi is None:
+        raise ValueError("torchembed's Falcon ALiBi attention needs the alibi bias (config.alibi=True)")
+    if attention_mask is not None and attention_mask.ndim == 4 and attention_mask.dtype != torch.bool:
+        raise ValueError(
+            "got a 4-D float attention mask, which upstream's FalconModel.forward folds the ALiBi bias into; "
+            "patch the whole model (torchembed.patch), not only its attention"
+        )
+    if output_attentions:
+        mask = _additive_mask(attention_mask, hidden_states, alibi.shape[-1])
+        return type(self).forward(
+            self, hidden_states, alibi, mask, position_ids, layer_past, use_cache, output_attentions, position_embeddings, **kwargs
+        )
+    batch, q_len, _ = hidden_states.shape
+    q, k, v = _falcon_qkv(self, hidden_states)
+    if layer_past is not None:
+        k, v = layer_past.update(k, v, self.layer_idx)
+    k_len = k.shape[-2]
+    if alibi.shape[-1] != k_len:
+        raise ValueError(f"ALiBi bias covers {alibi.shape[-1]} keys, attention has {k_len}")
+    key_bias = alibi.view(batch, self.num_heads, k_len).float() * self.inv_norm_factor  # upstream: alibi / sqrt(d)
+    keep, cache = _keep_mask(attention_mask, _falcon_keep)
+    k, v = _repeat_kv(k, self.num_heads), _repeat_kv(v, self.num_heads)
+    dropout = self.attention_dropout.p if self.training else 0.0
+    context = alibi_attention(q, k, v, key_bias, keep, scale=self.inv_norm_factor, dropout_p=dropout, cache=cache)
+    context = context.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)  # (b, q, h*d)
+    return self.dense(context), None
+
+
+def _falcon_qkv(attn: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q ``(b, h, s, d)`` and k, v ``(b, kv, s, d)`` as upstream's ``FalconAttention.forward``
+    (``kv`` = 1 for multi-query; ``new_decoder_architecture`` already repeats kv to ``h``)."""
+    num_kv_heads = attn.num_heads if attn.new_decoder_architecture else attn.num_kv_heads
+    query, key, value = attn._split_heads(attn.query_key_value(hidden_states))  # (b, s, heads, d)
+    batch, length = query.shape[:2]
+    q = query.transpose(1, 2).reshape(batch, attn.num_heads, length, attn.head_dim)
+    k = key.transpose(1, 2).reshape(batch, num_kv_heads, length, attn.head_dim)
+    v = value.transpose(1, 2).reshape(batch, num_kv_heads, length, attn.head_dim)
+    return q, k, v
+
+
+def _repeat_kv(x: Tensor, num_heads: int) -> Tensor:
+    """``(b, kv, s, d) -> (b, h, s, d)``, each kv head shared by ``h / kv`` query heads (a
+    stride-0 view for multi-query, ``kv = 1``; upstream's SDPA broadcasts the same way)."""
+    batch, kv, length, dim = x.shape
+    if kv == num_heads:
+        return x
+    if num_heads % kv:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {kv} key/value heads")
+    return x[:, :, None].expand(batch, kv, num_heads // kv, length, dim).reshape(batch, num_heads, length, dim)
+
+
+def _falcon_keep(mask: Tensor) -> Tensor:
+    """``(b, 1, q, k)`` bool keep mask from Falcon's ``(b, q, k)`` or ``(b, 1, q, k)`` mask."""
+    if mask.ndim == 3:
+        mask = mask[:, None]
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def _additive_mask(attention_mask: Tensor | None, hidden_states: Tensor, k_len: int) -> Tensor:
+    """Upstream's eager form of the mask: ``(b or 1, 1, q, k)`` in the model dtype, 0 = attend,
+    the finite minimum elsewhere (causal, queries last, when ``attention_mask`` is None)."""
+    if attention_mask is None:
+        q_len = hidden_states.shape[1]
+        keep = torch.ones(q_len, k_len, dtype=torch.bool, device=hidden_states.device).tril(k_len - q_len)[None, None]
+    else:
+        keep = _falcon_keep(attention_mask)
+    zero = torch.zeros((), dtype=hidden_states.dtype, device=hidden_states.device)
+    return torch.where(keep, zero, torch.finfo(hidden_states.dtype).min)
 
 
 def mpt_attention_forward(
@@ -239,7 +375,16 @@ register(
         encoding="alibi",
         variant="alibi",
         applies=lambda config: bool(getattr(config, "alibi", False)),
-        adapters=(RebindForwardGlobals("FalconModel", {"build_alibi_tensor": falcon_alibi_tensor}),),
-        description="build_alibi_tensor -> torchembed ALiBi (float32 slopes; upstream rounds them to bf16)",
+        adapters=(
+            RebindForwardGlobals(
+                "FalconModel", {"build_alibi_tensor": falcon_alibi_tensor, "create_causal_mask": falcon_causal_mask}
+            ),
+            OverrideForward("FalconAttention", falcon_attention_forward),
+        ),
+        description=(
+            "build_alibi_tensor -> torchembed ALiBi (float32 slopes, not folded into the mask); "
+            "attention -> fused ALiBi attention (upstream's sdpa function)"
+        ),
+        reference_attn="sdpa",  # upstream eager adds the bias twice
     )
 )

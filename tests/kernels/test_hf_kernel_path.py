@@ -45,10 +45,15 @@ def test_patched_model_on_the_kernel_matches_upstream(name):
         torch.testing.assert_close(param.grad, ref_grad, rtol=1e-4, atol=1e-5 * ref_grad.abs().max().item() + 1e-12, msg=pname)
 
 
-@pytest.mark.parametrize("name", ["bloom", "mpt"])
+@pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi", "falcon-alibi-mha", "falcon-alibi-gqa"])
 def test_patched_alibi_attention_matches_upstream(name):
-    """On CUDA this runs ALiBi inside FlexAttention (prefill) and SDPA (decode steps)."""
+    """On CUDA this runs ALiBi inside FlexAttention (prefill) and SDPA (decode steps).
+
+    Falcon's upstream is its sdpa attention (``from_config``'s default), the function the patched
+    model computes; multi-query keys reach FlexAttention repeated over the heads (a stride-0 view).
+    """
     upstream = _tiny(name)
+    assert upstream.config.model_type != "falcon" or upstream.config._attn_implementation == "sdpa"
     patched = torchembed.patch(copy.deepcopy(upstream))
     ids = torch.randint(0, upstream.config.vocab_size, (2, 24), device=DEV)
     mask = torch.ones_like(ids)

@@ -81,12 +81,12 @@ def test_alibi_smoke(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     data, md = _run("alibi", tmp_path, "--seq-lens", "16", "--batch-sizes", "1", "2")
     records = data["results"]
-    for model in ("bloom", "mpt"):
+    for model in ("bloom", "mpt", "falcon"):
         for variant in ("upstream", "patched"):
             for batch in (1, 2):
                 assert _finite(_one(records, model=model, phase="prefill", batch=batch, seq_len=16, variant=variant)["ms"])
                 assert _finite(_one(records, model=model, phase="decode", batch=batch, variant=variant)["ms"])
-    assert "prefill latency" in md
+    assert "prefill latency" in md and "Falcon `sdpa`" in md
 
 
 def test_dispatch_and_validation(tmp_path: Path) -> None:

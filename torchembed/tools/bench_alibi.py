@@ -1,8 +1,12 @@
-"""``torchembed bench alibi``: ALiBi models (BLOOM-, MPT-style), upstream vs torchembed-patched.
+"""``torchembed bench alibi``: ALiBi models (BLOOM-, MPT-, Falcon-style), upstream vs torchembed-patched.
 
-Random-weight configs (hidden 1024, 8 layers, 16 heads, vocabulary 32000) in bf16 on CUDA; the
-patched variant is ``copy.deepcopy`` + ``torchembed.patch`` (same weights). Measured, with the
-variants interleaved over ``--repeats`` after one warm-up each (median [min-max]):
+Random-weight configs (hidden 1024, 8 layers, 16 heads, vocabulary 32000; Falcon in falcon-rw-1b's
+layout: ``alibi=True``, multi-head, sequential attention and MLP, biases) in bf16 on CUDA; the
+patched variant is ``copy.deepcopy`` + ``torchembed.patch`` (same weights). Upstream BLOOM and MPT
+run their eager attention (the only one they have); upstream Falcon runs
+``attn_implementation="sdpa"``, the function the patched model computes (Falcon's eager path adds
+the bias twice), with the bias folded into a ``(b, h, q, k)`` mask. Measured, with the variants
+interleaved over ``--repeats`` after one warm-up each (median [min-max]):
 
 * prefill latency (ms) of one forward (no KV cache, last logits only) and its peak memory above
   what was allocated before it (weights excluded, GB), per batch size and sequence length.
@@ -25,7 +29,7 @@ from torch import nn
 
 from torchembed.tools import bench
 
-MODELS = ("bloom", "mpt")
+MODELS = ("bloom", "mpt", "falcon")
 VARIANTS = ("upstream", "patched")
 
 
@@ -38,6 +42,12 @@ def make_config(name: str, smoke: bool, max_len: int) -> Any:
     if name == "mpt":
         return transformers.MptConfig(d_model=hidden, n_layers=layers, n_heads=heads, expansion_ratio=4, vocab_size=vocab,
                                       max_seq_len=max_len, attn_config={"alibi": True}, use_cache=True)
+    if name == "falcon":
+        return transformers.FalconConfig(
+            hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, vocab_size=vocab, alibi=True,
+            parallel_attn=False, new_decoder_architecture=False, multi_query=False, bias=True,
+            attn_implementation="sdpa",
+        )
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
 
 
@@ -45,7 +55,11 @@ def build_variants(name: str, args: argparse.Namespace, device: torch.device) ->
     import torchembed
 
     max_len = max(args.seq_lens + [args.decode_context + args.new_tokens]) + 8
-    upstream = bench.random_causal_lm(make_config(name, args.smoke, max_len), device, args.torch_dtype)
+    config = make_config(name, args.smoke, max_len)
+    upstream = bench.random_causal_lm(config, device, args.torch_dtype)
+    asked = config._attn_implementation  # Falcon: sdpa; BLOOM, MPT: None (their eager)
+    if asked and upstream.config._attn_implementation != asked:
+        raise RuntimeError(f"{name}: upstream runs {upstream.config._attn_implementation!r} attention, not {asked!r}")
     models = {"upstream": upstream, "patched": torchembed.patch(copy.deepcopy(upstream))}
     return {v: models[v] for v in args.variants}
 
@@ -128,6 +142,9 @@ def markdown(records: list[dict[str, Any]], variants: list[str]) -> str:
         headers = ["model", f"batch x {ctx}", *variants, "upstream / patched", peak]
         out += [f"## {title}", "", bench.md_table(headers, rows), ""]
     out.append("median [min-max] over interleaved repeats")
+    if any(r["model"] == "falcon" for r in records):
+        out += ["", "upstream attention: Falcon `sdpa` (the function the patched model computes; its eager path adds"
+                " the bias twice), BLOOM and MPT eager (their only one)"]
     return "\n".join(out)
 
 

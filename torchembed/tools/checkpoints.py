@@ -39,7 +39,8 @@ def _cfg(cls_name: str, **kwargs: Any) -> Callable[[], Any]:
     return make
 
 
-#: name -> config factory. The first seven are the families; the rest are rope-scaling variants.
+#: name -> config factory. The first seven are the families; the rest are variants (attention layout,
+#: head count, rope scaling).
 TINY_MODELS: dict[str, Callable[[], Any]] = {
     "llama": _llama(),
     "mistral": _cfg("MistralConfig", **_LLAMA, sliding_window=16),
@@ -50,6 +51,14 @@ TINY_MODELS: dict[str, Callable[[], Any]] = {
     "gpt2": _cfg("GPT2Config", n_embd=64, n_head=4, n_layer=2, vocab_size=V, n_positions=64, bos_token_id=0, eos_token_id=0),
     "falcon-mha": _cfg("FalconConfig", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=V),
     "falcon-alibi": _cfg("FalconConfig", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=V, alibi=True),
+    "falcon-alibi-mha": _cfg(  # falcon-rw-1b's layout (FalconConfig defaults to multi-query, parallel attention)
+        "FalconConfig", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=V, alibi=True,
+        multi_query=False, parallel_attn=False, bias=True,
+    ),
+    "falcon-alibi-gqa": _cfg(
+        "FalconConfig", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=V, alibi=True,
+        new_decoder_architecture=True, num_kv_heads=2,
+    ),
     "bloom-12heads": _cfg("BloomConfig", hidden_size=96, n_head=12, n_layer=2, vocab_size=V),
     "llama-linear": _llama(rope_type="linear", factor=2.0),
     "llama-dynamic": _llama(rope_type="dynamic", factor=2.0),

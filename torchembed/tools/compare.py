@@ -11,6 +11,10 @@ in float64 (the truth). The report gives, over all real (non-padded) positions a
   (where upstream disagrees with itself, e.g. Falcon with ``alibi=True`` applies the bias twice in
   eager attention, the note says so).
 
+Where upstream's implementations disagree, a family names the one its patched model computes
+(``Family.reference_attn``; Falcon-ALiBi: sdpa). Rows of the other implementations then compare
+the patched model with upstream (and float64) in that implementation, and the note says so.
+
 A row passes when float32 agrees within ``rel <= 1e-5`` and, in half precision, patched is no
 further from float64 than upstream (mean error over all outputs; 5% allowance for the
 rounding noise of the other bf16 ops, which dominates end to end).
@@ -200,23 +204,27 @@ def _compare_one(
     dtype = _DTYPES[dtype_name]
     upstream = _load(source, dtype, impl, device)
     family = resolve(upstream.config)
-    truth = _run_unpadded(_load(source, torch.float64, impl, device), inputs)
-    out_up = _run(upstream, inputs)
+    # Where upstream's attention implementations disagree, the patched model computes one of them
+    # (family.reference_attn) under every setting: upstream and the truth run that one.
+    ref_impl = (family.reference_attn if family else "") or impl
+    reference = upstream if ref_impl == impl else _load(source, dtype, ref_impl, device)
+    truth = _run_unpadded(_load(source, torch.float64, ref_impl, device), inputs)
+    out_up = _run(reference, inputs)
+    if impl == "eager":
+        eager_reference[dtype_name] = out_up if reference is upstream else _run(upstream, inputs)
     patched = patch(upstream, fused=fused)  # same weights: patch the loaded upstream in place
     out_pt = _run(patched, inputs)
     scale = truth.abs().max().item() or 1.0
     max_abs = (out_pt - out_up).abs().max().item()
     err_up, err_pt = (out_up - truth).abs(), (out_pt - truth).abs()
     spread = None
-    if impl == "eager":
-        eager_reference[dtype_name] = out_up
-    elif dtype_name in eager_reference:
+    if impl != "eager" and dtype_name in eager_reference:
         spread = (out_up - eager_reference[dtype_name]).abs().max().item()
     if dtype == torch.float32 or dtype == torch.float64:
         ok = max_abs / scale <= FP32_REL_TOL
     else:
         ok = err_pt.mean().item() <= err_up.mean().item() * HALF_SLACK
-    note = ""
+    note = f"compared with upstream {ref_impl}" if ref_impl != impl else ""
     if spread is not None and spread / scale > (FP32_REL_TOL if dtype == torch.float32 else 5e-2):
         note = f"upstream {impl} differs from upstream eager by {spread:.2e}"
     return CompareRow(
