@@ -314,13 +314,13 @@ def parity(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def speed(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
-    """~1B LLaMA, bf16: DDP, FSDP and one GPU (same per-GPU batch), upstream vs patched."""
+def speed(args: argparse.Namespace, workdir: Path, rows: list[dict[str, Any]], save: Any) -> list[dict[str, Any]]:
+    """~1B LLaMA, bf16: DDP, FSDP and one GPU (same per-GPU batch), upstream vs patched; each
+    finished row is appended to ``rows`` and saved (``save()``)."""
     per_gpu, seq = (2, 32) if args.smoke else (4, 2048)
     size = ["--size", "tiny", "--dtype", "float32"] if args.smoke else ["--size", "1b", "--dtype", "bfloat16"]
-    base = [*size, "--model", "llama", "--steps", "12", "--warmup", "4", "--seq-len", str(seq), "--lr", "1e-5"]
-    modes = [("one-gpu", 1)] + [("ddp", args.gpus)] + ([] if args.smoke else [("fsdp", args.gpus)])
-    rows = []
+    base = [*size, "--model", "llama", "--steps", "10", "--warmup", "3", "--seq-len", str(seq), "--lr", "1e-5"]
+    modes = [("ddp", args.gpus)] + ([] if args.smoke else [("fsdp", args.gpus)]) + [("one-gpu", 1)]
     for mode, procs in modes:
         row: dict[str, Any] = {"model": "llama-1b" if not args.smoke else "llama-tiny", "mode": mode,
                                "processes": procs, "global_batch": per_gpu * procs, "seq_len": seq}
@@ -336,6 +336,7 @@ def speed(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
             row["speedup"] = row["patched"]["tokens_per_s"] / row["upstream"]["tokens_per_s"]
         print(f"[speed] {json.dumps({k: v for k, v in row.items() if k not in ('upstream', 'patched')})}", flush=True)
         rows.append(row)
+        save()
     return rows
 
 
@@ -417,6 +418,9 @@ def main(argv: list[str]) -> int:
     result.update(environment=environment(args), smoke=args.smoke)
     with tempfile.TemporaryDirectory(prefix="torchembed-multi-gpu-") as tmp:
         workdir = Path(tmp)
+        def save() -> None:
+            (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+
         for part in args.parts:
             if part == "infer":
                 configs = infer_configs(args.smoke)
@@ -424,8 +428,9 @@ def main(argv: list[str]) -> int:
             elif part == "parity":
                 result["parity"] = parity(args, workdir)
             elif part == "speed":
-                result["speed"] = speed(args, workdir)
-            (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))  # after each part
+                result["speed"] = []
+                speed(args, workdir, result["speed"], save)
+            save()  # after each part
     (args.out / f"{name}.md").write_text(markdown(result))
     print(markdown(result))
     failed = [r for part in ("infer", "parity") for r in result.get(part, []) if not r.get("ok")]

@@ -86,7 +86,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def build_model(name: str, seq_len: int, seed: int, size: str = "tiny",
-                dtype: torch.dtype = torch.float32) -> nn.Module:
+                dtype: torch.dtype = torch.float32, cpu: bool = False) -> nn.Module:
     """The causal LM ``name`` (``size`` tiny or 1b) in ``dtype``, seeded, dropout off, no KV cache,
     train mode."""
     import transformers
@@ -104,7 +104,14 @@ def build_model(name: str, seq_len: int, seed: int, size: str = "tiny",
     if name == "gpt2" and seq_len > limit:  # learned positions: no table rows past the limit
         raise ValueError(f"--seq-len {seq_len} exceeds {name}'s {limit} positions")
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # ~1B: initialise on this process's GPU (seconds instead of a minute on the CPU); every rank
+    # draws the same weights from the same seed. Tiny: on the CPU, as the parity tests expect.
+    on_gpu = size != "tiny" and torch.cuda.is_available() and not cpu
+    init = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.manual_seed_all(seed)
+    with init:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
@@ -176,7 +183,7 @@ def main(argv: list[str]) -> int:
     torch.use_deterministic_algorithms(True, warn_only=True)
     import torchembed
 
-    model = build_model(args.model, args.seq_len, args.seed, args.size, DTYPES[args.dtype])
+    model = build_model(args.model, args.seq_len, args.seed, args.size, DTYPES[args.dtype], args.cpu)
     if args.grad_checkpointing:
         checkpointing_on(model)
     accelerator = make_accelerator(args.fsdp, model, args.cpu)

@@ -15,7 +15,6 @@ construction, see rope_triton.py); testing it for real needs a > 2**31-element t
 big for this suite.
 """
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -184,57 +183,22 @@ def poisoned(monkeypatch):
 
 
 class LaunchCounter:
-    """Stand-in for the jitted kernels that counts ``kernel[grid](...)`` launches of both."""
+    """Stand-in for the jitted kernel that counts ``kernel[grid](...)`` launches."""
 
-    def __init__(self):
-        self.grids = []
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
 
-    def wrap(self, kernel):
-        counter = self
-
-        class Counted:
-            def __getitem__(self, grid):
-                counter.grids.append(grid)
-                return kernel[grid]
-
-        return Counted()
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    counter = LaunchCounter()
-    for name in ("_rope_kernel", "_rope_tokens_kernel"):
-        monkeypatch.setattr(rope_triton, name, counter.wrap(getattr(rope_triton, name)))
+    counter = LaunchCounter(rope_triton._rope_kernel)
+    monkeypatch.setattr(rope_triton, "_rope_kernel", counter)
     monkeypatch.setattr(rope_triton, "_DIRECT", False)  # count every launch through kernel[grid]
-    monkeypatch.setattr(rope_triton, "_CFG", {})
     return counter
-
-
-TILINGS = {  # force one tiling whatever the shape (module knobs of rope_triton)
-    "head": {"_TOKEN_MAJOR_MIN_TOKENS": 2**62},
-    "token": {"_TOKEN_MAJOR_MIN_TOKENS": 0, "_TOKEN_MIN_FILL": 0.0},
-}
-
-
-@contextlib.contextmanager
-def forced_tiling(name):
-    """Every launch inside uses the ``head`` (one head per program) or ``token`` (all heads of
-    a token per program) kernel."""
-    saved = {attr: getattr(rope_triton, attr) for attr in (*TILINGS[name], "_CFG", "_COMPILED")}
-    for attr, value in TILINGS[name].items():
-        setattr(rope_triton, attr, value)
-    rope_triton._CFG, rope_triton._COMPILED = {}, {}
-    try:
-        yield
-    finally:
-        for attr, value in saved.items():
-            setattr(rope_triton, attr, value)
-
-
-@pytest.fixture(params=list(TILINGS))
-def tiling(request):
-    with forced_tiling(request.param):
-        yield request.param
 
 
 # ------------------------------------------------------------------------------------------
@@ -245,7 +209,6 @@ def tiling(request):
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
-@pytest.mark.usefixtures("tiling")
 def test_head_dims_dtypes(D, dtype, interleaved, poisoned):
     run_case(D=D, S=19, dtype=dtype, interleaved=interleaved, bc1=interleaved)  # S > BLOCK_S for D >= 128
 
@@ -258,7 +221,6 @@ POS_SOURCE = [("none", "table"), ("none_bc1", "table")] + [
 
 @pytest.mark.parametrize("pos_mode,source", POS_SOURCE)
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-@pytest.mark.usefixtures("tiling")
 def test_position_modes(pos_mode, source, backend, poisoned, monkeypatch):
     bc1 = pos_mode == "none_bc1"
     pos_mode = "none" if bc1 else pos_mode
@@ -270,7 +232,6 @@ def test_position_modes(pos_mode, source, backend, poisoned, monkeypatch):
              dtype=torch.float16)
 
 
-@pytest.mark.usefixtures("tiling")
 def test_table_scale_and_half_precision_tables(poisoned):
     # HF passes cos/sin in the activation dtype; scale also applies to tables.
     run_case(D=64, dtype=torch.bfloat16, table_dtype=torch.bfloat16, scale=1.25)
@@ -280,39 +241,18 @@ def test_table_scale_and_half_precision_tables(poisoned):
 @pytest.mark.parametrize("inplace", [False, True], ids=["outofplace", "inplace"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("R", [16, 32, 64])
-@pytest.mark.usefixtures("tiling")
 def test_partial_rotary(R, interleaved, inplace, poisoned):
     run_case(D=80, R=R, interleaved=interleaved, inplace=inplace, pos_mode="int")
 
 
 @pytest.mark.parametrize("Hq,Hk", [(3, 1), (5, 5), (4, 2), (1, 3)])
 @pytest.mark.parametrize("S", [1, 37])  # 37 > BLOCK_S (32 for D=64): several token blocks
-@pytest.mark.usefixtures("tiling")
 def test_heads_and_lengths(Hq, Hk, S, poisoned):
-    kernel, grid, meta, _, _ = rope_triton._make_config(2, Hq, Hk, S, 64, 32, torch.float32, 0, False, False, False,
-                                                        False)
+    grid, meta, _, _ = rope_triton._make_config(2, Hq, Hk, S, 64, 32, torch.float32, 0, False, False, False, False)
     if S == 37:
-        token_axis = 0 if "HQ" in meta else 1 if meta["HEADS_FAST"] else 0
+        token_axis = 1 if meta["HEADS_FAST"] else 0
         assert grid[token_axis] > 1, "expected S to span several token blocks"
     run_case(B=2, Hq=Hq, Hk=Hk, S=S, D=64)
-
-
-def test_tiling_choice():
-    """Prefill-sized grids take the token-major kernel (one launch rotating all heads of each
-    token); decode-sized grids and head counts far from powers of two keep one head per program."""
-    def kernel_for(B, Hq, Hk, S):
-        return rope_triton._make_config(B, Hq, Hk, S, 128, 64, torch.bfloat16, 0, False, False, False, True)[0]
-
-    assert kernel_for(4, 32, 8, 4096) is rope_triton._rope_tokens_kernel
-    assert kernel_for(1, 32, 8, 1) is rope_triton._rope_kernel
-    assert kernel_for(1, 71, 1, 4096) is rope_triton._rope_kernel  # 72 of 129 lanes would be used
-
-
-@pytest.mark.usefixtures("tiling")
-def test_several_token_blocks(poisoned):
-    # 3 token blocks of 16 tokens (token tiling) or 2 of 32 (head tiling), the last one partial
-    run_case(B=2, Hq=3, Hk=1, S=37, D=64, R=48, pos_mode="ids", dtype=torch.bfloat16)
-    run_case(B=1, Hq=3, Hk=1, S=37, D=64, interleaved=True, inplace=True)
 
 
 @pytest.mark.parametrize("heads_fast", [False, True])
@@ -331,7 +271,7 @@ def test_heads_per_program_grouping(monkeypatch, poisoned):
     monkeypatch.setattr(rope_triton, "_HPP_CANDIDATES", (4, 2))
     monkeypatch.setattr(rope_triton, "_HEADS_FAST", False)
     monkeypatch.setattr(rope_triton, "_CFG", {})
-    _, grid, meta, nqg, _ = rope_triton._make_config(2, 4, 2, 9, 64, 32, torch.float32, 0, False, False, False, False)
+    grid, meta, nqg, _ = rope_triton._make_config(2, 4, 2, 9, 64, 32, torch.float32, 0, False, False, False, False)
     assert meta["HPP"] == 2 and nqg == 2 and grid[1] == 3
     run_case(B=2, Hq=4, Hk=2, S=9, D=64)
     run_case(B=2, Hq=4, Hk=2, S=9, D=64, R=32, interleaved=True, inplace=True, pos_mode="ids")
@@ -339,7 +279,6 @@ def test_heads_per_program_grouping(monkeypatch, poisoned):
 
 @pytest.mark.parametrize("layout", ["hf", "padded", "laststride"])
 @pytest.mark.parametrize("inplace", [False, True], ids=["outofplace", "inplace"])
-@pytest.mark.usefixtures("tiling")
 def test_strided_inputs(layout, inplace, poisoned):
     qo, ko = run_case(D=64, R=48, layout=layout, inplace=inplace, pos_mode="ids", dtype=torch.float16)
     if not inplace and layout == "hf":
@@ -373,7 +312,6 @@ def test_outofplace_never_aliases_and_inplace_writes_storage():
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("source", ["table", "inv_freq"])
-@pytest.mark.usefixtures("tiling")
 def test_conjugate_inverts(source, interleaved):
     q, k = make_qk(2, 3, 1, 9, 64, torch.float32)
     kw = dict(positions=torch.randint(0, 60, (2, 9), device=DEV), interleaved=interleaved)
@@ -502,7 +440,6 @@ def test_import_does_not_import_triton():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("source", ["table", "inv_freq", "hf_table"])
-@pytest.mark.usefixtures("tiling")
 def test_backward_matches_oracle(source, interleaved, dtype):
     B, Hq, Hk, S, D, half = 2, 3, 1, 6, 48, 16
     q, k = make_qk(B, Hq, Hk, S, D, dtype, "hf")
@@ -715,7 +652,6 @@ def _cases(draw):
         layout=draw(st.sampled_from(["contig", "hf", "padded"])),
         seed=draw(st.integers(0, 2**31 - 1)),
         backend=draw(st.sampled_from(["triton", "triton", "torch"])),  # the fallback shares the oracle
-        tiling=draw(st.sampled_from(list(TILINGS))),
     )
 
 
@@ -724,13 +660,11 @@ def _cases(draw):
 def test_hypothesis_random_cases(case):
     seed = case.pop("seed")
     backend = case.pop("backend")
-    tiling = case.pop("tiling")
     old = os.environ.get("TORCHEMBED_DISABLE_TRITON")
     if backend == "torch":
         os.environ["TORCHEMBED_DISABLE_TRITON"] = "1"
     try:
-        with forced_tiling(tiling):
-            run_case(gen=torch.Generator().manual_seed(seed), **case)
+        run_case(gen=torch.Generator().manual_seed(seed), **case)
     finally:
         if old is None:
             os.environ.pop("TORCHEMBED_DISABLE_TRITON", None)

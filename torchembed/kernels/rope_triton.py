@@ -15,16 +15,11 @@ This module imports Triton at import time; ``torchembed.kernels`` imports it laz
 when a kernel is about to run.  Input validation lives in ``rope_op`` (the public entry);
 ``rope_forward`` trusts its arguments.
 
-Two tilings; either rotates q and k in one launch:
-
-* head tiling (``_rope_kernel``), grid ``(Hq // HPP + Hk // HPP, cdiv(S, BLOCK_S), B)``: a program
-  rotates BLOCK_S tokens of HPP heads (q head groups first, then k), loading their cos/sin (or
-  computing them from inv_freq). Decode-sized grids use it: many small programs.
-* token tiling (``_rope_tokens_kernel``), grid ``(cdiv(S, BLOCK_S), B)``: a program rotates all
-  q and k heads of BLOCK_S tokens as ``[BLOCK_S, heads, pairs]`` tiles, so each token's cos/sin
-  is read once rather than once per head. Prefill-sized grids use it (``_make_config``).
-
-Batch is the last grid axis, so B <= 65535.
+Grid: ``(cdiv(S, BLOCK_S), Hq // HPP + Hk // HPP, B)``.  Axis 1 enumerates head groups of q
+first, then of k, so q and k are rotated by ONE launch; a program loads the cos/sin (or
+computes them from inv_freq) for its BLOCK_S tokens once and applies them to HPP heads
+(HPP = 1 for decode-sized grids, for parallelism; up to 4 for prefill).  Batch is grid axis
+2, so B <= 65535.
 
 Addressing: every index is cast to int64 *before* it is multiplied by a stride, so tensors
 (and cos/sin caches) with more than 2**31 elements are addressed correctly.  Only the last
@@ -98,46 +93,6 @@ def _round_f32_to_bf16_rtne(y):
 
 
 @triton.jit
-def _angles(
-    cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr,
-    b,  # int64 batch index
-    s64,  # [BLOCK_S] int64 token indices
-    s_mask,  # [BLOCK_S] token in range
-    sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
-    HALF: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    POS_MODE: tl.constexpr,
-    USE_INV_FREQ: tl.constexpr,
-    CONJUGATE: tl.constexpr,
-    CDT: tl.constexpr,
-):
-    """``(c, s)``, each ``[BLOCK_S, BLOCK_D]``: cos and sin (times ``scale``, ``-sin`` when
-    conjugate) of the BLOCK_S tokens' angles, from the tables or from ``pos * inv_freq``."""
-    j = tl.arange(0, BLOCK_D)
-    j_mask = j < HALF
-    if POS_MODE == 0:
-        pos = s64 + pos_offset
-    elif POS_MODE == 1:
-        pos = tl.load(pos_ptr + b * sp_b).to(tl.int64) + s64
-    else:
-        pos = tl.load(pos_ptr + b * sp_b + s64 * sp_s, mask=s_mask, other=0).to(tl.int64)
-    if USE_INV_FREQ:
-        # The angle is a float32 product (as HF computes it), whatever the compute dtype.
-        inv = tl.load(inv_freq_ptr + j, mask=j_mask, other=0.0).to(tl.float32)
-        ang = (pos.to(tl.float32)[:, None] * inv[None, :]).to(CDT)
-        c = tl.cos(ang) * scale
-        sn = tl.sin(ang) * scale
-    else:
-        m = s_mask[:, None] & j_mask[None, :]
-        t_off = (b * sc_b + pos * sc_s)[:, None] + j[None, :]
-        c = tl.load(cos_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
-        sn = tl.load(sin_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
-    if CONJUGATE:
-        sn = -sn
-    return c, sn
-
-
-@triton.jit
 def _rope_kernel(
     q_ptr,
     k_ptr,
@@ -184,10 +139,31 @@ def _rope_kernel(
     s_idx = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = s_idx < S
     s64 = s_idx.to(tl.int64)
-    c, sn = _angles(
-        cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, b, s64, s_mask, sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
-        HALF, BLOCK_D, POS_MODE, USE_INV_FREQ, CONJUGATE, CDT,
-    )
+    j = tl.arange(0, BLOCK_D)
+    j_mask = j < HALF
+
+    # ---- position of each token -------------------------------------------------------
+    if POS_MODE == 0:
+        pos = s64 + pos_offset
+    elif POS_MODE == 1:
+        pos = tl.load(pos_ptr + b * sp_b).to(tl.int64) + s64
+    else:
+        pos = tl.load(pos_ptr + b * sp_b + s64 * sp_s, mask=s_mask, other=0).to(tl.int64)
+
+    # ---- cos / sin for the BLOCK_S tokens, shared by all HPP heads ------------------------
+    if USE_INV_FREQ:
+        # The angle is a float32 product (as HF computes it), whatever the compute dtype.
+        inv = tl.load(inv_freq_ptr + j, mask=j_mask, other=0.0).to(tl.float32)
+        ang = (pos.to(tl.float32)[:, None] * inv[None, :]).to(CDT)
+        c = tl.cos(ang) * scale
+        sn = tl.sin(ang) * scale
+    else:
+        m = s_mask[:, None] & j_mask[None, :]
+        t_off = (b * sc_b + pos * sc_s)[:, None] + j[None, :]
+        c = tl.load(cos_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
+        sn = tl.load(sin_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
+    if CONJUGATE:
+        sn = -sn
 
     # ---- rotate HPP heads of q (axis-1 ids < NQG) or of k ---------------------------------
     if pid_h < NQG:
@@ -212,114 +188,11 @@ def _rope_kernel(
             )
 
 
-@triton.jit
-def _rotate_heads(
-    x_ptr,
-    o_ptr,
-    x_tok,  # [BLOCK_S] int64 element offset of each token's head 0 in the input
-    o_tok,  # [BLOCK_S] int64 element offset of each token's head 0 in the output
-    sx_h,  # input stride between heads
-    so_h,  # output stride between heads
-    c,  # [BLOCK_S, BLOCK_D]
-    s,  # [BLOCK_S, BLOCK_D]
-    s_mask,  # [BLOCK_S]
-    H: tl.constexpr,  # heads of this tensor
-    BLOCK_H: tl.constexpr,  # next_power_of_2(H)
-    HALF: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    HAS_PASS: tl.constexpr,
-    CDT: tl.constexpr,
-    EMULATE_RTNE: tl.constexpr,
-):
-    """Rotate every head of BLOCK_S tokens as one ``[BLOCK_S, BLOCK_H, BLOCK_D]`` tile, the
-    token's cos/sin broadcast over its heads."""
-    h = tl.arange(0, BLOCK_H).to(tl.int64)
-    j = tl.arange(0, BLOCK_D)
-    if INTERLEAVED:
-        d1 = 2 * j
-        d2 = 2 * j + 1
-    else:
-        d1 = j
-        d2 = j + HALF
-    row_mask = s_mask[:, None] & (h < H)[None, :]  # [BLOCK_S, BLOCK_H]
-    m = row_mask[:, :, None] & (j < HALF)[None, None, :]
-    xp = x_ptr + (x_tok[:, None] + h[None, :] * sx_h)[:, :, None]
-    op = o_ptr + (o_tok[:, None] + h[None, :] * so_h)[:, :, None]
-    x1 = tl.load(xp + d1[None, None, :], mask=m, other=0.0).to(CDT)
-    x2 = tl.load(xp + d2[None, None, :], mask=m, other=0.0).to(CDT)
-    c3 = c[:, None, :]
-    s3 = s[:, None, :]
-    y1 = x1 * c3 - x2 * s3
-    y2 = x2 * c3 + x1 * s3
-    if EMULATE_RTNE:
-        y1 = _round_f32_to_bf16_rtne(y1)
-        y2 = _round_f32_to_bf16_rtne(y2)
-    tl.store(op + d1[None, None, :], y1.to(o_ptr.dtype.element_ty), mask=m)
-    tl.store(op + d2[None, None, :], y2.to(o_ptr.dtype.element_ty), mask=m)
-    if HAS_PASS:
-        p = 2 * HALF + tl.arange(0, BLOCK_P)
-        pm = row_mask[:, :, None] & (p < D)[None, None, :]
-        tl.store(op + p[None, None, :], tl.load(xp + p[None, None, :], mask=pm), mask=pm)
-
-
-@triton.jit
-def _rope_tokens_kernel(
-    q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr,
-    S,
-    NQG,  # unused (same runtime signature as _rope_kernel)
-    sq_b, sq_h, sq_s,
-    sk_b, sk_h, sk_s,
-    sqo_b, sqo_h, sqo_s,
-    sko_b, sko_h, sko_s,
-    sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
-    HALF: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HQ: tl.constexpr,
-    HK: tl.constexpr,
-    BLOCK_HQ: tl.constexpr,
-    BLOCK_HK: tl.constexpr,
-    POS_MODE: tl.constexpr,
-    USE_INV_FREQ: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    CONJUGATE: tl.constexpr,
-    HAS_PASS: tl.constexpr,
-    CDT: tl.constexpr,
-    EMULATE_RTNE: tl.constexpr,
-):
-    """Token-major variant: one program rotates ALL q and k heads of BLOCK_S tokens, so each
-    token's cos/sin is read (or computed) once instead of once per head. Grid ``(cdiv(S,
-    BLOCK_S), B)``."""
-    pid_s = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    s_idx = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
-    s_mask = s_idx < S
-    s64 = s_idx.to(tl.int64)
-    c, sn = _angles(
-        cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, b, s64, s_mask, sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
-        HALF, BLOCK_D, POS_MODE, USE_INV_FREQ, CONJUGATE, CDT,
-    )
-    _rotate_heads(
-        q_ptr, qo_ptr, b * sq_b + s64 * sq_s, b * sqo_b + s64 * sqo_s, sq_h, sqo_h, c, sn, s_mask,
-        HQ, BLOCK_HQ, HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, CDT, EMULATE_RTNE,
-    )
-    _rotate_heads(
-        k_ptr, ko_ptr, b * sk_b + s64 * sk_s, b * sko_b + s64 * sko_s, sk_h, sko_h, c, sn, s_mask,
-        HK, BLOCK_HK, HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, CDT, EMULATE_RTNE,
-    )
-
-
 # ------------------------------------------------------------------------------------------
 # Host launcher
 # ------------------------------------------------------------------------------------------
 
-# Per-shape launch configuration cache: key -> (kernel, grid, constexpr kwargs, NQG, constexpr
-# values in signature order).  Everything
+# Per-shape launch configuration cache: key -> (grid, constexpr kwargs, NQG).  Everything
 # derivable from shapes/dtype/flags is computed once, so a cached call only reads strides and
 # launches.  Bounded: cleared when it grows past _CFG_MAX entries (prefill with many lengths).
 _CFG: dict = {}
@@ -339,15 +212,6 @@ _HPP_CANDIDATES: tuple[int, ...] = ()
 # Grid order: head groups fastest, so the programs running together cover whole tokens
 # (contiguous (H, D) rows in HF's (B, S, H, D) memory); +3-17 points of the copy floor.
 _HEADS_FAST = True
-# Token-major tiles (``_rope_tokens_kernel``: all heads of a token in one program, its cos/sin
-# read once) for grids of at least this many tokens (B * S), when padding the head counts to
-# powers of two wastes at most a quarter of the lanes and a token's heads fit _TOKEN_TILE_MAX
-# pair lanes.  _TOKEN_TILE_PAIRS: target (token, head, pair) lanes per program.
-_TOKEN_MAJOR_MIN_TOKENS = 256
-_TOKEN_MIN_FILL = 0.75  # (Hq + Hk) / (next_pow2(Hq) + next_pow2(Hk)) at least this
-_TOKEN_TILE_PAIRS = 4096
-_TOKEN_TILE_MAX = 16384
-_TOKEN_WARPS: int | None = None  # None: 4 up to 2048 lanes, else 8
 
 
 def _next_pow2(n: int) -> int:
@@ -356,31 +220,6 @@ def _next_pow2(n: int) -> int:
 
 def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleaved, conjugate, inplace):
     block_d = _next_pow2(half)
-    has_pass = (not inplace) and 2 * half < D
-    common = dict(
-        HALF=half,
-        D=D,
-        BLOCK_D=block_d,
-        BLOCK_P=_next_pow2(D - 2 * half) if has_pass else 1,
-        POS_MODE=pos_mode,
-        USE_INV_FREQ=use_inv_freq,
-        INTERLEAVED=interleaved,
-        CONJUGATE=conjugate,
-        HAS_PASS=has_pass,
-        CDT=tl.float64 if dtype == torch.float64 else tl.float32,
-        EMULATE_RTNE=_INTERPRET and dtype == torch.bfloat16,
-    )
-    block_hq, block_hk = _next_pow2(Hq), _next_pow2(Hk)
-    heads_lanes = (block_hq + block_hk) * block_d
-    if (B * S >= _TOKEN_MAJOR_MIN_TOKENS and Hq + Hk >= _TOKEN_MIN_FILL * (block_hq + block_hk)
-            and heads_lanes <= _TOKEN_TILE_MAX and B <= 65535):
-        block_s = min(_next_pow2(S), 1 << max(0, (_TOKEN_TILE_PAIRS // heads_lanes).bit_length() - 1))
-        lanes = block_s * heads_lanes
-        meta = dict(common, BLOCK_S=block_s, HQ=Hq, HK=Hk, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-                    num_warps=_TOKEN_WARPS or (4 if lanes <= 2048 else 8))
-        constexprs = tuple(meta[name] for name in _TOKEN_CONSTEXPR_NAMES)
-        return _rope_tokens_kernel, (triton.cdiv(S, block_s), B), meta, Hq, constexprs
-
     block_s = min(_next_pow2(S), max(1, _TILE_PAIRS // block_d))
     n_s = triton.cdiv(S, block_s)
     hpp = 1
@@ -389,18 +228,30 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
             if Hq % cand == 0 and Hk % cand == 0:
                 hpp = cand
                 break
+    has_pass = (not inplace) and 2 * half < D
     lanes = block_s * block_d
+    num_warps = 1 if lanes <= 128 else 2 if lanes <= 512 else 4
     meta = dict(
-        common,
+        HALF=half,
+        D=D,
+        BLOCK_D=block_d,
+        BLOCK_P=_next_pow2(D - 2 * half) if has_pass else 1,
         BLOCK_S=block_s,
         HPP=hpp,
+        POS_MODE=pos_mode,
+        USE_INV_FREQ=use_inv_freq,
+        INTERLEAVED=interleaved,
+        CONJUGATE=conjugate,
+        HAS_PASS=has_pass,
+        CDT=tl.float64 if dtype == torch.float64 else tl.float32,
+        EMULATE_RTNE=_INTERPRET and dtype == torch.bfloat16,
         HEADS_FAST=_HEADS_FAST and n_s < 65536,  # grid axis 1 is limited to 65535
-        num_warps=1 if lanes <= 128 else 2 if lanes <= 512 else 4,
+        num_warps=num_warps,
     )
     n_h = Hq // hpp + Hk // hpp
     grid = (n_h, n_s, B) if meta["HEADS_FAST"] else (n_s, n_h, B)
     constexprs = tuple(meta[name] for name in _CONSTEXPR_NAMES)  # signature order, for direct launch
-    return _rope_kernel, grid, meta, Hq // hpp, constexprs
+    return grid, meta, Hq // hpp, constexprs
 
 
 def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
@@ -424,7 +275,7 @@ def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale,
         B, Hq, S, D = qshape
         cfg = _CFG[key] = _make_config(B, Hq, k.shape[1], S, D, half, q.dtype, pos_mode, use_inv_freq,
                                        interleaved, conjugate, inplace)
-    kernel, grid, meta, nqg, constexprs = cfg
+    grid, meta, nqg, constexprs = cfg
     S = qshape[2]
 
     if use_inv_freq:
@@ -456,18 +307,18 @@ def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale,
         pos_offset, scale,
     )
     if _DIRECT and q.is_cuda:
-        # Everything Triton specialises on that the shape key does not fix: the other tensors'
-        # dtypes, the strides and offset (their values cover ==1, %16 and int32 range) and the
-        # pointers' 16-byte alignment (one bit when all are aligned, the usual case).
+        # What Triton specialises on beyond the launch config: the other tensors' dtypes, the
+        # strides and offset (their values cover ==1, %16 and int32 range) and the pointers'
+        # 16-byte alignment (one bit when all are aligned, the usual case).
         ptrs = (q.data_ptr(), k.data_ptr(), qo.data_ptr(), ko.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                 pos_t.data_ptr(), inv_freq.data_ptr())
         aligned = True if not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5] | ptrs[6] | ptrs[7]) & 15 \
             else tuple(ptr % 16 == 0 for ptr in ptrs)
-        spec = (key, cos.dtype, sin.dtype, pos_t.dtype, inv_freq.dtype, sq, sk, sqo, sko, sc_b, sc_s, sp_b, sp_s,
-                _int_spec(pos_offset), aligned)
-        _direct_launch(kernel, spec, grid, meta, constexprs, args, q.device.index)
+        spec = (key, constexprs, meta["num_warps"], cos.dtype, sin.dtype, pos_t.dtype, inv_freq.dtype, sq, sk, sqo,
+                sko, sc_b, sc_s, sp_b, sp_s, _int_spec(pos_offset), aligned)
+        _direct_launch(spec, grid, meta, args, q.device.index)
     else:
-        kernel[grid](*args, **meta)
+        _rope_kernel[grid](*args, **meta)
 
 
 # ------------------------------------------------------------------------------------------
@@ -489,15 +340,16 @@ def _int_spec(value: int) -> tuple:
     return value == 1, value % 16 == 0, -_I32 <= value < _I32
 
 
-def _direct_launch(kernel, spec, grid, meta, constexprs, args, device_index) -> None:
+def _direct_launch(spec, grid, meta, args, device_index) -> None:
     """Launch through the CompiledKernel kept for ``spec`` (the first call of a spec compiles
     or fetches it through ``kernel[grid]``)."""
     global _DIRECT
+    constexprs = spec[1]
     compiled = _COMPILED.get(spec)
     if compiled is None:
         if len(_COMPILED) >= _CFG_MAX:
             _COMPILED.clear()
-        _COMPILED[spec] = kernel[grid](*args, **meta)
+        _COMPILED[spec] = _rope_kernel[grid](*args, **meta)
         return
     try:
         compiled.run(
@@ -506,14 +358,10 @@ def _direct_launch(kernel, spec, grid, meta, constexprs, args, device_index) -> 
         )
     except Exception:  # the installed Triton launches differently: use its own path from now on
         _DIRECT = False
-        kernel[grid](*args, **meta)
+        _rope_kernel[grid](*args, **meta)
 
 
 _CONSTEXPR_NAMES = (
     "HALF", "D", "BLOCK_D", "BLOCK_P", "BLOCK_S", "HPP", "POS_MODE", "USE_INV_FREQ", "INTERLEAVED",
     "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST",
-)
-_TOKEN_CONSTEXPR_NAMES = (
-    "HALF", "D", "BLOCK_D", "BLOCK_P", "BLOCK_S", "HQ", "HK", "BLOCK_HQ", "BLOCK_HK", "POS_MODE", "USE_INV_FREQ",
-    "INTERLEAVED", "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE",
 )

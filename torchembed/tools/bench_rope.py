@@ -216,8 +216,13 @@ def host_overhead(providers: list[str], args: argparse.Namespace, device: torch.
             f, impl = build(provider, t, device)
             with torch.no_grad():
                 ms = bench.host_loop(lambda: f(q, k), device, calls=20 if args.smoke else 200)
-            records.append({"shape": shape._asdict(), "shape_label": shape.label, "section": "host", "provider": provider,
-                            "impl": impl, "us_per_call": ms * 1e3})
+            record = {"shape": shape._asdict(), "shape_label": shape.label, "section": "host", "provider": provider,
+                      "impl": impl, "us_per_call": ms * 1e3}
+            if impl == "triton" and device.type == "cuda":  # still replaying compiled kernels directly?
+                from torchembed.kernels import rope_triton
+
+                record["direct_launch"] = rope_triton._DIRECT
+            records.append(record)
     return records
 
 
