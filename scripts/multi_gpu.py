@@ -50,6 +50,7 @@ PARTS = ("infer", "parity", "speed")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ERROR_ALLOWANCE = 1.05  # patched bf16 mean error vs float32 <= 1.05 x upstream's
 PARAM_ATOL, LOSS_RTOL = 1e-5, 1e-5
+SPEED_STEPS, SPEED_WARMUP = 10, 3  # training steps per throughput launch, the first ones not timed
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -319,7 +320,8 @@ def speed(args: argparse.Namespace, workdir: Path, rows: list[dict[str, Any]], s
     finished row is appended to ``rows`` and saved (``save()``)."""
     per_gpu, seq = (2, 32) if args.smoke else (4, 2048)
     size = ["--size", "tiny", "--dtype", "float32"] if args.smoke else ["--size", "1b", "--dtype", "bfloat16"]
-    base = [*size, "--model", "llama", "--steps", "10", "--warmup", "3", "--seq-len", str(seq), "--lr", "1e-5"]
+    base = [*size, "--model", "llama", "--steps", str(SPEED_STEPS), "--warmup", str(SPEED_WARMUP), "--seq-len", str(seq),
+            "--lr", "1e-5"]
     modes = [("ddp", args.gpus)] + ([] if args.smoke else [("fsdp", args.gpus)]) + [("one-gpu", 1)]
     for mode, procs in modes:
         row: dict[str, Any] = {"model": "llama-1b" if not args.smoke else "llama-tiny", "mode": mode,
@@ -330,7 +332,7 @@ def speed(args: argparse.Namespace, workdir: Path, rows: list[dict[str, Any]], s
                          [*base, "--global-batch", str(per_gpu * procs), "--patch", patch,
                           *(["--fsdp"] if mode == "fsdp" else [])], args)
             row[variant] = ({"error": rec["error"]} if rec.get("returncode") else
-                            {k: rec[k] for k in ("median_step_ms", "step_ms", "tokens_per_s", "peak_mem_gb",
+                            {k: rec[k] for k in ("median_step_ms", "step_ms", "warmup", "tokens_per_s", "peak_mem_gb",
                                                  "distributed_type", "rope_kernel")})
         if "tokens_per_s" in row["upstream"] and "tokens_per_s" in row["patched"]:
             row["speedup"] = row["patched"]["tokens_per_s"] / row["upstream"]["tokens_per_s"]
@@ -387,21 +389,27 @@ def markdown(result: dict[str, Any]) -> str:
                   f"losses {LOSS_RTOL} relative.", ""]
     if rows := result.get("speed"):
         lines += ["## Training throughput (LLaMA ~1B, bf16 AdamW, batch per GPU x 2048 tokens)", "",
-                  "| mode | GPUs | global batch | tokens/s upstream | tokens/s patched | speedup | peak GB upstream / patched |",
-                  "|---|---|---|---|---|---|---|"]
+                  "One launch per row and variant (upstream first), steps after the warm-up: median [min-max] ms.", "",
+                  "| mode | GPUs | global batch | step ms upstream | step ms patched | tokens/s upstream | tokens/s patched "
+                  "| speedup | peak GB upstream / patched |", "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             u, p = r["upstream"], r["patched"]
             if "error" in u or "error" in p:
-                lines.append(f"| {r['mode']} | {r['processes']} | {r['global_batch']} | failed | | | |")
+                lines.append(f"| {r['mode']} | {r['processes']} | {r['global_batch']} | failed | | | | | |")
                 continue
-            lines.append(f"| {r['mode']} | {r['processes']} | {r['global_batch']} | {u['tokens_per_s']:.0f} | "
-                         f"{p['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {_gb(u)} / {_gb(p)} |")
+            lines.append(f"| {r['mode']} | {r['processes']} | {r['global_batch']} | {_steps(u)} | {_steps(p)} | "
+                         f"{u['tokens_per_s']:.0f} | {p['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {_gb(u)} / {_gb(p)} |")
         lines.append("")
     return "\n".join(lines)
 
 
 def _stat(s: dict[str, float]) -> str:
     return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+
+
+def _steps(r: dict[str, Any]) -> str:
+    timed = r["step_ms"][r.get("warmup", SPEED_WARMUP):]
+    return f"{r['median_step_ms']:.1f} [{min(timed):.0f}-{max(timed):.0f}]"
 
 
 def _gb(r: dict[str, Any]) -> str:
