@@ -116,11 +116,11 @@ def bloom_attention_forward(
     if layer_past is not None:
         k, v = layer_past.update(k, v, self.layer_idx)
     k_len = k.shape[-2]
-    key_bias = alibi.view(batch, self.num_heads, -1)  # (b*h, 1, k) -> (b, h, k)
-    if key_bias.shape[-1] != k_len:
-        raise ValueError(f"ALiBi bias covers {key_bias.shape[-1]} keys, attention has {k_len}")
+    if alibi.shape[-1] != k_len:
+        raise ValueError(f"ALiBi bias covers {alibi.shape[-1]} keys, attention has {k_len}")
     # HF's mask: additive float (0 = attend) or bool (True = attend); derived once per forward.
     keep, cache = _keep_mask(attention_mask, lambda m: m if m.dtype == torch.bool else m == 0)
+    key_bias = _per_forward(cache, alibi, "bloom", lambda: alibi.view(batch, self.num_heads, -1))  # (b*h,1,k) -> (b,h,k)
     dropout = self.attention_dropout.p if self.training else 0.0
     context = alibi_attention(q, k, v, key_bias, keep, scale=self.inv_norm_factor, dropout_p=dropout, cache=cache)
     context = context.transpose(1, 2).reshape(batch, q_len, self.hidden_size)  # (b, s, h*d)
@@ -177,8 +177,9 @@ def falcon_attention_forward(
     k_len = k.shape[-2]
     if alibi.shape[-1] != k_len:
         raise ValueError(f"ALiBi bias covers {alibi.shape[-1]} keys, attention has {k_len}")
-    key_bias = alibi.view(batch, self.num_heads, k_len).float() * self.inv_norm_factor  # upstream: alibi / sqrt(d)
     keep, cache = _keep_mask(attention_mask, _falcon_keep)
+    key_bias = _per_forward(cache, alibi, ("falcon", self.inv_norm_factor),  # upstream: alibi / sqrt(d)
+                            lambda: alibi.view(batch, self.num_heads, k_len).float() * self.inv_norm_factor)
     k, v = _repeat_kv(k, self.num_heads), _repeat_kv(v, self.num_heads)
     dropout = self.attention_dropout.p if self.training else 0.0
     context = alibi_attention(q, k, v, key_bias, keep, scale=self.inv_norm_factor, dropout_p=dropout, cache=cache)
@@ -248,15 +249,15 @@ def mpt_attention_forward(
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx)
     k_len = k.shape[-2]
+    if position_bias is not None and position_bias.shape[-1] < k_len:
+        raise ValueError(
+            f"{k_len} keys exceed MPT's ALiBi table of {position_bias.shape[-1]} positions (config.max_seq_len)"
+        )
+    keep, cache = _keep_mask(attention_mask, torch.logical_not)  # MPT's bool mask is True where masked
     if position_bias is None:
         key_bias = k.new_zeros(1, self.n_heads, k_len, dtype=torch.float32)
-    else:
-        if position_bias.shape[-1] < k_len:
-            raise ValueError(
-                f"{k_len} keys exceed MPT's ALiBi table of {position_bias.shape[-1]} positions (config.max_seq_len)"
-            )
-        key_bias = position_bias[None, :, 0, -k_len:]  # (h, 1, L) -> (1, h, k)
-    keep, cache = _keep_mask(attention_mask, torch.logical_not)  # MPT's bool mask is True where masked
+    else:  # (h, 1, L) -> (1, h, k)
+        key_bias = _per_forward(cache, position_bias, ("mpt", k_len), lambda: position_bias[None, :, 0, -k_len:])
     dropout = self.attn_dropout_p if self.training else 0.0
     context = alibi_attention(q, k, v, key_bias, keep, scale=self.softmax_scale, dropout_p=dropout, cache=cache)
     context = context.transpose(1, 2).reshape(batch, q_len, -1)  # (b, s, h*d)
@@ -264,6 +265,12 @@ def mpt_attention_forward(
 
 
 _MASKS = MaskCache()
+
+
+def _per_forward(cache: MaskCache | None, source: Tensor, tag: Any, make: Any) -> Tensor:
+    """``make()`` once per forward (``cache.memo``; every layer gets the same ``source``), so the
+    layers share one key-bias tensor and, at decode, one SDPA mask derived from it."""
+    return make() if cache is None else cache.memo(source, tag, make)
 
 
 def _keep_mask(attention_mask: Tensor | None, to_keep: Any) -> tuple[Tensor | None, MaskCache | None]:

@@ -45,3 +45,42 @@ def test_causal_default_equals_explicit_mask():
         alibi_attention(q, k, v, key_bias, scale=0.25),
         alibi_attention(q, k, v, key_bias, torch.ones(8, 8, dtype=torch.bool, device=DEV).tril()[None, None], scale=0.25),
     )
+
+
+def test_mask_cache_memo_is_per_source_and_dies_with_the_mask():
+    keep = torch.ones(1, 1, 1, 4, dtype=torch.bool)
+    cache = MaskCache().store(keep, keep)
+    a, b = torch.zeros(3), torch.zeros(3)
+    calls = []
+
+    def make(x):
+        return lambda: calls.append(x) or x + 1
+
+    first = cache.memo(a, "t", make(a))
+    assert cache.memo(a, "t", make(a)) is first and len(calls) == 1  # same source: cached
+    cache.memo(b, "t", make(b))  # equal values, another tensor: computed again
+    cache.memo(a, "other", make(a))  # another tag: computed again
+    assert len(calls) == 3
+    del keep  # the forward is over
+    fresh = torch.ones(1, 1, 1, 4, dtype=torch.bool)
+    assert cache.lookup(fresh) is None
+    cache.store(fresh, fresh)
+    cache.memo(a, "t", make(a))
+    assert len(calls) == 4, "a new mask must not see the previous forward's entries"
+
+
+def test_decode_mask_is_built_once_per_forward_and_matches_per_layer(monkeypatch):
+    """At decode every layer gets the same key bias and mask: the SDPA mask is derived once
+    (cached on the mask) and gives the same result as deriving it per call."""
+    import torchembed.kernels.alibi_attention as module
+
+    q, k, v, key_bias, keep = _case(2, 4, 1, 80, 32, torch.float32)
+    built = []
+    original = module.alibi_decode_bias
+    monkeypatch.setattr(module, "alibi_decode_bias", lambda *a: built.append(1) or original(*a))
+    cache = MaskCache().store(keep, keep)
+    outs = [alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache) for _ in range(3)]
+    uncached = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5)
+    assert len(built) == 1
+    for out in outs:
+        torch.testing.assert_close(out, uncached, atol=0, rtol=0)

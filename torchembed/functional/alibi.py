@@ -13,7 +13,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["alibi_slopes", "alibi_bias", "alibi_key_bias", "alibi_attention_reference"]
+__all__ = ["alibi_slopes", "alibi_bias", "alibi_key_bias", "alibi_decode_bias", "alibi_attention_reference"]
 
 
 def alibi_slopes(num_heads: int, device: torch.device | str | None = None, *, max_bias: float = 8.0) -> Tensor:
@@ -89,6 +89,25 @@ def alibi_key_bias(slopes: Tensor, attention_mask: Tensor) -> Tensor:
     return slopes.float()[None, :, None] * ((positions - last) * mask)[:, None, :]
 
 
+def alibi_decode_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The SDPA mask of one decode step: ``key_bias`` centred on the newest key (softmax ignores
+    the per-row constant; the values near it stay small and exact in low precision), the
+    positions ``keep`` excludes set to ``dtype``'s minimum.
+
+    Args:
+        key_bias: ``(b or 1, h, k)`` float.
+        keep: ``(b or 1, 1, 1, k)`` bool or None.
+
+    Returns:
+        ``(b or 1, h, 1, k)`` in ``dtype``.
+    """
+    compute = torch.promote_types(dtype, torch.float32)
+    bias = (key_bias.to(compute) - key_bias[..., -1:].to(compute))[:, :, None, :]
+    if keep is not None:
+        bias = bias.masked_fill(~keep, torch.finfo(dtype).min)
+    return bias.to(dtype)
+
+
 def alibi_attention_reference(
     q: Tensor,
     k: Tensor,
@@ -120,11 +139,8 @@ def alibi_attention_reference(
     """
     compute = torch.promote_types(q.dtype, torch.float32)
     if q.shape[-2] == 1:
-        # Decode: one row; centre on the newest key (few, small ops: decode is host-bound).
-        bias = (key_bias.to(compute) - key_bias[..., -1:].to(compute))[:, :, None, :]
-        if keep is not None:
-            bias = bias.masked_fill(~keep, torch.finfo(q.dtype).min)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p, scale=scale)
+        bias = alibi_decode_bias(key_bias, keep, q.dtype)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
     bias = key_bias[:, :, None, :].to(compute)
     if keep is not None:
         bias = bias.masked_fill(~keep, -math.inf)

@@ -12,11 +12,13 @@ from __future__ import annotations
 import functools
 import os
 import weakref
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from torchembed.functional.alibi import alibi_attention_reference
+from torchembed.functional.alibi import alibi_attention_reference, alibi_decode_bias
 
 __all__ = ["alibi_attention", "flex_available", "alibi_score_mod", "MaskCache"]
 
@@ -80,6 +82,7 @@ class MaskCache:
         self._source: weakref.ref | None = None
         self.keep: Tensor | None = None
         self.block_mask = None
+        self._memo: dict = {}
 
     def lookup(self, source: Tensor) -> "MaskCache | None":
         return self if self._source is not None and self._source() is source else None
@@ -87,11 +90,23 @@ class MaskCache:
     def store(self, source: Tensor, keep: Tensor | None) -> "MaskCache":
         # When the source mask dies (the forward is over), drop what was derived from it.
         self._source, self.keep, self.block_mask = weakref.ref(source, self._clear), keep, None
+        self._memo = {}
         return self
+
+    def memo(self, source: Tensor, tag: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()`` computed once per ``(source, tag)`` while this mask lives: per-forward
+        derivations of tensors every layer receives (the ALiBi bias), shared by the layers.
+        ``source`` is held weakly and checked by identity, so a new tensor never hits an old entry."""
+        entry = self._memo.get((id(source), tag))
+        if entry is not None and entry[0]() is source:
+            return entry[1]
+        value = make()
+        self._memo[(id(source), tag)] = (weakref.ref(source), value)
+        return value
 
     def _clear(self, ref: weakref.ref) -> None:
         if ref is self._source:
-            self._source, self.keep, self.block_mask = None, None, None
+            self._source, self.keep, self.block_mask, self._memo = None, None, None, {}
 
 
 def alibi_attention(
@@ -114,7 +129,9 @@ def alibi_attention(
             mask, static-cache slots included). None: causal, queries at the last positions.
         scale: multiplies ``q k^T``.
         dropout_p: attention dropout (taken by the SDPA path, which implements it).
-        cache: where the block mask for ``keep`` is kept across the layers of one forward.
+        cache: where the block mask for ``keep`` (and, at decode, the SDPA mask for ``key_bias``;
+            pass the same ``key_bias`` tensor to every layer, e.g. via ``cache.memo``) is kept
+            across the layers of one forward.
 
     Returns:
         ``(b, h, q, d)`` in ``q.dtype``.
@@ -127,6 +144,10 @@ def alibi_attention(
         and not torch.compiler.is_compiling()
     )
     if not use_flex:
+        if q_len == 1 and cache is not None:  # decode: the mask is the same for every layer
+            bias = cache.memo(key_bias, ("decode", q.dtype), lambda: alibi_decode_bias(key_bias, keep, q.dtype))
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
+                                                                    scale=scale)
         return alibi_attention_reference(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p)
     flex, create_block_mask = _compiled()
     block_mask = cache.block_mask if cache is not None else None
