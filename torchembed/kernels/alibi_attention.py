@@ -24,6 +24,13 @@ __all__ = ["alibi_attention", "flex_available", "alibi_score_mod", "MaskCache"]
 
 
 _CAUSAL: dict = {}
+# Devices whose prefill goes through FlexAttention (tests add "cpu" to exercise the path).
+_FLEX_DEVICES: tuple[str, ...] = ("cuda",)
+# Dynamo compiles flex_attention once per distinct (shapes, strides, dtype, heads) guard set and
+# counts them per function: past its default of 8 it silently runs flex_attention unfused, which
+# materialises the scores. One process serving several ALiBi models, batch sizes and layouts needs
+# more, so the limit is raised around torchembed's calls (and restored after each).
+_RECOMPILE_LIMIT = 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,7 +147,7 @@ def alibi_attention(
     if keep is None and q_len > 1:
         keep, cache = _causal(q_len, k_len, q.device)
     use_flex = (
-        q.is_cuda and q_len > 1 and dropout_p == 0.0 and q.shape[-1] >= 16 and flex_available()
+        q.device.type in _FLEX_DEVICES and q_len > 1 and dropout_p == 0.0 and q.shape[-1] >= 16 and flex_available()
         and not torch.compiler.is_compiling()
     )
     if not use_flex:
@@ -161,4 +168,13 @@ def alibi_attention(
         block_mask = create_block_mask(mask_mod, batch, None, q_len, k_len, device=q.device, _compile=True)
         if cache is not None:
             cache.block_mask = block_mask
-    return flex(q, k, v, score_mod=alibi_score_mod(key_bias.float()), block_mask=block_mask, scale=scale)
+    # key_bias always batch-sized (a stride-0 view when shared), so every call traces the same
+    # score_mod: a broadcast flag in its closure would be one more guard and recompile
+    score_mod = alibi_score_mod(key_bias.float().expand(q.shape[0], -1, -1))
+    config = torch._dynamo.config
+    limit = config.recompile_limit
+    config.recompile_limit = max(limit, _RECOMPILE_LIMIT)
+    try:
+        return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    finally:
+        config.recompile_limit = limit
