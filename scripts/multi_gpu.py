@@ -115,8 +115,9 @@ def load(path: Path, dtype: torch.dtype, device_map: Any, gpus: int, smoke: bool
     used = {d for d in model.hf_device_map.values() if isinstance(d, int)}
     if len(used) < gpus:
         del model
-        size = sum(f.stat().st_size for f in path.glob("*.safetensors")) * (4 if dtype == torch.float32 else 2) // 2
-        budget = {i: int(size / gpus * 1.15) + 2**30 for i in range(gpus)}
+        checkpoint_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))  # saved in bf16
+        size = checkpoint_bytes * dtype.itemsize // 2  # in memory in `dtype`
+        budget = {i: int(size / gpus * 1.15) + 2**30 for i in range(gpus)}  # an even share + 15% + 1 GiB
         model = transformers.AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, device_map="auto", max_memory=budget).eval()
     return model
