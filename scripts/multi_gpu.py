@@ -148,7 +148,7 @@ def infer_model(name: str, config: Any, args: argparse.Namespace, workdir: Path)
     from torchembed.tools import bench
 
     device = torch.device("cpu" if args.smoke else "cuda:0")
-    split = "cpu" if args.smoke else "auto"
+    split, one_device = ("cpu", "cpu") if args.smoke else ("auto", {"": 0})
     path = workdir / name
     print(f"[infer] {name}: building and saving a random-weight checkpoint", flush=True)
     torch.manual_seed(0)
@@ -161,8 +161,7 @@ def infer_model(name: str, config: Any, args: argparse.Namespace, workdir: Path)
 
     inputs = batch_inputs(config.vocab_size, device, args.smoke)
     real = inputs["attention_mask"].bool().cpu()  # compare real tokens only
-    reference = logits_of(load(path, torch.float32, {"": device.index or 0} if not args.smoke else "cpu",
-                               args.gpus, args.smoke), inputs, name)
+    reference = logits_of(load(path, torch.float32, one_device, args.gpus, args.smoke), inputs, name)
     model = load(path, torch.bfloat16, split, args.gpus, args.smoke)
     device_map = dict(getattr(model, "hf_device_map", {}) or {})
     upstream = logits_of(model, inputs, name)
@@ -171,7 +170,7 @@ def infer_model(name: str, config: Any, args: argparse.Namespace, workdir: Path)
     components = len(torchembed.find_positional_components(model))
     torchembed.unpatch(model)
     restored = logits_of(model, inputs, name)
-    single = load(path, torch.bfloat16, {"": device.index or 0} if not args.smoke else "cpu", args.gpus, args.smoke)
+    single = load(path, torch.bfloat16, one_device, args.gpus, args.smoke)
     torchembed.patch(single)
     patched_single = logits_of(single, inputs, name)
     del single
@@ -180,8 +179,9 @@ def infer_model(name: str, config: Any, args: argparse.Namespace, workdir: Path)
         return (x.double() - reference.double()).abs()[real].mean().item()
 
     err_up, err_patched = mean_err(upstream), mean_err(patched)
+    devices = sorted({f"cuda:{d}" if isinstance(d, int) else str(d) for d in device_map.values()}) or [str(device)]
     record: dict[str, Any] = {
-        "model": name, "params": params, "devices": sorted({f"cuda:{d}" if isinstance(d, int) else str(d) for d in device_map.values()}) or [str(device)],
+        "model": name, "params": params, "devices": devices,
         "device_map_layers": len(device_map), "components_patched": components,
         "mean_abs_err_vs_fp32": {"upstream": err_up, "patched": err_patched},
         "max_abs_diff_patched_vs_upstream": (patched - upstream).abs()[real].max().item(),
