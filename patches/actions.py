@@ -22,7 +22,7 @@ class Component:
     """One positional component found in a model (what ``find_positional_components`` lists)."""
 
     path: str  # dotted module path, "" for the root
-    kind: str  # "rope", "rope-apply", "alibi", "learned"
+    kind: str  # "rope", "rope-apply", "alibi", "alibi-attention", "learned", "device-copies"
     upstream: str  # qualified name of what is there now
     replacement: str  # qualified name of what torchembed puts there
 

@@ -22,7 +22,9 @@ mask in the model dtype that every layer reads; torchembed's runs ALiBi inside F
 CUDA prefill (nothing quadratic materialised, masked blocks skipped) and SDPA with a row-centred
 bias elsewhere (:func:`torchembed.kernels.alibi_attention.alibi_attention`).
 ``output_attentions=True`` and BLOOM's ``slow_but_exact`` tensor-parallel emulation fall back to
-upstream's forward.
+upstream's forward. On a model split over devices (accelerate ``device_map``), the layers of each
+device share one copy of the mask and bias (:mod:`torchembed.patches.devices`), so the masks
+derived from them are built once per device and forward, not once per layer.
 
 Falcon: the patched ``FalconModel.forward`` gets the mask from :func:`falcon_causal_mask`, which
 drops the singleton head dim of ``create_causal_mask``'s ``(b, 1, q, k)`` mask, so upstream's
@@ -45,6 +47,7 @@ from torch import Tensor, nn
 from torchembed.functional.alibi import alibi_key_bias, alibi_slopes
 from torchembed.kernels.alibi_attention import MaskCache, alibi_attention
 from torchembed.patches.actions import Component, OverrideAttribute, bind
+from torchembed.patches.devices import ShareDeviceCopies
 from torchembed.patches.rebind import rebind_globals
 from torchembed.patches.registry import Family, PatchOptions, register
 
@@ -264,7 +267,11 @@ def mpt_attention_forward(
     return self.out_proj(context), None
 
 
-_MASKS = MaskCache()
+# One MaskCache per live HF mask tensor: a forward has one per device of a split model (see
+# torchembed.patches.devices); each caller keeps its own cache object. Entries whose mask died
+# are dropped when the table is full.
+_MASKS: dict[int, MaskCache] = {}
+_MASKS_MAX = 8
 
 
 def _per_forward(cache: MaskCache | None, source: Tensor, tag: Any, make: Any) -> Tensor:
@@ -274,12 +281,18 @@ def _per_forward(cache: MaskCache | None, source: Tensor, tag: Any, make: Any) -
 
 
 def _keep_mask(attention_mask: Tensor | None, to_keep: Any) -> tuple[Tensor | None, MaskCache | None]:
-    """``keep`` (True = attend) for HF's mask, computed once per forward (all layers share the mask)."""
+    """``keep`` (True = attend) for HF's mask, computed once per mask tensor (the layers of a
+    forward share it)."""
     if attention_mask is None:
         return None, None
-    cache = _MASKS.lookup(attention_mask)
-    if cache is None:
-        cache = _MASKS.store(attention_mask, to_keep(attention_mask))
+    cache = _MASKS.get(id(attention_mask))
+    if cache is None or cache.lookup(attention_mask) is None:
+        if len(_MASKS) >= _MASKS_MAX:
+            for key in [key for key, entry in _MASKS.items() if entry.keep is None]:  # mask gone
+                del _MASKS[key]
+            if len(_MASKS) >= _MASKS_MAX:
+                _MASKS.clear()
+        cache = _MASKS[id(attention_mask)] = MaskCache().store(attention_mask, to_keep(attention_mask))
     return cache.keep, cache
 
 
@@ -361,6 +374,7 @@ register(
             OverrideMethod("BloomModel", "build_alibi_tensor", bloom_alibi_tensor),
             RebindForwardGlobals("BloomModel", {"_get_alibi_slopes": alibi_slopes}),  # same signature
             OverrideForward("BloomAttention", bloom_attention_forward),
+            ShareDeviceCopies(),
         ),
         description="build_alibi_tensor / slopes -> torchembed ALiBi; attention -> fused ALiBi attention",
     )
@@ -372,6 +386,7 @@ register(
         adapters=(
             OverrideMethod("MptModel", "build_mpt_alibi_tensor", mpt_alibi_tensor),
             OverrideForward("MptAttention", mpt_attention_forward),
+            ShareDeviceCopies(),
         ),
         description="build_mpt_alibi_tensor -> torchembed ALiBi; attention -> fused ALiBi attention",
     )
@@ -387,6 +402,7 @@ register(
                 "FalconModel", {"build_alibi_tensor": falcon_alibi_tensor, "create_causal_mask": falcon_causal_mask}
             ),
             OverrideForward("FalconAttention", falcon_attention_forward),
+            ShareDeviceCopies(),
         ),
         description=(
             "build_alibi_tensor -> torchembed ALiBi (float32 slopes, not folded into the mask); "

@@ -1,0 +1,107 @@
+"""Layers of a model split over devices share one copy of each argument per device.
+
+accelerate's ``device_map`` dispatch gives every layer an ``AlignDevicesHook`` that moves all of
+the layer's arguments to the layer's device on every call. With a model split over GPUs, each
+layer past the first device therefore receives a fresh copy of the attention mask and the ALiBi
+bias, and torchembed's ALiBi attention, which derives its masks (FlexAttention's block mask, the
+decode mask) once per mask *tensor*, would derive them once per layer there. The forward
+pre-hook below runs before accelerate's hook and moves the arguments itself through a per-model
+cache keyed by (source tensor, its version, device): every layer on a device receives the same
+copy (and accelerate finds nothing left to move), so the derived masks are built once per
+device and forward. A copy lives as long as its source tensor; an in-place change of the source
+(a new version) makes a new copy.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from torchembed.patches.actions import Component
+from torchembed.patches.registry import PatchOptions
+
+__all__ = ["DeviceCopies", "ShareDeviceCopies"]
+
+
+def execution_device(module: nn.Module) -> torch.device | None:
+    """The device accelerate runs ``module`` on, or None when no dispatch hook says so."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if device is None:
+        return None
+    return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+
+
+class DeviceCopies:
+    """Forward pre-hook (``with_kwargs=True``): tensor arguments not on the module's execution
+    device are moved there once per (tensor, version, device) and shared by all layers."""
+
+    def __init__(self) -> None:
+        self._copies: dict[tuple[int, int, torch.device], tuple[weakref.ref, Tensor]] = {}
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        device = execution_device(module)
+        if device is None:
+            return args, kwargs
+        return tuple(self.to(a, device) for a in args), {k: self.to(v, device) for k, v in kwargs.items()}
+
+    def to(self, value: Any, device: torch.device) -> Any:
+        if not isinstance(value, Tensor) or not self._elsewhere(value, device):
+            return value
+        key = (id(value), value._version, device)
+        entry = self._copies.get(key)
+        if entry is not None and entry[0]() is value:
+            return entry[1]
+        copy = self._move(value, device)
+        self._copies[key] = (weakref.ref(value, lambda _, key=key: self._copies.pop(key, None)), copy)
+        return copy
+
+    @staticmethod
+    def _elsewhere(value: Tensor, device: torch.device) -> bool:
+        return value.device != device
+
+    @staticmethod
+    def _move(value: Tensor, device: torch.device) -> Tensor:
+        return value.to(device)
+
+    def __deepcopy__(self, memo: dict) -> "DeviceCopies":
+        return DeviceCopies()  # copies belong to this model's live tensors, not to a copy's
+
+
+@dataclass
+class AddForwardPreHook:
+    """Register ``hook`` as a forward pre-hook (with kwargs) of ``module``; undo removes it.
+
+    The hook's id is kept as plain data (not a handle), so a deep copy of a patched model
+    removes the hook from its own module."""
+
+    component: Component
+    module: nn.Module
+    hook: Any
+    hook_id: int | None = None
+
+    def apply(self) -> None:
+        self.hook_id = self.module.register_forward_pre_hook(self.hook, with_kwargs=True, prepend=True).id
+
+    def undo(self) -> None:
+        self.module._forward_pre_hooks.pop(self.hook_id, None)
+        self.module._forward_pre_hooks_with_kwargs.pop(self.hook_id, None)
+
+
+class ShareDeviceCopies:
+    """On a model dispatched over two or more devices, one :class:`DeviceCopies` pre-hook (per
+    model) on every dispatched submodule; nothing on a model that runs on one device."""
+
+    def plan(self, model: nn.Module, config: Any, options: PatchOptions) -> list[AddForwardPreHook]:
+        dispatched = [(path, module) for path, module in model.named_modules()
+                      if path and execution_device(module) is not None]
+        if len({execution_device(module) for _, module in dispatched}) < 2:
+            return []
+        copies = DeviceCopies()
+        upstream = "accelerate AlignDevicesHook (a copy per layer)"
+        replacement = "torchembed.patches.devices.DeviceCopies (a copy per device and forward)"
+        return [AddForwardPreHook(Component(path, "device-copies", upstream, replacement), module, copies)
+                for path, module in dispatched]
