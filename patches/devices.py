@@ -1,15 +1,17 @@
-"""Layers of a model split over devices share one copy of each argument per device.
+"""Layers of a model split over devices share one copy of the mask and bias per device.
 
 accelerate's ``device_map`` dispatch gives every layer an ``AlignDevicesHook`` that moves all of
 the layer's arguments to the layer's device on every call. With a model split over GPUs, each
 layer past the first device therefore receives a fresh copy of the attention mask and the ALiBi
 bias, and torchembed's ALiBi attention, which derives its masks (FlexAttention's block mask, the
 decode mask) once per mask *tensor*, would derive them once per layer there. The forward
-pre-hook below runs before accelerate's hook and moves the arguments itself through a per-model
-cache keyed by (source tensor, its version, device): every layer on a device receives the same
-copy (and accelerate finds nothing left to move), so the derived masks are built once per
-device and forward. A copy lives as long as its source tensor; an in-place change of the source
-(a new version) makes a new copy.
+pre-hook below runs before accelerate's hook and moves just those keyword arguments itself,
+through a per-model cache keyed by (source tensor, its version, device): every layer on a device
+receives the same copy, accelerate finds it already in place, and the derived masks are built
+once per device and forward. Only arguments that torchembed's attention reads and nothing writes
+are shared (a layer that changed a shared argument in place would change it for the next ones);
+the rest keep accelerate's per-layer copies. A copy lives as long as its source tensor; an
+in-place change of the source (a new version) makes a new copy.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch import Tensor, nn
 from torchembed.patches.actions import Component
 from torchembed.patches.registry import PatchOptions
 
-__all__ = ["DeviceCopies", "ShareDeviceCopies"]
+__all__ = ["DeviceCopies", "ShareDeviceCopies", "SHARED_KWARGS"]
 
 
 def execution_device(module: nn.Module) -> torch.device | None:
@@ -35,23 +37,29 @@ def execution_device(module: nn.Module) -> torch.device | None:
     return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
 
 
+SHARED_KWARGS = ("attention_mask", "alibi", "position_bias")  # read-only inputs of the ALiBi attention
+
+
 class DeviceCopies:
-    """Forward pre-hook (``with_kwargs=True``): tensor arguments not on the module's execution
-    device are moved there once per (tensor, version, device) and shared by all layers."""
+    """Forward pre-hook (``with_kwargs=True``): the keyword arguments named in ``SHARED_KWARGS``
+    that are tensors not on the module's execution device are moved there once per (tensor,
+    version, device) and shared by all layers."""
 
     def __init__(self) -> None:
         self._copies: dict[tuple[int, int, torch.device], tuple[weakref.ref, Tensor]] = {}
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         device = execution_device(module)
-        if device is None:
-            return args, kwargs
-        return tuple(self.to(a, device) for a in args), {k: self.to(v, device) for k, v in kwargs.items()}
+        names = [name for name in SHARED_KWARGS if name in kwargs]
+        if device is None or not names:
+            return None  # arguments unchanged
+        return args, {**kwargs, **{name: self.to(kwargs[name], device) for name in names}}
 
     def to(self, value: Any, device: torch.device) -> Any:
         if not isinstance(value, Tensor) or not self._elsewhere(value, device):
             return value
-        key = (id(value), value._version, device)
+        # inference tensors have no version counter (and cannot be changed outside inference mode)
+        key = (id(value), 0 if value.is_inference() else value._version, device)
         entry = self._copies.get(key)
         if entry is not None and entry[0]() is value:
             return entry[1]

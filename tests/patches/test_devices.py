@@ -23,6 +23,25 @@ ALIBI = ["bloom", "mpt", "falcon-alibi"]
 META = torch.device("meta")
 
 
+def test_only_the_attention_inputs_are_shared():
+    """Hidden states and anything else keep accelerate's per-layer copies: only the mask and
+    bias, which torchembed's attention reads and nothing writes, are shared."""
+    copies = DeviceCopies()
+    layer = types.SimpleNamespace(_hf_hook=types.SimpleNamespace(execution_device="meta"))
+    hidden, mask, alibi = torch.randn(2, 3), torch.ones(2, 1, 3, 3), torch.randn(4, 1, 3)
+    args, kwargs = copies(layer, (hidden,), {"attention_mask": mask, "alibi": alibi, "use_cache": True})
+    assert args[0] is hidden and kwargs["use_cache"] is True
+    assert kwargs["attention_mask"].device == META and kwargs["alibi"].device == META
+    assert copies(layer, (hidden,), {"hidden_states": hidden}) is None  # nothing to share: unchanged
+
+
+def test_inference_tensors_are_shared_too():
+    copies = DeviceCopies()
+    with torch.inference_mode():
+        mask = torch.ones(2, 3)
+    assert copies.to(mask, META) is copies.to(mask, META)
+
+
 def test_one_copy_per_tensor_version_and_device():
     copies = DeviceCopies()
     a, b = torch.randn(3), torch.randn(3)
