@@ -33,7 +33,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -76,16 +75,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
+    """``torchembed.tools.bench.environment`` plus accelerate, NCCL, the GPUs and the multicast switches."""
     import accelerate
-    import transformers
-    import triton
 
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if not args.smoke else []
-    return {"date": str(datetime.date.today()), "python": platform.python_version(), "torch": torch.__version__,
-            "triton": triton.__version__, "transformers": transformers.__version__,
-            "accelerate": accelerate.__version__,
-            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpus else None, "gpus": gpus,
-            "gpus_used": args.gpus, "env": {k: os.environ.get(k) for k in NO_MULTICAST}}
+    from torchembed.tools import bench
+
+    gpus = [] if args.smoke else [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    env = bench.environment(torch.device("cpu" if args.smoke else "cuda"))
+    env.update(accelerate=accelerate.__version__,
+               nccl=".".join(map(str, torch.cuda.nccl.version())) if gpus else None, gpus=gpus,
+               gpus_used=args.gpus, env={k: os.environ.get(k) for k in NO_MULTICAST})
+    return env
 
 
 # --- infer: one model split over the GPUs -----------------------------------------------
@@ -409,8 +409,10 @@ def _stat(s: dict[str, float]) -> str:
 
 
 def _steps(r: dict[str, Any]) -> str:
-    timed = r["step_ms"][r.get("warmup", SPEED_WARMUP):]
-    return f"{r['median_step_ms']:.1f} [{min(timed):.0f}-{max(timed):.0f}]"
+    from torchembed.tools import bench
+
+    timed = bench.stats(r["step_ms"][r["warmup"]:])
+    return f"{timed['median']:.1f} [{timed['min']:.0f}-{timed['max']:.0f}]"
 
 
 def _gb(r: dict[str, Any]) -> str:

@@ -47,6 +47,7 @@ from torch import nn
 
 from torchembed import kernels
 
+from torchembed.tools import bench
 from torchembed.tools.bench_train import checkpointing_on
 
 MODELS = ("llama", "falcon", "bloom", "gpt2")
@@ -218,8 +219,7 @@ def main(argv: list[str]) -> int:
             raise FloatingPointError(f"step {step}: loss {global_loss}")
         losses.append(global_loss)
         accelerator.print(f"step {step} loss {global_loss:.6f} {step_ms[-1]:.1f} ms", flush=True)
-    timed = sorted(step_ms[args.warmup:])
-    median_ms = timed[len(timed) // 2] if len(timed) % 2 else sum(timed[len(timed) // 2 - 1:len(timed) // 2 + 1]) / 2
+    median_ms = bench.stats(step_ms[args.warmup:])["median"]
 
     state = accelerator.get_state_dict(model)  # collective: every rank calls it
     if args.out is not None and accelerator.is_main_process:

@@ -25,3 +25,14 @@ def load(checkpoint):
         return model_class_for(config).from_pretrained(path, **kwargs).eval()
 
     return _load
+
+
+@pytest.fixture
+def decode_masks_built(monkeypatch):
+    """A list that grows by one each time the ALiBi attention builds a decode-step SDPA mask."""
+    import torchembed.kernels.alibi_attention as kernel
+
+    built = []
+    original = kernel.alibi_decode_bias
+    monkeypatch.setattr(kernel, "alibi_decode_bias", lambda *a: built.append(1) or original(*a))
+    return built

@@ -137,10 +137,10 @@ def alibi_attention_reference(
         ``(b, h, q, d)`` in ``q.dtype``. Rows with no key kept attend uniformly (as upstream's
         eager attention does with its finite mask), never NaN.
     """
-    compute = torch.promote_types(q.dtype, torch.float32)
     if q.shape[-2] == 1:
         bias = alibi_decode_bias(key_bias, keep, q.dtype)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+    compute = torch.promote_types(q.dtype, torch.float32)
     bias = key_bias[:, :, None, :].to(compute)
     if keep is not None:
         bias = bias.masked_fill(~keep, -math.inf)
