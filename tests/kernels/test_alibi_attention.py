@@ -98,7 +98,7 @@ def test_flex_path_keeps_compiling_past_dynamo_recompile_limit(monkeypatch):
     import torchembed.kernels.alibi_attention as module
 
     compiled = torch.compile(flex_attention, backend="eager")
-    monkeypatch.setattr(module, "_FLEX_DEVICES", ("cpu",))
+    monkeypatch.setattr(module, "_FUSED_DEVICES", ("cpu",))
     monkeypatch.setattr(module, "_compiled", lambda: (compiled, lambda *a, _compile=True, **kw: create_block_mask(*a, **kw)))
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     torch._dynamo.reset()
@@ -123,3 +123,86 @@ def test_flex_path_keeps_compiling_past_dynamo_recompile_limit(monkeypatch):
     assert limit_hits() == hits, "dynamo hit its recompile limit and ran flex_attention unfused"
     assert counters["frames"]["ok"] - before >= len(cases), "dynamo stopped compiling flex_attention"
     assert torch._dynamo.config.recompile_limit == 2, "the limit must be restored after each call"
+
+
+def test_bias_columns_carry_the_bias_to_float32_accuracy():
+    """``scale * q_cols[i] . k_cols[j] = key_bias[j] - key_bias[i]``: the bf16 columns (3 + 2
+    parts) reproduce the float32 bias difference to ~1e-6 of its size, at 16k positions."""
+    from torchembed.kernels.alibi_attention import bias_columns
+
+    h, k_len, q_len, scale = 12, 16384, 64, 80**-0.5  # non-power-of-2 heads: inexact slopes
+    mask = torch.ones(2, k_len, dtype=torch.long)
+    mask[1, :100] = 0
+    key_bias = alibi_key_bias(alibi_slopes(h), mask)
+    q_cols, k_cols = bias_columns(key_bias, q_len, scale, torch.bfloat16)
+    assert q_cols.dtype == k_cols.dtype == torch.bfloat16
+    assert q_cols.shape == (2, h, q_len, 8) and k_cols.shape == (2, h, k_len, 8)
+    carried = scale * (q_cols.double() @ k_cols.double().transpose(-1, -2))
+    kb = key_bias.double()
+    truth = kb[:, :, None, :] - kb[:, :, k_len - q_len :, None]
+    assert (carried - truth).abs().max() <= 1e-6 * kb.abs().max()
+
+
+def _causal_case(b, h, n, d, dtype, bias_batch):
+    gen = torch.Generator().manual_seed(n + h)
+    q, k, v = (torch.randn(b, h, n, d, generator=gen).to(dtype) for _ in range(3))
+    key_bias = alibi_key_bias(alibi_slopes(h), torch.ones(bias_batch, n, dtype=torch.long))
+    keep = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(b, 1, n, n).clone()  # HF's (b, 1, q, k)
+    return q, k, v, key_bias, keep
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("b, h, n, d, bias_batch", [(2, 4, 64, 32, 2), (1, 5, 200, 64, 1), (3, 3, 33, 16, 1)])
+def test_bias_columns_path_matches_float64(monkeypatch, dtype, tol, b, h, n, d, bias_batch):
+    """Causal prefill without padding takes the bias-columns + SDPA path (forced on CPU), once per
+    mask its causality is checked, and the result matches float64 (non-power-of-2 heads, a
+    per-batch or shared bias, HF's materialised causal mask or none)."""
+    import torchembed.kernels.alibi_attention as module
+
+    monkeypatch.setattr(module, "_FUSED_DEVICES", ("cpu",))
+    taken, flex = [], []
+    original = module._sdpa_with_columns
+    monkeypatch.setattr(module, "_sdpa_with_columns", lambda *a, **kw: taken.append(1) or original(*a, **kw))
+    monkeypatch.setattr(module, "_flex_attention", lambda *a, **kw: flex.append(1))
+    q, k, v, key_bias, keep = _causal_case(b, h, n, d, dtype, bias_batch)
+    cache = MaskCache().store(keep, keep)
+    truth = _truth(q, k, v, key_bias, keep, d**-0.5)
+    for mask, c in ((keep, cache), (keep, cache), (None, None)):
+        out = alibi_attention(q, k, v, key_bias, mask, scale=d**-0.5, cache=c)
+        assert out.dtype == dtype and out.shape == q.shape
+        torch.testing.assert_close(out.double(), truth, atol=tol, rtol=tol)
+    assert len(taken) == 3 and not flex
+    assert len([key for key in cache._memo if key[1] == "plain-causal"]) == 1
+
+
+def test_padded_or_cached_prefill_does_not_take_the_bias_columns(monkeypatch):
+    """Masks other than the plain causal one (left padding), a KV cache (``q < k``) and float16
+    go to FlexAttention, never to the causal-only columns path."""
+    import torchembed.kernels.alibi_attention as module
+
+    monkeypatch.setattr(module, "_FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(module, "_sdpa_with_columns", lambda *a, **kw: pytest.fail("bias columns taken"))
+    flex = []
+    monkeypatch.setattr(module, "_flex_attention", lambda q, *a, **kw: flex.append(1) or q)
+    q, k, v, key_bias, keep = _case(2, 4, 64, 64, 32, torch.float32)  # batch 0 left-padded
+    alibi_attention(q, k, v, key_bias, keep, scale=0.2, cache=MaskCache().store(keep, keep))
+    q, k, v, key_bias, keep = _case(2, 4, 16, 80, 32, torch.float32, pad=0)  # queries after a cache
+    alibi_attention(q, k, v, key_bias, keep, scale=0.2)
+    q, k, v, key_bias, keep = _causal_case(1, 2, 32, 16, torch.float16, 1)
+    alibi_attention(q, k, v, key_bias, keep, scale=0.2)
+    assert len(flex) == 3
+
+
+def test_bias_columns_path_backward_matches_float64(monkeypatch):
+    """Gradients through the columns path (training) equal float64 autograd of the definition."""
+    import torchembed.kernels.alibi_attention as module
+
+    monkeypatch.setattr(module, "_FUSED_DEVICES", ("cpu",))
+    q, k, v, key_bias, keep = _causal_case(2, 3, 40, 16, torch.float32, 1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    grad = torch.randn_like(q)
+    alibi_attention(*leaves, key_bias, keep, scale=0.25).backward(grad)
+    _truth(*leaves64, key_bias, keep, 0.25).backward(grad.double())
+    for got, want in zip(leaves, leaves64):
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=2e-5, rtol=2e-5)

@@ -1,14 +1,25 @@
-"""ALiBi inside a fused attention kernel: FlexAttention with an ALiBi ``score_mod``.
+"""ALiBi inside fused attention kernels: nothing quadratic materialised.
 
-Press et al., arXiv:2108.12409. ``flex_attention`` (torch >= 2.5) compiles the score modifier
-into a Triton attention kernel, so neither the ``(b, h, q, k)`` bias nor the scores are ever
-materialised, and the causal block mask skips the blocks above the diagonal. Used on CUDA for
-prefill (``q > 1``); decode steps and CPU tensors take the SDPA reference
-(:func:`torchembed.functional.alibi.alibi_attention_reference`).
+Press et al., arXiv:2108.12409. Two fused prefill paths, for CUDA tensors:
+
+* **bias columns + SDPA** (causal prefill without padding, bf16/float32): the key-only bias is
+  carried by extra head-dim columns, ``q' = [q, 1, 1, 1, -r_i]`` and ``k' = [k, b_j]`` with
+  ``b_j = key_bias[j] / scale`` split into three bf16 parts (float32 accuracy) and ``r_i`` the
+  query's own ``b`` (a per-row constant, which softmax ignores, keeping the sums small), padded to
+  ``d + 8``. Then ``scale * q'.k' = scale * q.k + key_bias[j] - key_bias[i]``, and
+  ``scaled_dot_product_attention(..., is_causal=True)`` runs its flash/cuDNN kernel: no bias or
+  score tensor, no mask, one fused kernel, ~30 us of host time per call.
+* **FlexAttention** (any mask: left padding, KV cache, static-cache slots): ``flex_attention``
+  with an ALiBi ``score_mod`` and a block mask derived once per forward, which skips the masked
+  blocks.
+
+Decode steps (``q = 1``), CPU tensors and ``torch.compile`` regions take SDPA with a bias
+(:func:`torchembed.functional.alibi.alibi_attention_reference`, whose decode mask is ``(b, h, 1, k)``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import weakref
@@ -16,16 +27,23 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from torchembed.functional.alibi import alibi_attention_reference, alibi_decode_bias
 
-__all__ = ["alibi_attention", "flex_available", "alibi_score_mod", "MaskCache"]
+__all__ = ["alibi_attention", "flex_available", "alibi_score_mod", "bias_columns", "MaskCache"]
 
 
 _CAUSAL: dict = {}
-# Devices whose prefill goes through FlexAttention (tests add "cpu" to exercise the path).
-_FLEX_DEVICES: tuple[str, ...] = ("cuda",)
+# Devices whose prefill takes the fused paths (tests add "cpu" to exercise them).
+_FUSED_DEVICES: tuple[str, ...] = ("cuda",)
+# "auto": bias columns + SDPA where they apply, FlexAttention elsewhere; "flex": FlexAttention only.
+PREFILL_PATHS = ("auto", "flex")
+_PREFILL = os.environ.get("TORCHEMBED_ALIBI_PREFILL", "auto")
+if _PREFILL not in PREFILL_PATHS:
+    raise ValueError(f"TORCHEMBED_ALIBI_PREFILL must be one of {PREFILL_PATHS}, got {_PREFILL!r}")
+COLUMNS = 8  # extra head-dim columns of the bias-columns path (5 used; a multiple of 8 keeps alignment)
 # Dynamo compiles flex_attention once per distinct (shapes, strides, dtype, heads) guard set and
 # counts them per function: past its default of 8 it silently runs flex_attention unfused, which
 # materialises the scores. One process serving several ALiBi models, batch sizes and layouts needs
@@ -47,9 +65,24 @@ def flex_available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _compiled():
+    """``flex_attention`` and ``create_block_mask``, each compiled once. (``create_block_mask(...,
+    _compile=True)`` wraps itself in a fresh ``torch.compile`` on every call, which costs ~5 ms of
+    host time per call: more than the attention of a 2048-token prefill.)"""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    return torch.compile(flex_attention), create_block_mask
+    return torch.compile(flex_attention), torch.compile(create_block_mask)
+
+
+@contextlib.contextmanager
+def _recompile_limit():
+    """Raise dynamo's recompile limit to at least ``_RECOMPILE_LIMIT`` (restored on exit)."""
+    config = torch._dynamo.config
+    limit = config.recompile_limit
+    config.recompile_limit = max(limit, _RECOMPILE_LIMIT)
+    try:
+        yield
+    finally:
+        config.recompile_limit = limit
 
 
 def alibi_score_mod(key_bias: Tensor):
@@ -108,6 +141,7 @@ class MaskCache:
         if entry is not None and entry[0]() is source:
             return entry[1]
         value = make()
+        self._memo = {key: e for key, e in self._memo.items() if e[0]() is not None}  # drop dead sources
         self._memo[(id(source), tag)] = (weakref.ref(source), value)
         return value
 
@@ -135,10 +169,11 @@ def alibi_attention(
         keep: ``(b or 1, 1, q, k)`` bool, True where a query may attend (HF's causal + padding
             mask, static-cache slots included). None: causal, queries at the last positions.
         scale: multiplies ``q k^T``.
-        dropout_p: attention dropout (taken by the SDPA path, which implements it).
-        cache: where the block mask for ``keep`` (and, at decode, the SDPA mask for ``key_bias``;
-            pass the same ``key_bias`` tensor to every layer, e.g. via ``cache.memo``) is kept
-            across the layers of one forward.
+        dropout_p: attention dropout (the SDPA paths implement it; FlexAttention does not and
+            is skipped when it is set).
+        cache: where what is derived from ``keep`` and ``key_bias`` (block mask, bias columns,
+            decode mask; pass the same ``key_bias`` tensor to every layer, e.g. via
+            ``cache.memo``) is kept across the layers of one forward.
 
     Returns:
         ``(b, h, q, d)`` in ``q.dtype``.
@@ -146,16 +181,97 @@ def alibi_attention(
     q_len, k_len = q.shape[-2], k.shape[-2]
     if keep is None and q_len > 1:
         keep, cache = _causal(q_len, k_len, q.device)
-    use_flex = (
-        q.device.type in _FLEX_DEVICES and q_len > 1 and dropout_p == 0.0 and q.shape[-1] >= 16 and flex_available()
-        and not torch.compiler.is_compiling()
+    fused = q_len > 1 and q.device.type in _FUSED_DEVICES and not torch.compiler.is_compiling()
+    if fused and _columns_apply(q, k, key_bias) and _plain_causal(keep, cache):
+        make = functools.partial(bias_columns, key_bias, q_len, scale, q.dtype)
+        q_cols, k_cols = make() if cache is None else cache.memo(key_bias, ("columns", q.dtype, q_len, scale), make)
+        return _sdpa_with_columns(q, k, v, q_cols, k_cols, scale=scale, dropout_p=dropout_p)
+    if fused and dropout_p == 0.0 and q.shape[-1] >= 16 and flex_available():
+        return _flex_attention(q, k, v, key_bias, keep, scale=scale, cache=cache)
+    if q_len == 1 and cache is not None:  # decode: the mask is the same for every layer
+        bias = cache.memo(key_bias, ("decode", q.dtype), lambda: alibi_decode_bias(key_bias, keep, q.dtype))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+    return alibi_attention_reference(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p)
+
+
+def bias_columns(key_bias: Tensor, q_len: int, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The extra q and k columns that carry a key-only bias through a plain attention kernel.
+
+    With ``b = key_bias / scale`` (float32) split into ``hi + mid + lo`` in ``dtype`` and ``r_i``
+    the ``b`` of query ``i``'s own position (queries are the last ``q_len`` keys), split in two:
+    ``q_cols[i] = [1, 1, 1, -r_hi, -r_lo, 0, 0, 0]``, ``k_cols[j] = [hi, mid, lo, 1, 1, 0, 0, 0]``,
+    so ``scale * q_cols[i] . k_cols[j] = key_bias[j] - key_bias[i]`` to float32 accuracy; the
+    per-row constant does not change softmax and keeps the sums near the diagonal small.
+
+    Args:
+        key_bias: ``(b or 1, h, k)`` float.
+        q_len: number of queries (``<= k``).
+
+    Returns:
+        ``(q_cols (b or 1, h, q, 8), k_cols (b or 1, h, k, 8))`` in ``dtype``.
+    """
+    b = key_bias.float() / scale
+    hi, mid, lo = _split(b, dtype, 3)
+    r_hi, r_lo = _split(-b[..., b.shape[-1] - q_len :], dtype, 2)
+    one_k, zero_k = torch.ones_like(hi), torch.zeros_like(hi)
+    one_q, zero_q = torch.ones_like(r_hi), torch.zeros_like(r_hi)
+    k_cols = torch.stack([hi, mid, lo, one_k, one_k, zero_k, zero_k, zero_k], dim=-1)
+    q_cols = torch.stack([one_q, one_q, one_q, r_hi, r_lo, zero_q, zero_q, zero_q], dim=-1)
+    return q_cols, k_cols
+
+
+def _split(x: Tensor, dtype: torch.dtype, parts: int) -> list[Tensor]:
+    """float32 ``x`` as ``parts`` tensors in ``dtype`` whose float32 sum is ``x`` (to float32 accuracy)."""
+    out = []
+    for _ in range(parts):
+        part = x.to(dtype)
+        out.append(part)
+        x = x - part.float()
+    return out
+
+
+def _columns_apply(q: Tensor, k: Tensor, key_bias: Tensor) -> bool:
+    """The bias-columns path fits: self-attention prefill (``q = k``; SDPA's ``is_causal`` is
+    top-left aligned), bf16/float32 (fp16 cannot hold ``key_bias / scale`` at long lengths), as
+    many k heads as q heads and bias heads, ``d + 8`` within the flash/cuDNN head-dim limit."""
+    return (
+        _PREFILL == "auto"
+        and q.shape[-2] == k.shape[-2]
+        and q.dtype in (torch.bfloat16, torch.float32)
+        and q.shape[1] == k.shape[1] == key_bias.shape[1]
+        and q.shape[-1] % 8 == 0
+        and q.shape[-1] + COLUMNS <= 256
     )
-    if not use_flex:
-        if q_len == 1 and cache is not None:  # decode: the mask is the same for every layer
-            bias = cache.memo(key_bias, ("decode", q.dtype), lambda: alibi_decode_bias(key_bias, keep, q.dtype))
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p,
-                                                                    scale=scale)
-        return alibi_attention_reference(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p)
+
+
+def _plain_causal(keep: Tensor, cache: MaskCache | None) -> bool:
+    """``keep`` is the causal mask and nothing more (no padding, nothing else masked), checked
+    once per mask tensor (one comparison and one host sync per forward)."""
+    q_len, k_len = keep.shape[-2:]
+    causal, _ = _causal(q_len, k_len, keep.device)
+    if keep is causal:
+        return True
+
+    def check() -> bool:
+        return bool(torch.equal(keep, causal.expand_as(keep)))
+
+    return check() if cache is None else cache.memo(keep, "plain-causal", check)
+
+
+def _sdpa_with_columns(q: Tensor, k: Tensor, v: Tensor, q_cols: Tensor, k_cols: Tensor, *, scale: float,
+                       dropout_p: float) -> Tensor:
+    """Causal SDPA of ``[q, q_cols]``, ``[k, k_cols]``, ``[v, 0]`` (flash/cuDNN kernels), first ``d`` columns."""
+    batch, dim = q.shape[0], q.shape[-1]
+    q = torch.cat([q, q_cols.expand(batch, -1, -1, -1)], dim=-1)
+    k = torch.cat([k, k_cols.expand(batch, -1, -1, -1)], dim=-1)
+    v = F.pad(v, (0, COLUMNS))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale)[..., :dim]
+
+
+def _flex_attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, keep: Tensor, *, scale: float,
+                    cache: MaskCache | None) -> Tensor:
+    """FlexAttention with the ALiBi ``score_mod`` and the block mask of ``keep`` (cached on ``cache``)."""
+    q_len, k_len = q.shape[-2], k.shape[-2]
     flex, create_block_mask = _compiled()
     block_mask = cache.block_mask if cache is not None else None
     if block_mask is None:
@@ -165,16 +281,12 @@ def alibi_attention(
             return keep[b if batch_keep else 0, 0, q_idx, kv_idx]
 
         batch = keep.shape[0] if batch_keep else None
-        block_mask = create_block_mask(mask_mod, batch, None, q_len, k_len, device=q.device, _compile=True)
+        with _recompile_limit():
+            block_mask = create_block_mask(mask_mod, batch, None, q_len, k_len, device=q.device)
         if cache is not None:
             cache.block_mask = block_mask
     # key_bias always batch-sized (a stride-0 view when shared), so every call traces the same
     # score_mod: a broadcast flag in its closure would be one more guard and recompile
     score_mod = alibi_score_mod(key_bias.float().expand(q.shape[0], -1, -1))
-    config = torch._dynamo.config
-    limit = config.recompile_limit
-    config.recompile_limit = max(limit, _RECOMPILE_LIMIT)
-    try:
+    with _recompile_limit():
         return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
-    finally:
-        config.recompile_limit = limit
