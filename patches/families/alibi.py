@@ -51,6 +51,11 @@ from torchembed.patches.devices import ShareDeviceCopies
 from torchembed.patches.rebind import rebind_globals
 from torchembed.patches.registry import Family, PatchOptions, register
 
+try:  # imported here, not in falcon_causal_mask: dynamo cannot trace an import from transformers' lazy module
+    from transformers.masking_utils import create_causal_mask as _upstream_causal_mask
+except ImportError:  # older transformers: FalconModel.forward has no create_causal_mask to rebind
+    _upstream_causal_mask = None
+
 __all__ = ["bloom_alibi_tensor", "falcon_alibi_tensor", "falcon_causal_mask", "mpt_alibi_tensor"]
 
 
@@ -82,9 +87,7 @@ def falcon_causal_mask(*args: Any, **kwargs: Any) -> Tensor | None:
     Raises:
         ValueError: a 4-D mask with several heads (nothing upstream produces).
     """
-    from transformers import masking_utils
-
-    mask = masking_utils.create_causal_mask(*args, **kwargs)
+    mask = _upstream_causal_mask(*args, **kwargs)
     if mask is None or mask.ndim != 4:
         return mask
     if mask.shape[1] != 1:
@@ -285,6 +288,8 @@ def _keep_mask(attention_mask: Tensor | None, to_keep: Any) -> tuple[Tensor | No
     forward share it)."""
     if attention_mask is None:
         return None, None
+    if torch.compiler.is_compiling():  # no Python-side caches in a graph (id() of a traced tensor breaks it)
+        return to_keep(attention_mask), None
     cache = _MASKS.get(id(attention_mask))
     if cache is None or cache.lookup(attention_mask) is None:
         if len(_MASKS) >= _MASKS_MAX:

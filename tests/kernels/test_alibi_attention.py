@@ -145,9 +145,9 @@ def test_bias_columns_carry_the_bias_to_float32_accuracy():
 
 def _causal_case(b, h, n, d, dtype, bias_batch):
     gen = torch.Generator().manual_seed(n + h)
-    q, k, v = (torch.randn(b, h, n, d, generator=gen).to(dtype) for _ in range(3))
-    key_bias = alibi_key_bias(alibi_slopes(h), torch.ones(bias_batch, n, dtype=torch.long))
-    keep = torch.ones(n, n, dtype=torch.bool).tril()[None, None].expand(b, 1, n, n).clone()  # HF's (b, 1, q, k)
+    q, k, v = (torch.randn(b, h, n, d, generator=gen).to(DEV, dtype) for _ in range(3))
+    key_bias = alibi_key_bias(alibi_slopes(h, DEV), torch.ones(bias_batch, n, dtype=torch.long, device=DEV))
+    keep = torch.ones(n, n, dtype=torch.bool, device=DEV).tril()[None, None].expand(b, 1, n, n).clone()  # HF's (b, 1, q, k)
     return q, k, v, key_bias, keep
 
 
@@ -159,7 +159,7 @@ def test_bias_columns_path_matches_float64(monkeypatch, dtype, tol, b, h, n, d, 
     per-batch or shared bias, HF's materialised causal mask or none)."""
     import torchembed.kernels.alibi_attention as module
 
-    monkeypatch.setattr(module, "_FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
     taken, flex = [], []
     original = module._sdpa_with_columns
     monkeypatch.setattr(module, "_sdpa_with_columns", lambda *a, **kw: taken.append(1) or original(*a, **kw))
@@ -180,7 +180,7 @@ def test_padded_or_cached_prefill_does_not_take_the_bias_columns(monkeypatch):
     go to FlexAttention, never to the causal-only columns path."""
     import torchembed.kernels.alibi_attention as module
 
-    monkeypatch.setattr(module, "_FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
     monkeypatch.setattr(module, "_sdpa_with_columns", lambda *a, **kw: pytest.fail("bias columns taken"))
     flex = []
     monkeypatch.setattr(module, "_flex_attention", lambda q, *a, **kw: flex.append(1) or q)
@@ -197,7 +197,7 @@ def test_bias_columns_path_backward_matches_float64(monkeypatch):
     """Gradients through the columns path (training) equal float64 autograd of the definition."""
     import torchembed.kernels.alibi_attention as module
 
-    monkeypatch.setattr(module, "_FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
     q, k, v, key_bias, keep = _causal_case(2, 3, 40, 16, torch.float32, 1)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     leaves64 = [t.double().requires_grad_() for t in (q, k, v)]

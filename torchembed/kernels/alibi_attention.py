@@ -7,7 +7,7 @@ Press et al., arXiv:2108.12409. Two fused prefill paths, for CUDA tensors:
   ``b_j = key_bias[j] / scale`` split into three bf16 parts (float32 accuracy) and ``r_i`` the
   query's own ``b`` (a per-row constant, which softmax ignores, keeping the sums small), padded to
   ``d + 8``. Then ``scale * q'.k' = scale * q.k + key_bias[j] - key_bias[i]``, and
-  ``scaled_dot_product_attention(..., is_causal=True)`` runs its flash/cuDNN kernel: no bias or
+  ``scaled_dot_product_attention(..., is_causal=True)`` runs its cuDNN (or memory-efficient) kernel: no bias or
   score tensor, no mask, one fused kernel, ~30 us of host time per call.
 * **FlexAttention** (any mask: left padding, KV cache, static-cache slots): ``flex_attention``
   with an ALiBi ``score_mod`` and a block mask derived once per forward, which skips the masked
@@ -260,12 +260,12 @@ def _plain_causal(keep: Tensor, cache: MaskCache | None) -> bool:
 
 def _sdpa_with_columns(q: Tensor, k: Tensor, v: Tensor, q_cols: Tensor, k_cols: Tensor, *, scale: float,
                        dropout_p: float) -> Tensor:
-    """Causal SDPA of ``[q, q_cols]``, ``[k, k_cols]``, ``[v, 0]`` (flash/cuDNN kernels), first ``d`` columns."""
-    batch, dim = q.shape[0], q.shape[-1]
+    """Causal SDPA of ``[q, q_cols]``, ``[k, k_cols]`` and ``v`` (``v`` keeps its head dim: the
+    cuDNN and memory-efficient kernels take ``d_v != d_qk``)."""
+    batch = q.shape[0]
     q = torch.cat([q, q_cols.expand(batch, -1, -1, -1)], dim=-1)
     k = torch.cat([k, k_cols.expand(batch, -1, -1, -1)], dim=-1)
-    v = F.pad(v, (0, COLUMNS))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale)[..., :dim]
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale)
 
 
 def _flex_attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, keep: Tensor, *, scale: float,
