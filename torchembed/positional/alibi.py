@@ -84,9 +84,12 @@ class ALiBiEmbedding(nn.Module):
     ) -> Tensor:
         """Attention with this ALiBi bias fused in: ``softmax(q k^T * scale + bias) v``.
 
-        Causal attention runs ALiBi inside FlexAttention on CUDA (no ``(b, h, q, k)`` tensor is
-        materialised) and through SDPA with a row-centred bias elsewhere; non-causal attention
-        uses SDPA with :meth:`bias`. Queries are the last ``seq_q`` positions (KV cache).
+        Causal attention on CUDA runs ALiBi inside a fused kernel, no ``(b, h, q, k)`` tensor
+        materialised: SDPA's cuDNN kernel with the bias carried by extra head-dim columns
+        (``seq_q == seq_k``, no padding; :func:`torchembed.kernels.alibi_attention.bias_columns`),
+        FlexAttention otherwise (padding, KV cache); elsewhere SDPA with a row-centred bias.
+        Non-causal attention uses SDPA with :meth:`bias`. Queries are the last ``seq_q``
+        positions (KV cache).
 
         Args:
             q: ``(b, h, seq_q, d)``; k, v: ``(b, h, seq_k, d)``.
