@@ -18,9 +18,10 @@ and round least in low precision.
 All three also get torchembed's attention (``BloomAttention``/``MptAttention``/``FalconAttention``
 forward, per instance): upstream's eager attention materialises the scores in the model dtype, a
 float32 softmax and the probabilities, and Falcon's model folds the bias into a ``(b, h, q, k)``
-mask in the model dtype that every layer reads; torchembed's runs ALiBi inside FlexAttention on
-CUDA prefill (nothing quadratic materialised, masked blocks skipped) and SDPA with a row-centred
-bias elsewhere (:func:`torchembed.kernels.alibi_attention.alibi_attention`).
+mask in the model dtype that every layer reads; torchembed's runs ALiBi inside a fused kernel on
+CUDA prefill (SDPA's cuDNN kernel with the bias in extra head-dim columns when there is no padding,
+FlexAttention with a block mask otherwise; nothing quadratic materialised) and SDPA with a
+row-centred bias elsewhere (:func:`torchembed.kernels.alibi_attention.alibi_attention`).
 ``output_attentions=True`` and BLOOM's ``slow_but_exact`` tensor-parallel emulation fall back to
 upstream's forward. On a model split over devices (accelerate ``device_map``), the layers of each
 device share one copy of the mask and bias (:mod:`torchembed.patches.devices`), so the masks

@@ -1,4 +1,4 @@
-"""The ALiBi attention path: FlexAttention on CUDA prefill, SDPA elsewhere, against float64."""
+"""The ALiBi attention paths (CUDA prefill: bias columns + SDPA or FlexAttention; SDPA elsewhere) against float64."""
 
 import pytest
 import torch

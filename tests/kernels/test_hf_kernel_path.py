@@ -45,19 +45,29 @@ def test_patched_model_on_the_kernel_matches_upstream(name):
         torch.testing.assert_close(param.grad, ref_grad, rtol=1e-4, atol=1e-5 * ref_grad.abs().max().item() + 1e-12, msg=pname)
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi", "falcon-alibi-mha", "falcon-alibi-gqa"])
-def test_patched_alibi_attention_matches_upstream(name):
-    """On CUDA this runs ALiBi inside FlexAttention (prefill) and SDPA (decode steps).
+def test_patched_alibi_attention_matches_upstream(name, padded, monkeypatch):
+    """On CUDA the prefill runs ALiBi inside FlexAttention (left-padded batch) or SDPA with the
+    bias columns (no padding; forced on CPU too, and checked to be taken), the decode steps SDPA.
 
     Falcon's upstream is its sdpa attention (``from_config``'s default), the function the patched
-    model computes; multi-query keys reach FlexAttention repeated over the heads (a stride-0 view).
+    model computes; multi-query keys reach the fused kernels repeated over the heads.
     """
+    import torchembed.kernels.alibi_attention as attention
+
+    columns = []
+    if not padded:
+        monkeypatch.setattr(attention, "_FUSED_DEVICES", (torch.device(DEV).type,))
+        original = attention._sdpa_with_columns
+        monkeypatch.setattr(attention, "_sdpa_with_columns", lambda *a, **kw: columns.append(1) or original(*a, **kw))
     upstream = _tiny(name)
     assert upstream.config.model_type != "falcon" or upstream.config._attn_implementation == "sdpa"
     patched = torchembed.patch(copy.deepcopy(upstream))
     ids = torch.randint(0, upstream.config.vocab_size, (2, 24), device=DEV)
     mask = torch.ones_like(ids)
-    mask[0, :5] = 0
+    if padded:
+        mask[0, :5] = 0
     with torch.no_grad():
         ref = upstream.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_logits=True,
                                 return_dict_in_generate=True, pad_token_id=0)
@@ -69,6 +79,9 @@ def test_patched_alibi_attention_matches_upstream(name):
     torch.testing.assert_close(prefill_out, prefill_ref, rtol=1e-5, atol=1e-5 * scale)
     for a, b in zip(out.logits, ref.logits):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * scale)
+    if not padded:
+        # every layer of generate's prefill and of the forward (MPT without a cache: of every step)
+        assert len(columns) >= 2 * upstream.config.num_hidden_layers
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="bf16 training with the fused kernel needs CUDA (CPU parity: tests/patches/test_training.py)")
