@@ -206,3 +206,23 @@ def test_bias_columns_path_backward_matches_float64(monkeypatch):
     _truth(*leaves64, key_bias, keep, 0.25).backward(grad.double())
     for got, want in zip(leaves, leaves64):
         torch.testing.assert_close(got.grad.double(), want.grad, atol=2e-5, rtol=2e-5)
+
+
+def test_prefill_path_flex_turns_the_bias_columns_off(monkeypatch):
+    """``prefill_path("flex")`` sends a plain causal prefill to FlexAttention for the block only;
+    unknown paths are refused."""
+    import torchembed.kernels.alibi_attention as module
+    from torchembed.kernels.alibi_attention import prefill_path
+
+    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
+    taken = []
+    monkeypatch.setattr(module, "_sdpa_with_columns", lambda q, *a, **kw: taken.append("columns") or q)
+    monkeypatch.setattr(module, "_flex_attention", lambda q, *a, **kw: taken.append("flex") or q)
+    q, k, v, key_bias, keep = _causal_case(1, 2, 32, 16, torch.float32, 1)
+    with prefill_path("flex"):
+        alibi_attention(q, k, v, key_bias, keep, scale=0.25)
+    alibi_attention(q, k, v, key_bias, keep, scale=0.25)
+    assert taken == ["flex", "columns"]
+    with pytest.raises(ValueError, match="prefill path"):
+        with prefill_path("cudnn"):
+            pass

@@ -79,14 +79,16 @@ def test_e2e_smoke(tmp_path: Path) -> None:
 
 def test_alibi_smoke(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    data, md = _run("alibi", tmp_path, "--seq-lens", "16", "--batch-sizes", "1", "2")
+    data, md = _run("alibi", tmp_path, "--seq-lens", "16", "--batch-sizes", "1", "2",
+                    "--variants", "upstream", "patched", "patched-flex")
     records = data["results"]
     for model in ("bloom", "mpt", "falcon"):
-        for variant in ("upstream", "patched"):
+        for variant in ("upstream", "patched", "patched-flex"):
             for batch in (1, 2):
                 assert _finite(_one(records, model=model, phase="prefill", batch=batch, seq_len=16, variant=variant)["ms"])
                 assert _finite(_one(records, model=model, phase="decode", batch=batch, variant=variant)["ms"])
     assert "prefill latency" in md and "Falcon `sdpa`" in md
+    assert "upstream / patched |" in md and "upstream / patched-flex |" in md
 
 
 def test_dispatch_and_validation(tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from torchembed.functional.alibi import alibi_attention_reference, alibi_decode_bias
 
-__all__ = ["alibi_attention", "flex_available", "alibi_score_mod", "bias_columns", "MaskCache"]
+__all__ = ["alibi_attention", "flex_available", "alibi_score_mod", "bias_columns", "prefill_path", "MaskCache"]
 
 
 _CAUSAL: dict = {}
@@ -71,6 +71,25 @@ def _compiled():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     return torch.compile(flex_attention), torch.compile(create_block_mask)
+
+
+@contextlib.contextmanager
+def prefill_path(path: str):
+    """Within the block, CUDA prefill takes ``path``: ``"auto"`` (the default: bias columns + SDPA
+    where they apply, FlexAttention elsewhere) or ``"flex"`` (FlexAttention only), e.g. to measure
+    one against the other. The process-wide default comes from ``TORCHEMBED_ALIBI_PREFILL``.
+
+    Raises:
+        ValueError: an unknown path.
+    """
+    global _PREFILL
+    if path not in PREFILL_PATHS:
+        raise ValueError(f"prefill path must be one of {PREFILL_PATHS}, got {path!r}")
+    previous, _PREFILL = _PREFILL, path
+    try:
+        yield
+    finally:
+        _PREFILL = previous
 
 
 @contextlib.contextmanager

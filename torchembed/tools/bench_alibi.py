@@ -5,7 +5,9 @@ layout: ``alibi=True``, multi-head, sequential attention and MLP, biases) in bf1
 patched variant is ``copy.deepcopy`` + ``torchembed.patch`` (same weights). Upstream BLOOM and MPT
 run their eager attention (the only one they have); upstream Falcon runs
 ``attn_implementation="sdpa"``, the function the patched model computes (Falcon's eager path adds
-the bias twice), with the bias folded into a ``(b, h, q, k)`` mask. Measured, with the variants
+the bias twice), with the bias folded into a ``(b, h, q, k)`` mask. ``--variants ... patched-flex``
+adds the patched model with FlexAttention for every CUDA prefill (instead of SDPA with the bias
+columns where there is no padding), to compare the two fused paths. Measured, with the variants
 interleaved over ``--repeats`` after one warm-up each (median [min-max]):
 
 * prefill latency (ms) of one forward (no KV cache, last logits only) and its peak memory above
@@ -30,7 +32,8 @@ from torch import nn
 from torchembed.tools import bench
 
 MODELS = ("bloom", "mpt", "falcon")
-VARIANTS = ("upstream", "patched")
+# "patched-flex": the patched model with FlexAttention for every CUDA prefill (no bias columns)
+VARIANTS = ("upstream", "patched", "patched-flex")
 
 
 def make_config(name: str, smoke: bool, max_len: int) -> Any:
@@ -60,15 +63,38 @@ def build_variants(name: str, args: argparse.Namespace, device: torch.device) ->
     asked = config._attn_implementation  # Falcon: sdpa; BLOOM, MPT: None (their eager)
     if asked and upstream.config._attn_implementation != asked:
         raise RuntimeError(f"{name}: upstream runs {upstream.config._attn_implementation!r} attention, not {asked!r}")
-    models = {"upstream": upstream, "patched": torchembed.patch(copy.deepcopy(upstream))}
+    patched = torchembed.patch(copy.deepcopy(upstream)) if set(args.variants) - {"upstream"} else None
+    models = {"upstream": upstream, "patched": patched, "patched-flex": PrefillPath(patched, "flex")}
     return {v: models[v] for v in args.variants}
+
+
+class PrefillPath:
+    """A patched model whose calls (forward, ``generate``) run under
+    :func:`torchembed.kernels.alibi_attention.prefill_path` ``(path)``."""
+
+    def __init__(self, model: nn.Module | None, path: str) -> None:
+        self.model, self.path = model, path
+        self.config = getattr(model, "config", None)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torchembed.kernels.alibi_attention import prefill_path
+
+        with prefill_path(self.path):
+            return self.model(*args, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        from torchembed.kernels.alibi_attention import prefill_path
+
+        with prefill_path(self.path):
+            return self.model.generate(*args, **kwargs)
 
 
 def prefill_records(name: str, models: dict[str, nn.Module], args: argparse.Namespace, device: torch.device,
                     budget: bench.Budget) -> list[dict[str, Any]]:
     """Prefill latency and peak memory over batch sizes x sequence lengths (OOM / too slow: skipped after)."""
     model0 = next(iter(models.values()))
-    kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model0.forward).parameters else {}
+    forward = getattr(model0, "model", model0).forward  # PrefillPath wraps the patched model
+    kw = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(forward).parameters else {}
     records = []
     for batch in args.batch_sizes:
         stopped: dict[str, str] = {}
@@ -124,6 +150,7 @@ def decode_records(name: str, models: dict[str, nn.Module], args: argparse.Names
 
 def markdown(records: list[dict[str, Any]], variants: list[str]) -> str:
     out = []
+    ours = [v for v in variants if v != "upstream"] if "upstream" in variants else []
     for phase, title in (("prefill", "prefill latency (ms)"), ("decode", "eager decode (ms/token)")):
         rows_of = [r for r in records if r["phase"] == phase]
         if not rows_of:
@@ -133,13 +160,13 @@ def markdown(records: list[dict[str, Any]], variants: list[str]) -> str:
         for key in keys:
             by = {r["variant"]: r for r in rows_of if (r["model"], r["batch"], r["seq_len"]) == key}
             med = {v: by[v]["ms"]["median"] for v in variants if isinstance(by.get(v, {}).get("ms"), dict)}
-            speed = f"{med['upstream'] / med['patched']:.2f}x" if len(med) == 2 and len(variants) == 2 else "-"
+            speeds = [f"{med['upstream'] / med[v]:.2f}x" if "upstream" in med and v in med else "-" for v in ours]
             cells = [bench.fmt_stats(by.get(v, {}).get("ms")) for v in variants]
             peaks = " / ".join(bench.fmt(by.get(v, {}).get("peak_mem_gb"), 2) for v in variants)
-            rows.append([key[0], f"{key[1]} x {key[2]}", *cells, speed, peaks])
+            rows.append([key[0], f"{key[1]} x {key[2]}", *cells, *speeds, peaks])
         ctx = "context" if phase == "decode" else "length"
-        peak = "peak GB above weights (" + "/".join(v[0] for v in variants) + ")"
-        headers = ["model", f"batch x {ctx}", *variants, "upstream / patched", peak]
+        peak = "peak GB above weights (" + " / ".join(variants) + ")"
+        headers = ["model", f"batch x {ctx}", *variants, *(f"upstream / {v}" for v in ours), peak]
         out += [f"## {title}", "", bench.md_table(headers, rows), ""]
     out.append("median [min-max] over interleaved repeats")
     if any(r["model"] == "falcon" for r in records):
@@ -152,7 +179,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="torchembed bench alibi", description=__doc__.split("\n\n")[0].replace("``", ""))
     bench.add_common_args(parser)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=["upstream", "patched"], choices=VARIANTS,
+                        help="default: upstream patched; patched-flex: FlexAttention for every prefill (compare the paths)")
     parser.add_argument("--phases", nargs="+", default=["prefill", "decode"], choices=["prefill", "decode"])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="default 1 4 (--smoke: 1 2)")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
