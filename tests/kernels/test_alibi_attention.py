@@ -226,3 +226,21 @@ def test_prefill_path_flex_turns_the_bias_columns_off(monkeypatch):
     with pytest.raises(ValueError, match="prefill path"):
         with prefill_path("cudnn"):
             pass
+
+
+@pytest.mark.parametrize("where", ["none", "first-row", "middle", "last-row", "above-diagonal"])
+def test_plain_causal_check_in_row_blocks(monkeypatch, where):
+    """The plain-causal check compares the mask block by block (here 3 rows per block, so a
+    difference in any block, the last partial one included, must be found)."""
+    import torchembed.kernels.alibi_attention as module
+
+    monkeypatch.setattr(module, "_CHECK_ELEMENTS", 3 * 20)
+    q_len, k_len = 11, 20
+    positions = torch.arange(k_len, device=DEV)
+    keep = (positions[None, :] <= positions[k_len - q_len :, None])[None, None].expand(2, 1, q_len, k_len).clone()
+    row, col = {"none": (None, None), "first-row": (0, 0), "middle": (5, 3), "last-row": (10, 19),
+                "above-diagonal": (4, 15)}[where]
+    if row is not None:
+        keep[1, 0, row, col] = not keep[1, 0, row, col]
+    assert module._plain_causal(keep, None) is (where == "none")
+    assert module._plain_causal(None, None)

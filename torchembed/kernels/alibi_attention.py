@@ -43,6 +43,7 @@ PREFILL_PATHS = ("auto", "flex")
 _PREFILL = os.environ.get("TORCHEMBED_ALIBI_PREFILL", "auto")
 if _PREFILL not in PREFILL_PATHS:
     raise ValueError(f"TORCHEMBED_ALIBI_PREFILL must be one of {PREFILL_PATHS}, got {_PREFILL!r}")
+_CHECK_ELEMENTS = 2**24  # mask elements compared per block when checking for a plain causal mask
 COLUMNS = 8  # extra head-dim columns of the bias-columns path (5 used; a multiple of 8 keeps alignment)
 # Dynamo compiles flex_attention once per distinct (shapes, strides, dtype, heads) guard set and
 # counts them per function: past its default of 8 it silently runs flex_attention unfused, which
@@ -198,13 +199,13 @@ def alibi_attention(
         ``(b, h, q, d)`` in ``q.dtype``.
     """
     q_len, k_len = q.shape[-2], k.shape[-2]
-    if keep is None and q_len > 1:
-        keep, cache = _causal(q_len, k_len, q.device)
     fused = q_len > 1 and q.device.type in _FUSED_DEVICES and not torch.compiler.is_compiling()
     if fused and _columns_apply(q, k, key_bias) and _plain_causal(keep, cache):
         make = functools.partial(bias_columns, key_bias, q_len, scale, q.dtype)
         q_cols, k_cols = make() if cache is None else cache.memo(key_bias, ("columns", q.dtype, q_len, scale), make)
         return _sdpa_with_columns(q, k, v, q_cols, k_cols, scale=scale, dropout_p=dropout_p)
+    if keep is None and q_len > 1:
+        keep, cache = _causal(q_len, k_len, q.device)
     if fused and dropout_p == 0.0 and q.shape[-1] >= 16 and flex_available():
         return _flex_attention(q, k, v, key_bias, keep, scale=scale, cache=cache)
     if q_len == 1 and cache is not None:  # decode: the mask is the same for every layer
@@ -263,16 +264,23 @@ def _columns_apply(q: Tensor, k: Tensor, key_bias: Tensor) -> bool:
     )
 
 
-def _plain_causal(keep: Tensor, cache: MaskCache | None) -> bool:
-    """``keep`` is the causal mask and nothing more (no padding, nothing else masked), checked
-    once per mask tensor (one comparison and one host sync per forward)."""
-    q_len, k_len = keep.shape[-2:]
-    causal, _ = _causal(q_len, k_len, keep.device)
-    if keep is causal:
+def _plain_causal(keep: Tensor | None, cache: MaskCache | None) -> bool:
+    """``keep`` is the causal mask (queries last) and nothing more: no padding, nothing else masked.
+    Checked once per mask tensor, in row blocks of ~``_CHECK_ELEMENTS`` (no ``(q, k)`` causal mask
+    is allocated whole or kept), with one host sync."""
+    if keep is None:
         return True
 
     def check() -> bool:
-        return bool(torch.equal(keep, causal.expand_as(keep)))
+        q_len, k_len = keep.shape[-2:]
+        rows = torch.arange(k_len - q_len, k_len, device=keep.device)
+        cols = torch.arange(k_len, device=keep.device)
+        step = max(1, _CHECK_ELEMENTS // k_len)
+        differs = [
+            (keep[..., start : start + step, :] != (cols[None, :] <= rows[start : start + step, None])).any()
+            for start in range(0, q_len, step)
+        ]
+        return not bool(torch.stack(differs).any())
 
     return check() if cache is None else cache.memo(keep, "plain-causal", check)
 
