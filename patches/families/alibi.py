@@ -126,7 +126,7 @@ def bloom_attention_forward(
     if alibi.shape[-1] != k_len:
         raise ValueError(f"ALiBi bias covers {alibi.shape[-1]} keys, attention has {k_len}")
     # HF's mask: additive float (0 = attend) or bool (True = attend); derived once per forward.
-    keep, cache = _keep_mask(attention_mask, lambda m: m if m.dtype == torch.bool else m == 0)
+    keep, cache = _keep_mask(attention_mask, lambda m: m if m.dtype == torch.bool else m == 0, alibi)
     key_bias = _per_forward(cache, alibi, "bloom", lambda: alibi.view(batch, self.num_heads, -1))  # (b*h,1,k) -> (b,h,k)
     dropout = self.attention_dropout.p if self.training else 0.0
     context = alibi_attention(q, k, v, key_bias, keep, scale=self.inv_norm_factor, dropout_p=dropout, cache=cache)
@@ -184,7 +184,7 @@ def falcon_attention_forward(
     k_len = k.shape[-2]
     if alibi.shape[-1] != k_len:
         raise ValueError(f"ALiBi bias covers {alibi.shape[-1]} keys, attention has {k_len}")
-    keep, cache = _keep_mask(attention_mask, _falcon_keep)
+    keep, cache = _keep_mask(attention_mask, _falcon_keep, alibi)
     key_bias = _per_forward(cache, alibi, ("falcon", self.inv_norm_factor),  # upstream: alibi / sqrt(d)
                             lambda: alibi.view(batch, self.num_heads, k_len).float() * self.inv_norm_factor)
     k, v = _repeat_kv(k, self.num_heads), _repeat_kv(v, self.num_heads)
@@ -260,7 +260,7 @@ def mpt_attention_forward(
         raise ValueError(
             f"{k_len} keys exceed MPT's ALiBi table of {position_bias.shape[-1]} positions (config.max_seq_len)"
         )
-    keep, cache = _keep_mask(attention_mask, torch.logical_not)  # MPT's bool mask is True where masked
+    keep, cache = _keep_mask(attention_mask, torch.logical_not, position_bias)  # MPT's mask: True = masked
     if position_bias is None:
         key_bias = k.new_zeros(1, self.n_heads, k_len, dtype=torch.float32)
     else:  # (h, 1, L) -> (1, h, k)
@@ -284,21 +284,27 @@ def _per_forward(cache: MaskCache | None, source: Tensor, tag: Any, make: Any) -
     return make() if cache is None else cache.memo(source, tag, make)
 
 
-def _keep_mask(attention_mask: Tensor | None, to_keep: Any) -> tuple[Tensor | None, MaskCache | None]:
-    """``keep`` (True = attend) for HF's mask, computed once per mask tensor (the layers of a
-    forward share it)."""
-    if attention_mask is None:
-        return None, None
+def _keep_mask(attention_mask: Tensor | None, to_keep: Any, anchor: Tensor | None) -> tuple[Tensor | None, MaskCache | None]:
+    """``keep`` (True = attend) for HF's mask and the cache of this forward, shared by its layers.
+
+    The cache is keyed by the mask tensor or, when there is none (sdpa masks are skipped for
+    unpadded batches), by ``anchor``: the bias tensor every layer of the forward receives. So what
+    is derived per forward (key bias, bias columns, decode mask) is derived once, not per layer.
+    """
     if torch.compiler.is_compiling():  # no Python-side caches in a graph (id() of a traced tensor breaks it)
-        return to_keep(attention_mask), None
-    cache = _MASKS.get(id(attention_mask))
-    if cache is None or cache.lookup(attention_mask) is None:
+        return (None if attention_mask is None else to_keep(attention_mask)), None
+    source = attention_mask if attention_mask is not None else anchor
+    if source is None:
+        return None, None
+    cache = _MASKS.get(id(source))
+    if cache is None or cache.lookup(source) is None:
         if len(_MASKS) >= _MASKS_MAX:
-            for key in [key for key, entry in _MASKS.items() if entry.keep is None]:  # mask gone
+            for key in [key for key, entry in _MASKS.items() if not entry.alive()]:  # forward over
                 del _MASKS[key]
             if len(_MASKS) >= _MASKS_MAX:
                 _MASKS.clear()
-        cache = _MASKS[id(attention_mask)] = MaskCache().store(attention_mask, to_keep(attention_mask))
+        keep = None if attention_mask is None else to_keep(attention_mask)
+        cache = _MASKS[id(source)] = MaskCache().store(source, keep)
     return cache.keep, cache
 
 

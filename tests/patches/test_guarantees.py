@@ -201,16 +201,32 @@ def test_torch_compile_fullgraph_no_new_graph_breaks(name, load):
     torch.testing.assert_close(out, _out(upstream, dict(input_ids=ids)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi"])
-def test_alibi_decode_mask_derived_once_per_forward(name, load, decode_masks_built):
-    """A patched ALiBi model's decode step derives its SDPA mask once for all layers (host
-    time at decode), not once per layer."""
+def test_alibi_masks_derived_once_per_forward(name, padded, load, decode_masks_built, monkeypatch):
+    """A patched ALiBi model derives its per-forward tensors once for all layers (host time), not
+    once per layer: the decode step's SDPA mask, and the prefill's bias columns (path forced on
+    CPU) — with a padded batch (a mask tensor per forward) and without (Falcon's sdpa layers then
+    get no mask at all; the bias tensor keys the cache)."""
+    import torchembed.kernels.alibi_attention as kernel
+
+    monkeypatch.setattr(kernel, "_FUSED_DEVICES", ("cpu",))
+    columns = []
+    original = kernel.bias_columns
+    monkeypatch.setattr(kernel, "bias_columns", lambda *a: columns.append(1) or original(*a))
+    monkeypatch.setattr(kernel, "_flex_attention", lambda q, *a, **kw: q)  # padded prefill: not under test here
+    if not padded and name == "falcon-alibi":  # no mask reaches the layers, as when transformers skips the sdpa mask
+        import torchembed.patches.families.alibi as family
+
+        monkeypatch.setattr(family, "_upstream_causal_mask", lambda *a, **kw: None)
     model = torchembed.patch(load(name))
     ids = torch.randint(1, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
-    mask[0, :2] = 0
+    if padded:
+        mask[0, :2] = 0
     with torch.no_grad():
         model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0,
                        use_cache=True)  # (MPT configs default to no KV cache)
     layers = model.config.num_hidden_layers  # BLOOM and MPT map it to n_layer(s)
     assert layers > 1 and len(decode_masks_built) == 2, (layers, len(decode_masks_built))  # two decode steps, each once
+    assert len(columns) == (0 if padded else 1), len(columns)  # unpadded prefill: once for all layers

@@ -130,7 +130,8 @@ def _causal(q_len: int, k_len: int, device: torch.device) -> tuple[Tensor, "Mask
 
 
 class MaskCache:
-    """The ``keep`` mask and FlexAttention block mask derived from one HF mask tensor.
+    """The ``keep`` mask and FlexAttention block mask derived from one HF mask tensor, and
+    (:meth:`memo`) what else a forward derives once for all its layers.
 
     HF passes the same attention-mask tensor to every layer of a forward; deriving the boolean
     mask and the block mask (which evaluates the mask over all blocks) once per forward instead
@@ -143,6 +144,10 @@ class MaskCache:
         self.keep: Tensor | None = None
         self.block_mask = None
         self._memo: dict = {}
+
+    def alive(self) -> bool:
+        """The source tensor still exists (its forward may still be running)."""
+        return self._source is not None and self._source() is not None
 
     def lookup(self, source: Tensor) -> "MaskCache | None":
         return self if self._source is not None and self._source() is source else None
