@@ -60,12 +60,27 @@ except ImportError:  # older transformers: FalconModel.forward has no create_cau
 __all__ = ["bloom_alibi_tensor", "falcon_alibi_tensor", "falcon_causal_mask", "mpt_alibi_tensor"]
 
 
+# What the model builders derive from the config alone, built once per (heads, ..., device)
+# instead of at every forward (a host-to-device copy and a few launches per decode step).
+_CONSTANTS: dict[tuple, Tensor] = {}
+
+
+def _constant(key: tuple, make: Any) -> Tensor:
+    if torch.compiler.is_compiling():  # inside a graph: build it there
+        return make()
+    value = _CONSTANTS.get(key)
+    if value is None:
+        value = _CONSTANTS[key] = make()
+    return value
+
+
 def bloom_alibi_tensor(attention_mask: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
     """BLOOM's bias from a ``(b, k)`` mask: ``(b * h, 1, k)`` float32 (torchembed's BLOOM
     attention consumes it in float32; ``dtype`` is ignored)."""
     batch, length = attention_mask.shape
-    bias = alibi_key_bias(alibi_slopes(num_heads, attention_mask.device), attention_mask)
-    return bias.reshape(batch * num_heads, 1, length)
+    device = attention_mask.device
+    slopes = _constant(("slopes", num_heads, device), lambda: alibi_slopes(num_heads, device))
+    return alibi_key_bias(slopes, attention_mask).reshape(batch * num_heads, 1, length)
 
 
 def falcon_alibi_tensor(attention_mask: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
@@ -97,10 +112,15 @@ def falcon_causal_mask(*args: Any, **kwargs: Any) -> Tensor | None:
 
 
 def mpt_alibi_tensor(num_heads: int, sequence_length: int, alibi_bias_max: float = 8, device=None) -> Tensor:
-    """MPT's bias ``(h, 1, L)`` float32: ``slope * (j - (L - 1))`` for keys ``j < L``."""
-    slopes = alibi_slopes(num_heads, device, max_bias=float(alibi_bias_max))
-    distance = torch.arange(1 - sequence_length, 1, device=device, dtype=torch.float32)
-    return slopes[:, None, None] * distance[None, None, :]
+    """MPT's bias ``(h, 1, L)`` float32: ``slope * (j - (L - 1))`` for keys ``j < L``. It depends
+    on the config only: built once per (heads, length, max bias, device) and shared (read-only)."""
+
+    def make() -> Tensor:
+        slopes = alibi_slopes(num_heads, device, max_bias=float(alibi_bias_max))
+        distance = torch.arange(1 - sequence_length, 1, device=device, dtype=torch.float32)
+        return slopes[:, None, None] * distance[None, None, :]
+
+    return _constant(("mpt", num_heads, sequence_length, float(alibi_bias_max), torch.device(device or "cpu")), make)
 
 
 def bloom_attention_forward(
@@ -186,8 +206,9 @@ def falcon_attention_forward(
         raise ValueError(f"ALiBi bias covers {alibi.shape[-1]} keys, attention has {k_len}")
     keep, cache = _keep_mask(attention_mask, _falcon_keep, alibi)
     key_bias = _per_forward(cache, alibi, ("falcon", self.inv_norm_factor),  # upstream: alibi / sqrt(d)
-                            lambda: alibi.view(batch, self.num_heads, k_len).float() * self.inv_norm_factor)
-    k, v = _repeat_kv(k, self.num_heads), _repeat_kv(v, self.num_heads)
+                            lambda: alibi.view(batch, self.num_heads, k_len).to(torch.float32) * self.inv_norm_factor)
+    if q_len > 1:  # the fused prefill kernels take h heads; at decode SDPA broadcasts one kv head, as upstream
+        k, v = _repeat_kv(k, self.num_heads), _repeat_kv(v, self.num_heads)
     dropout = self.attention_dropout.p if self.training else 0.0
     context = alibi_attention(q, k, v, key_bias, keep, scale=self.inv_norm_factor, dropout_p=dropout, cache=cache)
     context = context.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)  # (b, q, h*d)
@@ -212,6 +233,8 @@ def _repeat_kv(x: Tensor, num_heads: int) -> Tensor:
     batch, kv, length, dim = x.shape
     if kv == num_heads:
         return x
+    if kv == 1:  # multi-query: one view
+        return x.expand(batch, num_heads, length, dim)
     if num_heads % kv:
         raise ValueError(f"{num_heads} query heads are not a multiple of {kv} key/value heads")
     return x[:, :, None].expand(batch, kv, num_heads // kv, length, dim).reshape(batch, num_heads, length, dim)

@@ -230,3 +230,30 @@ def test_alibi_masks_derived_once_per_forward(name, padded, load, decode_masks_b
     layers = model.config.num_hidden_layers  # BLOOM and MPT map it to n_layer(s)
     assert layers > 1 and len(decode_masks_built) == 2, (layers, len(decode_masks_built))  # two decode steps, each once
     assert len(columns) == (0 if padded else 1), len(columns)  # unpadded prefill: once for all layers
+
+
+def _decode_step_ops(model) -> int:
+    """Operators a decode step dispatches from Python (top-level aten ops: what costs host time at
+    decode shapes), counted with the profiler on one step after a 9-token prompt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = _inputs(model)
+    with torch.no_grad():
+        cache = model(**inputs, use_cache=True).past_key_values
+        token = inputs["input_ids"][:, -1:]
+        mask = torch.cat([inputs["attention_mask"], torch.ones_like(token)], dim=1)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+    return sum(1 for e in prof.events() if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+
+@pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi", "falcon-alibi-mha", "falcon-alibi-gqa"])
+def test_alibi_decode_step_dispatches_no_more_operators_than_upstream(name, load):
+    """Decode is host-bound: a patched ALiBi model's decode step must not dispatch more operators
+    than upstream's (a count, not a timing: the same on every machine; the ALiBi decode path is the
+    same on CPU and CUDA, whereas the rope families run the fused kernel only on CUDA)."""
+    upstream = load(name)
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    ours, theirs = _decode_step_ops(patched), _decode_step_ops(upstream)
+    assert 0 < ours <= theirs, (ours, theirs)

@@ -68,25 +68,25 @@ def alibi_bias(
 
 
 def alibi_key_bias(slopes: Tensor, attention_mask: Tensor) -> Tensor:
-    """ALiBi in key-only form, ``slope * (p_j - p_last)``, from a (left-)padded 2D mask.
+    """ALiBi in key-only form, ``slope * (p_j - p_last)``, from a padded 2D mask.
 
     ``p_j`` is key ``j``'s position counted over non-padded tokens (``cumsum(mask) - 1``), and
-    ``p_last`` the last key's. For a causal query at ``p_i`` this differs from ``-slope * (p_i -
-    p_j)`` by ``slope * (p_i - p_last)``, a constant per query row that softmax ignores; being
-    non-positive and zero at the newest key, it keeps the values near the diagonal small, where
-    low-precision dtypes round least.
+    ``p_last`` the position of the row's last real key. For a causal query at ``p_i`` this differs
+    from ``-slope * (p_i - p_j)`` by ``slope * (p_i - p_last)``, a constant per query row that
+    softmax ignores; being non-positive and zero at the newest key, it keeps the values near the
+    diagonal small, where low-precision dtypes round least.
 
     Args:
         slopes: ``(h,)`` float32.
-        attention_mask: ``(b, k)`` with 1 for real tokens, 0 for padding.
+        attention_mask: ``(b, k)`` with 1 (or True) for real tokens, 0 for padding.
 
     Returns:
         ``(b, h, k)`` float32; padded keys get 0 (the attention mask removes them).
     """
-    mask = attention_mask.to(torch.float32)
-    positions = (mask.cumsum(-1) - 1) * mask
-    last = positions[:, -1:]
-    return slopes.float()[None, :, None] * ((positions - last) * mask)[:, None, :]
+    counts = attention_mask.cumsum(-1, dtype=torch.float32)  # real keys up to and including j
+    relative = (counts - counts[..., -1:]) * attention_mask  # p_j - p_last; 0 for padding
+    slopes = slopes if slopes.dtype == torch.float32 else slopes.float()
+    return slopes.view(1, -1, 1) * relative.unsqueeze(1)
 
 
 def alibi_decode_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype) -> Tensor:
@@ -101,10 +101,11 @@ def alibi_decode_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype)
     Returns:
         ``(b or 1, h, 1, k)`` in ``dtype``.
     """
-    compute = torch.promote_types(dtype, torch.float32)
-    bias = (key_bias.to(compute) - key_bias[..., -1:].to(compute))[:, :, None, :]
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    bias = key_bias if key_bias.dtype == compute else key_bias.to(compute)
+    bias = (bias - bias[..., -1:])[:, :, None, :]
     if keep is not None:
-        bias = bias.masked_fill(~keep, torch.finfo(dtype).min)
+        bias = torch.where(keep, bias, torch.finfo(dtype).min)
     return bias.to(dtype)
 
 
