@@ -75,3 +75,17 @@ def test_key_bias_equals_true_bias_up_to_row_constant():
             diff = (ours[:, : i + 1] - true[:, i, : i + 1])  # causal part of row i
             torch.testing.assert_close(diff, diff[:, :1].expand_as(diff))
     assert (key_bias[0][:, :2] == 0).all()
+
+
+def test_key_bias_is_zero_at_each_rows_last_real_key():
+    """Left and right padding: non-positive over real keys, 0 at the last real key and at padding,
+    ``slope * (p_j - p_last)`` in between (float32, exact for integer positions)."""
+    slopes = alibi_slopes(5)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    key_bias = alibi_key_bias(slopes, mask)
+    assert key_bias.dtype == torch.float32 and key_bias.shape == (3, 5, 5)
+    positions = mask.cumsum(-1) - 1
+    for b, last in enumerate((4, 2, 4)):
+        expected = slopes[:, None] * ((positions[b] - positions[b, last]) * mask[b]).float()
+        torch.testing.assert_close(key_bias[b], expected, rtol=0, atol=0)
+        assert (key_bias[b][:, last] == 0).all() and (key_bias[b] <= 0).all()
