@@ -207,8 +207,13 @@ def alibi_attention(
     q_len, k_len = q.shape[-2], k.shape[-2]
     fused = q_len > 1 and q.device.type in _FUSED_DEVICES and not torch.compiler.is_compiling()
     if fused and _columns_apply(q, k, key_bias) and _plain_causal(keep, cache):
-        make = functools.partial(bias_columns, key_bias, q_len, scale, q.dtype)
-        q_cols, k_cols = make() if cache is None else cache.memo(key_bias, ("columns", q.dtype, q_len, scale), make)
+        batch = q.shape[0]
+
+        def make() -> tuple[Tensor, Tensor]:  # batch-sized (views), so each layer only concatenates
+            return tuple(c.expand(batch, -1, -1, -1) for c in bias_columns(key_bias, q_len, scale, q.dtype))
+
+        tag = ("columns", q.dtype, batch, q_len, scale)
+        q_cols, k_cols = make() if cache is None else cache.memo(key_bias, tag, make)
         return _sdpa_with_columns(q, k, v, q_cols, k_cols, scale=scale, dropout_p=dropout_p)
     if keep is None and q_len > 1:
         keep, cache = _causal(q_len, k_len, q.device)
@@ -236,7 +241,7 @@ def bias_columns(key_bias: Tensor, q_len: int, scale: float, dtype: torch.dtype)
     Returns:
         ``(q_cols (b or 1, h, q, 8), k_cols (b or 1, h, k, 8))`` in ``dtype``.
     """
-    b = key_bias.float() / scale
+    b = (key_bias if key_bias.dtype == torch.float32 else key_bias.float()) / scale
     hi, mid, lo = _split(b, dtype, 3)
     r_hi, r_lo = _split(-b[..., b.shape[-1] - q_len :], dtype, 2)
     one_k, zero_k = torch.ones_like(hi), torch.zeros_like(hi)
@@ -248,11 +253,10 @@ def bias_columns(key_bias: Tensor, q_len: int, scale: float, dtype: torch.dtype)
 
 def _split(x: Tensor, dtype: torch.dtype, parts: int) -> list[Tensor]:
     """float32 ``x`` as ``parts`` tensors in ``dtype`` whose float32 sum is ``x`` (to float32 accuracy)."""
-    out = []
-    for _ in range(parts):
-        part = x.to(dtype)
-        out.append(part)
-        x = x - part.float()
+    out = [x.to(dtype)]
+    for _ in range(parts - 1):
+        x = x - out[-1]  # float32 (type promotion): what the parts so far miss
+        out.append(x.to(dtype))
     return out
 
 
@@ -293,11 +297,10 @@ def _plain_causal(keep: Tensor | None, cache: MaskCache | None) -> bool:
 
 def _sdpa_with_columns(q: Tensor, k: Tensor, v: Tensor, q_cols: Tensor, k_cols: Tensor, *, scale: float,
                        dropout_p: float) -> Tensor:
-    """Causal SDPA of ``[q, q_cols]``, ``[k, k_cols]`` and ``v`` (``v`` keeps its head dim: the
-    cuDNN and memory-efficient kernels take ``d_v != d_qk``)."""
-    batch = q.shape[0]
-    q = torch.cat([q, q_cols.expand(batch, -1, -1, -1)], dim=-1)
-    k = torch.cat([k, k_cols.expand(batch, -1, -1, -1)], dim=-1)
+    """Causal SDPA of ``[q, q_cols]``, ``[k, k_cols]`` (columns batch-sized) and ``v`` (``v`` keeps
+    its head dim: the cuDNN and memory-efficient kernels take ``d_v != d_qk``)."""
+    q = torch.cat([q, q_cols], dim=-1)
+    k = torch.cat([k, k_cols], dim=-1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale)
 
 
