@@ -235,6 +235,7 @@ def test_plain_causal_check_in_row_blocks(monkeypatch, where):
     import torchembed.kernels.alibi_attention as module
 
     monkeypatch.setattr(module, "_CHECK_ELEMENTS", 3 * 20)
+    monkeypatch.setattr(module, "_CACHED_CAUSAL_ELEMENTS", 0)  # (the cached comparison: the test below)
     q_len, k_len = 11, 20
     positions = torch.arange(k_len, device=DEV)
     keep = (positions[None, :] <= positions[k_len - q_len :, None])[None, None].expand(2, 1, q_len, k_len).clone()
@@ -244,3 +245,16 @@ def test_plain_causal_check_in_row_blocks(monkeypatch, where):
         keep[1, 0, row, col] = not keep[1, 0, row, col]
     assert module._plain_causal(keep, None) is (where == "none")
     assert module._plain_causal(None, None)
+
+
+@pytest.mark.parametrize("where", ["none", "first-row", "last-row", "above-diagonal"])
+def test_plain_causal_check_against_the_cached_mask(where):
+    """Short masks are compared with the cached causal mask in one go."""
+    import torchembed.kernels.alibi_attention as module
+
+    q_len = k_len = 12
+    keep = torch.ones(q_len, k_len, dtype=torch.bool, device=DEV).tril()[None, None].expand(3, 1, q_len, k_len).clone()
+    row, col = {"none": (None, None), "first-row": (0, 0), "last-row": (11, 5), "above-diagonal": (2, 9)}[where]
+    if row is not None:
+        keep[2, 0, row, col] = not keep[2, 0, row, col]
+    assert module._plain_causal(keep, None) is (where == "none")

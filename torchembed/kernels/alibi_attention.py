@@ -45,6 +45,7 @@ _PREFILL = os.environ.get("TORCHEMBED_ALIBI_PREFILL", "auto")
 if _PREFILL not in PREFILL_PATHS:
     raise ValueError(f"TORCHEMBED_ALIBI_PREFILL must be one of {PREFILL_PATHS}, got {_PREFILL!r}")
 _CHECK_ELEMENTS = 2**24  # mask elements compared per block when checking for a plain causal mask
+_CACHED_CAUSAL_ELEMENTS = 2**22  # up to 2048 x 2048 the check compares with a cached causal mask (4 MB)
 COLUMNS = 8  # extra head-dim columns of the bias-columns path (5 used; a multiple of 8 keeps alignment)
 # Dynamo compiles flex_attention once per distinct (shapes, strides, dtype, heads) guard set and
 # counts them per function: past its default of 8 it silently runs flex_attention unfused, which
@@ -276,13 +277,16 @@ def _columns_apply(q: Tensor, k: Tensor, key_bias: Tensor) -> bool:
 
 def _plain_causal(keep: Tensor | None, cache: MaskCache | None) -> bool:
     """``keep`` is the causal mask (queries last) and nothing more: no padding, nothing else masked.
-    Checked once per mask tensor, in row blocks of ~``_CHECK_ELEMENTS`` (no ``(q, k)`` causal mask
-    is allocated whole or kept), with one host sync."""
+    Checked once per mask tensor with one host sync: against a cached causal mask up to
+    ``_CACHED_CAUSAL_ELEMENTS``, beyond in row blocks of ~``_CHECK_ELEMENTS`` (no long causal mask is
+    allocated whole or kept)."""
     if keep is None:
         return True
 
     def check() -> bool:
         q_len, k_len = keep.shape[-2:]
+        if q_len * k_len <= _CACHED_CAUSAL_ELEMENTS:  # short: against the cached causal mask, 2 launches
+            return torch.equal(keep, _causal(q_len, k_len, keep.device)[0].expand_as(keep))
         rows = torch.arange(k_len - q_len, k_len, device=keep.device)
         cols = torch.arange(k_len, device=keep.device)
         step = max(1, _CHECK_ELEMENTS // k_len)
