@@ -283,7 +283,8 @@ def mpt_attention_forward(
         raise ValueError(
             f"{k_len} keys exceed MPT's ALiBi table of {position_bias.shape[-1]} positions (config.max_seq_len)"
         )
-    keep, cache = _keep_mask(attention_mask, torch.logical_not, position_bias)  # MPT's mask: True = masked
+    # MPT's mask is True where masked. No anchor: the ALiBi table outlives the forward (a constant).
+    keep, cache = _keep_mask(attention_mask, torch.logical_not, None)
     if position_bias is None:
         key_bias = k.new_zeros(1, self.n_heads, k_len, dtype=torch.float32)
     else:  # (h, 1, L) -> (1, h, k)
@@ -311,8 +312,9 @@ def _keep_mask(attention_mask: Tensor | None, to_keep: Any, anchor: Tensor | Non
     """``keep`` (True = attend) for HF's mask and the cache of this forward, shared by its layers.
 
     The cache is keyed by the mask tensor or, when there is none (sdpa masks are skipped for
-    unpadded batches), by ``anchor``: the bias tensor every layer of the forward receives. So what
-    is derived per forward (key bias, bias columns, decode mask) is derived once, not per layer.
+    unpadded batches), by ``anchor``: a bias tensor built anew for each forward and handed to every
+    layer (not one that outlives the forward: its cache would keep growing). So what is derived per
+    forward (key bias, bias columns, decode mask) is derived once, not per layer.
     """
     if torch.compiler.is_compiling():  # no Python-side caches in a graph (id() of a traced tensor breaks it)
         return (None if attention_mask is None else to_keep(attention_mask)), None

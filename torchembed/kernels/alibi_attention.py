@@ -124,11 +124,16 @@ def _causal(q_len: int, k_len: int, device: torch.device) -> tuple[Tensor, "Mask
     if entry is None:
         if len(_CAUSAL) >= 8:
             _CAUSAL.clear()
-        positions = torch.arange(k_len, device=device)
         entry = MaskCache()
-        entry.keep = (positions[None, :] <= positions[k_len - q_len :, None])[None, None]
+        entry.keep = _causal_rows(k_len - q_len, k_len, k_len, device)[None, None]
         _CAUSAL[key] = entry
     return entry.keep, entry
+
+
+def _causal_rows(first: int, stop: int, k_len: int, device: torch.device) -> Tensor:
+    """Rows ``first .. stop - 1`` (absolute query positions) of the causal mask over ``k_len``
+    keys: ``(rows, k)`` bool."""
+    return torch.arange(k_len, device=device)[None, :] <= torch.arange(first, stop, device=device)[:, None]
 
 
 class MaskCache:
@@ -230,7 +235,8 @@ def bias_columns(key_bias: Tensor, q_len: int, scale: float, dtype: torch.dtype)
     """The extra q and k columns that carry a key-only bias through a plain attention kernel.
 
     With ``b = key_bias / scale`` (float32) split into ``hi + mid + lo`` in ``dtype`` and ``r_i``
-    the ``b`` of query ``i``'s own position (queries are the last ``q_len`` keys), split in two:
+    the ``b`` of query ``i``'s own position (queries are the last ``q_len`` keys), in two parts
+    ``r_hi + r_lo`` (its own ``hi + mid``):
     ``q_cols[i] = [1, 1, 1, -r_hi, -r_lo, 0, 0, 0]``, ``k_cols[j] = [hi, mid, lo, 1, 1, 0, 0, 0]``,
     so ``scale * q_cols[i] . k_cols[j] = key_bias[j] - key_bias[i]`` to float32 accuracy; the
     per-row constant does not change softmax and keeps the sums near the diagonal small.
@@ -244,11 +250,13 @@ def bias_columns(key_bias: Tensor, q_len: int, scale: float, dtype: torch.dtype)
     """
     b = (key_bias if key_bias.dtype == torch.float32 else key_bias.float()) / scale
     hi, mid, lo = _split(b, dtype, 3)
-    r_hi, r_lo = _split(-b[..., b.shape[-1] - q_len :], dtype, 2)
+    # r's two parts are the queries' own hi and mid (what splitting r again would give)
+    queries = slice(b.shape[-1] - q_len, None)
+    minus_r_hi, minus_r_lo = -hi[..., queries], -mid[..., queries]
     one_k, zero_k = torch.ones_like(hi), torch.zeros_like(hi)
-    one_q, zero_q = torch.ones_like(r_hi), torch.zeros_like(r_hi)
+    one_q, zero_q = torch.ones_like(minus_r_hi), torch.zeros_like(minus_r_hi)
     k_cols = torch.stack([hi, mid, lo, one_k, one_k, zero_k, zero_k, zero_k], dim=-1)
-    q_cols = torch.stack([one_q, one_q, one_q, r_hi, r_lo, zero_q, zero_q, zero_q], dim=-1)
+    q_cols = torch.stack([one_q, one_q, one_q, minus_r_hi, minus_r_lo, zero_q, zero_q, zero_q], dim=-1)
     return q_cols, k_cols
 
 
@@ -287,12 +295,10 @@ def _plain_causal(keep: Tensor | None, cache: MaskCache | None) -> bool:
         q_len, k_len = keep.shape[-2:]
         if q_len * k_len <= _CACHED_CAUSAL_ELEMENTS:  # short: against the cached causal mask, 2 launches
             return torch.equal(keep, _causal(q_len, k_len, keep.device)[0].expand_as(keep))
-        rows = torch.arange(k_len - q_len, k_len, device=keep.device)
-        cols = torch.arange(k_len, device=keep.device)
-        step = max(1, _CHECK_ELEMENTS // k_len)
+        step, first = max(1, _CHECK_ELEMENTS // k_len), k_len - q_len
         differs = [
-            (keep[..., start : start + step, :] != (cols[None, :] <= rows[start : start + step, None])).any()
-            for start in range(0, q_len, step)
+            (keep[..., i : i + step, :] != _causal_rows(first + i, first + min(i + step, q_len), k_len, keep.device))
+            .any() for i in range(0, q_len, step)
         ]
         return not bool(torch.stack(differs).any())
 
