@@ -1,12 +1,21 @@
-"""Sweep the fused RoPE kernel's launch parameters on the GPU (tokens per program, heads per
-program, warps) at the large benchmark shapes; prints ms and % of the copy floor per setting.
+"""Sweep the fused RoPE kernel's launch parameters on the GPU at the large benchmark shapes.
 
-    python scripts/tune_rope.py            # bf16, HF layout, per-token float32 tables
+For every shape: the copy floor (q and k read + written once at the 1 GiB copy bandwidth), what
+``copy_`` of exactly those tensors takes (the floor a copy kernel reaches at this size), then the
+forward (out of place) per setting -- angle source (per-token float32 tables, or computed from
+``inv_freq`` in the kernel), tokens per program (tile), heads per program, warps
+-- and forward+backward of the default setting timed three ways (``do_bench``; replayed from a
+CUDA graph, i.e. device time only; host wall time per call).
+
+    python scripts/tune_rope.py [--json out.json] [--quick]
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
+import time
 
 import torch
 import triton
@@ -19,38 +28,127 @@ from torchembed.tools.bench import copy_bandwidth
 SHAPES = [(4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (8, 2048, 64, 8, 128)]
 
 
-def main() -> None:
-    device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device)  # bytes/s, read + write
+def _configure(tile: int, hpp: int, warps: int):
     original = rope_triton._make_config
-    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+
+    def config(*a):
+        rope_triton._TILE_PAIRS, rope_triton._HPP_MIN_PROGRAMS = tile, 0
+        rope_triton._HPP_CANDIDATES = rope_triton._HPP_CANDIDATES_ANGLES = (hpp,)
+        grid, meta, nqg, constexprs = original(*a)
+        return grid, dict(meta, num_warps=warps), nqg, constexprs
+
+    return original, config
+
+
+def _reset(saved: dict) -> None:
+    for name, value in saved.items():
+        setattr(rope_triton, name, value)
+    rope_triton._CFG.clear()
+    rope_triton._COMPILED.clear()
+
+
+def host_us(fn, calls: int = 50) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()  # enqueue time only (no sync): the host's own cost per call
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--quick", action="store_true", help="fewer settings")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    saved = {n: getattr(rope_triton, n) for n in
+             ("_make_config", "_TILE_PAIRS", "_HPP_MIN_PROGRAMS", "_HPP_CANDIDATES", "_HPP_CANDIDATES_ANGLES")}
+    bandwidth = copy_bandwidth(device)  # bytes/s, read + write
+    print(f"copy bandwidth (1 GiB) {bandwidth / 1e9:.0f} GB/s", flush=True)
+    out = {"copy_bandwidth_gbs": bandwidth / 1e9, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "shapes": []}
+    tiles = (1024, 2048) if args.quick else (1024, 2048, 4096)  # 4096: register spills (about 43 %)
     for B, S, Hq, Hk, D in SHAPES:
         q = torch.randn(B, S, Hq, D, device=device, dtype=torch.bfloat16).transpose(1, 2)
         k = torch.randn(B, S, Hk, D, device=device, dtype=torch.bfloat16).transpose(1, 2)
         inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device=device).float() / D))
-        cos, sin = rope_cos_sin(inv, torch.arange(S, device=device).expand(B, S))
-        floor_ms = 2 * (q.numel() + k.numel()) * 2 / bandwidth * 1e3
-        results = []
-        grid_space = itertools.product((512, 1024, 2048), ((8, 4, 2), (4, 2), (2,), ()), (False, True), (4, 8))
-        for tile, hpps, heads_fast, warps in grid_space:
-            def config(*a, _tile=tile, _hpps=hpps, _fast=heads_fast, _warps=warps):
-                rope_triton._TILE_PAIRS, rope_triton._HPP_MIN_PROGRAMS = _tile, 0
-                rope_triton._HPP_CANDIDATES, rope_triton._HEADS_FAST = _hpps, _fast
-                grid, meta, nqg, constexprs = original(*a)
-                meta = dict(meta, num_warps=_warps)
-                return grid, meta, nqg, constexprs
+        cos, sin = rope_cos_sin(inv, torch.arange(S, device=device)[None])  # (1, S, D/2) float32
+        nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
+        floor_ms = nbytes / bandwidth * 1e3
+        qo, ko = torch.empty_like(q), torch.empty_like(k)
+        copy_ms = triton.testing.do_bench(lambda: (qo.copy_(q), ko.copy_(k)), return_mode="median")
+        flat = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+        flat_out = torch.empty_like(flat)
+        flat_ms = triton.testing.do_bench(lambda: flat_out.copy_(flat), return_mode="median")
+        del qo, ko, flat, flat_out
+        rec = {"shape": [B, S, Hq, Hk, D], "mbytes": nbytes / 1e6, "floor_ms": floor_ms,
+               "copy_same_tensors_ms": copy_ms, "copy_one_buffer_ms": flat_ms, "forward": []}
+        print(f"\n{B}x{S} h{Hq}/{Hk} d{D}: {nbytes / 1e6:.0f} MB, floor {floor_ms:.4f} ms; copy_ of q,k "
+              f"{copy_ms:.4f} ms ({100 * floor_ms / copy_ms:.1f}%), one-buffer copy {flat_ms:.4f} ms "
+              f"({100 * floor_ms / flat_ms:.1f}%)", flush=True)
+        sources = {
+            "table": lambda: rotary_fused(q, k, cos, sin),
+            "inv_freq": lambda: rotary_fused(q, k, inv_freq=inv, positions=0),
+        }
+        space = itertools.product(sources, tiles, (1, 2, 4), (4, 8))
+        for source, tile, hpp, warps in space:
+            if args.quick and (hpp == 4 or warps == 8 and tile == 1024):
+                continue
+            original, config = _configure(tile, hpp, warps)
             rope_triton._make_config = config
             rope_triton._CFG.clear()
             rope_triton._COMPILED.clear()
-            ms = triton.testing.do_bench(lambda: rotary_fused(q, k, cos, sin, inplace=True), return_mode="median")
-            results.append((ms, tile, f"hpp<={max(hpps, default=1)}", "heads-fast" if heads_fast else "tokens-fast", warps))
-        rope_triton._make_config = original
-        rope_triton._CFG.clear()
-        rope_triton._COMPILED.clear()
-        results.sort()
-        print(f"\n{B}x{S} h{Hq}/{Hk} d{D}: floor {floor_ms:.4f} ms")
-        for ms, tile, hpp, order, warps in results[:8] + results[-2:]:
-            print(f"  tile {tile:5} {hpp:7} {order:11} warps {warps}: {ms:.4f} ms  {100 * floor_ms / ms:5.1f}% of floor")
+            try:
+                ms = triton.testing.do_bench(sources[source], return_mode="median")
+            finally:
+                _reset(saved)
+            rec["forward"].append({"source": source, "tile": tile, "hpp": hpp,
+                                   "warps": warps, "ms": ms, "pct_floor": 100 * floor_ms / ms,
+                                   "pct_copy": 100 * copy_ms / ms})
+        rec["forward"].sort(key=lambda r: r["ms"])
+        for r in rec["forward"][:10] + rec["forward"][-2:]:
+            print(f"  {r['source']:8} tile {r['tile']:5} hpp {r['hpp']} warps {r['warps']}: "
+                  f"{r['ms']:.4f} ms {r['pct_floor']:5.1f}% of floor {r['pct_copy']:5.1f}% of copy_", flush=True)
+        default = {}
+        for source, f in sources.items():
+            t = default[f"forward {source}"] = triton.testing.do_bench(f, return_mode="median")
+            print(f"  default forward {source}: {t:.4f} ms {100 * floor_ms / t:.1f}%", flush=True)
+
+        # forward + backward with the default setting
+        qg, kg = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        gq, gk = torch.randn_like(q), torch.randn_like(k)
+        for source in sources:
+            fwd = (lambda: rotary_fused(qg, kg, cos, sin)) if source == "table" else \
+                (lambda: rotary_fused(qg, kg, inv_freq=inv, positions=0))
+
+            def step(fwd=fwd):
+                torch.autograd.backward(fwd(), (gq, gk))
+
+            eager = triton.testing.do_bench(step, grad_to_none=[qg, kg], return_mode="median")
+            try:
+                with torch.cuda.stream(torch.cuda.Stream()):
+                    graphed = triton.testing.do_bench_cudagraph(step, grad_to_none=[qg, kg], return_mode="median")
+            except Exception as exc:  # noqa: BLE001
+                graphed = float("nan")
+                print("  cudagraph failed:", type(exc).__name__, str(exc)[:200])
+            qg.grad = kg.grad = None
+            host = host_us(step)
+            qg.grad = kg.grad = None
+            default[f"fwd+bwd {source} do_bench"] = eager
+            default[f"fwd+bwd {source} cudagraph"] = graphed
+            default[f"fwd+bwd {source} host_us"] = host
+            print(f"  fwd+bwd {source}: do_bench {eager:.4f} ms ({200 * floor_ms / eager:.1f}% of 2x floor), "
+                  f"cuda graph {graphed:.4f} ms ({200 * floor_ms / graphed:.1f}%), host {host:.1f} us/call", flush=True)
+        rec["default"] = default
+        out["shapes"].append(rec)
+        del q, k, qg, kg, gq, gk
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -41,10 +41,11 @@ def _one(records: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
 def test_rope_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data, md = _run("rope", tmp_path)
     providers, shapes, records = data["providers"], data["shapes"], data["results"]
-    assert "torchembed" in providers and shapes
+    assert {"torchembed", "torchembed-angles"} <= set(providers) and shapes
     assert data["env"]["copy_bandwidth_gbs"] > 0
     for shape in shapes:
         assert _finite(_one(records, section="forward", provider="floor", shape_label=shape)["ms"])
+        assert _finite(_one(records, section="forward", provider="copy", shape_label=shape)["ms"])
         for provider in providers:
             for section in ("forward", "forward+backward"):
                 assert _finite(_one(records, section=section, provider=provider, shape_label=shape)["ms"])

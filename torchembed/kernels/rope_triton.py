@@ -206,9 +206,13 @@ _TILE_PAIRS = 1024
 _HPP_MIN_PROGRAMS = 8192
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Heads per program, largest first that divides both head counts (prefill-sized grids only).
-# Measured on an H200 (scripts/tune_rope.py): one head per program with heads-fast order and
-# 1024-pair tiles was best at every large shape, so grouping is off by default.
+# Measured on an H200 (scripts/tune_rope.py, 2026-11-29): with cos/sin tables one head per
+# program (heads-fast order, 1024-pair tiles) was best at every large shape; when the kernel
+# computes cos/sin from inv_freq, two heads per program with 8 warps share that work (71 -> 91-95 %
+# of the copy floor) and beat the tables by 1-2 points (no table bytes to read).
 _HPP_CANDIDATES: tuple[int, ...] = ()
+_HPP_CANDIDATES_ANGLES: tuple[int, ...] = (2,)
+_WARPS_ANGLES_GROUPED = 8
 # Grid order: head groups fastest, so the programs running together cover whole tokens
 # (contiguous (H, D) rows in HF's (B, S, H, D) memory); +3-17 points of the copy floor.
 _HEADS_FAST = True
@@ -224,13 +228,15 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
     n_s = triton.cdiv(S, block_s)
     hpp = 1
     if n_s * B * (Hq + Hk) >= _HPP_MIN_PROGRAMS:
-        for cand in _HPP_CANDIDATES:
+        for cand in _HPP_CANDIDATES_ANGLES if use_inv_freq else _HPP_CANDIDATES:
             if Hq % cand == 0 and Hk % cand == 0:
                 hpp = cand
                 break
     has_pass = (not inplace) and 2 * half < D
     lanes = block_s * block_d
     num_warps = 1 if lanes <= 128 else 2 if lanes <= 512 else 4
+    if use_inv_freq and hpp > 1:
+        num_warps = _WARPS_ANGLES_GROUPED
     meta = dict(
         HALF=half,
         D=D,

@@ -148,6 +148,36 @@ def do_bench(fn: Callable[[], Any], device: torch.device, *, grad_to_none: Seque
     return statistics.median(times)
 
 
+def graph_time(fn: Callable[[], Any], device: torch.device, *, calls: int = 10, reps: int = 20) -> float:
+    """Median device time of one call of ``fn`` in ms, replayed from a CUDA graph of ``calls``
+    back-to-back calls: the host's cost per call (Python, dispatch, autograd) is excluded, which
+    ``do_bench`` cannot do where the host is slower than the kernels. CUDA only."""
+    if device.type != "cuda":
+        raise ValueError(f"graph_time needs a CUDA device, got {device}")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream (allocator, autograd state)
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times)
+
+
 def n_copies(bytes_per_copy: int, *, max_copies: int = 16, max_bytes: int = 4 * 2**30) -> int:
     """How many input copies to rotate through so that their total exceeds 2 x L2 (1 when one
     copy already does, or when more would not be cheap: at most ``max_copies`` / ``max_bytes``)."""

@@ -5,18 +5,25 @@ Providers (each builds ``f(q, k) -> (q_rot, k_rot)`` for one shape; tables built
 * ``torchembed``: ``rotary_fused`` with float32 half tables ``(B, S, D/2)`` (what the patched
   model passes); where the kernel cannot run (CPU) the PyTorch reference
   ``torchembed.functional.apply_rotary`` runs instead and the results say so (``impl``).
+* ``torchembed-angles``: ``rotary_fused`` with ``inv_freq`` and the ``(B, S)`` position ids: the
+  kernel computes cos/sin itself (no table bytes to read).
+* ``torchembed-hf``: the patched model's ``apply_rotary_pos_emb`` (in place without grad).
 * ``hf``: transformers' LLaMA ``apply_rotary_pos_emb`` with ``(B, S, D)`` tables in the
   activation dtype, as HF does.
 * ``compile``: ``torch.compile`` of that function (static shapes, fresh per shape and mode;
   errors such as a hit recompile limit are recorded as "n/a").
 * ``liger``: ``liger_kernel.ops.rope.LigerRopeFunction.apply(q, k, cos, sin)`` (HF tables; it
   rotates q and k in place), skipped when liger-kernel is not installed.
-* ``floor``: bytes of q and k read once and written once / measured copy bandwidth.
+* ``floor``: bytes of q and k read once and written once / measured copy bandwidth (1 GiB copy).
+* ``copy``: ``copy_`` of the same q and k into outputs of the same layout (what a copy kernel
+  reaches at this size: the practical floor).
 
 q and k use HF's layout: ``(B, S, H, D)`` memory viewed as ``(B, H, S, D)``. Measured: forward
 and forward+backward (random output grads) in ms (median of do_bench, inputs rotated through
-copies larger than L2); accuracy = max abs error vs a float64 evaluation of the same inputs;
-host overhead per call at decode shapes (us, back-to-back host loop).
+copies larger than L2); forward+backward again as device time, replayed from a CUDA graph (the
+host's Python, dispatch and autograd cost excluded: ``do_bench`` includes it wherever the host is
+slower than the GPU); accuracy = max abs error vs a float64 evaluation of the same inputs; host
+overhead per call at decode shapes (us, back-to-back host loop).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from torch import Tensor
 
 from torchembed.tools import bench
 
-PROVIDERS = ("torchembed", "torchembed-hf", "hf", "compile", "liger")
+PROVIDERS = ("torchembed", "torchembed-angles", "torchembed-hf", "hf", "compile", "liger")
 Fn = Callable[[Tensor, Tensor], Any]
 
 
@@ -108,6 +115,13 @@ def build(provider: str, t: Tables, device: torch.device) -> tuple[Fn, str]:
 
         c, s = t.cos_half[:, None], t.sin_half[:, None]
         return (lambda q, k: (apply_rotary(q, c, s), apply_rotary(k, c, s))), "reference (functional.apply_rotary)"
+    if provider == "torchembed-angles":
+        from torchembed import kernels
+
+        probe = torch.empty(0, device=device)
+        impl = "triton" if kernels.kernel_can_run(probe) else "reference (rotary_fused without the kernel)"
+        inv_freq, positions = t.inv_freq, t.positions
+        return (lambda q, k: kernels.rotary_fused(q, k, inv_freq=inv_freq, positions=positions)), impl
     if provider == "torchembed-hf":
         # What a patched HF attention calls: in place without grad, the autograd path with it.
         from torchembed.patches.families.rope import make_apply_rotary_pos_emb
@@ -156,13 +170,29 @@ def _time(provider: str, t: Tables, device: torch.device, backward: bool, copies
         err = max((o.double() - r).abs().max().item() for o, r in zip(out, (ref_q, ref_k)))
         del out
     if backward:
-        calls = [lambda q=q, k=k, g=g: torch.autograd.backward(f(q, k), g) for (q, k), g in zip(copies, grads)]
+        def step(q: Tensor, k: Tensor, g: tuple[Tensor, Tensor]) -> None:
+            q.grad = k.grad = None  # each call's gradients are new tensors, never accumulated
+            torch.autograd.backward(f(q, k), g)
+
+        calls = [lambda q=q, k=k, g=g: step(q, k, g) for (q, k), g in zip(copies, grads)]
     else:
         calls = [lambda q=q, k=k: f(q, k) for q, k in copies]
     fn = bench.rotate(calls)
     fn()
-    ms = bench.do_bench(fn, device, grad_to_none=[x for c in copies for x in c] if backward else None)
-    return {"impl": impl, "ms": ms}, err
+    timed: dict[str, Any] = {"impl": impl, "ms": bench.do_bench(fn, device)}
+    if backward and device.type == "cuda":
+        try:
+            timed["graph_ms"] = bench.graph_time(fn, device)
+        except Exception as exc:  # e.g. a provider that cannot be captured
+            timed["graph_ms"] = _short(exc)
+    return timed, err
+
+
+def _copy_ms(copies: list[tuple[Tensor, Tensor]], device: torch.device) -> float:
+    """``copy_`` of q and k into outputs of the same layout, inputs rotated like the providers'."""
+    outs = [(torch.empty_like(q), torch.empty_like(k)) for q, k in copies]
+    fn = bench.rotate([lambda q=q, k=k, o=o: (o[0].copy_(q), o[1].copy_(k)) for (q, k), o in zip(copies, outs)])
+    return bench.do_bench(fn, device)
 
 
 def run_shape(shape: Shape, providers: list[str], args: argparse.Namespace, device: torch.device,
@@ -176,6 +206,11 @@ def run_shape(shape: Shape, providers: list[str], args: argparse.Namespace, devi
     base = {"shape": shape._asdict(), "shape_label": shape.label}
     records: list[dict[str, Any]] = [{**base, "section": "forward", "provider": "floor", "ms": floor_ms,
                                       "pct_of_floor": 100.0}]
+    with torch.no_grad():
+        copies = [make_qk(shape, dtype, device) for _ in range(bench.n_copies(qk_bytes))]
+        copy_ms = _copy_ms(copies, device)
+        del copies
+    records.append({**base, "section": "forward", "provider": "copy", "ms": copy_ms, "pct_of_floor": floor_ms / copy_ms * 100})
     truth = None
     if not args.no_accuracy:
         q0, k0 = make_qk(shape, dtype, device)
@@ -193,6 +228,8 @@ def run_shape(shape: Shape, providers: list[str], args: argparse.Namespace, devi
                     timed, err = _time(provider, t, device, backward, copies, grads, None if backward else truth)
                 rec.update(timed)
                 rec["pct_of_floor"] = (2 if backward else 1) * floor_ms / rec["ms"] * 100
+                if isinstance(rec.get("graph_ms"), float):
+                    rec["graph_pct_of_floor"] = 2 * floor_ms / rec["graph_ms"] * 100
                 if err is not None:
                     records.append({**base, "section": "accuracy", "provider": provider, "impl": rec["impl"],
                                     "max_abs_err": err})
@@ -239,16 +276,27 @@ def markdown(records: list[dict[str, Any]], providers: list[str], skipped: dict[
         return f"{v:.2e}" if key == "max_abs_err" and isinstance(v, float) else bench.fmt(v, digits)
 
     out = []
-    def pct(label: str) -> str:
-        v = cell("forward", label, "torchembed", "pct_of_floor", 0)
+    ours = [p for p in providers if p in ("torchembed", "torchembed-angles")]  # -hf: the same kernel as torchembed
+
+    def pct(section: str, label: str, provider: str, key: str = "pct_of_floor") -> str:
+        v = cell(section, label, provider, key, 0)
         return v + "%" if v[:1].isdigit() else v
 
-    fwd = [[lbl, *(cell("forward", lbl, p, "ms") for p in [*providers, "floor"]), pct(lbl)] for lbl in labels]
-    headers = ["shape (BxS hq/hk dD)", *providers, "floor", "torchembed % of floor"]
+    refs = ["floor", "copy"]
+    fwd = [[lbl, *(cell("forward", lbl, p, "ms") for p in [*providers, *refs]),
+            *(pct("forward", lbl, p) for p in [*ours, "copy"])] for lbl in labels]
+    headers = ["shape (BxS hq/hk dD)", *providers, *refs, *(f"{p} % of floor" for p in [*ours, "copy"])]
     out += ["## forward (ms, median)", "", bench.md_table(headers, fwd)]
     if any(r["section"] == "forward+backward" for r in records):
-        rows = [[lbl, *(cell("forward+backward", lbl, p, "ms") for p in providers)] for lbl in labels]
-        out += ["", "## forward + backward (ms, median)", "", bench.md_table(["shape", *providers], rows)]
+        rows = [[lbl, *(cell("forward+backward", lbl, p, "ms") for p in providers),
+                 *(pct("forward+backward", lbl, p) for p in ours)] for lbl in labels]
+        out += ["", "## forward + backward (ms, median)", "",
+                bench.md_table(["shape", *providers, *(f"{p} % of 2x floor" for p in ours)], rows)]
+    if any("graph_ms" in r for r in records):
+        rows = [[lbl, *(cell("forward+backward", lbl, p, "graph_ms") for p in providers),
+                 *(pct("forward+backward", lbl, p, "graph_pct_of_floor") for p in ours)] for lbl in labels]
+        out += ["", "## forward + backward, device time (ms, CUDA graph replay: host cost excluded)", "",
+                bench.md_table(["shape", *providers, *(f"{p} % of 2x floor" for p in ours)], rows)]
     if any(r["section"] == "accuracy" for r in records):
         rows = [[lbl, *(cell("accuracy", lbl, p, "max_abs_err") for p in providers)] for lbl in labels]
         out += ["", "## accuracy (max abs error vs float64)", "", bench.md_table(["shape", *providers], rows)]
@@ -262,7 +310,9 @@ def markdown(records: list[dict[str, Any]], providers: list[str], skipped: dict[
     impls = {r.get("impl") for r in records if r["provider"] == "torchembed" and r.get("impl")}
     if any(i.startswith("reference") for i in impls):
         notes.append("- torchembed ran the PyTorch reference path (the Triton kernel cannot run on this device)")
-    notes.append("- floor: q and k read once + written once at the measured copy bandwidth; % of floor = floor / time")
+    notes.append("- floor: q and k read once + written once at the measured copy bandwidth (1 GiB copy); "
+                 "% of floor = floor / time; forward + backward moves twice the bytes (2x floor)")
+    notes.append("- copy: copy_ of the same q and k (same layout): what a copy kernel reaches at this size")
     return "\n".join(out + ["", *notes])
 
 
@@ -270,7 +320,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="torchembed bench rope", description=__doc__.split("\n\n")[0].replace("``", ""))
     bench.add_common_args(parser)
     parser.add_argument("--providers", nargs="+", default=None, choices=PROVIDERS,
-                        help="default: all (--smoke: torchembed hf liger; compile takes ~30 s on CPU)")
+                        help="default: all (--smoke: torchembed torchembed-angles hf liger; compile takes ~30 s on CPU)")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="B,S,HQ,HK,D", help="override the shape list")
     parser.add_argument("--no-backward", action="store_true", help="forward only")
     parser.add_argument("--no-accuracy", action="store_true", help="skip the float64 accuracy check")
@@ -284,7 +334,7 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"--shapes expects B,S,HQ,HK,D with five integers, got {args.shapes}") from None
         if any(min(s) < 1 or s.head_dim % 2 or s.q_heads % s.kv_heads for s in shapes):
             raise ValueError(f"--shapes: positive sizes, even head dim, q heads a multiple of kv heads; got {args.shapes}")
-    requested = args.providers or (["torchembed", "hf", "liger"] if args.smoke else list(PROVIDERS))
+    requested = args.providers or (["torchembed", "torchembed-angles", "hf", "liger"] if args.smoke else list(PROVIDERS))
     providers, skipped = [], {}
     for p in requested:
         try:
