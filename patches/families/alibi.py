@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torchembed.functional.alibi import alibi_key_bias, alibi_slopes
+from torchembed.functional.alibi import alibi_decode_bias, alibi_key_bias, alibi_slopes
 from torchembed.kernels.alibi_attention import MaskCache, alibi_attention
 from torchembed.patches.actions import Component, OverrideAttribute, bind
 from torchembed.patches.devices import ShareDeviceCopies
@@ -205,12 +205,21 @@ def falcon_attention_forward(
     if alibi.shape[-1] != k_len:
         raise ValueError(f"ALiBi bias covers {alibi.shape[-1]} keys, attention has {k_len}")
     keep, cache = _keep_mask(attention_mask, _falcon_keep, alibi)
-    key_bias = _per_forward(cache, alibi, ("falcon", self.inv_norm_factor),  # upstream: alibi / sqrt(d)
-                            lambda: alibi.view(batch, self.num_heads, k_len).to(torch.float32) * self.inv_norm_factor)
-    if q_len > 1:  # the fused prefill kernels take h heads; at decode SDPA broadcasts one kv head, as upstream
-        k, v = _repeat_kv(k, self.num_heads), _repeat_kv(v, self.num_heads)
-    dropout = self.attention_dropout.p if self.training else 0.0
-    context = alibi_attention(q, k, v, key_bias, keep, scale=self.inv_norm_factor, dropout_p=dropout, cache=cache)
+    scale, heads = self.inv_norm_factor, self.num_heads
+
+    def key_bias() -> Tensor:  # upstream: alibi / sqrt(d)
+        return alibi.view(batch, heads, k_len).to(torch.float32) * scale
+
+    if q_len == 1 and cache is not None and not self.training:
+        # Decode is host-bound: one lookup of this forward's SDPA mask, then SDPA as upstream (which
+        # broadcasts a multi-query kv head the same way).
+        mask = cache.memo(alibi, ("falcon-decode", scale, q.dtype), lambda: alibi_decode_bias(key_bias(), keep, q.dtype))
+        context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:  # the fused prefill kernels take h kv heads
+        dropout = self.attention_dropout.p if self.training else 0.0
+        k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+        context = alibi_attention(q, k, v, _per_forward(cache, alibi, ("falcon", scale), key_bias), keep, scale=scale,
+                                  dropout_p=dropout, cache=cache)
     context = context.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)  # (b, q, h*d)
     return self.dense(context), None
 
@@ -218,13 +227,9 @@ def falcon_attention_forward(
 def _falcon_qkv(attn: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """q ``(b, h, s, d)`` and k, v ``(b, kv, s, d)`` as upstream's ``FalconAttention.forward``
     (``kv`` = 1 for multi-query; ``new_decoder_architecture`` already repeats kv to ``h``)."""
-    num_kv_heads = attn.num_heads if attn.new_decoder_architecture else attn.num_kv_heads
     query, key, value = attn._split_heads(attn.query_key_value(hidden_states))  # (b, s, heads, d)
-    batch, length = query.shape[:2]
-    q = query.transpose(1, 2).reshape(batch, attn.num_heads, length, attn.head_dim)
-    k = key.transpose(1, 2).reshape(batch, num_kv_heads, length, attn.head_dim)
-    v = value.transpose(1, 2).reshape(batch, num_kv_heads, length, attn.head_dim)
-    return q, k, v
+    # upstream reshapes these (b, heads, s, d) views to their own shape: the same views
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
 
 def _repeat_kv(x: Tensor, num_heads: int) -> Tensor:

@@ -31,8 +31,10 @@ def load(checkpoint):
 def decode_masks_built(monkeypatch):
     """A list that grows by one each time the ALiBi attention builds a decode-step SDPA mask."""
     import torchembed.kernels.alibi_attention as kernel
+    import torchembed.patches.families.alibi as family  # Falcon builds its decode mask itself
 
     built = []
     original = kernel.alibi_decode_bias
-    monkeypatch.setattr(kernel, "alibi_decode_bias", lambda *a: built.append(1) or original(*a))
+    for module in (kernel, family):
+        monkeypatch.setattr(module, "alibi_decode_bias", lambda *a: built.append(1) or original(*a))
     return built
