@@ -25,7 +25,7 @@ from torchembed.kernels import rope_triton
 from torchembed.kernels.rope_op import rotary_fused
 from torchembed.tools.bench import copy_bandwidth
 
-SHAPES = [(4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (8, 2048, 64, 8, 128)]
+SHAPES = [(1, 2048, 32, 8, 128), (4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (8, 2048, 64, 8, 128)]
 
 
 def _configure(tile: int, hpp: int, warps: int):
@@ -62,6 +62,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="fewer settings")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="B,S,HQ,HK,D")
+    parser.add_argument("--no-backward", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda")
     saved = {n: getattr(rope_triton, n) for n in
@@ -70,12 +72,14 @@ def main() -> None:
     print(f"copy bandwidth (1 GiB) {bandwidth / 1e9:.0f} GB/s", flush=True)
     out = {"copy_bandwidth_gbs": bandwidth / 1e9, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "shapes": []}
-    tiles = (1024, 2048) if args.quick else (1024, 2048, 4096)  # 4096: register spills (about 43 %)
-    for B, S, Hq, Hk, D in SHAPES:
+    tiles = (1024, 2048) if args.quick else (512, 1024, 2048)  # 4096: register spills (about 43 % of the floor)
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    for B, S, Hq, Hk, D in shapes:
         q = torch.randn(B, S, Hq, D, device=device, dtype=torch.bfloat16).transpose(1, 2)
         k = torch.randn(B, S, Hk, D, device=device, dtype=torch.bfloat16).transpose(1, 2)
         inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device=device).float() / D))
-        cos, sin = rope_cos_sin(inv, torch.arange(S, device=device)[None])  # (1, S, D/2) float32
+        ids = torch.arange(S, device=device)[None]  # (1, S) position ids, as HF passes them
+        cos, sin = rope_cos_sin(inv, ids)  # (1, S, D/2) float32
         nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
         floor_ms = nbytes / bandwidth * 1e3
         qo, ko = torch.empty_like(q), torch.empty_like(k)
@@ -92,10 +96,11 @@ def main() -> None:
         sources = {
             "table": lambda: rotary_fused(q, k, cos, sin),
             "inv_freq": lambda: rotary_fused(q, k, inv_freq=inv, positions=0),
+            "inv_freq+ids": lambda: rotary_fused(q, k, inv_freq=inv, positions=ids),
         }
-        space = itertools.product(sources, tiles, (1, 2, 4), (4, 8))
+        space = itertools.product(sources, tiles, (1, 2, 4, 8), (2, 4, 8))
         for source, tile, hpp, warps in space:
-            if args.quick and (hpp == 4 or warps == 8 and tile == 1024):
+            if args.quick and (hpp > 2 or warps == 2 or warps == 8 and tile == 1024):
                 continue
             original, config = _configure(tile, hpp, warps)
             rope_triton._make_config = config
@@ -110,13 +115,20 @@ def main() -> None:
                                    "pct_copy": 100 * copy_ms / ms})
         rec["forward"].sort(key=lambda r: r["ms"])
         for r in rec["forward"][:10] + rec["forward"][-2:]:
-            print(f"  {r['source']:8} tile {r['tile']:5} hpp {r['hpp']} warps {r['warps']}: "
+            print(f"  {r['source']:12} tile {r['tile']:5} hpp {r['hpp']} warps {r['warps']}: "
                   f"{r['ms']:.4f} ms {r['pct_floor']:5.1f}% of floor {r['pct_copy']:5.1f}% of copy_", flush=True)
+        for source in sources:
+            r = next(r for r in rec["forward"] if r["source"] == source)
+            print(f"  best {source:12}: tile {r['tile']} hpp {r['hpp']} warps {r['warps']} {r['ms']:.4f} ms", flush=True)
         default = {}
         for source, f in sources.items():
             t = default[f"forward {source}"] = triton.testing.do_bench(f, return_mode="median")
             print(f"  default forward {source}: {t:.4f} ms {100 * floor_ms / t:.1f}%", flush=True)
 
+        if args.no_backward:
+            rec["default"] = default
+            out["shapes"].append(rec)
+            continue
         # forward + backward with the default setting
         qg, kg = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
         gq, gk = torch.randn_like(q), torch.randn_like(k)
