@@ -16,19 +16,24 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def plot_e2e(path: Path) -> Path:
-    """Grouped bars: ms per phase/model/batch for each variant (median, min-max whiskers)."""
+    """Grouped bars: ms per phase/model/batch/prompt length for each variant (median, min-max whiskers)."""
     data = json.loads(path.read_text())
     rows = data["results"]
     variants = list(dict.fromkeys(r["variant"] for r in rows))
-    cases = list(dict.fromkeys((r["phase"], r["model"], r["batch"]) for r in rows))
-    fig, axes = plt.subplots(1, len({c[0] for c in cases}), figsize=(13, 4.2), squeeze=False)
+
+    def case_of(r: dict) -> tuple:
+        return r["phase"], r["model"], r["batch"], r.get("prompt_len")
+
+    cases = list(dict.fromkeys(case_of(r) for r in rows))
+    several_prompts = len({c[3] for c in cases}) > 1
+    fig, axes = plt.subplots(1, len({c[0] for c in cases}), figsize=(16 if several_prompts else 13, 4.4), squeeze=False)
     for ax, phase in zip(axes[0], dict.fromkeys(c[0] for c in cases)):
         phase_cases = [c for c in cases if c[0] == phase]
         width = 0.8 / len(variants)
         for i, variant in enumerate(variants):
             xs, ys, lo, hi = [], [], [], []
             for j, case in enumerate(phase_cases):
-                match = [r for r in rows if (r["phase"], r["model"], r["batch"]) == case and r["variant"] == variant]
+                match = [r for r in rows if case_of(r) == case and r["variant"] == variant]
                 if match and isinstance(match[0].get("ms"), dict):
                     ms = match[0]["ms"]
                     xs.append(j + i * width)
@@ -37,8 +42,11 @@ def plot_e2e(path: Path) -> Path:
                     hi.append(ms["max"] - ms["median"])
             ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=variant)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(phase_cases))])
-        ax.set_xticklabels([f"{m}\nbatch {b}" for _, m, b in phase_cases], fontsize=8)
-        ax.set_title("prefill 2048 tokens (ms)" if phase == "prefill" else f"{phase} (ms/token)")
+        ax.set_xticklabels([f"{m}\nb{b} p{p}" if several_prompts else f"{m}\nbatch {b}" for _, m, b, p in phase_cases],
+                           fontsize=7 if several_prompts else 8)
+        prompt = "" if several_prompts else f" {phase_cases[0][3]} tokens"
+        key = "" if prompt else "; b = batch, p = prompt tokens"
+        ax.set_title(f"prefill{prompt} (ms{key})" if phase == "prefill" else f"{phase} (ms/token{', prompt' + prompt if prompt else '; b = batch, p = prompt tokens'})")
         ax.legend(fontsize=8)
     env = data["env"]
     fig.suptitle(f"torchembed e2e, {env.get('gpu', env.get('device', ''))}, bf16, {env.get('date', '')}", fontsize=10)
@@ -48,11 +56,16 @@ def plot_e2e(path: Path) -> Path:
     return out
 
 
-def plot_rope(path: Path) -> Path:
-    """Forward time as % of the copy floor per shape and provider (higher is better)."""
+def plot_rope(path: Path) -> Path | None:
+    """Forward time as % of the copy floor per shape and provider (higher is better); None when
+    the file has no prefill-sized shapes (a host-overhead or tuning run)."""
     data = json.loads(path.read_text())
+    if "results" not in data:
+        return None
     rows = [r for r in data["results"] if r.get("section") == "forward" and r.get("provider") != "floor"]
     shapes = list(dict.fromkeys(r["shape_label"] for r in rows if r["shape"]["seq"] > 1))
+    if not shapes:
+        return None
     providers = list(dict.fromkeys(r["provider"] for r in rows))
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(providers)
@@ -78,8 +91,10 @@ def main(folder: str) -> None:
         name = path.stem
         if name.startswith("e2e"):
             print(plot_e2e(path))
-        elif name == "rope":
-            print(plot_rope(path))
+        elif name.startswith("rope"):
+            out = plot_rope(path)
+            if out is not None:
+                print(out)
 
 
 if __name__ == "__main__":
