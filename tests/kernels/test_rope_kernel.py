@@ -480,6 +480,15 @@ def test_backward_matches_oracle(source, interleaved, dtype):
     torch.testing.assert_close(k.grad.double(), k64.grad, **tol)
 
 
+def test_double_backward_float64():
+    # create_graph=True keeps the backward differentiable (eager autograd Function, kernel path)
+    q, k = make_qk(1, 2, 1, 3, 8, torch.float64, "hf")
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    cos, sin = make_table(3, 4, (1,), torch.float64)
+    assert torch.autograd.gradgradcheck(lambda a, b: rotary_fused(a, b, cos, sin), (q, k), fast_mode=True)
+
+
 def test_backward_of_sum_expanded_grad():
     # .sum() hands back stride-0 (expanded) gradients: the last-dim copy fallback handles them.
     q, k = make_qk(1, 2, 1, 3, 16, torch.float32)

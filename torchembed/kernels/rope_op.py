@@ -345,8 +345,8 @@ class _RotaryFunction(torch.autograd.Function):
 
     ``register_autograd`` on the custom op is what torch.compile needs, but in eager mode its
     Python dispatch costs several times the kernel; this Function calls the implementation
-    directly. Backward is the conjugate rotation through the same Function (so it is itself
-    differentiable).
+    directly. Backward is the conjugate rotation: the implementation directly, or this Function
+    again under ``create_graph=True`` (so it is itself differentiable).
     """
 
     @staticmethod
@@ -359,7 +359,10 @@ class _RotaryFunction(torch.autograd.Function):
     def backward(ctx, grad_q, grad_k):
         cos, sin, inv_freq, pos_t = ctx.saved_tensors
         pos_off, scale, interleaved, conjugate = ctx.consts
-        dq, dk = _RotaryFunction.apply(grad_q, grad_k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, not conjugate)
+        args = (grad_q, grad_k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, not conjugate)
+        # create_graph=True (grad mode on here): stay differentiable; otherwise the kernel directly
+        # (a nested Function.apply costs host time on every backward).
+        dq, dk = _RotaryFunction.apply(*args) if torch.is_grad_enabled() else _rotary_impl(*args)
         return dq, dk, None, None, None, None, None, None, None, None
 
 
