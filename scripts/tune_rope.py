@@ -29,6 +29,7 @@ SHAPES = [(1, 2048, 32, 8, 128), (4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), 
 
 
 def _configure(tile: int, hpp: int, warps: int):
+    """``_make_config`` with this setting forced (heads grouped at every grid size)."""
     original = rope_triton._make_config
 
     def config(*a):
@@ -37,7 +38,7 @@ def _configure(tile: int, hpp: int, warps: int):
         grid, meta, nqg, constexprs = original(*a)
         return grid, dict(meta, num_warps=warps), nqg, constexprs
 
-    return original, config
+    return config
 
 
 def _reset(saved: dict) -> None:
@@ -102,8 +103,7 @@ def main() -> None:
         for source, tile, hpp, warps in space:
             if args.quick and (hpp > 2 or warps == 2 or warps == 8 and tile == 1024):
                 continue
-            original, config = _configure(tile, hpp, warps)
-            rope_triton._make_config = config
+            rope_triton._make_config = _configure(tile, hpp, warps)
             rope_triton._CFG.clear()
             rope_triton._COMPILED.clear()
             try:
