@@ -147,9 +147,10 @@ def bloom_attention_forward(
         raise ValueError(f"ALiBi bias covers {alibi.shape[-1]} keys, attention has {k_len}")
     # HF's mask: additive float (0 = attend) or bool (True = attend); derived once per forward.
     keep, cache = _keep_mask(attention_mask, lambda m: m if m.dtype == torch.bool else m == 0, alibi)
-    key_bias = _per_forward(cache, alibi, "bloom", lambda: alibi.view(batch, self.num_heads, -1))  # (b*h,1,k) -> (b,h,k)
+    heads = self.num_heads
     dropout = self.attention_dropout.p if self.training else 0.0
-    context = alibi_attention(q, k, v, key_bias, keep, scale=self.inv_norm_factor, dropout_p=dropout, cache=cache)
+    context = _attend(q, k, v, keep, cache, alibi, "bloom", lambda: alibi.view(batch, heads, -1),  # (b*h,1,k) -> (b,h,k)
+                      scale=self.inv_norm_factor, dropout_p=dropout)
     context = context.transpose(1, 2).reshape(batch, q_len, self.hidden_size)  # (b, s, h*d)
     output = F.dropout(self.dense(context), p=self.hidden_dropout, training=self.training) + residual
     return output, None
@@ -206,20 +207,10 @@ def falcon_attention_forward(
         raise ValueError(f"ALiBi bias covers {alibi.shape[-1]} keys, attention has {k_len}")
     keep, cache = _keep_mask(attention_mask, _falcon_keep, alibi)
     scale, heads = self.inv_norm_factor, self.num_heads
-
-    def key_bias() -> Tensor:  # upstream: alibi / sqrt(d)
-        return alibi.view(batch, heads, k_len).to(torch.float32) * scale
-
-    if q_len == 1 and cache is not None and not self.training:
-        # Decode is host-bound: one lookup of this forward's SDPA mask, then SDPA as upstream (which
-        # broadcasts a multi-query kv head the same way).
-        mask = cache.memo(alibi, ("falcon-decode", scale, q.dtype), lambda: alibi_decode_bias(key_bias(), keep, q.dtype))
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    else:  # the fused prefill kernels take h kv heads
-        dropout = self.attention_dropout.p if self.training else 0.0
-        k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
-        context = alibi_attention(q, k, v, _per_forward(cache, alibi, ("falcon", scale), key_bias), keep, scale=scale,
-                                  dropout_p=dropout, cache=cache)
+    dropout = self.attention_dropout.p if self.training else 0.0
+    context = _attend(q, k, v, keep, cache, alibi, ("falcon", scale),
+                      lambda: alibi.view(batch, heads, k_len).to(torch.float32) * scale,  # upstream: alibi / sqrt(d)
+                      scale=scale, dropout_p=dropout)
     context = context.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)  # (b, q, h*d)
     return self.dense(context), None
 
@@ -290,12 +281,16 @@ def mpt_attention_forward(
         )
     # MPT's mask is True where masked. No anchor: the ALiBi table outlives the forward (a constant).
     keep, cache = _keep_mask(attention_mask, torch.logical_not, None)
-    if position_bias is None:
-        key_bias = k.new_zeros(1, self.n_heads, k_len, dtype=torch.float32)
-    else:  # (h, 1, L) -> (1, h, k)
-        key_bias = _per_forward(cache, position_bias, ("mpt", k_len), lambda: position_bias[None, :, 0, -k_len:])
+    heads = self.n_heads
+
+    def key_bias() -> Tensor:  # (h, 1, L) -> (1, h, k); zeros for MPT without ALiBi
+        if position_bias is None:
+            return k.new_zeros(1, heads, k_len, dtype=torch.float32)
+        return position_bias[None, :, 0, -k_len:]
+
     dropout = self.attn_dropout_p if self.training else 0.0
-    context = alibi_attention(q, k, v, key_bias, keep, scale=self.softmax_scale, dropout_p=dropout, cache=cache)
+    context = _attend(q, k, v, keep, cache, position_bias, ("mpt", k_len), key_bias, scale=self.softmax_scale,
+                      dropout_p=dropout)
     context = context.transpose(1, 2).reshape(batch, q_len, -1)  # (b, s, h*d)
     return self.out_proj(context), None
 
@@ -307,10 +302,29 @@ _MASKS: dict[int, MaskCache] = {}
 _MASKS_MAX = 8
 
 
-def _per_forward(cache: MaskCache | None, source: Tensor, tag: Any, make: Any) -> Tensor:
-    """``make()`` once per forward (``cache.memo``; every layer gets the same ``source``), so the
-    layers share one key-bias tensor and, at decode, one SDPA mask derived from it."""
-    return make() if cache is None else cache.memo(source, tag, make)
+def _per_forward(cache: MaskCache | None, source: Tensor | None, tag: Any, make: Any) -> Tensor:
+    """``make()`` once per forward (``cache.memo``; every layer gets the same ``source``); without
+    a cache or a source, on every call."""
+    return make() if cache is None or source is None else cache.memo(source, tag, make)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, cache: MaskCache | None, source: Tensor | None,
+            tag: Any, key_bias: Any, *, scale: float, dropout_p: float) -> Tensor:
+    """ALiBi attention of one patched layer, ``(b, h, q, d)``.
+
+    ``key_bias()`` builds the ``(b or 1, h, k)`` float32 bias from ``source``, the bias tensor every
+    layer of the forward receives; it and what derives from it are built once per forward (``tag``
+    names the family's derivation). Decode (one query, no dropout) is host-bound: one lookup of the
+    forward's SDPA mask, then SDPA, which broadcasts a multi-query kv head as upstream's does.
+    Prefill goes to :func:`alibi_attention` (its fused kernels take ``h`` kv heads).
+    """
+    if q.shape[-2] == 1 and dropout_p == 0.0:
+        mask = _per_forward(cache, source, (tag, "decode", q.dtype), lambda: alibi_decode_bias(key_bias(), keep, q.dtype))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    heads = q.shape[1]
+    k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    return alibi_attention(q, k, v, _per_forward(cache, source, tag, key_bias), keep, scale=scale, dropout_p=dropout_p,
+                           cache=cache)
 
 
 def _keep_mask(attention_mask: Tensor | None, to_keep: Any, anchor: Tensor | None) -> tuple[Tensor | None, MaskCache | None]:

@@ -31,7 +31,7 @@ def load(checkpoint):
 def decode_masks_built(monkeypatch):
     """A list that grows by one each time the ALiBi attention builds a decode-step SDPA mask."""
     import torchembed.kernels.alibi_attention as kernel
-    import torchembed.patches.families.alibi as family  # Falcon builds its decode mask itself
+    import torchembed.patches.families.alibi as family  # the patched layers build it there
 
     built = []
     original = kernel.alibi_decode_bias
