@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer settings")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="B,S,HQ,HK,D")
     parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--sources", nargs="+", default=["table", "inv_freq", "inv_freq+ids"],
+                        choices=["table", "inv_freq", "inv_freq+ids"], help="angle sources to sweep")
     args = parser.parse_args()
     device = torch.device("cuda")
     saved = {n: getattr(rope_triton, n) for n in
@@ -118,7 +120,7 @@ def main() -> None:
         for name, f in peers.items():
             t = rec["peers"][name] = triton.testing.do_bench(f, return_mode="median")
             print(f"  {name}: {t:.4f} ms {100 * floor_ms / t:.1f}% of floor", flush=True)
-        space = itertools.product(sources, tiles, (1, 2, 4, 8), (2, 4, 8))
+        space = itertools.product(args.sources, tiles, (1, 2, 4, 8), (2, 4, 8))
         for source, tile, hpp, warps in space:
             if tile == 0 and hpp > 1:  # token-major programs take every head
                 continue
@@ -138,7 +140,7 @@ def main() -> None:
         for r in rec["forward"][:10] + rec["forward"][-2:]:
             print(f"  {r['source']:12} tile {r['tile']:5} hpp {r['hpp']} warps {r['warps']}: "
                   f"{r['ms']:.4f} ms {r['pct_floor']:5.1f}% of floor {r['pct_copy']:5.1f}% of copy_", flush=True)
-        for source in sources:
+        for source in args.sources:
             r = next(r for r in rec["forward"] if r["source"] == source)
             print(f"  best {source:12}: tile {r['tile']} hpp {r['hpp']} warps {r['warps']} {r['ms']:.4f} ms", flush=True)
             r = next((r for r in rec["forward"] if r["source"] == source and r["tile"] == 0), None)
