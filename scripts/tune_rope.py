@@ -4,7 +4,7 @@ For every shape: the copy floor (q and k read + written once at the 1 GiB copy b
 ``copy_`` of exactly those tensors takes (the floor a copy kernel reaches at this size), the in-place
 rotation next to liger-kernel's (in place too, when installed), then the forward (out of place) per
 setting -- angle source (per-token float32 tables, or computed from ``inv_freq`` in the kernel),
-tokens per program (tile; 0 = token-major: one token, every head), heads per program, warps
+tokens per program (tile), heads per program, warps
 -- and forward+backward of the default setting timed three ways (``do_bench``; replayed from a
 CUDA graph, i.e. device time only; host wall time per call).
 
@@ -30,14 +30,12 @@ SHAPES = [(1, 2048, 32, 8, 128), (4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), 
 
 
 def _configure(tile: int, hpp: int, warps: int):
-    """``_make_config`` with this setting forced (heads grouped at every grid size); ``tile=0``:
-    token-major programs (one token, all heads of q and k)."""
+    """``_make_config`` with this setting forced (heads grouped at every grid size)."""
     original = rope_triton._make_config
 
     def config(*a):
-        rope_triton._TILE_PAIRS, rope_triton._HPP_MIN_PROGRAMS = max(tile, 64), 0
+        rope_triton._TILE_PAIRS, rope_triton._HPP_MIN_PROGRAMS = tile, 0
         rope_triton._HPP_CANDIDATES = rope_triton._HPP_CANDIDATES_ANGLES = (hpp,)
-        rope_triton._TOKEN_MAJOR_TOKENS = (1, 1 << 40) if tile == 0 else (0, -1)
         grid, meta, nqg, constexprs = original(*a)
         return grid, dict(meta, num_warps=warps), nqg, constexprs
 
@@ -73,14 +71,12 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     saved = {n: getattr(rope_triton, n) for n in
-             ("_make_config", "_TILE_PAIRS", "_HPP_MIN_PROGRAMS", "_HPP_CANDIDATES", "_HPP_CANDIDATES_ANGLES",
-              "_TOKEN_MAJOR_TOKENS")}
+             ("_make_config", "_TILE_PAIRS", "_HPP_MIN_PROGRAMS", "_HPP_CANDIDATES", "_HPP_CANDIDATES_ANGLES")}
     bandwidth = copy_bandwidth(device)  # bytes/s, read + write
     print(f"copy bandwidth (1 GiB) {bandwidth / 1e9:.0f} GB/s", flush=True)
     out = {"copy_bandwidth_gbs": bandwidth / 1e9, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "shapes": []}
-    # tile 0: token-major programs; 4096: register spills (about 43 % of the floor)
-    tiles = (0, 1024, 2048) if args.quick else (0, 512, 1024, 2048)
+    tiles = (1024, 2048) if args.quick else (512, 1024, 2048)  # 4096: register spills (about 43 % of the floor)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     for B, S, Hq, Hk, D in shapes:
         q = torch.randn(B, S, Hq, D, device=device, dtype=torch.bfloat16).transpose(1, 2)
@@ -122,8 +118,6 @@ def main() -> None:
             print(f"  {name}: {t:.4f} ms {100 * floor_ms / t:.1f}% of floor", flush=True)
         space = itertools.product(args.sources, tiles, (1, 2, 4, 8), (2, 4, 8))
         for source, tile, hpp, warps in space:
-            if tile == 0 and hpp > 1:  # token-major programs take every head
-                continue
             if args.quick and (hpp > 2 or warps == 2 or warps == 8 and tile == 1024):
                 continue
             rope_triton._make_config = _configure(tile, hpp, warps)
@@ -143,9 +137,6 @@ def main() -> None:
         for source in args.sources:
             r = next(r for r in rec["forward"] if r["source"] == source)
             print(f"  best {source:12}: tile {r['tile']} hpp {r['hpp']} warps {r['warps']} {r['ms']:.4f} ms", flush=True)
-            r = next((r for r in rec["forward"] if r["source"] == source and r["tile"] == 0), None)
-            if r is not None:
-                print(f"  best {source:12} token-major: warps {r['warps']} {r['ms']:.4f} ms", flush=True)
         default = {}
         for source, f in sources.items():
             t = default[f"forward {source}"] = triton.testing.do_bench(f, return_mode="median")

@@ -120,21 +120,13 @@ def make_apply_rotary_pos_emb(fused: bool | None, upstream: Callable[..., Any]) 
     likewise with its own head count; ``cos``/``sin``: :class:`HFRotaryEmbedding`'s ``(b, s, r/2)``
     float32 tables. Upstream's duplicated ``(b, s, d)`` tables are passed to ``upstream``.
     One function per (fused, upstream), so patched models share their rebound attention code.
-
-    Inside ``torch.compile`` without autograd (compiled generation), ``fused=None`` hands Inductor
-    the float32 PyTorch rotation, which it fuses with the neighbouring copies (the static KV-cache
-    write) instead of calling the opaque kernel op; ``fused=True`` keeps the kernel there too.
     """
     use_triton = fused is not False and kernels.triton_available()
-    inductor_when_compiled = fused is None
 
     def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1):
         if cos.shape[-1] == q.shape[-1]:  # an upstream table, not ours
             return upstream(q, k, cos, sin, unsqueeze_dim)
-        if use_triton and kernels.kernel_can_run(q) and not (
-            inductor_when_compiled and torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
-        ):
+        if use_triton and kernels.kernel_can_run(q):
             if unsqueeze_dim == 2:  # (b, s, h, d): view as (b, h, s, d)
                 q_out, k_out = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
                 return q_out.transpose(1, 2), k_out.transpose(1, 2)

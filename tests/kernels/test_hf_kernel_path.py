@@ -114,15 +114,13 @@ def test_bf16_training_steps_with_the_fused_kernel_match_upstream(name):
         torch.testing.assert_close(param.float(), ref[pname].float(), rtol=0, atol=3e-3, msg=pname)
 
 
-@pytest.mark.parametrize("fused", [None, True])
-def test_compiled_inference_leaves_the_rotation_to_inductor_unless_fused(fused):
-    """Inside ``torch.compile`` without autograd (compiled generation), ``fused=None`` gives the
-    graph the float32 PyTorch rotation (Inductor fuses it with its neighbours); ``fused=True``
-    keeps the kernel op. Either way: no graph break, and the logits of upstream."""
+def test_compiled_patched_model_calls_the_kernel_op_without_graph_breaks():
+    """``torch.compile(fullgraph=True)`` of a patched model traces the rotation as the kernel's
+    custom op (one per layer), with no graph break, and gives upstream's logits."""
     from torch._dynamo.utils import counters
 
     upstream = _tiny("llama")
-    patched = torchembed.patch(copy.deepcopy(upstream), fused=fused)
+    patched = torchembed.patch(copy.deepcopy(upstream))
     ids = torch.randint(0, upstream.config.vocab_size, (2, 7), device=DEV)
     ops = []
 
@@ -136,6 +134,5 @@ def test_compiled_inference_leaves_the_rotation_to_inductor_unless_fused(fused):
         out = torch.compile(patched, backend=backend, fullgraph=True)(input_ids=ids).logits
         ref = upstream(input_ids=ids).logits
     assert sum(counters["graph_break"].values()) == 0
-    n_kernel = sum("torchembed.rotary" in op for op in ops)
-    assert n_kernel == (upstream.config.num_hidden_layers if fused else 0), ops
+    assert sum("torchembed.rotary" in op for op in ops) == upstream.config.num_hidden_layers, ops
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())

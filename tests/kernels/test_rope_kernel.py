@@ -292,34 +292,6 @@ def test_angles_from_inv_freq_group_two_heads_per_program(monkeypatch, poisoned)
     run_case(B=2, Hq=3, Hk=1, S=9, D=64, source="inv_freq", pos_mode="int")  # 3 and 1 heads: no pair, HPP 1
 
 
-@pytest.mark.parametrize("case", [
-    dict(B=2, Hq=3, Hk=1, S=9, D=64),  # odd head counts: masked head rows
-    dict(B=1, Hq=5, Hk=5, S=4, D=80, R=48, interleaved=True, pos_mode="ids", dtype=torch.bfloat16),
-    dict(B=2, Hq=4, Hk=2, S=6, D=96, R=32, inplace=True, pos_mode="batch", dtype=torch.float16),
-    dict(B=2, Hq=4, Hk=1, S=5, D=64, source="inv_freq", pos_mode="int", layout="hf", scale=0.5),
-    dict(B=2, Hq=2, Hk=2, S=3, D=64, conjugate=True, bc1=True, layout="padded"),
-])
-def test_token_major_programs(monkeypatch, poisoned, case):
-    # One program per token rotating every head of q and k (rows = heads), forced at small sizes.
-    monkeypatch.setattr(rope_triton, "_TOKEN_MAJOR_TOKENS", (1, 1 << 20))
-    monkeypatch.setattr(rope_triton, "_CFG", {})
-    B, Hq, Hk, S, D = (case[n] for n in ("B", "Hq", "Hk", "S", "D"))
-    grid, meta, _, _ = rope_triton._make_config(B, Hq, Hk, S, D, D // 2, torch.float32, 0, False, False, False, False)
-    assert meta["TOKEN_MAJOR"] and grid == (S, 1, B) and meta["HQB"] >= Hq and meta["HKB"] >= Hk
-    run_case(**case)
-
-
-def test_token_major_backward(monkeypatch):
-    monkeypatch.setattr(rope_triton, "_TOKEN_MAJOR_TOKENS", (1, 1 << 20))
-    monkeypatch.setattr(rope_triton, "_CFG", {})
-    gen = torch.Generator().manual_seed(3)
-    q, k = make_qk(2, 3, 1, 5, 64, torch.float64, "hf", gen)
-    cos, sin = make_table(5, 32, (2,), torch.float64, gen)
-    q.requires_grad_(True)
-    k.requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda q, k: rotary_fused(q, k, cos, sin), (q, k))
-
-
 @pytest.mark.parametrize("layout", ["hf", "padded", "laststride"])
 @pytest.mark.parametrize("inplace", [False, True], ids=["outofplace", "inplace"])
 def test_strided_inputs(layout, inplace, poisoned):

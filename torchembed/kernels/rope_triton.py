@@ -127,16 +127,8 @@ def _rope_kernel(
     CDT: tl.constexpr,  # compute dtype: float32 (float64 for float64 inputs)
     EMULATE_RTNE: tl.constexpr,  # interpreter-only bf16 rounding fix (see _round_f32_to_bf16_rtne)
     HEADS_FAST: tl.constexpr,  # grid axis 0 enumerates head groups (else token blocks)
-    TOKEN_MAJOR: tl.constexpr,  # one program per token rotates all heads of q and k (grid (S, 1, B))
-    HQ: tl.constexpr,  # q / k head counts and their next powers of two (used by TOKEN_MAJOR)
-    HK: tl.constexpr,
-    HQB: tl.constexpr,
-    HKB: tl.constexpr,
 ):
-    if TOKEN_MAJOR:
-        pid_s = tl.program_id(0)
-        pid_h = 0
-    elif HEADS_FAST:  # consecutive programs take neighbouring heads of the same tokens
+    if HEADS_FAST:  # consecutive programs take neighbouring heads of the same tokens
         pid_h = tl.program_id(0)
         pid_s = tl.program_id(1)
     else:
@@ -173,22 +165,8 @@ def _rope_kernel(
     if CONJUGATE:
         sn = -sn
 
-    # ---- rotate all heads of one token (rows = heads; c/sn are [1, BLOCK_D]) -------------------
-    if TOKEN_MAJOR:
-        hq = tl.arange(0, HQB).to(tl.int64)
-        _rotate_rows(
-            q_ptr, qo_ptr, b * sq_b + s64 * sq_s + hq * sq_h, b * sqo_b + s64 * sqo_s + hq * sqo_h,
-            c, sn, hq < HQ,
-            HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, CDT, EMULATE_RTNE,
-        )
-        hk = tl.arange(0, HKB).to(tl.int64)
-        _rotate_rows(
-            k_ptr, ko_ptr, b * sk_b + s64 * sk_s + hk * sk_h, b * sko_b + s64 * sko_s + hk * sko_h,
-            c, sn, hk < HK,
-            HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, CDT, EMULATE_RTNE,
-        )
     # ---- rotate HPP heads of q (axis-1 ids < NQG) or of k ---------------------------------
-    elif pid_h < NQG:
+    if pid_h < NQG:
         h0 = (pid_h * HPP).to(tl.int64)
         for i in tl.static_range(HPP):
             _rotate_rows(
@@ -238,11 +216,6 @@ _WARPS_ANGLES_GROUPED = 8
 # Grid order: head groups fastest, so the programs running together cover whole tokens
 # (contiguous (H, D) rows in HF's (B, S, H, D) memory); +3-17 points of the copy floor.
 _HEADS_FAST = True
-# Token-major programs (one token, every head of q and k: few, wide programs) for grids of
-# B * S tokens in this range, while the [heads, pairs] tile stays <= _TOKEN_MAJOR_MAX_LANES.
-_TOKEN_MAJOR_TOKENS = (0, -1)  # disabled
-_TOKEN_MAJOR_MAX_LANES = 4096
-_TOKEN_MAJOR_WARPS = 4
 
 
 def _next_pow2(n: int) -> int:
@@ -264,11 +237,6 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
     num_warps = 1 if lanes <= 128 else 2 if lanes <= 512 else 4
     if use_inv_freq and hpp > 1:
         num_warps = _WARPS_ANGLES_GROUPED
-    hqb, hkb = _next_pow2(Hq), _next_pow2(Hk)
-    token_major = (_TOKEN_MAJOR_TOKENS[0] <= B * S <= _TOKEN_MAJOR_TOKENS[1]
-                   and max(hqb, hkb) * block_d <= _TOKEN_MAJOR_MAX_LANES)
-    if token_major:
-        block_s, hpp, num_warps = 1, 1, _TOKEN_MAJOR_WARPS
     meta = dict(
         HALF=half,
         D=D,
@@ -283,21 +251,11 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
         HAS_PASS=has_pass,
         CDT=tl.float64 if dtype == torch.float64 else tl.float32,
         EMULATE_RTNE=_INTERPRET and dtype == torch.bfloat16,
-        HEADS_FAST=_HEADS_FAST and n_s < 65536 and not token_major,  # grid axis 1 is limited to 65535
-        TOKEN_MAJOR=token_major,
-        HQ=Hq if token_major else 1,
-        HK=Hk if token_major else 1,
-        HQB=hqb if token_major else 1,
-        HKB=hkb if token_major else 1,
+        HEADS_FAST=_HEADS_FAST and n_s < 65536,  # grid axis 1 is limited to 65535
         num_warps=num_warps,
     )
     n_h = Hq // hpp + Hk // hpp
-    if token_major:
-        grid = (S, 1, B)
-    elif meta["HEADS_FAST"]:
-        grid = (n_h, n_s, B)
-    else:
-        grid = (n_s, n_h, B)
+    grid = (n_h, n_s, B) if meta["HEADS_FAST"] else (n_s, n_h, B)
     constexprs = tuple(meta[name] for name in _CONSTEXPR_NAMES)  # signature order, for direct launch
     return grid, meta, Hq // hpp, constexprs
 
@@ -411,5 +369,5 @@ def _direct_launch(spec, grid, meta, args, device_index) -> None:
 
 _CONSTEXPR_NAMES = (
     "HALF", "D", "BLOCK_D", "BLOCK_P", "BLOCK_S", "HPP", "POS_MODE", "USE_INV_FREQ", "INTERLEAVED",
-    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST", "TOKEN_MAJOR", "HQ", "HK", "HQB", "HKB",
+    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST",
 )

@@ -1,10 +1,8 @@
 """``torchembed bench e2e``: whole ~1B-parameter models, upstream vs torchembed-patched vs liger.
 
 Random-weight LLaMA-, Mistral- and Falcon-style configs in bf16 on CUDA. Variants share weights:
-``upstream``, ``patched`` (``copy.deepcopy`` + ``torchembed.patch``), ``patched-kernel`` (the same
-with ``fused=True``: the Triton kernel op also inside compiled graphs, where ``patched`` lets
-Inductor fuse the rotation) and ``liger`` (a copy whose attention instances call liger-kernel's
-``liger_rotary_pos_emb``; skipped when not installed).
+``upstream``, ``patched`` (``copy.deepcopy`` + ``torchembed.patch``) and ``liger`` (a copy whose
+attention instances call liger-kernel's ``liger_rotary_pos_emb``; skipped when not installed).
 Phases, each repeated in interleaved order (A/B/C/A/B/C...) after one warm-up per variant and
 reported as median [min-max]:
 
@@ -35,7 +33,7 @@ from torch import nn
 from torchembed.tools import bench
 
 MODELS = ("llama", "mistral", "falcon")
-VARIANTS = ("upstream", "patched", "patched-kernel", "liger")
+VARIANTS = ("upstream", "patched", "liger")
 PHASES = ("prefill", "decode", "compiled")
 ATTENTION = {"llama": ("LlamaAttention",), "mistral": ("MistralAttention",),
              "falcon": ("FalconAttention", "FalconFlashAttention2")}
@@ -94,8 +92,6 @@ def build_variants(name: str, args: argparse.Namespace, device: torch.device,
                 out[variant] = upstream
             elif variant == "patched":
                 out[variant] = torchembed.patch(copy.deepcopy(upstream))
-            elif variant == "patched-kernel":
-                out[variant] = torchembed.patch(copy.deepcopy(upstream), fused=True)
             elif variant == "liger":
                 if device.type != "cuda":
                     raise ImportError("liger-kernel needs CUDA")
@@ -212,8 +208,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="torchembed bench e2e", description=__doc__.split("\n\n")[0].replace("``", ""))
     bench.add_common_args(parser)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--variants", nargs="+", default=["upstream", "patched", "liger"], choices=VARIANTS,
-                        help="default: upstream patched liger (patched-kernel differs from patched only when compiled)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--phases", nargs="+", default=None, choices=PHASES, help="default: all (--smoke: prefill decode)")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="default 1 8 (--smoke: 1 2)")
     parser.add_argument("--prompt-lens", nargs="+", type=int, default=None, help="default 2048 (--smoke: 16)")
