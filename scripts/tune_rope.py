@@ -2,8 +2,8 @@
 
 For every shape: the copy floor (q and k read + written once at the 1 GiB copy bandwidth), what
 ``copy_`` of exactly those tensors takes (the floor a copy kernel reaches at this size), the in-place
-rotation next to liger-kernel's (in place too, when installed), int32 vs int64 offsets, then the
-forward (out of place) per setting -- angle source (per-token float32 tables, or computed from ``inv_freq`` in the kernel),
+rotation next to liger-kernel's (in place too, when installed), then the forward (out of place) per
+setting -- angle source (per-token float32 tables, or computed from ``inv_freq`` in the kernel),
 tokens per program (tile), heads per program, warps
 -- and forward+backward of the default setting timed three ways (``do_bench``; replayed from a
 CUDA graph, i.e. device time only; host wall time per call).
@@ -116,16 +116,6 @@ def main() -> None:
         for name, f in peers.items():
             t = rec["peers"][name] = triton.testing.do_bench(f, return_mode="median")
             print(f"  {name}: {t:.4f} ms {100 * floor_ms / t:.1f}% of floor", flush=True)
-        for width, wide in (("int32", False), ("int64", True)):  # the offset width, forced
-            needs_int64 = rope_triton._needs_int64
-            rope_triton._needs_int64 = lambda *t, wide=wide: wide
-            rope_triton._COMPILED.clear()
-            try:
-                t = rec["peers"][f"table, {width} offsets"] = triton.testing.do_bench(sources["table"], return_mode="median")
-            finally:
-                rope_triton._needs_int64 = needs_int64
-                rope_triton._COMPILED.clear()
-            print(f"  table, {width} offsets: {t:.4f} ms {100 * floor_ms / t:.1f}% of floor", flush=True)
         space = itertools.product(args.sources, tiles, (1, 2, 4, 8), (2, 4, 8))
         for source, tile, hpp, warps in space:
             if args.quick and (hpp > 2 or warps == 2 or warps == 8 and tile == 1024):

@@ -10,10 +10,9 @@ float32 and rounds ONCE on store, so the error is about half an ulp of the outpu
     fp16: 1e-3 abs + 1e-3 rel (half-ulp 2**-11 relative),
     bf16: 1e-2 abs + 1e-2 rel (half-ulp 2**-8 relative).
 
-int64 addressing: the kernel computes q/k offsets in int64 when a tensor spans >= 2**31
-elements (decided on the host, ``_needs_int64``), else in int32. Both widths run the whole
-suite's cases below on small tensors (``test_int64_offsets_forced``); a real > 2**31-element
-tensor runs only on a GPU with the memory for it (``test_tensor_past_2_31_elements``).
+int64 addressing: the kernel casts every index to int64 before multiplying it by a stride (by
+construction, see rope_triton.py); a real > 2**31-element tensor is rotated only on a GPU with
+the memory for it (``test_tensor_past_2_31_elements``).
 """
 
 import os
@@ -293,27 +292,6 @@ def test_angles_from_inv_freq_group_two_heads_per_program(monkeypatch, poisoned)
     run_case(B=2, Hq=3, Hk=1, S=9, D=64, source="inv_freq", pos_mode="int")  # 3 and 1 heads: no pair, HPP 1
 
 
-def test_offset_width_follows_the_tensor_extent():
-    small = torch.empty_strided((2, 4, 8, 64), (2048, 64, 256, 1), device="meta")
-    assert not rope_triton._needs_int64(small, small)
-    # an HF (B, S, H, D) view whose last token row starts past 2**31 elements
-    wide = torch.empty_strided((1, 8, 2**21 + 1, 128), (0, 128, 1024, 1), device="meta")
-    assert rope_triton._needs_int64(small, wide)
-
-
-@pytest.mark.parametrize("case", [
-    dict(B=2, Hq=3, Hk=1, S=37, D=64, pos_mode="ids", layout="hf"),
-    dict(B=2, Hq=4, Hk=2, S=9, D=80, R=48, interleaved=True, inplace=True, dtype=torch.bfloat16, layout="padded"),
-    dict(B=1, Hq=2, Hk=2, S=5, D=64, source="inv_freq", pos_mode="batch", conjugate=True),
-])
-def test_int64_offsets_forced(monkeypatch, poisoned, case):
-    """The int64-offset variant of the kernel, forced on small tensors (the int32 one runs
-    everywhere else in this file)."""
-    monkeypatch.setattr(rope_triton, "_needs_int64", lambda *tensors: True)
-    monkeypatch.setattr(rope_triton, "_DIRECT", False)
-    run_case(**case)
-
-
 @pytest.mark.skipif(DEV != "cuda" or not torch.cuda.is_available()
                     or torch.cuda.mem_get_info()[0] < 24 * 2**30, reason="needs a GPU with 24 GB free")
 def test_tensor_past_2_31_elements():
@@ -323,7 +301,6 @@ def test_tensor_past_2_31_elements():
     k = torch.randn(1, 1, 8, 128, device=DEV, dtype=torch.bfloat16).expand(1, S, 8, 128).transpose(1, 2)
     cos, sin = make_table(1, 64)
     cos, sin = cos.expand(S, 64), sin.expand(S, 64)  # a (T, R/2) cache with stride 0: one angle
-    assert rope_triton._needs_int64(q, k)
     qo, _ = rotary_fused(q, k, cos, sin, positions=0)
     for rows in (slice(0, 64), slice(S - 64, S)):  # first rows and rows past 2**31 elements
         want, _ = oracle(q[:, :, rows], k[:, :, :64], cos[:64], sin[:64], positions=0)

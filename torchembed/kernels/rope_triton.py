@@ -21,10 +21,8 @@ computes them from inv_freq) for its BLOCK_S tokens once and applies them to HPP
 (HPP = 1 for decode-sized grids, for parallelism; up to 4 for prefill).  Batch is grid axis
 2, so B <= 65535.
 
-Addressing: q/k offsets are computed in int64 (every index cast *before* it is multiplied by a
-stride) when some q/k tensor spans 2**31 elements or more (``IDX64``, decided on the host from
-shapes and strides, once per launch spec), else in int32; cos/sin and position offsets are
-always int64, so caches of any length are addressed correctly.  Only the last
+Addressing: every index is cast to int64 *before* it is multiplied by a stride, so tensors
+(and cos/sin caches) with more than 2**31 elements are addressed correctly.  Only the last
 dim must have stride 1; every other stride is a runtime argument (HF's ``(B, H, S, D)``
 transposed view over ``(B, S, H, D)`` memory and padded views work without copies).
 """
@@ -129,7 +127,6 @@ def _rope_kernel(
     CDT: tl.constexpr,  # compute dtype: float32 (float64 for float64 inputs)
     EMULATE_RTNE: tl.constexpr,  # interpreter-only bf16 rounding fix (see _round_f32_to_bf16_rtne)
     HEADS_FAST: tl.constexpr,  # grid axis 0 enumerates head groups (else token blocks)
-    IDX64: tl.constexpr,  # q/k offsets in int64 (some tensor spans >= 2**31 elements), else int32
 ):
     if HEADS_FAST:  # consecutive programs take neighbouring heads of the same tokens
         pid_h = tl.program_id(0)
@@ -137,18 +134,11 @@ def _rope_kernel(
     else:
         pid_s = tl.program_id(0)
         pid_h = tl.program_id(1)
-    b64 = tl.program_id(2).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
 
     s_idx = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = s_idx < S
     s64 = s_idx.to(tl.int64)
-    # q/k row offsets: int64 only where a tensor needs it (fewer registers and instructions)
-    if IDX64:
-        b = b64
-        s_row = s64
-    else:
-        b = tl.program_id(2)
-        s_row = s_idx
     j = tl.arange(0, BLOCK_D)
     j_mask = j < HALF
 
@@ -156,9 +146,9 @@ def _rope_kernel(
     if POS_MODE == 0:
         pos = s64 + pos_offset
     elif POS_MODE == 1:
-        pos = tl.load(pos_ptr + b64 * sp_b).to(tl.int64) + s64
+        pos = tl.load(pos_ptr + b * sp_b).to(tl.int64) + s64
     else:
-        pos = tl.load(pos_ptr + b64 * sp_b + s64 * sp_s, mask=s_mask, other=0).to(tl.int64)
+        pos = tl.load(pos_ptr + b * sp_b + s64 * sp_s, mask=s_mask, other=0).to(tl.int64)
 
     # ---- cos / sin for the BLOCK_S tokens, shared by all HPP heads ------------------------
     if USE_INV_FREQ:
@@ -169,7 +159,7 @@ def _rope_kernel(
         sn = tl.sin(ang) * scale
     else:
         m = s_mask[:, None] & j_mask[None, :]
-        t_off = (b64 * sc_b + pos * sc_s)[:, None] + j[None, :]
+        t_off = (b * sc_b + pos * sc_s)[:, None] + j[None, :]
         c = tl.load(cos_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
         sn = tl.load(sin_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
     if CONJUGATE:
@@ -177,26 +167,22 @@ def _rope_kernel(
 
     # ---- rotate HPP heads of q (axis-1 ids < NQG) or of k ---------------------------------
     if pid_h < NQG:
-        h0 = pid_h * HPP
-        if IDX64:
-            h0 = h0.to(tl.int64)
+        h0 = (pid_h * HPP).to(tl.int64)
         for i in tl.static_range(HPP):
             _rotate_rows(
                 q_ptr, qo_ptr,
-                b * sq_b + (h0 + i) * sq_h + s_row * sq_s,
-                b * sqo_b + (h0 + i) * sqo_h + s_row * sqo_s,
+                b * sq_b + (h0 + i) * sq_h + s64 * sq_s,
+                b * sqo_b + (h0 + i) * sqo_h + s64 * sqo_s,
                 c, sn, s_mask,
                 HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, CDT, EMULATE_RTNE,
             )
     else:
-        h0 = (pid_h - NQG) * HPP
-        if IDX64:
-            h0 = h0.to(tl.int64)
+        h0 = ((pid_h - NQG) * HPP).to(tl.int64)
         for i in tl.static_range(HPP):
             _rotate_rows(
                 k_ptr, ko_ptr,
-                b * sk_b + (h0 + i) * sk_h + s_row * sk_s,
-                b * sko_b + (h0 + i) * sko_h + s_row * sko_s,
+                b * sk_b + (h0 + i) * sk_h + s64 * sk_s,
+                b * sko_b + (h0 + i) * sko_h + s64 * sko_s,
                 c, sn, s_mask,
                 HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, CDT, EMULATE_RTNE,
             )
@@ -266,7 +252,6 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
         CDT=tl.float64 if dtype == torch.float64 else tl.float32,
         EMULATE_RTNE=_INTERPRET and dtype == torch.bfloat16,
         HEADS_FAST=_HEADS_FAST and n_s < 65536,  # grid axis 1 is limited to 65535
-        IDX64=True,  # per call: _needs_int64 (the launch with int32 offsets is a separate spec)
         num_warps=num_warps,
     )
     n_h = Hq // hpp + Hk // hpp
@@ -337,9 +322,9 @@ def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale,
             else tuple(ptr % 16 == 0 for ptr in ptrs)
         spec = (key, constexprs, meta["num_warps"], cos.dtype, sin.dtype, pos_t.dtype, inv_freq.dtype, sq, sk, sqo,
                 sko, sc_b, sc_s, sp_b, sp_s, _int_spec(pos_offset), aligned)
-        _direct_launch(spec, grid, meta, args, q.device.index, (q, k, qo, ko))
+        _direct_launch(spec, grid, meta, args, q.device.index)
     else:
-        _rope_kernel[grid](*args, **dict(meta, IDX64=_needs_int64(q, k, qo, ko)))
+        _rope_kernel[grid](*args, **meta)
 
 
 # ------------------------------------------------------------------------------------------
@@ -361,25 +346,17 @@ def _int_spec(value: int) -> tuple:
     return value == 1, value % 16 == 0, -_I32 <= value < _I32
 
 
-def _needs_int64(*tensors: torch.Tensor) -> bool:
-    """Whether some element offset (from its data pointer) of these strided tensors reaches 2**31."""
-    return any(sum((n - 1) * st for n, st in zip(t.shape, t.stride())) >= _I32 for t in tensors)
-
-
-def _direct_launch(spec, grid, meta, args, device_index, qk) -> None:
-    """Launch through the CompiledKernel kept for ``spec`` (the first call of a spec decides the
-    offset width from the shapes and strides of ``qk`` -- both are part of the spec -- and
-    compiles or fetches the kernel through ``kernel[grid]``)."""
+def _direct_launch(spec, grid, meta, args, device_index) -> None:
+    """Launch through the CompiledKernel kept for ``spec`` (the first call of a spec compiles
+    or fetches it through ``kernel[grid]``)."""
     global _DIRECT
-    hit = _COMPILED.get(spec)
-    if hit is None:
+    constexprs = spec[1]
+    compiled = _COMPILED.get(spec)
+    if compiled is None:
         if len(_COMPILED) >= _CFG_MAX:
             _COMPILED.clear()
-        idx64 = _needs_int64(*qk)
-        constexprs = spec[1][:-1] + (idx64,)  # IDX64 is the last constexpr
-        _COMPILED[spec] = (_rope_kernel[grid](*args, **dict(meta, IDX64=idx64)), constexprs)
+        _COMPILED[spec] = _rope_kernel[grid](*args, **meta)
         return
-    compiled, constexprs = hit
     try:
         compiled.run(
             grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device_index),
@@ -387,10 +364,10 @@ def _direct_launch(spec, grid, meta, args, device_index, qk) -> None:
         )
     except Exception:  # the installed Triton launches differently: use its own path from now on
         _DIRECT = False
-        _rope_kernel[grid](*args, **dict(meta, IDX64=constexprs[-1]))
+        _rope_kernel[grid](*args, **meta)
 
 
 _CONSTEXPR_NAMES = (
     "HALF", "D", "BLOCK_D", "BLOCK_P", "BLOCK_S", "HPP", "POS_MODE", "USE_INV_FREQ", "INTERLEAVED",
-    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST", "IDX64",
+    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST",
 )
