@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 def plot_e2e(path: Path) -> Path:
     """Grouped bars: ms per phase/model/batch/prompt length for each variant (median, min-max whiskers)."""
     data = json.loads(path.read_text())
-    rows = data["results"]
+    rows = [r for r in data["results"] if isinstance(r.get("ms"), dict)]  # measured (not skipped)
     variants = list(dict.fromkeys(r["variant"] for r in rows))
 
     def case_of(r: dict) -> tuple:
