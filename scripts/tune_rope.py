@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=None, metavar="B,S,HQ,HK,D")
     parser.add_argument("--no-backward", action="store_true")
     parser.add_argument("--sources", nargs="+", default=["table", "inv_freq", "inv_freq+ids"],
-                        choices=["table", "inv_freq", "inv_freq+ids"], help="angle sources to sweep")
+                        choices=["table", "table-bf16", "inv_freq", "inv_freq+ids"], help="angle sources to sweep")
     args = parser.parse_args()
     device = torch.device("cuda")
     saved = {n: getattr(rope_triton, n) for n in
@@ -84,6 +84,7 @@ def main() -> None:
         inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device=device).float() / D))
         ids = torch.arange(S, device=device)[None]  # (1, S) position ids, as HF passes them
         cos, sin = rope_cos_sin(inv, ids)  # (1, S, D/2) float32
+        cos16, sin16 = cos.bfloat16(), sin.bfloat16()
         nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
         floor_ms = nbytes / bandwidth * 1e3
         qo, ko = torch.empty_like(q), torch.empty_like(k)
@@ -99,6 +100,7 @@ def main() -> None:
               f"({100 * floor_ms / flat_ms:.1f}%)", flush=True)
         sources = {
             "table": lambda: rotary_fused(q, k, cos, sin),
+            "table-bf16": lambda: rotary_fused(q, k, cos16, sin16),  # half the table bytes, coarser angles
             "inv_freq": lambda: rotary_fused(q, k, inv_freq=inv, positions=0),
             "inv_freq+ids": lambda: rotary_fused(q, k, inv_freq=inv, positions=ids),
         }
@@ -149,9 +151,13 @@ def main() -> None:
         # forward + backward with the default setting
         qg, kg = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
         gq, gk = torch.randn_like(q), torch.randn_like(k)
-        for source in sources:
-            fwd = (lambda: rotary_fused(qg, kg, cos, sin)) if source == "table" else \
-                (lambda: rotary_fused(qg, kg, inv_freq=inv, positions=0))
+        fwds = {
+            "table": lambda: rotary_fused(qg, kg, cos, sin),
+            "table-bf16": lambda: rotary_fused(qg, kg, cos16, sin16),
+            "inv_freq": lambda: rotary_fused(qg, kg, inv_freq=inv, positions=0),
+            "inv_freq+ids": lambda: rotary_fused(qg, kg, inv_freq=inv, positions=ids),
+        }
+        for source, fwd in fwds.items():
 
             def step(fwd=fwd):
                 torch.autograd.backward(fwd(), (gq, gk))
