@@ -34,7 +34,7 @@ def plot_e2e(path: Path) -> Path:
             xs, ys, lo, hi = [], [], [], []
             for j, case in enumerate(phase_cases):
                 match = [r for r in rows if case_of(r) == case and r["variant"] == variant]
-                if match and isinstance(match[0].get("ms"), dict):
+                if match:
                     ms = match[0]["ms"]
                     xs.append(j + i * width)
                     ys.append(ms["median"])
@@ -45,8 +45,9 @@ def plot_e2e(path: Path) -> Path:
         ax.set_xticklabels([f"{m}\nb{b} p{p}" if several_prompts else f"{m}\nbatch {b}" for _, m, b, p in phase_cases],
                            fontsize=7 if several_prompts else 8)
         prompt = "" if several_prompts else f" {phase_cases[0][3]} tokens"
-        key = "" if prompt else "; b = batch, p = prompt tokens"
-        ax.set_title(f"prefill{prompt} (ms{key})" if phase == "prefill" else f"{phase} (ms/token{', prompt' + prompt if prompt else '; b = batch, p = prompt tokens'})")
+        legend = "; b = batch, p = prompt tokens" if several_prompts else ""
+        ax.set_title(f"prefill{prompt} (ms{legend})" if phase == "prefill"
+                     else f"{phase} (ms/token{legend or ', prompt' + prompt})")
         ax.legend(fontsize=8)
     env = data["env"]
     fig.suptitle(f"torchembed e2e, {env.get('gpu', env.get('device', ''))}, bf16, {env.get('date', '')}", fontsize=10)

@@ -24,7 +24,7 @@ import triton
 from torchembed.functional.rope import rope_cos_sin
 from torchembed.kernels import rope_triton
 from torchembed.kernels.rope_op import rotary_fused
-from torchembed.tools.bench import copy_bandwidth
+from torchembed.tools.bench import copy_bandwidth, graph_time
 
 SHAPES = [(1, 2048, 32, 8, 128), (4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (8, 2048, 64, 8, 128)]
 
@@ -98,12 +98,16 @@ def main() -> None:
         print(f"\n{B}x{S} h{Hq}/{Hk} d{D}: {nbytes / 1e6:.0f} MB, floor {floor_ms:.4f} ms; copy_ of q,k "
               f"{copy_ms:.4f} ms ({100 * floor_ms / copy_ms:.1f}%), one-buffer copy {flat_ms:.4f} ms "
               f"({100 * floor_ms / flat_ms:.1f}%)", flush=True)
-        sources = {
-            "table": lambda: rotary_fused(q, k, cos, sin),
-            "table-bf16": lambda: rotary_fused(q, k, cos16, sin16),  # half the table bytes, coarser angles
-            "inv_freq": lambda: rotary_fused(q, k, inv_freq=inv, positions=0),
-            "inv_freq+ids": lambda: rotary_fused(q, k, inv_freq=inv, positions=ids),
-        }
+
+        def rotations(q, k):  # one call per angle source
+            return {
+                "table": lambda: rotary_fused(q, k, cos, sin),
+                "table-bf16": lambda: rotary_fused(q, k, cos16, sin16),  # half the table bytes, coarser angles
+                "inv_freq": lambda: rotary_fused(q, k, inv_freq=inv, positions=0),
+                "inv_freq+ids": lambda: rotary_fused(q, k, inv_freq=inv, positions=ids),
+            }
+
+        sources = rotations(q, k)
         # in place on q and k, as liger-kernel rotates: the same comparison for both
         peers = {"table in place": lambda: rotary_fused(q, k, cos, sin, inplace=True)}
         try:
@@ -151,25 +155,18 @@ def main() -> None:
         # forward + backward with the default setting
         qg, kg = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
         gq, gk = torch.randn_like(q), torch.randn_like(k)
-        fwds = {
-            "table": lambda: rotary_fused(qg, kg, cos, sin),
-            "table-bf16": lambda: rotary_fused(qg, kg, cos16, sin16),
-            "inv_freq": lambda: rotary_fused(qg, kg, inv_freq=inv, positions=0),
-            "inv_freq+ids": lambda: rotary_fused(qg, kg, inv_freq=inv, positions=ids),
-        }
-        for source, fwd in fwds.items():
+        for source, fwd in rotations(qg, kg).items():
 
             def step(fwd=fwd):
+                qg.grad = kg.grad = None  # new gradients each call, never accumulated
                 torch.autograd.backward(fwd(), (gq, gk))
 
-            eager = triton.testing.do_bench(step, grad_to_none=[qg, kg], return_mode="median")
+            eager = triton.testing.do_bench(step, return_mode="median")
             try:
-                with torch.cuda.stream(torch.cuda.Stream()):
-                    graphed = triton.testing.do_bench_cudagraph(step, grad_to_none=[qg, kg], return_mode="median")
+                graphed = graph_time(step, device)  # the bench's CUDA-graph timing: device time only
             except Exception as exc:  # noqa: BLE001
                 graphed = float("nan")
                 print("  cudagraph failed:", type(exc).__name__, str(exc)[:200])
-            qg.grad = kg.grad = None
             host = host_us(step)
             qg.grad = kg.grad = None
             default[f"fwd+bwd {source} do_bench"] = eager

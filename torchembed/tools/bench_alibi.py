@@ -77,16 +77,16 @@ class PrefillPath:
         self.config = getattr(model, "config", None)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from torchembed.kernels.alibi_attention import prefill_path
-
-        with prefill_path(self.path):
-            return self.model(*args, **kwargs)
+        return self._under_path(self.model, *args, **kwargs)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
+        return self._under_path(self.model.generate, *args, **kwargs)
+
+    def _under_path(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         from torchembed.kernels.alibi_attention import prefill_path
 
         with prefill_path(self.path):
-            return self.model.generate(*args, **kwargs)
+            return fn(*args, **kwargs)
 
 
 def prefill_records(name: str, models: dict[str, nn.Module], args: argparse.Namespace, device: torch.device,
