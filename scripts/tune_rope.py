@@ -29,12 +29,12 @@ from torchembed.tools.bench import copy_bandwidth, graph_time
 SHAPES = [(1, 2048, 32, 8, 128), (4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (8, 2048, 64, 8, 128)]
 
 
-def _configure(tile: int, hpp: int, warps: int):
+def _configure(tile: int, hpp: int, warps: int, stream: bool):
     """``_make_config`` with this setting forced (heads grouped at every grid size)."""
     original = rope_triton._make_config
 
     def config(*a):
-        rope_triton._TILE_PAIRS, rope_triton._HPP_MIN_PROGRAMS = tile, 0
+        rope_triton._TILE_PAIRS, rope_triton._HPP_MIN_PROGRAMS, rope_triton._STREAM = tile, 0, stream
         rope_triton._HPP_CANDIDATES = rope_triton._HPP_CANDIDATES_ANGLES = (hpp,)
         grid, meta, nqg, constexprs = original(*a)
         return grid, dict(meta, num_warps=warps), nqg, constexprs
@@ -66,12 +66,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer settings")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="B,S,HQ,HK,D")
     parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--stream", nargs="+", type=int, default=[0], choices=[0, 1],
+                        help="streaming cache hints off (0) / on (1) in the sweep")
+    parser.add_argument("--hpp", nargs="+", type=int, default=[1, 2, 4, 8], help="heads per program to sweep")
     parser.add_argument("--sources", nargs="+", default=["table", "inv_freq", "inv_freq+ids"],
                         choices=["table", "table-bf16", "inv_freq", "inv_freq+ids"], help="angle sources to sweep")
     args = parser.parse_args()
     device = torch.device("cuda")
     saved = {n: getattr(rope_triton, n) for n in
-             ("_make_config", "_TILE_PAIRS", "_HPP_MIN_PROGRAMS", "_HPP_CANDIDATES", "_HPP_CANDIDATES_ANGLES")}
+             ("_make_config", "_TILE_PAIRS", "_HPP_MIN_PROGRAMS", "_HPP_CANDIDATES", "_HPP_CANDIDATES_ANGLES",
+              "_STREAM")}
     bandwidth = copy_bandwidth(device)  # bytes/s, read + write
     print(f"copy bandwidth (1 GiB) {bandwidth / 1e9:.0f} GB/s", flush=True)
     out = {"copy_bandwidth_gbs": bandwidth / 1e9, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -109,7 +113,8 @@ def main() -> None:
 
         sources = rotations(q, k)
         # in place on q and k, as liger-kernel rotates: the same comparison for both
-        peers = {"table in place": lambda: rotary_fused(q, k, cos, sin, inplace=True)}
+        peers = {"table in place": lambda: rotary_fused(q, k, cos, sin, inplace=True),
+                 "table-bf16 in place": lambda: rotary_fused(q, k, cos16, sin16, inplace=True)}
         try:
             from liger_kernel.ops.rope import LigerRopeFunction
 
@@ -120,29 +125,44 @@ def main() -> None:
             pass
         rec["peers"] = {}
         for name, f in peers.items():
-            t = rec["peers"][name] = triton.testing.do_bench(f, return_mode="median")
-            print(f"  {name}: {t:.4f} ms {100 * floor_ms / t:.1f}% of floor", flush=True)
-        space = itertools.product(args.sources, tiles, (1, 2, 4, 8), (2, 4, 8))
-        for source, tile, hpp, warps in space:
+            for stream in args.stream if name.startswith("table") else (0,):
+                label = f"{name}, stream" if stream else name
+                rope_triton._STREAM = bool(stream)
+                rope_triton._CFG.clear()
+                rope_triton._COMPILED.clear()
+                try:
+                    t = rec["peers"][label] = triton.testing.do_bench(f, return_mode="median")
+                finally:
+                    _reset(saved)
+                print(f"  {label}: {t:.4f} ms {100 * floor_ms / t:.1f}% of floor", flush=True)
+        space = itertools.product(args.sources, tiles, args.hpp, (2, 4, 8), args.stream)
+        for source, tile, hpp, warps, stream in space:
             if args.quick and (hpp > 2 or warps == 2 or warps == 8 and tile == 1024):
                 continue
-            rope_triton._make_config = _configure(tile, hpp, warps)
+            rope_triton._make_config = _configure(tile, hpp, warps, bool(stream))
             rope_triton._CFG.clear()
             rope_triton._COMPILED.clear()
             try:
                 ms = triton.testing.do_bench(sources[source], return_mode="median")
             finally:
                 _reset(saved)
-            rec["forward"].append({"source": source, "tile": tile, "hpp": hpp,
-                                   "warps": warps, "ms": ms, "pct_floor": 100 * floor_ms / ms,
+            rec["forward"].append({"source": source, "tile": tile, "hpp": hpp, "warps": warps,
+                                   "stream": stream, "ms": ms, "pct_floor": 100 * floor_ms / ms,
                                    "pct_copy": 100 * copy_ms / ms})
         rec["forward"].sort(key=lambda r: r["ms"])
         for r in rec["forward"][:10] + rec["forward"][-2:]:
-            print(f"  {r['source']:12} tile {r['tile']:5} hpp {r['hpp']} warps {r['warps']}: "
+            print(f"  {r['source']:12} tile {r['tile']:5} hpp {r['hpp']} warps {r['warps']} stream {r['stream']}: "
                   f"{r['ms']:.4f} ms {r['pct_floor']:5.1f}% of floor {r['pct_copy']:5.1f}% of copy_", flush=True)
         for source in args.sources:
             r = next(r for r in rec["forward"] if r["source"] == source)
-            print(f"  best {source:12}: tile {r['tile']} hpp {r['hpp']} warps {r['warps']} {r['ms']:.4f} ms", flush=True)
+            print(f"  best {source:12}: tile {r['tile']} hpp {r['hpp']} warps {r['warps']} stream {r['stream']} "
+                  f"{r['ms']:.4f} ms", flush=True)
+            for stream in args.stream:  # the default launch setting with these hints
+                d = [r for r in rec["forward"] if r["source"] == source and r["stream"] == stream
+                     and (r["tile"], r["hpp"], r["warps"]) == (1024, 1, 4)]
+                if d:
+                    print(f"  tile 1024 hpp 1 warps 4 {source:12} stream {stream}: {d[0]['ms']:.4f} ms "
+                          f"{d[0]['pct_floor']:.1f}% of floor", flush=True)
         default = {}
         for source, f in sources.items():
             t = default[f"forward {source}"] = triton.testing.do_bench(f, return_mode="median")

@@ -7,7 +7,8 @@ Timing (all results in milliseconds unless a name says otherwise):
   copies larger than L2, see :func:`n_copies`); CPU: median of ``perf_counter`` over a few calls.
 * :func:`host_loop`: wall time per call over N back-to-back calls followed by one synchronize.
   For host-bound shapes (decode) this is the real cost per call; do_bench under-reports it.
-* :func:`wall`: one synchronized wall-clock run (end-to-end measurements).
+* :func:`wall`: one synchronized wall-clock run (end-to-end measurements); it and
+  :func:`generate_timed` pause Python's garbage collector while they time (:func:`gc_paused`).
 * :func:`copy_bandwidth`: device-to-device copy bandwidth (bytes read + written per second of
   ``dst.copy_(src)`` on a ~1 GB buffer): the "copy floor" of memory-bound kernels.
 
@@ -21,6 +22,7 @@ import argparse
 import contextlib
 import datetime
 import functools
+import gc
 import importlib
 import itertools
 import json
@@ -30,7 +32,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -39,7 +41,7 @@ import torch
 from torch import nn
 
 __all__ = ["add_common_args", "setup", "environment", "do_bench", "host_loop", "wall", "copy_bandwidth", "measure",
-           "generate_timed", "write_results", "md_table", "dynamo_config", "main"]
+           "gc_paused", "generate_timed", "write_results", "md_table", "dynamo_config", "main"]
 
 L2_BYTES = 60 * 2**20  # H100/H200 L2 is 50-60 MB; rotate inputs through copies larger than this
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -208,13 +210,28 @@ def host_loop(fn: Callable[[], Any], device: torch.device, *, calls: int = 200, 
     return statistics.median(times) * 1e3
 
 
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collect, then keep Python's garbage collector off for the block (as ``timeit`` does): a
+    collection landing inside one timed run and not another is noise, not the code under test."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def wall(fn: Callable[[], Any], device: torch.device) -> float:
-    """Synchronized wall time of one call, in ms."""
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return (time.perf_counter() - start) * 1e3
+    """Synchronized wall time of one call, in ms (garbage collector paused)."""
+    with gc_paused():
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        return (time.perf_counter() - start) * 1e3
 
 
 def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
@@ -263,8 +280,6 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def free_memory(device: torch.device) -> None:
-    import gc
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -360,13 +375,13 @@ def generate_timed(model: nn.Module, ids: torch.Tensor, new_tokens: int, **kwarg
     ``prefill`` (to the first token) and ``per_token`` = (total - prefill) / (new_tokens - 1)."""
     clock = TokenClock()
     device = ids.device
-    sync(device)
-    start = time.perf_counter()
-    with torch.no_grad():
+    with gc_paused(), torch.no_grad():
+        sync(device)
+        start = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, streamer=clock, **kwargs)
-    sync(device)
-    end = time.perf_counter()
+        sync(device)
+        end = time.perf_counter()
     first = clock.times[1] if len(clock.times) > 1 else end
     steps = max(len(clock.times) - 2, 1)
     return {"total": (end - start) * 1e3, "prefill": (first - start) * 1e3,

@@ -13,6 +13,9 @@ reported as median [min-max]:
   (``torch.compile(mode="reduce-overhead", fullgraph=True)``); graph breaks counted from
   ``torch._dynamo.utils.counters["graph_break"]`` (fullgraph failing: retried without).
 
+Python's garbage collector is paused during each timed run (as ``timeit`` does), so a collection
+that lands in one run and not the next does not show up as a difference between variants.
+
 Peak memory: ``torch.cuda.max_memory_allocated`` during a run minus what was allocated before it
 (weights excluded), in GB.
 """
