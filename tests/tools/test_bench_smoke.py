@@ -75,7 +75,18 @@ def test_e2e_smoke(tmp_path: Path) -> None:
                     assert _finite(rec["ms"]), rec
                     if phase == "decode":
                         assert _finite(rec["tokens_per_s"])
-    assert "prefill latency" in md and "eager decode" in md
+                    if variant == "patched":  # per-repeat upstream / patched, from the recorded runs
+                        up = _one(records, model=model, batch=batch, phase=phase, variant="upstream")["ms"]
+                        pairs = [u / p for u, p in zip(up["values"], rec["ms"]["values"])]
+                        assert rec["paired_speedup"]["values"] == pytest.approx(pairs) and len(pairs) == 2
+    assert "prefill latency" in md and "eager decode" in md and "paired" in md
+
+
+def test_paired_ratio() -> None:
+    a, b = bench.stats([2.0, 9.0, 3.0]), bench.stats([1.0, 3.0, 6.0])
+    assert bench.paired_ratio(a, b) == bench.stats([2.0, 3.0, 0.5])
+    assert bench.paired_ratio(bench.stats([1.0, math.nan]), bench.stats([2.0, 1.0]))["values"] == [0.5]
+    assert bench.paired_ratio(a, {}) is None
 
 
 def test_alibi_smoke(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 __all__ = ["add_common_args", "setup", "environment", "do_bench", "host_loop", "wall", "copy_bandwidth", "measure",
-           "gc_paused", "generate_timed", "write_results", "md_table", "dynamo_config", "main"]
+           "paired_ratio", "gc_paused", "generate_timed", "write_results", "md_table", "dynamo_config", "main"]
 
 L2_BYTES = 60 * 2**20  # H100/H200 L2 is 50-60 MB; rotate inputs through copies larger than this
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -246,9 +246,18 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def stats(values: Sequence[float]) -> dict[str, float]:
-    """``{"median", "min", "max", "n"}`` of a list of measurements."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+def stats(values: Sequence[float]) -> dict[str, Any]:
+    """``{"median", "min", "max", "n", "values"}`` of a list of measurements (in run order)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
+            "values": list(values)}
+
+
+def paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    """:func:`stats` of ``a[i] / b[i]`` over the repeats of two interleaved measurements (repeat
+    ``i`` of each ran back to back, so a slow spell of the machine hits both sides of a pair);
+    None when either side has no values."""
+    pairs = [x / y for x, y in zip(a.get("values", ()), b.get("values", ())) if y > 0 and not math.isnan(x / y)]
+    return stats(pairs) if pairs else None
 
 
 def interleave(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:

@@ -4,7 +4,8 @@ Random-weight LLaMA-, Mistral- and Falcon-style configs in bf16 on CUDA. Variant
 ``upstream``, ``patched`` (``copy.deepcopy`` + ``torchembed.patch``) and ``liger`` (a copy whose
 attention instances call liger-kernel's ``liger_rotary_pos_emb``; skipped when not installed).
 Phases, each repeated in interleaved order (A/B/C/A/B/C...) after one warm-up per variant and
-reported as median [min-max]:
+reported as median [min-max], next to the median [min-max] of the per-repeat ratio upstream / patched
+(the two runs of a repeat are back to back, so a slow spell of the machine hits both):
 
 * ``prefill``: latency (ms) of one forward over batch x prompt tokens (KV cache on, last logits).
 * ``decode``: eager greedy ``generate`` (DynamicCache) of N tokens; ms/token = (total - prefill)
@@ -142,6 +143,9 @@ def run_case(name: str, models: dict[str, nn.Module], batch: int, prompt: int, a
                 continue
             res = bench.measure(models, lambda m: bench.generate_timed(m, ids, n, **m._bench_compile)["per_token"],
                                 args.repeats, device, warm=lambda m: _warm_compiled(m, ids, n))
+        up, pa = res.get("upstream", {}).get("ms"), res.get("patched", {}).get("ms")
+        if isinstance(up, dict) and isinstance(pa, dict):
+            res["patched"]["paired_speedup"] = bench.paired_ratio(up, pa)
         for variant, r in res.items():
             rec = {**base, "variant": variant, "new_tokens": n if phase != "prefill" else None, **r}
             if phase != "prefill" and isinstance(r.get("ms"), dict):
@@ -182,7 +186,7 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
             continue
         keys = list(dict.fromkeys((r["model"], r["batch"], r["prompt_len"]) for r in rows_of))
         peak = "peak GB (" + "/".join(v[0] for v in variants) + ")"
-        headers = ["model", "batch x prompt", *variants, "upstream / patched", peak]
+        headers = ["model", "batch x prompt", *variants, "upstream / patched", "paired", peak]
         if phase != "prefill":
             headers.insert(-1, "tokens/s patched")
         if phase == "compiled":
@@ -193,7 +197,9 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
             ms = {v: by.get(v, {}).get("ms") for v in variants}
             med = {v: m["median"] for v, m in ms.items() if isinstance(m, dict)}
             speed = f"{med['upstream'] / med['patched']:.2f}x" if "upstream" in med and "patched" in med else "-"
-            row = [model, f"{batch} x {prompt}", *(bench.fmt_stats(ms[v]) for v in variants), speed]
+            paired = by.get("patched", {}).get("paired_speedup")
+            row = [model, f"{batch} x {prompt}", *(bench.fmt_stats(ms[v]) for v in variants), speed,
+                   bench.fmt_stats(paired, 2) if paired else "-"]
             if phase != "prefill":
                 row.append(bench.fmt(by.get("patched", {}).get("tokens_per_s"), 1))
             row.append(" / ".join(bench.fmt(by.get(v, {}).get("peak_mem_gb"), 2) for v in variants))
@@ -201,7 +207,9 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
                 row.append(" / ".join(bench.fmt(by.get(v, {}).get("graph_breaks"), 0) for v in variants))
             rows.append(row)
         out += [f"## {titles[phase]}", "", bench.md_table(headers, rows), ""]
-    out += ["median [min-max] over interleaved repeats; peak GB = max allocated during a run minus weights"]
+    out += ["median [min-max] over interleaved repeats; upstream / patched = ratio of the medians; paired = "
+            "median [min-max] of upstream / patched per repeat (the two runs of a repeat are back to back); "
+            "peak GB = max allocated during a run minus weights"]
     out += [f"- {k}: skipped ({v})" for k, v in skipped.items()]
     out += [f"- {r['model']}/{r['variant']} b{r['batch']}: {r['note']}" for r in records if r.get("note")]
     return "\n".join(out)
