@@ -2,9 +2,10 @@
 
 For every shape: the copy floor (q and k read + written once at the 1 GiB copy bandwidth), what
 ``copy_`` of exactly those tensors takes (the floor a copy kernel reaches at this size), the in-place
-rotation next to liger-kernel's (in place too, when installed), then the forward (out of place) per
-setting -- angle source (per-token float32 tables, or computed from ``inv_freq`` in the kernel),
-tokens per program (tile), heads per program, warps
+rotation (float32 and bf16 tables) next to liger-kernel's (in place too, when installed), then the
+forward (out of place) per setting -- angle source (per-token float32 or bf16 tables, or computed
+from ``inv_freq`` in the kernel), tokens per program (tile), heads per program, warps; with
+``--repeats N`` every setting is timed N times in interleaved order and its median kept
 -- and forward+backward of the default setting timed three ways (``do_bench``; replayed from a
 CUDA graph, i.e. device time only; host wall time per call).
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import time
 
 import torch
@@ -29,12 +31,12 @@ from torchembed.tools.bench import copy_bandwidth, graph_time
 SHAPES = [(1, 2048, 32, 8, 128), (4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (8, 2048, 64, 8, 128)]
 
 
-def _configure(tile: int, hpp: int, warps: int, stream: bool):
+def _configure(tile: int, hpp: int, warps: int):
     """``_make_config`` with this setting forced (heads grouped at every grid size)."""
     original = rope_triton._make_config
 
     def config(*a):
-        rope_triton._TILE_PAIRS, rope_triton._HPP_MIN_PROGRAMS, rope_triton._STREAM = tile, 0, stream
+        rope_triton._TILE_PAIRS, rope_triton._HPP_MIN_PROGRAMS = tile, 0
         rope_triton._HPP_CANDIDATES = rope_triton._HPP_CANDIDATES_ANGLES = (hpp,)
         grid, meta, nqg, constexprs = original(*a)
         return grid, dict(meta, num_warps=warps), nqg, constexprs
@@ -66,16 +68,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer settings")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="B,S,HQ,HK,D")
     parser.add_argument("--no-backward", action="store_true")
-    parser.add_argument("--stream", nargs="+", type=int, default=[0], choices=[0, 1],
-                        help="streaming cache hints off (0) / on (1) in the sweep")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time the whole sweep this many times, interleaved; report each setting's median")
     parser.add_argument("--hpp", nargs="+", type=int, default=[1, 2, 4, 8], help="heads per program to sweep")
     parser.add_argument("--sources", nargs="+", default=["table", "inv_freq", "inv_freq+ids"],
                         choices=["table", "table-bf16", "inv_freq", "inv_freq+ids"], help="angle sources to sweep")
     args = parser.parse_args()
     device = torch.device("cuda")
     saved = {n: getattr(rope_triton, n) for n in
-             ("_make_config", "_TILE_PAIRS", "_HPP_MIN_PROGRAMS", "_HPP_CANDIDATES", "_HPP_CANDIDATES_ANGLES",
-              "_STREAM")}
+             ("_make_config", "_TILE_PAIRS", "_HPP_MIN_PROGRAMS", "_HPP_CANDIDATES", "_HPP_CANDIDATES_ANGLES")}
     bandwidth = copy_bandwidth(device)  # bytes/s, read + write
     print(f"copy bandwidth (1 GiB) {bandwidth / 1e9:.0f} GB/s", flush=True)
     out = {"copy_bandwidth_gbs": bandwidth / 1e9, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -125,44 +126,34 @@ def main() -> None:
             pass
         rec["peers"] = {}
         for name, f in peers.items():
-            for stream in args.stream if name.startswith("table") else (0,):
-                label = f"{name}, stream" if stream else name
-                rope_triton._STREAM = bool(stream)
+            t = rec["peers"][name] = triton.testing.do_bench(f, return_mode="median")
+            print(f"  {name}: {t:.4f} ms {100 * floor_ms / t:.1f}% of floor", flush=True)
+        space = [(source, tile, hpp, warps) for source, tile, hpp, warps in
+                 itertools.product(args.sources, tiles, args.hpp, (2, 4, 8))
+                 if not (args.quick and (hpp > 2 or warps == 2 or warps == 8 and tile == 1024))]
+        times: dict[tuple, list[float]] = {setting: [] for setting in space}
+        for _ in range(args.repeats):  # interleaved: a slow spell of the GPU hits every setting alike
+            for source, tile, hpp, warps in space:
+                rope_triton._make_config = _configure(tile, hpp, warps)
                 rope_triton._CFG.clear()
                 rope_triton._COMPILED.clear()
                 try:
-                    t = rec["peers"][label] = triton.testing.do_bench(f, return_mode="median")
+                    times[source, tile, hpp, warps].append(triton.testing.do_bench(sources[source], return_mode="median"))
                 finally:
                     _reset(saved)
-                print(f"  {label}: {t:.4f} ms {100 * floor_ms / t:.1f}% of floor", flush=True)
-        space = itertools.product(args.sources, tiles, args.hpp, (2, 4, 8), args.stream)
-        for source, tile, hpp, warps, stream in space:
-            if args.quick and (hpp > 2 or warps == 2 or warps == 8 and tile == 1024):
-                continue
-            rope_triton._make_config = _configure(tile, hpp, warps, bool(stream))
-            rope_triton._CFG.clear()
-            rope_triton._COMPILED.clear()
-            try:
-                ms = triton.testing.do_bench(sources[source], return_mode="median")
-            finally:
-                _reset(saved)
+        for (source, tile, hpp, warps), runs in times.items():
+            ms = statistics.median(runs)
             rec["forward"].append({"source": source, "tile": tile, "hpp": hpp, "warps": warps,
-                                   "stream": stream, "ms": ms, "pct_floor": 100 * floor_ms / ms,
+                                   "runs": runs, "ms": ms, "pct_floor": 100 * floor_ms / ms,
                                    "pct_copy": 100 * copy_ms / ms})
         rec["forward"].sort(key=lambda r: r["ms"])
         for r in rec["forward"][:10] + rec["forward"][-2:]:
-            print(f"  {r['source']:12} tile {r['tile']:5} hpp {r['hpp']} warps {r['warps']} stream {r['stream']}: "
+            print(f"  {r['source']:12} tile {r['tile']:5} hpp {r['hpp']} warps {r['warps']}: "
                   f"{r['ms']:.4f} ms {r['pct_floor']:5.1f}% of floor {r['pct_copy']:5.1f}% of copy_", flush=True)
         for source in args.sources:
             r = next(r for r in rec["forward"] if r["source"] == source)
-            print(f"  best {source:12}: tile {r['tile']} hpp {r['hpp']} warps {r['warps']} stream {r['stream']} "
-                  f"{r['ms']:.4f} ms", flush=True)
-            for stream in args.stream:  # the default launch setting with these hints
-                d = [r for r in rec["forward"] if r["source"] == source and r["stream"] == stream
-                     and (r["tile"], r["hpp"], r["warps"]) == (1024, 1, 4)]
-                if d:
-                    print(f"  tile 1024 hpp 1 warps 4 {source:12} stream {stream}: {d[0]['ms']:.4f} ms "
-                          f"{d[0]['pct_floor']:.1f}% of floor", flush=True)
+            print(f"  best {source:12}: tile {r['tile']} hpp {r['hpp']} warps {r['warps']} {r['ms']:.4f} ms "
+                  f"(runs {' '.join(f'{t:.4f}' for t in r['runs'])})", flush=True)
         default = {}
         for source, f in sources.items():
             t = default[f"forward {source}"] = triton.testing.do_bench(f, return_mode="median")

@@ -55,7 +55,6 @@ def _rotate_rows(
     HAS_PASS: tl.constexpr,
     CDT: tl.constexpr,
     EMULATE_RTNE: tl.constexpr,
-    STREAM: tl.constexpr,
 ):
     j = tl.arange(0, BLOCK_D)
     if INTERLEAVED:
@@ -67,23 +66,15 @@ def _rotate_rows(
     m = s_mask[:, None] & (j < HALF)[None, :]
     xp = x_ptr + x_row[:, None]
     op = o_ptr + o_row[:, None]
-    if STREAM:  # q/k are read once and written once: hint the caches to let them go first
-        x1 = tl.load(xp + d1[None, :], mask=m, other=0.0, eviction_policy="evict_first").to(CDT)
-        x2 = tl.load(xp + d2[None, :], mask=m, other=0.0, eviction_policy="evict_first").to(CDT)
-    else:
-        x1 = tl.load(xp + d1[None, :], mask=m, other=0.0).to(CDT)
-        x2 = tl.load(xp + d2[None, :], mask=m, other=0.0).to(CDT)
+    x1 = tl.load(xp + d1[None, :], mask=m, other=0.0).to(CDT)
+    x2 = tl.load(xp + d2[None, :], mask=m, other=0.0).to(CDT)
     y1 = x1 * c - x2 * s
     y2 = x2 * c + x1 * s
     if EMULATE_RTNE:
         y1 = _round_f32_to_bf16_rtne(y1)
         y2 = _round_f32_to_bf16_rtne(y2)
-    if STREAM:
-        tl.store(op + d1[None, :], y1.to(o_ptr.dtype.element_ty), mask=m, cache_modifier=".cs")
-        tl.store(op + d2[None, :], y2.to(o_ptr.dtype.element_ty), mask=m, cache_modifier=".cs")
-    else:
-        tl.store(op + d1[None, :], y1.to(o_ptr.dtype.element_ty), mask=m)
-        tl.store(op + d2[None, :], y2.to(o_ptr.dtype.element_ty), mask=m)
+    tl.store(op + d1[None, :], y1.to(o_ptr.dtype.element_ty), mask=m)
+    tl.store(op + d2[None, :], y2.to(o_ptr.dtype.element_ty), mask=m)
     if HAS_PASS:
         # Out-of-place with partial rotary: copy the pass-through dims [R, D) verbatim.
         p = 2 * HALF + tl.arange(0, BLOCK_P)
@@ -136,7 +127,6 @@ def _rope_kernel(
     CDT: tl.constexpr,  # compute dtype: float32 (float64 for float64 inputs)
     EMULATE_RTNE: tl.constexpr,  # interpreter-only bf16 rounding fix (see _round_f32_to_bf16_rtne)
     HEADS_FAST: tl.constexpr,  # grid axis 0 enumerates head groups (else token blocks)
-    STREAM: tl.constexpr,  # streaming cache hints on q/k loads and stores (evict_first / .cs)
 ):
     if HEADS_FAST:  # consecutive programs take neighbouring heads of the same tokens
         pid_h = tl.program_id(0)
@@ -170,12 +160,8 @@ def _rope_kernel(
     else:
         m = s_mask[:, None] & j_mask[None, :]
         t_off = (b * sc_b + pos * sc_s)[:, None] + j[None, :]
-        if STREAM:  # the tables are re-read by the programs of every head: keep them cached
-            c = tl.load(cos_ptr + t_off, mask=m, other=0.0, eviction_policy="evict_last").to(CDT) * scale
-            sn = tl.load(sin_ptr + t_off, mask=m, other=0.0, eviction_policy="evict_last").to(CDT) * scale
-        else:
-            c = tl.load(cos_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
-            sn = tl.load(sin_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
+        c = tl.load(cos_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
+        sn = tl.load(sin_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
     if CONJUGATE:
         sn = -sn
 
@@ -188,7 +174,7 @@ def _rope_kernel(
                 b * sq_b + (h0 + i) * sq_h + s64 * sq_s,
                 b * sqo_b + (h0 + i) * sqo_h + s64 * sqo_s,
                 c, sn, s_mask,
-                HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, CDT, EMULATE_RTNE, STREAM,
+                HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, CDT, EMULATE_RTNE,
             )
     else:
         h0 = ((pid_h - NQG) * HPP).to(tl.int64)
@@ -198,7 +184,7 @@ def _rope_kernel(
                 b * sk_b + (h0 + i) * sk_h + s64 * sk_s,
                 b * sko_b + (h0 + i) * sko_h + s64 * sko_s,
                 c, sn, s_mask,
-                HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, CDT, EMULATE_RTNE, STREAM,
+                HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, CDT, EMULATE_RTNE,
             )
 
 
@@ -230,8 +216,6 @@ _WARPS_ANGLES_GROUPED = 8
 # Grid order: head groups fastest, so the programs running together cover whole tokens
 # (contiguous (H, D) rows in HF's (B, S, H, D) memory); +3-17 points of the copy floor.
 _HEADS_FAST = True
-# Streaming cache hints (q/k loads evict_first, stores .cs, tables evict_last): under test.
-_STREAM = os.environ.get("TORCHEMBED_ROPE_STREAM", "0") == "1"
 
 
 def _next_pow2(n: int) -> int:
@@ -268,7 +252,6 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
         CDT=tl.float64 if dtype == torch.float64 else tl.float32,
         EMULATE_RTNE=_INTERPRET and dtype == torch.bfloat16,
         HEADS_FAST=_HEADS_FAST and n_s < 65536,  # grid axis 1 is limited to 65535
-        STREAM=_STREAM,
         num_warps=num_warps,
     )
     n_h = Hq // hpp + Hk // hpp
@@ -386,5 +369,5 @@ def _direct_launch(spec, grid, meta, args, device_index) -> None:
 
 _CONSTEXPR_NAMES = (
     "HALF", "D", "BLOCK_D", "BLOCK_P", "BLOCK_S", "HPP", "POS_MODE", "USE_INV_FREQ", "INTERLEAVED",
-    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST", "STREAM",
+    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST",
 )
