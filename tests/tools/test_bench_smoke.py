@@ -75,12 +75,11 @@ def test_e2e_smoke(tmp_path: Path) -> None:
                     assert _finite(rec["ms"]), rec
                     if phase == "decode":
                         assert _finite(rec["tokens_per_s"])
-                        assert _finite(rec["cpu_ms"]) and rec["cpu_ms"]["n"] == rec["ms"]["n"]
                     if variant == "patched":  # per-repeat upstream / patched, from the recorded runs
                         up = _one(records, model=model, batch=batch, phase=phase, variant="upstream")["ms"]
                         pairs = [u / p for u, p in zip(up["values"], rec["ms"]["values"])]
                         assert rec["paired_speedup"]["values"] == pytest.approx(pairs) and len(pairs) == 2
-    assert "prefill latency" in md and "eager decode" in md and "paired" in md and "host CPU ms/token" in md
+    assert "prefill latency" in md and "eager decode" in md and "paired" in md
 
 
 def test_paired_ratio() -> None:

@@ -367,16 +367,13 @@ def random_causal_lm(config: Any, device: torch.device, dtype: torch.dtype) -> n
 
 class TokenClock:
     """An HF streamer that records the host time of each ``put`` (the prompt first, then every
-    generated token, each copied to the host, i.e. after the device finished that step): wall
-    clock and the calling thread's CPU time."""
+    generated token, each copied to the host, i.e. after the device finished that step)."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
-        self.cpu_times: list[float] = []
 
     def put(self, value: Any) -> None:
         self.times.append(time.perf_counter())
-        self.cpu_times.append(time.thread_time())
 
     def end(self) -> None:
         pass
@@ -384,9 +381,7 @@ class TokenClock:
 
 def generate_timed(model: nn.Module, ids: torch.Tensor, new_tokens: int, **kwargs: Any) -> dict[str, float]:
     """Greedy ``generate`` of exactly ``new_tokens`` (>= 2) tokens. Returns ms: ``total``,
-    ``prefill`` (to the first token), ``per_token`` = (total - prefill) / (new_tokens - 1) and
-    ``per_token_cpu``: the same span in CPU time of this thread (Python, dispatch and launches, plus
-    any spin-wait for the device; not the time the OS ran something else instead)."""
+    ``prefill`` (to the first token) and ``per_token`` = (total - prefill) / (new_tokens - 1)."""
     clock = TokenClock()
     device = ids.device
     with gc_paused(), torch.no_grad():
@@ -398,9 +393,8 @@ def generate_timed(model: nn.Module, ids: torch.Tensor, new_tokens: int, **kwarg
         end = time.perf_counter()
     first = clock.times[1] if len(clock.times) > 1 else end
     steps = max(len(clock.times) - 2, 1)
-    cpu = clock.cpu_times[1:] if len(clock.cpu_times) > 1 else [0.0]
     return {"total": (end - start) * 1e3, "prefill": (first - start) * 1e3,
-            "per_token": (clock.times[-1] - first) * 1e3 / steps, "per_token_cpu": (cpu[-1] - cpu[0]) * 1e3 / steps}
+            "per_token": (clock.times[-1] - first) * 1e3 / steps}
 
 
 # --- Output --------------------------------------------------------------------------

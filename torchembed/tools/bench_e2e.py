@@ -9,8 +9,7 @@ reported as median [min-max], next to the median [min-max] of the per-repeat rat
 
 * ``prefill``: latency (ms) of one forward over batch x prompt tokens (KV cache on, last logits).
 * ``decode``: eager greedy ``generate`` (DynamicCache) of N tokens; ms/token = (total - prefill)
-  / (N - 1), timed per token with a streamer; tokens/s = batch * 1000 / (ms/token); also the
-  generating thread's CPU time per token (what the host spent; excludes time the OS gave away).
+  / (N - 1), timed per token with a streamer; tokens/s = batch * 1000 / (ms/token).
 * ``compiled``: the same with ``cache_implementation="static"`` and HF's compile_config
   (``torch.compile(mode="reduce-overhead", fullgraph=True)``); graph breaks counted from
   ``torch._dynamo.utils.counters["graph_break"]`` (fullgraph failing: retried without).
@@ -136,18 +135,8 @@ def run_case(name: str, models: dict[str, nn.Module], batch: int, prompt: int, a
 
             res = bench.measure(models, run, args.repeats, device)
         elif phase == "decode":
-            cpu: dict[int, list[float]] = {}  # per model: host CPU ms/token of each timed run
-
-            def run(m: nn.Module) -> float:
-                timed = bench.generate_timed(m, ids, n, disable_compile=True)
-                cpu.setdefault(id(m), []).append(timed["per_token_cpu"])
-                return timed["per_token"]
-
-            res = bench.measure(models, run, args.repeats, device)
-            for variant, r in res.items():  # drop the warm-up run; keep what the timed runs spent
-                runs = cpu.get(id(models[variant]), [])[1:]
-                if isinstance(r.get("ms"), dict) and len(runs) == r["ms"]["n"]:
-                    r["cpu_ms"] = bench.stats(runs)
+            res = bench.measure(models, lambda m: bench.generate_timed(m, ids, n, disable_compile=True)["per_token"],
+                                args.repeats, device)
         else:
             if device.type != "cuda":
                 records += [{**base, "variant": v, "ms": "skipped: compiled decode needs CUDA"} for v in models]
@@ -200,8 +189,6 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
         headers = ["model", "batch x prompt", *variants, "upstream / patched", "paired", peak]
         if phase != "prefill":
             headers.insert(-1, "tokens/s patched")
-        if phase == "decode":
-            headers.insert(-1, "host CPU ms/token (" + "/".join(v[0] for v in variants) + ")")
         if phase == "compiled":
             headers.append("graph breaks")
         rows = []
@@ -215,8 +202,6 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
                    bench.fmt_stats(paired, 2) if paired else "-"]
             if phase != "prefill":
                 row.append(bench.fmt(by.get("patched", {}).get("tokens_per_s"), 1))
-            if phase == "decode":
-                row.append(" / ".join(bench.fmt_stats(by.get(v, {}).get("cpu_ms"), 2) for v in variants))
             row.append(" / ".join(bench.fmt(by.get(v, {}).get("peak_mem_gb"), 2) for v in variants))
             if phase == "compiled":
                 row.append(" / ".join(bench.fmt(by.get(v, {}).get("graph_breaks"), 0) for v in variants))
@@ -224,7 +209,6 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
         out += [f"## {titles[phase]}", "", bench.md_table(headers, rows), ""]
     out += ["median [min-max] over interleaved repeats; upstream / patched = ratio of the medians; paired = "
             "median [min-max] of upstream / patched per repeat (the two runs of a repeat are back to back); "
-            "host CPU ms/token = CPU time of the generating thread per token (median [min-max]); "
             "peak GB = max allocated during a run minus weights"]
     out += [f"- {k}: skipped ({v})" for k, v in skipped.items()]
     out += [f"- {r['model']}/{r['variant']} b{r['batch']}: {r['note']}" for r in records if r.get("note")]
