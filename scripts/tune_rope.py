@@ -147,7 +147,8 @@ def main() -> None:
                                    "runs": runs, "ms": ms, "pct_floor": 100 * floor_ms / ms,
                                    "pct_copy": 100 * copy_ms / ms})
         rec["forward"].sort(key=lambda r: r["ms"])
-        for r in rec["forward"][:10] + rec["forward"][-2:]:
+        shown = rec["forward"] if len(rec["forward"]) <= 12 else rec["forward"][:10] + rec["forward"][-2:]
+        for r in shown:
             print(f"  {r['source']:12} tile {r['tile']:5} hpp {r['hpp']} warps {r['warps']}: "
                   f"{r['ms']:.4f} ms {r['pct_floor']:5.1f}% of floor {r['pct_copy']:5.1f}% of copy_", flush=True)
         for source in args.sources:
