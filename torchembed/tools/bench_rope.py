@@ -20,9 +20,9 @@ Providers (each builds ``f(q, k) -> (q_rot, k_rot)`` for one shape; tables built
 
 q and k use HF's layout: ``(B, S, H, D)`` memory viewed as ``(B, H, S, D)``. Measured: forward
 and forward+backward (random output grads) in ms (median of do_bench, inputs rotated through
-copies larger than L2); forward+backward again as device time, replayed from a CUDA graph (the
-host's Python, dispatch and autograd cost excluded: ``do_bench`` includes it wherever the host is
-slower than the GPU); accuracy = max abs error vs a float64 evaluation of the same inputs; host
+copies larger than L2); both again as device time, replayed from a CUDA graph (the host's Python,
+dispatch and autograd cost excluded: ``do_bench`` includes it wherever the host is slower than the
+GPU); accuracy = max abs error vs a float64 evaluation of the same inputs; host
 overhead per call at decode shapes (us, back-to-back host loop).
 """
 
@@ -180,7 +180,7 @@ def _time(provider: str, t: Tables, device: torch.device, backward: bool, copies
     fn = bench.rotate(calls)
     fn()
     timed: dict[str, Any] = {"impl": impl, "ms": bench.do_bench(fn, device)}
-    if backward and device.type == "cuda":
+    if device.type == "cuda":
         try:
             timed["graph_ms"] = bench.graph_time(fn, device)
         except Exception as exc:  # e.g. a provider that cannot be captured
@@ -188,11 +188,15 @@ def _time(provider: str, t: Tables, device: torch.device, backward: bool, copies
     return timed, err
 
 
-def _copy_ms(copies: list[tuple[Tensor, Tensor]], device: torch.device) -> float:
-    """``copy_`` of q and k into outputs of the same layout, inputs rotated like the providers'."""
+def _copy_ms(copies: list[tuple[Tensor, Tensor]], device: torch.device) -> dict[str, float]:
+    """``copy_`` of q and k into outputs of the same layout, inputs rotated like the providers':
+    ``{"ms"}`` (do_bench) and on CUDA ``{"graph_ms"}`` (device time, as the providers')."""
     outs = [(torch.empty_like(q), torch.empty_like(k)) for q, k in copies]
     fn = bench.rotate([lambda q=q, k=k, o=o: (o[0].copy_(q), o[1].copy_(k)) for (q, k), o in zip(copies, outs)])
-    return bench.do_bench(fn, device)
+    timed = {"ms": bench.do_bench(fn, device)}
+    if device.type == "cuda":
+        timed["graph_ms"] = bench.graph_time(fn, device)
+    return timed
 
 
 def run_shape(shape: Shape, providers: list[str], args: argparse.Namespace, device: torch.device,
@@ -208,9 +212,12 @@ def run_shape(shape: Shape, providers: list[str], args: argparse.Namespace, devi
                                       "pct_of_floor": 100.0}]
     with torch.no_grad():
         copies = [make_qk(shape, dtype, device) for _ in range(bench.n_copies(qk_bytes))]
-        copy_ms = _copy_ms(copies, device)
+        copy = _copy_ms(copies, device)
         del copies
-    records.append({**base, "section": "forward", "provider": "copy", "ms": copy_ms, "pct_of_floor": floor_ms / copy_ms * 100})
+    records.append({**base, "section": "forward", "provider": "copy", **copy,
+                    **{f"{key[:-2]}pct_of_floor": floor_ms / ms * 100 for key, ms in copy.items()}})
+    if "graph_ms" in copy:  # the floor row of the device-time table
+        records[0]["graph_ms"], records[0]["graph_pct_of_floor"] = floor_ms, 100.0
     truth = None
     if not args.no_accuracy:
         q0, k0 = make_qk(shape, dtype, device)
@@ -229,7 +236,7 @@ def run_shape(shape: Shape, providers: list[str], args: argparse.Namespace, devi
                 rec.update(timed)
                 rec["pct_of_floor"] = (2 if backward else 1) * floor_ms / rec["ms"] * 100
                 if isinstance(rec.get("graph_ms"), float):
-                    rec["graph_pct_of_floor"] = 2 * floor_ms / rec["graph_ms"] * 100
+                    rec["graph_pct_of_floor"] = (2 if backward else 1) * floor_ms / rec["graph_ms"] * 100
                 if err is not None:
                     records.append({**base, "section": "accuracy", "provider": provider, "impl": rec["impl"],
                                     "max_abs_err": err})
@@ -273,7 +280,9 @@ def markdown(records: list[dict[str, Any]], providers: list[str], skipped: dict[
         if r is None:
             return "-"
         v = r.get(key)
-        return f"{v:.2e}" if key == "max_abs_err" and isinstance(v, float) else bench.fmt(v, digits)
+        if key == "max_abs_err" and isinstance(v, float):
+            return f"{v:.2e}"
+        return bench.fmt(v, 4 if key.endswith("ms") and isinstance(v, float) and v < 0.1 else digits)
 
     out = []
     ours = [p for p in providers if p in ("torchembed", "torchembed-angles")]  # -hf: the same kernel as torchembed
@@ -287,12 +296,17 @@ def markdown(records: list[dict[str, Any]], providers: list[str], skipped: dict[
             *(pct("forward", lbl, p) for p in [*ours, "copy"])] for lbl in labels]
     headers = ["shape (BxS hq/hk dD)", *providers, *refs, *(f"{p} % of floor" for p in [*ours, "copy"])]
     out += ["## forward (ms, median)", "", bench.md_table(headers, fwd)]
+    if any("graph_ms" in r for r in records if r["section"] == "forward"):
+        rows = [[lbl, *(cell("forward", lbl, p, "graph_ms") for p in [*providers, *refs]),
+                 *(pct("forward", lbl, p, "graph_pct_of_floor") for p in [*ours, "copy"])] for lbl in labels]
+        out += ["", "## forward, device time (ms, CUDA graph replay: host cost excluded)", "",
+                bench.md_table(headers, rows)]
     if any(r["section"] == "forward+backward" for r in records):
         rows = [[lbl, *(cell("forward+backward", lbl, p, "ms") for p in providers),
                  *(pct("forward+backward", lbl, p) for p in ours)] for lbl in labels]
         out += ["", "## forward + backward (ms, median)", "",
                 bench.md_table(["shape", *providers, *(f"{p} % of 2x floor" for p in ours)], rows)]
-    if any("graph_ms" in r for r in records):
+    if any("graph_ms" in r for r in records if r["section"] == "forward+backward"):
         rows = [[lbl, *(cell("forward+backward", lbl, p, "graph_ms") for p in providers),
                  *(pct("forward+backward", lbl, p, "graph_pct_of_floor") for p in ours)] for lbl in labels]
         out += ["", "## forward + backward, device time (ms, CUDA graph replay: host cost excluded)", "",
