@@ -3,7 +3,7 @@
 Each repeat of a run measured upstream and patched back to back; their ratio is one paired sample.
 Per (phase, model, batch, prompt length) this pools the samples of every file given and prints the
 median with a bootstrap 95 % interval (resampling the pooled samples), as a markdown table.
-Files from before the runs kept their raw values (no ``values`` in ``ms``) are skipped.
+Runs recorded before ``bench e2e`` kept the per-repeat ratio (no ``paired_speedup``) are skipped.
 
     python scripts/pool_paired.py benchmarks/results/2026-11-29/e2e-decode-paired.json ... [--out pooled.md]
 """
@@ -18,17 +18,14 @@ from pathlib import Path
 
 
 def paired_samples(paths: list[Path]) -> dict[tuple, dict[str, list[float]]]:
-    """(phase, model, batch, prompt) -> {file name: [upstream / patched per repeat]}."""
+    """(phase, model, batch, prompt) -> {file name: [upstream / patched per repeat]}, from the
+    ``paired_speedup`` each run recorded on its patched rows."""
     pooled: dict[tuple, dict[str, list[float]]] = {}
     for path in paths:
-        ms = {}
         for r in json.loads(path.read_text())["results"]:
-            if isinstance(r.get("ms"), dict) and "values" in r["ms"]:
-                ms[r["phase"], r["model"], r["batch"], r["prompt_len"], r["variant"]] = r["ms"]["values"]
-        for (*case, variant), patched in ms.items():
-            upstream = ms.get((*case, "upstream"))
-            if variant == "patched" and upstream:
-                pooled.setdefault(tuple(case), {})[path.stem] = [u / p for u, p in zip(upstream, patched)]
+            if r["variant"] == "patched" and r.get("paired_speedup"):
+                case = r["phase"], r["model"], r["batch"], r["prompt_len"]
+                pooled.setdefault(case, {})[path.stem] = r["paired_speedup"]["values"]
     return pooled
 
 

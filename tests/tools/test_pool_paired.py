@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from torchembed.tools import bench
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pool_paired.py"
 
 
@@ -22,15 +24,17 @@ def _load():
 
 
 def _write(path: Path, upstream: list[float], patched: list[float], with_values: bool = True) -> Path:
-    def rec(variant: str, values: list[float]) -> dict:
-        ms = {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-        if with_values:
-            ms["values"] = values
-        return {"phase": "decode", "model": "llama", "batch": 1, "prompt_len": 512, "variant": variant, "ms": ms}
-
-    skipped = {"phase": "decode", "model": "falcon", "batch": 1, "prompt_len": 512, "variant": "patched",
-               "ms": "skipped: time budget"}
-    path.write_text(json.dumps({"results": [rec("upstream", upstream), rec("patched", patched), skipped]}))
+    """An e2e result file as ``bench e2e`` writes it (``with_values=False``: as older runs did)."""
+    base = {"phase": "decode", "model": "llama", "batch": 1, "prompt_len": 512}
+    up, pa = (bench.stats(values) for values in (upstream, patched))
+    records = [{**base, "variant": "upstream", "ms": up}, {**base, "variant": "patched", "ms": pa}]
+    if with_values:
+        records[1]["paired_speedup"] = bench.paired_ratio(up, pa)
+    else:
+        for r in records:
+            del r["ms"]["values"]
+    skipped = {**base, "model": "falcon", "variant": "patched", "ms": "skipped: time budget"}
+    path.write_text(json.dumps({"results": [*records, skipped]}))
     return path
 
 
