@@ -248,7 +248,7 @@ def bias_columns(key_bias: Tensor, q_len: int, scale: float, dtype: torch.dtype)
     Returns:
         ``(q_cols (b or 1, h, q, 8), k_cols (b or 1, h, k, 8))`` in ``dtype``.
     """
-    b = (key_bias if key_bias.dtype == torch.float32 else key_bias.float()) / scale
+    b = key_bias.float() / scale  # .float() is a no-op for float32 biases
     hi, mid, lo = _split(b, dtype, 3)
     # r's two parts are the queries' own hi and mid (what splitting r again would give)
     queries = slice(b.shape[-1] - q_len, None)

@@ -292,35 +292,31 @@ def markdown(records: list[dict[str, Any]], providers: list[str], skipped: dict[
         v = cell(section, label, provider, key, 0)
         return v + "%" if v[:1].isdigit() else v
 
-    refs = ["floor", "copy"]
-    fwd = [[lbl, *(cell("forward", lbl, p, "ms") for p in [*providers, *refs]),
-            *(pct("forward", lbl, p) for p in [*ours, "copy"])] for lbl in labels]
-    headers = ["shape (BxS hq/hk dD)", *providers, *refs, *(f"{p} % of floor" for p in [*ours, "copy"])]
-    out += ["## forward (ms, median)", "", bench.md_table(headers, fwd)]
-    if any("graph_ms" in r for r in records if r["section"] == "forward"):
-        rows = [[lbl, *(cell("forward", lbl, p, "graph_ms") for p in [*providers, *refs]),
-                 *(pct("forward", lbl, p, "graph_pct_of_floor") for p in [*ours, "copy"])] for lbl in labels]
-        out += ["", "## forward, device time (ms, CUDA graph replay: host cost excluded)", "",
-                bench.md_table(headers, rows)]
-    if any(r["section"] == "forward+backward" for r in records):
-        rows = [[lbl, *(cell("forward+backward", lbl, p, "ms") for p in providers),
-                 *(pct("forward+backward", lbl, p) for p in ours)] for lbl in labels]
-        out += ["", "## forward + backward (ms, median)", "",
-                bench.md_table(["shape", *providers, *(f"{p} % of 2x floor" for p in ours)], rows)]
-    if any("graph_ms" in r for r in records if r["section"] == "forward+backward"):
-        rows = [[lbl, *(cell("forward+backward", lbl, p, "graph_ms") for p in providers),
-                 *(pct("forward+backward", lbl, p, "graph_pct_of_floor") for p in ours)] for lbl in labels]
-        out += ["", "## forward + backward, device time (ms, CUDA graph replay: host cost excluded)", "",
-                bench.md_table(["shape", *providers, *(f"{p} % of 2x floor" for p in ours)], rows)]
+    def timing(title: str, section: str, key: str, pct_key: str, refs: list[str], pct_name: str) -> list[str]:
+        """One table of ``key`` per shape and provider (+ ``refs``), with % of floor for ours (+ copy)."""
+        with_pct = [*ours, *(p for p in refs if p == "copy")]
+        rows = [[lbl, *(cell(section, lbl, p, key) for p in [*providers, *refs]),
+                 *(pct(section, lbl, p, pct_key) for p in with_pct)] for lbl in labels]
+        headers = ["shape (BxS hq/hk dD)", *providers, *refs, *(f"{p} {pct_name}" for p in with_pct)]
+        return [f"## {title}", "", bench.md_table(headers, rows), ""]
+
+    graph = "device time (ms, CUDA graph replay: host cost excluded)"
+    for section, refs, pct_name in (("forward", ["floor", "copy"], "% of floor"),
+                                    ("forward+backward", [], "% of 2x floor")):
+        name = section.replace("+", " + ")
+        if any(r["section"] == section for r in records):
+            out += timing(f"{name} (ms, median)", section, "ms", "pct_of_floor", refs, pct_name)
+        if any("graph_ms" in r for r in records if r["section"] == section):
+            out += timing(f"{name}, {graph}", section, "graph_ms", "graph_pct_of_floor", refs, pct_name)
     if any(r["section"] == "accuracy" for r in records):
         rows = [[lbl, *(cell("accuracy", lbl, p, "max_abs_err") for p in providers)] for lbl in labels]
-        out += ["", "## accuracy (max abs error vs float64)", "", bench.md_table(["shape", *providers], rows)]
+        out += ["## accuracy (max abs error vs float64)", "", bench.md_table(["shape", *providers], rows), ""]
     host_labels = list(dict.fromkeys(r["shape_label"] for r in records if r["section"] == "host"))
     if host_labels:
         hp = [p for p in providers if p != "compile"]
         rows = [[lbl, *(cell("host", lbl, p, "us_per_call", 1) for p in hp)] for lbl in host_labels]
-        out += ["", "## host overhead at decode shapes (us per call, back-to-back loop)", "",
-                bench.md_table(["shape", *hp], rows)]
+        out += ["## host overhead at decode shapes (us per call, back-to-back loop)", "",
+                bench.md_table(["shape", *hp], rows), ""]
     notes = [f"- {p}: skipped ({why})" for p, why in skipped.items()]
     impls = {r.get("impl") for r in records if r["provider"] == "torchembed" and r.get("impl")}
     if any(i.startswith("reference") for i in impls):
@@ -328,7 +324,7 @@ def markdown(records: list[dict[str, Any]], providers: list[str], skipped: dict[
     notes.append("- floor: q and k read once + written once at the measured copy bandwidth (1 GiB copy); "
                  "% of floor = floor / time; forward + backward moves twice the bytes (2x floor)")
     notes.append("- copy: copy_ of the same q and k (same layout): what a copy kernel reaches at this size")
-    return "\n".join(out + ["", *notes])
+    return "\n".join(out + notes)
 
 
 def main(argv: list[str]) -> int:
