@@ -33,6 +33,7 @@ import argparse
 import datetime
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -258,12 +259,21 @@ def launch(out: Path, procs: int, script_args: list[str], args: argparse.Namespa
     cmd += [*script_args, "--out", str(out)] + (["--cpu"] if args.smoke else [])
     print(f"[train] {' '.join(cmd[cmd.index(str(TRAIN)):])} ({procs} process{'es' if procs > 1 else ''})", flush=True)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=args.timeout)
+        returncode = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: the session started above
+        output, _ = proc.communicate()
+        output += f"\n[train] timed out after {args.timeout} s"
+        returncode = -signal.SIGKILL
     wall = time.perf_counter() - start
-    if proc.returncode != 0 or not out.exists():
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        print(f"[train] FAILED rc={proc.returncode}\n{tail}", flush=True)
-        return {"returncode": proc.returncode, "error": tail, "wall_s": wall}
+    if returncode != 0 or not out.exists():
+        tail = output[-3000:]
+        print(f"[train] FAILED rc={returncode}\n{tail}", flush=True)
+        return {"returncode": returncode or 1, "error": tail, "wall_s": wall}
     record = json.loads(out.with_suffix(".json").read_text())
     record.update(returncode=0, wall_s=wall, params_file=str(out))
     return record

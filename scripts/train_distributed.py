@@ -57,6 +57,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PATCH = ("none", "before", "after")
 FSDP_UNSUPPORTED = 3  # exit code: FSDP cannot run here
 
+# Objects that must not be freed before the process exits. Freeing a DDP model frees its Reducer,
+# whose destructor runs ~ProcessGroupGloo with the GIL held; that joins gloo's worker threads, and a
+# worker finishing a collective may be waiting for the GIL to release a tensor's Python object:
+# a deadlock (pytorch/pytorch#56297; here ~1 two-process run in 15 hung when main() returned).
+# The script therefore keeps them alive and leaves through os._exit, which runs no destructors.
+_KEEP_UNTIL_EXIT: list[Any] = []
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="train_distributed.py", description=__doc__.split("\n\n")[0])
@@ -239,14 +246,12 @@ def main(argv: list[str]) -> int:
         save(args.out, state, record)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    _KEEP_UNTIL_EXIT.extend((accelerator, model, optimizer))  # the DDP model holds its Reducer and process group
     return 0
 
 
 if __name__ == "__main__":
     code = main(sys.argv[1:])
-    # Skip interpreter finalization: with torch 2.13 and gloo a finished worker sometimes hangs
-    # there (~1 run in 30 here; c10d/autograd threads racing the GIL teardown, see
-    # pytorch/pytorch#190489). By now the files are written and the process group destroyed.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(code)  # the files are written and every rank has passed the final barrier
