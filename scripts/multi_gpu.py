@@ -33,9 +33,6 @@ import argparse
 import datetime
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from torchembed.tools.launch import free_port, run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "train_distributed.py"
@@ -232,12 +231,6 @@ def generation_speed(model: torch.nn.Module, vocab: int, device: torch.device,
 # --- training runs (parity, speed) ------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(out: Path, procs: int, script_args: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """Run train_distributed.py: one process on GPU 0 (``procs`` == 1) or ``accelerate launch`` over
     ``procs`` GPUs (torchrun with gloo on CPU for ``--smoke``). Returns its record (+ params path)."""
@@ -259,21 +252,12 @@ def launch(out: Path, procs: int, script_args: list[str], args: argparse.Namespa
     cmd += [*script_args, "--out", str(out)] + (["--cpu"] if args.smoke else [])
     print(f"[train] {' '.join(cmd[cmd.index(str(TRAIN)):])} ({procs} process{'es' if procs > 1 else ''})", flush=True)
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=args.timeout)
-        returncode = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: the session started above
-        output, _ = proc.communicate()
-        output += f"\n[train] timed out after {args.timeout} s"
-        returncode = -signal.SIGKILL
+    run = run_launcher(cmd, timeout_s=args.timeout, env=env, cwd=ROOT)
     wall = time.perf_counter() - start
-    if returncode != 0 or not out.exists():
-        tail = output[-3000:]
-        print(f"[train] FAILED rc={returncode}\n{tail}", flush=True)
-        return {"returncode": returncode or 1, "error": tail, "wall_s": wall}
+    if run.returncode != 0 or run.timed_out or not out.exists():
+        tail = run.output[-3000:]
+        print(f"[train] FAILED rc={run.returncode}\n{tail}", flush=True)
+        return {"returncode": run.returncode or 1, "error": tail, "wall_s": wall}  # 1: exited 0 but wrote nothing
     record = json.loads(out.with_suffix(".json").read_text())
     record.update(returncode=0, wall_s=wall, params_file=str(out))
     return record

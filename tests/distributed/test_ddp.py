@@ -22,9 +22,6 @@ import importlib.util
 import json
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +30,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from torchembed.tools.launch import free_port, run_launcher
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -55,12 +54,6 @@ class Run:
     record: dict[str, Any]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def train(out: Path, procs: int, *options: str) -> Run:
     """Run the script (``procs`` == 1: plain python; else torchrun) with the fixed tiny settings."""
     launcher = [sys.executable]
@@ -71,17 +64,12 @@ def train(out: Path, procs: int, *options: str) -> Run:
            "--lr", str(LR), "--seed", str(SEED), "--out", str(out), *options]
     env = {k: v for k, v in os.environ.items() if not _LAUNCH_ENV.match(k)}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=out.parent, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: the session started above
-        output, _ = proc.communicate()
-        pytest.fail(f"timed out after {TIMEOUT_S} s: {' '.join(cmd)}\n{output[-4000:]}")
-    if proc.returncode != 0 or not out.exists():
-        return Run(proc.returncode, output, {}, {})
-    return Run(0, output, safetensors_torch.load_file(str(out)), json.loads(out.with_suffix(".json").read_text()))
+    run = run_launcher(cmd, timeout_s=TIMEOUT_S, env=env, cwd=out.parent)
+    if run.timed_out:
+        pytest.fail(f"timed out after {TIMEOUT_S} s: {' '.join(cmd)}\n{run.output[-4000:]}")
+    if run.returncode != 0 or not out.exists():
+        return Run(run.returncode, run.output, {}, {})
+    return Run(0, run.output, safetensors_torch.load_file(str(out)), json.loads(out.with_suffix(".json").read_text()))
 
 
 @pytest.fixture(scope="module")

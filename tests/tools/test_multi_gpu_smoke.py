@@ -4,8 +4,6 @@ and its own checks (split-model logits vs upstream, unpatch, DDP parity with one
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -36,13 +34,3 @@ def test_multi_gpu_smoke(tmp_path: Path) -> None:
     markdown = (tmp_path / "multi_gpu_smoke.md").read_text()
     assert "Training parity" in markdown and "Training throughput" in markdown
 
-
-def test_training_launch_that_times_out_is_killed_and_reported(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("multi_gpu", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    args = argparse.Namespace(smoke=True, timeout=1)
-    out = tmp_path / "run.safetensors"
-    record = script.launch(out, 2, ["--model", "llama", "--steps", "1", "--global-batch", "2"], args)
-    assert record["returncode"] != 0 and "timed out after 1 s" in record["error"]
-    assert record["wall_s"] < 30 and not out.exists()
