@@ -749,3 +749,32 @@ def test_direct_launch_keys_alignment_and_table_dtype(monkeypatch):
         monkeypatch.setattr(rope_triton, "_DIRECT", True)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), name
     assert len(rope_triton._COMPILED) == 3
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the hot path replays compiled CUDA kernels")
+def test_hot_path_records_one_entry_per_layout_and_matches(monkeypatch):
+    """``rotary_tables_`` (the patched attention's in-place call) keeps one launch entry per
+    (shapes, strides, dtypes); a misaligned view gets none; each call matches Triton's own launch."""
+    from torchembed.kernels import rotary_tables_
+
+    monkeypatch.setattr(rope_triton, "_DIRECT", True)
+    rope_triton._HOT.clear()
+    base_q, base_k = make_qk(2, 4, 2, 9, 64 + 1, torch.bfloat16, layout="hf")
+    cases = {
+        "hf layout": (make_qk(2, 4, 2, 9, 64, torch.bfloat16, layout="hf"), make_table(9, 32, (2,)), 1),
+        "contiguous": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (1,)), 2),
+        "misaligned": ((base_q[..., 1:], base_k[..., 1:]), make_table(9, 32, (2,)), 2),
+        "bf16 tables": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (2,), torch.bfloat16), 3),
+    }
+    for name, ((q, k), (cos, sin), entries) in cases.items():
+        monkeypatch.setattr(rope_triton, "_DIRECT", False)
+        expected = rotary_fused(q, k, cos, sin)
+        monkeypatch.setattr(rope_triton, "_DIRECT", True)
+        for call in range(3):  # the first call records the entry, the next ones replay it
+            # clone keeps dense strides; the misaligned view is cut again from a clone of its base
+            q_in, k_in = (base_q.clone()[..., 1:], base_k.clone()[..., 1:]) if name == "misaligned" else (q.clone(), k.clone())
+            got = rotary_tables_(q_in, k_in, cos, sin)
+            assert got[0] is q_in and got[1] is k_in
+            assert torch.equal(q_in, expected[0]) and torch.equal(k_in, expected[1]), (name, call)
+        assert rope_triton._DIRECT, f"{name}: the direct launch failed and switched itself off"
+        assert len(rope_triton._HOT) == entries, name

@@ -67,7 +67,7 @@ def kernel_can_run(t: Tensor) -> bool:
     return t.is_cuda or (_environ.get("TRITON_INTERPRET") == "1" and t.device.type == "cpu")
 
 
-_launch = None
+_launch = _hot = None
 
 
 def _launcher():
@@ -77,6 +77,15 @@ def _launcher():
 
         _launch = rope_forward
     return _launch
+
+
+def _hot_launcher():
+    global _hot
+    if _hot is None:
+        from torchembed.kernels.rope_triton import rope_tables_inplace
+
+        _hot = rope_tables_inplace
+    return _hot
 
 
 # ------------------------------------------------------------------------------------------
@@ -373,7 +382,7 @@ def rotary_tables_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tens
     ``(B, Hk, S, D)`` on a device the kernel runs on, unit last-dim stride, cos/sin
     ``(B or 1, S, R/2)`` with unit last-dim stride, and that nothing needs gradients.
     """
-    (_launch or _launcher())(q, k, q, k, cos, sin, None, None, 0, 1.0, False, False)
+    (_hot or _hot_launcher())(q, k, cos, sin)
     return q, k
 
 

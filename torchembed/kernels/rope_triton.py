@@ -35,15 +35,34 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rope_forward"]
+__all__ = ["rope_forward", "rope_tables_inplace"]
 
 
 @triton.jit
-def _rotate_rows(
+def _load_pairs(x_ptr, x_row, s_mask, HALF: tl.constexpr, BLOCK_D: tl.constexpr, INTERLEAVED: tl.constexpr,
+                CDT: tl.constexpr):
+    """The rotated pairs (x1, x2) of BLOCK_S token rows, each [BLOCK_S, BLOCK_D] in the compute dtype."""
+    j = tl.arange(0, BLOCK_D)
+    if INTERLEAVED:
+        d1 = 2 * j
+        d2 = 2 * j + 1
+    else:
+        d1 = j
+        d2 = j + HALF
+    m = s_mask[:, None] & (j < HALF)[None, :]
+    xp = x_ptr + x_row[:, None]
+    return (tl.load(xp + d1[None, :], mask=m, other=0.0).to(CDT),
+            tl.load(xp + d2[None, :], mask=m, other=0.0).to(CDT))
+
+
+@triton.jit
+def _store_rotated(
     x_ptr,
     o_ptr,
     x_row,  # [BLOCK_S] int64 element offset of each token row of the input head
     o_row,  # [BLOCK_S] int64 element offset of each token row of the output head
+    x1,
+    x2,
     c,  # [BLOCK_S, BLOCK_D] cos * scale, compute dtype
     s,  # [BLOCK_S, BLOCK_D] sin * scale (negated when conjugate), compute dtype
     s_mask,  # [BLOCK_S] token in range
@@ -53,7 +72,6 @@ def _rotate_rows(
     BLOCK_P: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     HAS_PASS: tl.constexpr,
-    CDT: tl.constexpr,
     EMULATE_RTNE: tl.constexpr,
 ):
     j = tl.arange(0, BLOCK_D)
@@ -64,10 +82,7 @@ def _rotate_rows(
         d1 = j
         d2 = j + HALF
     m = s_mask[:, None] & (j < HALF)[None, :]
-    xp = x_ptr + x_row[:, None]
     op = o_ptr + o_row[:, None]
-    x1 = tl.load(xp + d1[None, :], mask=m, other=0.0).to(CDT)
-    x2 = tl.load(xp + d2[None, :], mask=m, other=0.0).to(CDT)
     y1 = x1 * c - x2 * s
     y2 = x2 * c + x1 * s
     if EMULATE_RTNE:
@@ -79,7 +94,73 @@ def _rotate_rows(
         # Out-of-place with partial rotary: copy the pass-through dims [R, D) verbatim.
         p = 2 * HALF + tl.arange(0, BLOCK_P)
         pm = s_mask[:, None] & (p < D)[None, :]
+        xp = x_ptr + x_row[:, None]
         tl.store(op + p[None, :], tl.load(xp + p[None, :], mask=pm), mask=pm)
+
+
+@triton.jit
+def _cos_sin(cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, b, s64, s_mask, sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
+             HALF: tl.constexpr, BLOCK_D: tl.constexpr, POS_MODE: tl.constexpr, USE_INV_FREQ: tl.constexpr,
+             CONJUGATE: tl.constexpr, CDT: tl.constexpr):
+    """cos * scale and sin * scale (negated when CONJUGATE) of BLOCK_S tokens, [BLOCK_S, BLOCK_D]."""
+    j = tl.arange(0, BLOCK_D)
+    j_mask = j < HALF
+    if POS_MODE == 0:
+        pos = s64 + pos_offset
+    elif POS_MODE == 1:
+        pos = tl.load(pos_ptr + b * sp_b).to(tl.int64) + s64
+    else:
+        pos = tl.load(pos_ptr + b * sp_b + s64 * sp_s, mask=s_mask, other=0).to(tl.int64)
+    if USE_INV_FREQ:
+        # The angle is a float32 product (as HF computes it), whatever the compute dtype.
+        inv = tl.load(inv_freq_ptr + j, mask=j_mask, other=0.0).to(tl.float32)
+        ang = (pos.to(tl.float32)[:, None] * inv[None, :]).to(CDT)
+        c = tl.cos(ang) * scale
+        sn = tl.sin(ang) * scale
+    else:
+        m = s_mask[:, None] & j_mask[None, :]
+        t_off = (b * sc_b + pos * sc_s)[:, None] + j[None, :]
+        c = tl.load(cos_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
+        sn = tl.load(sin_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
+    if CONJUGATE:
+        sn = -sn
+    return c, sn
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, o_ptr, b, h0, s64, s_mask,
+    sx_b, sx_h, sx_s, so_b, so_h, so_s,
+    cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
+    HALF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HPP: tl.constexpr,
+    POS_MODE: tl.constexpr, USE_INV_FREQ: tl.constexpr, INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
+    HAS_PASS: tl.constexpr, CDT: tl.constexpr, EMULATE_RTNE: tl.constexpr, X_FIRST: tl.constexpr,
+):
+    """Rotate heads h0 .. h0 + HPP - 1 of x into o for BLOCK_S tokens; cos/sin made once."""
+    x_row = b * sx_b + h0 * sx_h + s64 * sx_s
+    o_row = b * so_b + h0 * so_h + s64 * so_s
+    if X_FIRST:  # the first two heads' loads go out before the positions / tables / angles work
+        x1, x2 = _load_pairs(x_ptr, x_row, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
+        if HPP > 1:
+            x_row1 = x_row + sx_h
+            x1b, x2b = _load_pairs(x_ptr, x_row1, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
+        c, sn = _cos_sin(cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, b, s64, s_mask, sc_b, sc_s, sp_b, sp_s,
+                         pos_offset, scale, HALF, BLOCK_D, POS_MODE, USE_INV_FREQ, CONJUGATE, CDT)
+    else:
+        c, sn = _cos_sin(cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, b, s64, s_mask, sc_b, sc_s, sp_b, sp_s,
+                         pos_offset, scale, HALF, BLOCK_D, POS_MODE, USE_INV_FREQ, CONJUGATE, CDT)
+        x1, x2 = _load_pairs(x_ptr, x_row, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
+    _store_rotated(x_ptr, o_ptr, x_row, o_row, x1, x2, c, sn, s_mask,
+                   HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, EMULATE_RTNE)
+    if X_FIRST and HPP > 1:
+        _store_rotated(x_ptr, o_ptr, x_row1, o_row + so_h, x1b, x2b, c, sn, s_mask,
+                       HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, EMULATE_RTNE)
+    for i in tl.static_range(2 if X_FIRST else 1, HPP):
+        x_row = b * sx_b + (h0 + i) * sx_h + s64 * sx_s
+        o_row = b * so_b + (h0 + i) * so_h + s64 * so_s
+        x1, x2 = _load_pairs(x_ptr, x_row, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
+        _store_rotated(x_ptr, o_ptr, x_row, o_row, x1, x2, c, sn, s_mask,
+                       HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, EMULATE_RTNE)
 
 
 @triton.jit
@@ -127,6 +208,7 @@ def _rope_kernel(
     CDT: tl.constexpr,  # compute dtype: float32 (float64 for float64 inputs)
     EMULATE_RTNE: tl.constexpr,  # interpreter-only bf16 rounding fix (see _round_f32_to_bf16_rtne)
     HEADS_FAST: tl.constexpr,  # grid axis 0 enumerates head groups (else token blocks)
+    X_FIRST: tl.constexpr,  # issue the first head's q/k loads before the cos/sin work
 ):
     if HEADS_FAST:  # consecutive programs take neighbouring heads of the same tokens
         pid_h = tl.program_id(0)
@@ -135,57 +217,26 @@ def _rope_kernel(
         pid_s = tl.program_id(0)
         pid_h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
-
     s_idx = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = s_idx < S
     s64 = s_idx.to(tl.int64)
-    j = tl.arange(0, BLOCK_D)
-    j_mask = j < HALF
-
-    # ---- position of each token -------------------------------------------------------
-    if POS_MODE == 0:
-        pos = s64 + pos_offset
-    elif POS_MODE == 1:
-        pos = tl.load(pos_ptr + b * sp_b).to(tl.int64) + s64
-    else:
-        pos = tl.load(pos_ptr + b * sp_b + s64 * sp_s, mask=s_mask, other=0).to(tl.int64)
-
-    # ---- cos / sin for the BLOCK_S tokens, shared by all HPP heads ------------------------
-    if USE_INV_FREQ:
-        # The angle is a float32 product (as HF computes it), whatever the compute dtype.
-        inv = tl.load(inv_freq_ptr + j, mask=j_mask, other=0.0).to(tl.float32)
-        ang = (pos.to(tl.float32)[:, None] * inv[None, :]).to(CDT)
-        c = tl.cos(ang) * scale
-        sn = tl.sin(ang) * scale
-    else:
-        m = s_mask[:, None] & j_mask[None, :]
-        t_off = (b * sc_b + pos * sc_s)[:, None] + j[None, :]
-        c = tl.load(cos_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
-        sn = tl.load(sin_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
-    if CONJUGATE:
-        sn = -sn
-
-    # ---- rotate HPP heads of q (axis-1 ids < NQG) or of k ---------------------------------
+    # head groups of q (axis-1 ids < NQG), then of k; heads are int64 before any stride product
     if pid_h < NQG:
-        h0 = (pid_h * HPP).to(tl.int64)
-        for i in tl.static_range(HPP):
-            _rotate_rows(
-                q_ptr, qo_ptr,
-                b * sq_b + (h0 + i) * sq_h + s64 * sq_s,
-                b * sqo_b + (h0 + i) * sqo_h + s64 * sqo_s,
-                c, sn, s_mask,
-                HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, CDT, EMULATE_RTNE,
-            )
+        _rotate_heads(
+            q_ptr, qo_ptr, b, (pid_h * HPP).to(tl.int64), s64, s_mask,
+            sq_b, sq_h, sq_s, sqo_b, sqo_h, sqo_s,
+            cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
+            HALF, D, BLOCK_D, BLOCK_P, HPP, POS_MODE, USE_INV_FREQ, INTERLEAVED, CONJUGATE, HAS_PASS, CDT,
+            EMULATE_RTNE, X_FIRST,
+        )
     else:
-        h0 = ((pid_h - NQG) * HPP).to(tl.int64)
-        for i in tl.static_range(HPP):
-            _rotate_rows(
-                k_ptr, ko_ptr,
-                b * sk_b + (h0 + i) * sk_h + s64 * sk_s,
-                b * sko_b + (h0 + i) * sko_h + s64 * sko_s,
-                c, sn, s_mask,
-                HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, CDT, EMULATE_RTNE,
-            )
+        _rotate_heads(
+            k_ptr, ko_ptr, b, ((pid_h - NQG) * HPP).to(tl.int64), s64, s_mask,
+            sk_b, sk_h, sk_s, sko_b, sko_h, sko_s,
+            cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
+            HALF, D, BLOCK_D, BLOCK_P, HPP, POS_MODE, USE_INV_FREQ, INTERLEAVED, CONJUGATE, HAS_PASS, CDT,
+            EMULATE_RTNE, X_FIRST,
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -216,6 +267,7 @@ _WARPS_ANGLES_GROUPED = 8
 # Grid order: head groups fastest, so the programs running together cover whole tokens
 # (contiguous (H, D) rows in HF's (B, S, H, D) memory); +3-17 points of the copy floor.
 _HEADS_FAST = True
+_X_FIRST = False
 
 
 def _next_pow2(n: int) -> int:
@@ -252,6 +304,7 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
         CDT=tl.float64 if dtype == torch.float64 else tl.float32,
         EMULATE_RTNE=_INTERPRET and dtype == torch.bfloat16,
         HEADS_FAST=_HEADS_FAST and n_s < 65536,  # grid axis 1 is limited to 65535
+        X_FIRST=_X_FIRST,
         num_warps=num_warps,
     )
     n_h = Hq // hpp + Hk // hpp
@@ -262,6 +315,7 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
 
 def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
     """Launch the fused kernel once for q and k.  ``qo is q`` (and ``ko is k``) means in-place.
+    Returns the CompiledKernel it launched directly (None when launched through ``kernel[grid]``).
 
     Preconditions (checked by ``rope_op``): q/k/qo/ko 4-D with stride(-1) == 1, same dtype and
     device; cos/sin unit-stride in their last dim (or None with ``inv_freq`` given); positions
@@ -322,9 +376,43 @@ def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale,
             else tuple(ptr % 16 == 0 for ptr in ptrs)
         spec = (key, constexprs, meta["num_warps"], cos.dtype, sin.dtype, pos_t.dtype, inv_freq.dtype, sq, sk, sqo,
                 sko, sc_b, sc_s, sp_b, sp_s, _int_spec(pos_offset), aligned)
-        _direct_launch(spec, grid, meta, args, q.device.index)
-    else:
-        _rope_kernel[grid](*args, **meta)
+        return _direct_launch(spec, grid, meta, args, q.device.index)
+    _rope_kernel[grid](*args, **meta)
+    return None
+
+
+# Hot path of the patched HF attention at inference: in place, per-token tables, nothing else.
+# One dict lookup keyed on what the call's tensors are (shapes, strides, dtypes) yields the kept
+# compiled kernel and every launch argument but the pointers, instead of rope_forward's two keys
+# and its specialisation tuple. Misses (a new shape, pointers not 16-byte aligned, no direct
+# launch) go through rope_forward, which records the entry for the next call.
+_HOT: dict = {}
+
+
+def rope_tables_inplace(q, k, cos, sin) -> None:
+    """``rope_forward(q, k, q, k, cos, sin, None, None, 0, 1.0, False, False)`` with less host work
+    per call. Same preconditions; cos/sin per-token tables ``(B or 1, S, R/2)``."""
+    sq, sk, sc = q.stride(), k.stride(), cos.stride()
+    key = (q.shape, k.shape, sq, sk, cos.shape, sc, sin.stride(), q.dtype, cos.dtype, sin.dtype)
+    hot = _HOT.get(key)
+    aligned = not (q.data_ptr() | k.data_ptr() | cos.data_ptr() | sin.data_ptr()) & 15
+    if hot is not None and aligned and _DIRECT:
+        run, function, metadata, grid, S, nqg, sc_b, constexprs = hot
+        try:
+            run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(q.get_device()), function, metadata,
+                None, None, None, q, k, q, k, cos, sin, q, q, S, nqg, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
+                sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sc_b, sc[1], 0, 0, 0, 1.0, *constexprs)
+            return
+        except Exception:  # the installed Triton launches differently: rope_forward decides from now on
+            _HOT.clear()
+    compiled = rope_forward(q, k, q, k, cos, sin, None, None, 0, 1.0, False, False)
+    if compiled is not None and aligned and _DIRECT:
+        if len(_HOT) >= _CFG_MAX:
+            _HOT.clear()
+        S = q.shape[2]
+        grid, _, nqg, constexprs = _CFG[(q.shape, k.shape[1], cos.shape[-1], q.dtype, 0, False, False, False, True)]
+        sc_b = sc[0] if cos.shape[0] != 1 else 0
+        _HOT[key] = (compiled.run, compiled.function, compiled.packed_metadata, grid, S, nqg, sc_b, constexprs)
 
 
 # ------------------------------------------------------------------------------------------
@@ -346,28 +434,30 @@ def _int_spec(value: int) -> tuple:
     return value == 1, value % 16 == 0, -_I32 <= value < _I32
 
 
-def _direct_launch(spec, grid, meta, args, device_index) -> None:
+def _direct_launch(spec, grid, meta, args, device_index):
     """Launch through the CompiledKernel kept for ``spec`` (the first call of a spec compiles
-    or fetches it through ``kernel[grid]``)."""
+    or fetches it through ``kernel[grid]``); return it (None once the direct path is off)."""
     global _DIRECT
     constexprs = spec[1]
     compiled = _COMPILED.get(spec)
     if compiled is None:
         if len(_COMPILED) >= _CFG_MAX:
             _COMPILED.clear()
-        _COMPILED[spec] = _rope_kernel[grid](*args, **meta)
-        return
+        compiled = _COMPILED[spec] = _rope_kernel[grid](*args, **meta)
+        return compiled
     try:
         compiled.run(
             grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device_index),
             compiled.function, compiled.packed_metadata, None, None, None, *args, *constexprs,
         )
+        return compiled
     except Exception:  # the installed Triton launches differently: use its own path from now on
         _DIRECT = False
         _rope_kernel[grid](*args, **meta)
+        return None
 
 
 _CONSTEXPR_NAMES = (
     "HALF", "D", "BLOCK_D", "BLOCK_P", "BLOCK_S", "HPP", "POS_MODE", "USE_INV_FREQ", "INTERLEAVED",
-    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST",
+    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST", "X_FIRST",
 )
