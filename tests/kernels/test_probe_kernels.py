@@ -1,0 +1,61 @@
+"""``scripts/probe_bandwidth.py``: its Triton copy kernels and experimental persistent RoPE kernel
+are exact (they are timed against the library's kernel, so they must move the same bytes)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from torchembed.functional.rope import rope_cos_sin  # noqa: E402
+from torchembed.kernels import rotary_fused  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "probe_bandwidth.py"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("probe_bandwidth", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_copy_kernels_copy_every_element():
+    probe = _load()
+    n = 5000 + 37  # not a multiple of any block
+    x = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device=DEV)
+    y = torch.full_like(x, -1)
+    probe._copy[(-(-n // 256),)](x, y, n, BLOCK=256)
+    assert torch.equal(x, y)
+    y.fill_(-1)
+    probe._copy_persistent[(3,)](x, y, n, BLOCK=256, STAGES=1)  # 3 programs loop over 20 tiles
+    assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("programs", [1, 7])
+def test_persistent_rope_matches_the_library_kernel(programs):
+    probe = _load()
+    gen = torch.Generator().manual_seed(programs)
+    B, S, Hq, Hk, D = 2, 37, 4, 2, 16
+    q = torch.randn(B, S, Hq, D, generator=gen).to(DEV, torch.bfloat16).transpose(1, 2)
+    k = torch.randn(B, S, Hk, D, generator=gen).to(DEV, torch.bfloat16).transpose(1, 2)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device=DEV).float() / D))
+    cos, sin = rope_cos_sin(inv, (torch.arange(S, device=DEV) + 5).expand(B, S))
+    expected = rotary_fused(q, k, cos, sin)
+    got = probe.rope_persistent(q, k, cos, sin, programs, 16, 4, 1)
+    for g, e in zip(got, expected):  # same float32 math; the interpreter rounds to bf16 by truncation
+        torch.testing.assert_close(g.float(), e.float(), rtol=2**-7, atol=2**-7)
+
+
+def test_library_settings_restores_the_kernel_module():
+    probe = _load()
+    rope_triton = probe.rope_triton
+    before = rope_triton._X_FIRST, rope_triton._HPP_CANDIDATES
+    with probe.library_settings({"_X_FIRST": not before[0], "_HPP_CANDIDATES": (2,)}):
+        assert (rope_triton._X_FIRST, rope_triton._HPP_CANDIDATES) == (not before[0], (2,))
+    assert (rope_triton._X_FIRST, rope_triton._HPP_CANDIDATES) == before
