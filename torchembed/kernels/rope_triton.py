@@ -40,17 +40,20 @@ __all__ = ["rope_forward", "rope_tables_inplace"]
 
 
 @triton.jit
+def _pair_dims(HALF: tl.constexpr, BLOCK_D: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Dims of the BLOCK_D pair lanes: (first, second, lane < HALF)."""
+    j = tl.arange(0, BLOCK_D)
+    if INTERLEAVED:
+        return 2 * j, 2 * j + 1, j < HALF
+    return j, j + HALF, j < HALF
+
+
+@triton.jit
 def _load_pairs(x_ptr, x_row, s_mask, HALF: tl.constexpr, BLOCK_D: tl.constexpr, INTERLEAVED: tl.constexpr,
                 CDT: tl.constexpr):
     """The rotated pairs (x1, x2) of BLOCK_S token rows, each [BLOCK_S, BLOCK_D] in the compute dtype."""
-    j = tl.arange(0, BLOCK_D)
-    if INTERLEAVED:
-        d1 = 2 * j
-        d2 = 2 * j + 1
-    else:
-        d1 = j
-        d2 = j + HALF
-    m = s_mask[:, None] & (j < HALF)[None, :]
+    d1, d2, j_mask = _pair_dims(HALF, BLOCK_D, INTERLEAVED)
+    m = s_mask[:, None] & j_mask[None, :]
     xp = x_ptr + x_row[:, None]
     return (tl.load(xp + d1[None, :], mask=m, other=0.0).to(CDT),
             tl.load(xp + d2[None, :], mask=m, other=0.0).to(CDT))
@@ -75,14 +78,8 @@ def _store_rotated(
     HAS_PASS: tl.constexpr,
     EMULATE_RTNE: tl.constexpr,
 ):
-    j = tl.arange(0, BLOCK_D)
-    if INTERLEAVED:
-        d1 = 2 * j
-        d2 = 2 * j + 1
-    else:
-        d1 = j
-        d2 = j + HALF
-    m = s_mask[:, None] & (j < HALF)[None, :]
+    d1, d2, j_mask = _pair_dims(HALF, BLOCK_D, INTERLEAVED)
+    m = s_mask[:, None] & j_mask[None, :]
     op = o_ptr + o_row[:, None]
     y1 = x1 * c - x2 * s
     y2 = x2 * c + x1 * s
