@@ -1,14 +1,16 @@
 """What a memory-bound kernel can reach on this GPU at the RoPE benchmark's sizes (CUDA only).
 
-For each size, the same bytes are moved by: ``copy_`` of one flat buffer (PyTorch's copy kernel),
-Triton copy kernels (one tile per program; persistent programs looping over tiles, with and
-without software pipelining), the fused RoPE kernel on q and k (HF layout; per-batch float32
-tables, one shared table row per token, and angles computed in the kernel) and an experimental
-persistent RoPE kernel. Every variant is timed as device time (replayed from a CUDA graph of 10
-calls) in ``--repeats`` interleaved rounds, so a slow spell of the GPU hits all of them alike;
-``copy_`` is also timed with ``do_bench`` (how the floor bandwidth is measured).
+For each size, the same bytes are moved by ``copy_`` of one flat buffer (PyTorch's copy kernel)
+and by the fused RoPE kernel on q and k (HF layout; per-batch float32 tables, one shared table
+row per token, angles computed in the kernel from position ids or an int offset). Group ``copy``
+adds Triton copy kernels (one tile per program; persistent programs looping over tiles, with and
+without software pipelining) and an experimental persistent RoPE kernel; group ``rope`` adds the
+RoPE kernel with its q/k loads issued first (``X_FIRST``) and, for tables, two heads per program.
+Every variant is timed as device time (replayed from a CUDA graph of 10 calls) in ``--repeats``
+interleaved rounds, so a slow spell of the GPU hits all of them alike; ``copy_`` is also timed with
+``do_bench`` (how the floor bandwidth is measured).
 
-    python scripts/probe_bandwidth.py [--json out.json] [--repeats 5]
+    python scripts/probe_bandwidth.py [--json out.json] [--repeats 5] [--groups copy rope]
 
 The floor is the bytes over the 1 GiB ``copy_`` bandwidth (``torchembed.tools.bench``).
 """
