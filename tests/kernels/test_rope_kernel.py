@@ -283,7 +283,7 @@ def test_angles_from_inv_freq_group_two_heads_per_program(monkeypatch, poisoned)
     monkeypatch.setattr(rope_triton, "_HPP_MIN_PROGRAMS", 0)
     monkeypatch.setattr(rope_triton, "_CFG", {})
     grid, meta, nqg, _ = rope_triton._make_config(2, 4, 2, 9, 64, 32, torch.float32, 1, True, False, False, False)
-    assert meta["HPP"] == 2 and nqg == 2 and meta["num_warps"] == rope_triton._WARPS_ANGLES_GROUPED
+    assert meta["HPP"] == 2 and nqg == 2 and meta["num_warps"] == rope_triton._WARPS_GROUPED
     tables = rope_triton._make_config(2, 4, 2, 9, 64, 32, torch.float32, 1, False, False, False, False)
     assert tables[1]["HPP"] == 1  # cos/sin tables: one head per program
     run_case(B=2, Hq=4, Hk=2, S=9, D=64, source="inv_freq", pos_mode="batch")

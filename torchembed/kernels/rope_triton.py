@@ -262,7 +262,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # of the copy floor) and beat the tables by 1-2 points (no table bytes to read).
 _HPP_CANDIDATES: tuple[int, ...] = ()
 _HPP_CANDIDATES_ANGLES: tuple[int, ...] = (2,)
-_WARPS_ANGLES_GROUPED = 8
+_WARPS_GROUPED = 8  # warps of a program that rotates several heads
 # Grid order: head groups fastest, so the programs running together cover whole tokens
 # (contiguous (H, D) rows in HF's (B, S, H, D) memory); +3-17 points of the copy floor.
 _HEADS_FAST = True
@@ -290,8 +290,8 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
     has_pass = (not inplace) and 2 * half < D
     lanes = block_s * block_d
     num_warps = 1 if lanes <= 128 else 2 if lanes <= 512 else 4
-    if use_inv_freq and hpp > 1:
-        num_warps = _WARPS_ANGLES_GROUPED
+    if hpp > 1:
+        num_warps = _WARPS_GROUPED
     meta = dict(
         HALF=half,
         D=D,
