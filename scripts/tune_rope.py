@@ -37,7 +37,7 @@ def _configure(tile: int, hpp: int, warps: int):
 
     def config(*a):
         rope_triton._TILE_PAIRS, rope_triton._HPP_MIN_PROGRAMS = tile, 0
-        rope_triton._HPP_CANDIDATES = rope_triton._HPP_CANDIDATES_ANGLES = (hpp,)
+        rope_triton._HPP_CANDIDATES = (hpp,)
         grid, meta, nqg, constexprs = original(*a)
         return grid, dict(meta, num_warps=warps), nqg, constexprs
 
@@ -76,7 +76,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     saved = {n: getattr(rope_triton, n) for n in
-             ("_make_config", "_TILE_PAIRS", "_HPP_MIN_PROGRAMS", "_HPP_CANDIDATES", "_HPP_CANDIDATES_ANGLES")}
+             ("_make_config", "_TILE_PAIRS", "_HPP_MIN_PROGRAMS", "_HPP_CANDIDATES")}
     bandwidth = copy_bandwidth(device)  # bytes/s, read + write
     print(f"copy bandwidth (1 GiB) {bandwidth / 1e9:.0f} GB/s", flush=True)
     out = {"copy_bandwidth_gbs": bandwidth / 1e9, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -56,6 +56,6 @@ def test_library_settings_restores_the_kernel_module():
     probe = _load()
     rope_triton = probe.rope_triton
     before = rope_triton._X_FIRST, rope_triton._HPP_CANDIDATES
-    with probe.library_settings({"_X_FIRST": not before[0], "_HPP_CANDIDATES": (2,)}):
-        assert (rope_triton._X_FIRST, rope_triton._HPP_CANDIDATES) == (not before[0], (2,))
+    with probe.library_settings({"_X_FIRST": not before[0], "_HPP_CANDIDATES": (4,)}):
+        assert (rope_triton._X_FIRST, rope_triton._HPP_CANDIDATES) == (not before[0], (4,))
     assert (rope_triton._X_FIRST, rope_triton._HPP_CANDIDATES) == before

@@ -277,15 +277,20 @@ def test_heads_per_program_grouping(monkeypatch, poisoned):
     run_case(B=2, Hq=4, Hk=2, S=9, D=64, R=32, interleaved=True, inplace=True, pos_mode="ids")
 
 
-def test_angles_from_inv_freq_group_two_heads_per_program(monkeypatch, poisoned):
-    # Computing cos/sin in the kernel: prefill-sized grids share that work between two heads of
-    # a program (8 warps); the default candidates, forced at a small size.
+def test_prefill_grids_group_two_heads_per_program(monkeypatch, poisoned):
+    # Prefill-sized grids share the cos/sin work (in-kernel angles or table loads) between two
+    # heads of a program (8 warps); decode-sized grids keep one head per program. The default
+    # candidates, forced at a small size.
     monkeypatch.setattr(rope_triton, "_HPP_MIN_PROGRAMS", 0)
     monkeypatch.setattr(rope_triton, "_CFG", {})
-    grid, meta, nqg, _ = rope_triton._make_config(2, 4, 2, 9, 64, 32, torch.float32, 1, True, False, False, False)
-    assert meta["HPP"] == 2 and nqg == 2 and meta["num_warps"] == rope_triton._WARPS_GROUPED
-    tables = rope_triton._make_config(2, 4, 2, 9, 64, 32, torch.float32, 1, False, False, False, False)
-    assert tables[1]["HPP"] == 1  # cos/sin tables: one head per program
+    for use_inv_freq in (True, False):
+        grid, meta, nqg, _ = rope_triton._make_config(2, 4, 2, 9, 64, 32, torch.float32, 1, use_inv_freq, False,
+                                                      False, False)
+        assert meta["HPP"] == 2 and nqg == 2 and meta["num_warps"] == rope_triton._WARPS_GROUPED
+    monkeypatch.setattr(rope_triton, "_HPP_MIN_PROGRAMS", 4096)
+    decode = rope_triton._make_config(32, 32, 8, 1, 128, 64, torch.bfloat16, 0, False, False, False, True)
+    assert decode[1]["HPP"] == 1  # 32 x 40 programs: below the threshold
+    run_case(B=2, Hq=4, Hk=2, S=9, D=64)  # tables, two heads per program
     run_case(B=2, Hq=4, Hk=2, S=9, D=64, source="inv_freq", pos_mode="batch")
     run_case(B=2, Hq=4, Hk=2, S=9, D=64, R=32, source="inv_freq", pos_mode="ids", interleaved=True, inplace=True,
              dtype=torch.bfloat16)

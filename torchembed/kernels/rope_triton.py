@@ -255,13 +255,12 @@ _TILE_PAIRS = 1024
 # in-kernel angles measured 0.0166 vs 0.0209 ms for one (H200, scripts/tune_rope.py, 2026-11-30).
 _HPP_MIN_PROGRAMS = 4096
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Heads per program, largest first that divides both head counts (prefill-sized grids only).
-# Measured on an H200 (scripts/tune_rope.py, 2026-11-29): with cos/sin tables one head per
-# program (heads-fast order, 1024-pair tiles) was best at every large shape; when the kernel
-# computes cos/sin from inv_freq, two heads per program with 8 warps share that work (71 -> 91-95 %
-# of the copy floor) and beat the tables by 1-2 points (no table bytes to read).
-_HPP_CANDIDATES: tuple[int, ...] = ()
-_HPP_CANDIDATES_ANGLES: tuple[int, ...] = (2,)
+# Heads per program, largest first that divides both head counts (prefill-sized grids only), with
+# _WARPS_GROUPED warps. Measured on an H200 (scripts/tune_rope.py, scripts/probe_bandwidth.py): with
+# in-kernel angles two heads share the cos/sin work (71 -> 91-95 % of the copy floor, 2026-11-29);
+# with tables, two heads and 8 warps reached 93.9 / 95.4 / 96.2 % at 4 x 4096, 1 x 32768 and
+# 8 x 2048 h64 against 93.0 / 94.6 / 95.8 % for one head and 4 warps (2026-11-30, device time).
+_HPP_CANDIDATES: tuple[int, ...] = (2,)
 _WARPS_GROUPED = 8  # warps of a program that rotates several heads
 # Grid order: head groups fastest, so the programs running together cover whole tokens
 # (contiguous (H, D) rows in HF's (B, S, H, D) memory); +3-17 points of the copy floor.
@@ -283,7 +282,7 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
     n_s = triton.cdiv(S, block_s)
     hpp = 1
     if n_s * B * (Hq + Hk) >= _HPP_MIN_PROGRAMS:
-        for cand in _HPP_CANDIDATES_ANGLES if use_inv_freq else _HPP_CANDIDATES:
+        for cand in _HPP_CANDIDATES:
             if Hq % cand == 0 and Hk % cand == 0:
                 hpp = cand
                 break
