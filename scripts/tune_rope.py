@@ -49,6 +49,7 @@ def _reset(saved: dict) -> None:
         setattr(rope_triton, name, value)
     rope_triton._CFG.clear()
     rope_triton._COMPILED.clear()
+    rope_triton._HOT.clear()
 
 
 def host_us(fn, calls: int = 50) -> float:
@@ -137,6 +138,7 @@ def main() -> None:
                 rope_triton._make_config = _configure(tile, hpp, warps)
                 rope_triton._CFG.clear()
                 rope_triton._COMPILED.clear()
+                rope_triton._HOT.clear()
                 try:
                     times[source, tile, hpp, warps].append(triton.testing.do_bench(sources[source], return_mode="median"))
                 finally:

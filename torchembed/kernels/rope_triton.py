@@ -18,7 +18,7 @@ when a kernel is about to run.  Input validation lives in ``rope_op`` (the publi
 Grid: ``(cdiv(S, BLOCK_S), Hq // HPP + Hk // HPP, B)``.  Axis 1 enumerates head groups of q
 first, then of k, so q and k are rotated by ONE launch; a program loads the cos/sin (or
 computes them from inv_freq) for its BLOCK_S tokens once and applies them to HPP heads
-(HPP = 1 for decode-sized grids, for parallelism; up to 4 for prefill); the first heads' q/k
+(HPP = 1 for decode-sized grids, for parallelism; 2 for prefill-sized ones); the first heads' q/k
 loads are issued before that cos/sin work, so their latency overlaps it.  Batch is grid axis
 2, so B <= 65535.
 
