@@ -678,10 +678,12 @@ def _cases(draw):
     half = draw(st.integers(1, D // 2))
     pos_mode = draw(st.sampled_from(["none", "int", "batch", "ids", "ids1"]))
     source = "table" if pos_mode == "none" else draw(st.sampled_from(["table", "inv_freq"]))
+    grouped = draw(st.booleans())  # two heads per program, as prefill-sized grids run: even head counts
     return dict(
         B=draw(st.integers(1, 2)),
-        Hq=draw(st.integers(1, 4)),
-        Hk=draw(st.integers(1, 3)),
+        Hq=2 * draw(st.integers(1, 2)) if grouped else draw(st.integers(1, 4)),
+        Hk=2 if grouped else draw(st.integers(1, 3)),
+        grouped=grouped,
         S=draw(st.integers(1, 24)),
         D=D,
         R=2 * half,
@@ -699,17 +701,28 @@ def _cases(draw):
     )
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_cases())
 def test_hypothesis_random_cases(case):
     seed = case.pop("seed")
     backend = case.pop("backend")
+    grouped = case.pop("grouped")
     old = os.environ.get("TORCHEMBED_DISABLE_TRITON")
     if backend == "torch":
         os.environ["TORCHEMBED_DISABLE_TRITON"] = "1"
+    min_programs = rope_triton._HPP_MIN_PROGRAMS
+    rope_triton._CFG.clear()  # launch configs are cached per shape, not per threshold
     try:
+        if grouped:
+            rope_triton._HPP_MIN_PROGRAMS = 0
+            if backend == "triton":
+                grid, meta, _, _ = rope_triton._make_config(case["B"], case["Hq"], case["Hk"], case["S"], case["D"],
+                                                            case["R"] // 2, case["dtype"], 0, False, False, False, False)
+                assert meta["HPP"] == 2
         run_case(gen=torch.Generator().manual_seed(seed), **case)
     finally:
+        rope_triton._HPP_MIN_PROGRAMS = min_programs
+        rope_triton._CFG.clear()
         if old is None:
             os.environ.pop("TORCHEMBED_DISABLE_TRITON", None)
         else:
