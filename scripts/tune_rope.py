@@ -47,9 +47,7 @@ def _configure(tile: int, hpp: int, warps: int):
 def _reset(saved: dict) -> None:
     for name, value in saved.items():
         setattr(rope_triton, name, value)
-    rope_triton._CFG.clear()
-    rope_triton._COMPILED.clear()
-    rope_triton._HOT.clear()
+    rope_triton.clear_launch_caches()
 
 
 def host_us(fn, calls: int = 50) -> float:
@@ -136,9 +134,7 @@ def main() -> None:
         for _ in range(args.repeats):  # interleaved: a slow spell of the GPU hits every setting alike
             for source, tile, hpp, warps in space:
                 rope_triton._make_config = _configure(tile, hpp, warps)
-                rope_triton._CFG.clear()
-                rope_triton._COMPILED.clear()
-                rope_triton._HOT.clear()
+                rope_triton.clear_launch_caches()
                 try:
                     times[source, tile, hpp, warps].append(triton.testing.do_bench(sources[source], return_mode="median"))
                 finally:

@@ -55,7 +55,7 @@ def test_persistent_rope_matches_the_library_kernel(programs):
 def test_library_settings_restores_the_kernel_module():
     probe = _load()
     rope_triton = probe.rope_triton
-    before = rope_triton._X_FIRST, rope_triton._HPP_CANDIDATES
-    with probe.library_settings({"_X_FIRST": not before[0], "_HPP_CANDIDATES": (4,)}):
-        assert (rope_triton._X_FIRST, rope_triton._HPP_CANDIDATES) == (not before[0], (4,))
-    assert (rope_triton._X_FIRST, rope_triton._HPP_CANDIDATES) == before
+    before = rope_triton._TILE_PAIRS, rope_triton._HPP_CANDIDATES
+    with probe.library_settings({"_TILE_PAIRS": 512, "_HPP_CANDIDATES": (4,)}):
+        assert (rope_triton._TILE_PAIRS, rope_triton._HPP_CANDIDATES) == (512, (4,))
+    assert (rope_triton._TILE_PAIRS, rope_triton._HPP_CANDIDATES) == before

@@ -711,7 +711,7 @@ def test_hypothesis_random_cases(case):
     if backend == "torch":
         os.environ["TORCHEMBED_DISABLE_TRITON"] = "1"
     min_programs = rope_triton._HPP_MIN_PROGRAMS
-    rope_triton._CFG.clear()  # launch configs are cached per shape, not per threshold
+    rope_triton.clear_launch_caches()  # launch configs are kept per shape, not per threshold
     try:
         if grouped:
             rope_triton._HPP_MIN_PROGRAMS = 0
@@ -722,7 +722,7 @@ def test_hypothesis_random_cases(case):
         run_case(gen=torch.Generator().manual_seed(seed), **case)
     finally:
         rope_triton._HPP_MIN_PROGRAMS = min_programs
-        rope_triton._CFG.clear()
+        rope_triton.clear_launch_caches()
         if old is None:
             os.environ.pop("TORCHEMBED_DISABLE_TRITON", None)
         else:

@@ -132,28 +132,24 @@ def _rotate_heads(
     cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
     HALF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HPP: tl.constexpr,
     POS_MODE: tl.constexpr, USE_INV_FREQ: tl.constexpr, INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
-    HAS_PASS: tl.constexpr, CDT: tl.constexpr, EMULATE_RTNE: tl.constexpr, X_FIRST: tl.constexpr,
+    HAS_PASS: tl.constexpr, CDT: tl.constexpr, EMULATE_RTNE: tl.constexpr,
 ):
-    """Rotate heads h0 .. h0 + HPP - 1 of x into o for BLOCK_S tokens; cos/sin made once."""
+    """Rotate heads h0 .. h0 + HPP - 1 of x into o for BLOCK_S tokens; cos/sin made once.  The first
+    two heads' loads are issued before the positions / tables / angles work, so their memory latency
+    overlaps it (in-kernel angles at 4 x 4096 on an H200: 89.7 -> 97.1 % of the copy floor)."""
     x_row = b * sx_b + h0 * sx_h + s64 * sx_s
     o_row = b * so_b + h0 * so_h + s64 * so_s
-    if X_FIRST:  # the first two heads' loads go out before the positions / tables / angles work
-        x1, x2 = _load_pairs(x_ptr, x_row, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
-        if HPP > 1:
-            x_row1 = x_row + sx_h
-            x1b, x2b = _load_pairs(x_ptr, x_row1, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
-        c, sn = _cos_sin(cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, b, s64, s_mask, sc_b, sc_s, sp_b, sp_s,
-                         pos_offset, scale, HALF, BLOCK_D, POS_MODE, USE_INV_FREQ, CONJUGATE, CDT)
-    else:
-        c, sn = _cos_sin(cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, b, s64, s_mask, sc_b, sc_s, sp_b, sp_s,
-                         pos_offset, scale, HALF, BLOCK_D, POS_MODE, USE_INV_FREQ, CONJUGATE, CDT)
-        x1, x2 = _load_pairs(x_ptr, x_row, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
+    x1, x2 = _load_pairs(x_ptr, x_row, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
+    if HPP > 1:
+        x1b, x2b = _load_pairs(x_ptr, x_row + sx_h, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
+    c, sn = _cos_sin(cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, b, s64, s_mask, sc_b, sc_s, sp_b, sp_s,
+                     pos_offset, scale, HALF, BLOCK_D, POS_MODE, USE_INV_FREQ, CONJUGATE, CDT)
     _store_rotated(x_ptr, o_ptr, x_row, o_row, x1, x2, c, sn, s_mask,
                    HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, EMULATE_RTNE)
-    if X_FIRST and HPP > 1:
-        _store_rotated(x_ptr, o_ptr, x_row1, o_row + so_h, x1b, x2b, c, sn, s_mask,
+    if HPP > 1:
+        _store_rotated(x_ptr, o_ptr, x_row + sx_h, o_row + so_h, x1b, x2b, c, sn, s_mask,
                        HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, EMULATE_RTNE)
-    for i in tl.static_range(2 if X_FIRST else 1, HPP):
+    for i in tl.static_range(2, HPP):
         x_row = b * sx_b + (h0 + i) * sx_h + s64 * sx_s
         o_row = b * so_b + (h0 + i) * so_h + s64 * so_s
         x1, x2 = _load_pairs(x_ptr, x_row, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
@@ -206,7 +202,6 @@ def _rope_kernel(
     CDT: tl.constexpr,  # compute dtype: float32 (float64 for float64 inputs)
     EMULATE_RTNE: tl.constexpr,  # interpreter-only bf16 rounding fix (see _round_f32_to_bf16_rtne)
     HEADS_FAST: tl.constexpr,  # grid axis 0 enumerates head groups (else token blocks)
-    X_FIRST: tl.constexpr,  # issue the first two heads' q/k loads before the cos/sin work
 ):
     if HEADS_FAST:  # consecutive programs take neighbouring heads of the same tokens
         pid_h = tl.program_id(0)
@@ -225,7 +220,7 @@ def _rope_kernel(
             sq_b, sq_h, sq_s, sqo_b, sqo_h, sqo_s,
             cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
             HALF, D, BLOCK_D, BLOCK_P, HPP, POS_MODE, USE_INV_FREQ, INTERLEAVED, CONJUGATE, HAS_PASS, CDT,
-            EMULATE_RTNE, X_FIRST,
+            EMULATE_RTNE,
         )
     else:
         _rotate_heads(
@@ -233,7 +228,7 @@ def _rope_kernel(
             sk_b, sk_h, sk_s, sko_b, sko_h, sko_s,
             cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
             HALF, D, BLOCK_D, BLOCK_P, HPP, POS_MODE, USE_INV_FREQ, INTERLEAVED, CONJUGATE, HAS_PASS, CDT,
-            EMULATE_RTNE, X_FIRST,
+            EMULATE_RTNE,
         )
 
 
@@ -265,11 +260,6 @@ _WARPS_GROUPED = 8  # warps of a program that rotates several heads
 # Grid order: head groups fastest, so the programs running together cover whole tokens
 # (contiguous (H, D) rows in HF's (B, S, H, D) memory); +3-17 points of the copy floor.
 _HEADS_FAST = True
-# Load order: a program issues its q/k loads (first two heads) before the positions / tables / angle
-# work, so their memory latency overlaps that work. Measured on an H200 (scripts/probe_bandwidth.py,
-# 2026-11-30, device time): with in-kernel angles 89.7 -> 97.1 % of the copy floor at 4 x 4096
-# (position ids) and 95.0 -> 97.1 % (int offset); with tables no change (93.0 -> 93.4 %).
-_X_FIRST = True
 
 
 def _next_pow2(n: int) -> int:
@@ -306,13 +296,27 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
         CDT=tl.float64 if dtype == torch.float64 else tl.float32,
         EMULATE_RTNE=_INTERPRET and dtype == torch.bfloat16,
         HEADS_FAST=_HEADS_FAST and n_s < 65536,  # grid axis 1 is limited to 65535
-        X_FIRST=_X_FIRST,
         num_warps=num_warps,
     )
     n_h = Hq // hpp + Hk // hpp
     grid = (n_h, n_s, B) if meta["HEADS_FAST"] else (n_s, n_h, B)
     constexprs = tuple(meta[name] for name in _CONSTEXPR_NAMES)  # signature order, for direct launch
     return grid, meta, Hq // hpp, constexprs
+
+
+def _config(key: tuple) -> tuple:
+    """The launch configuration of a ``rope_forward`` key, made once and kept in ``_CFG``."""
+    if len(_CFG) >= _CFG_MAX:
+        _CFG.clear()
+    (B, Hq, S, D), Hk, *rest = key
+    cfg = _CFG[key] = _make_config(B, Hq, Hk, S, D, *rest)
+    return cfg
+
+
+def clear_launch_caches() -> None:
+    """Forget every kept launch configuration and compiled kernel (after changing a tuning knob)."""
+    for cache in (_CFG, _COMPILED, _HOT):
+        cache.clear()
 
 
 def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
@@ -330,14 +334,7 @@ def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale,
     pos_mode = 0 if positions is None else positions.dim()
     inplace = qo is q
     key = (qshape, k.shape[1], half, q.dtype, pos_mode, use_inv_freq, interleaved, conjugate, inplace)
-    cfg = _CFG.get(key)
-    if cfg is None:
-        if len(_CFG) >= _CFG_MAX:
-            _CFG.clear()
-        B, Hq, S, D = qshape
-        cfg = _CFG[key] = _make_config(B, Hq, k.shape[1], S, D, half, q.dtype, pos_mode, use_inv_freq,
-                                       interleaved, conjugate, inplace)
-    grid, meta, nqg, constexprs = cfg
+    grid, meta, nqg, constexprs = _CFG.get(key) or _config(key)
     S = qshape[2]
 
     if use_inv_freq:
@@ -411,10 +408,10 @@ def rope_tables_inplace(q, k, cos, sin) -> None:
     if compiled is not None and aligned and _DIRECT:
         if len(_HOT) >= _CFG_MAX:
             _HOT.clear()
-        S = q.shape[2]
-        grid, _, nqg, constexprs = _CFG[(q.shape, k.shape[1], cos.shape[-1], q.dtype, 0, False, False, False, True)]
+        cfg_key = (q.shape, k.shape[1], cos.shape[-1], q.dtype, 0, False, False, False, True)  # rope_forward's key
+        grid, _, nqg, constexprs = _CFG.get(cfg_key) or _config(cfg_key)
         sc_b = sc[0] if cos.shape[0] != 1 else 0
-        _HOT[key] = (compiled.run, compiled.function, compiled.packed_metadata, grid, S, nqg, sc_b, constexprs)
+        _HOT[key] = (compiled.run, compiled.function, compiled.packed_metadata, grid, q.shape[2], nqg, sc_b, constexprs)
 
 
 # ------------------------------------------------------------------------------------------
@@ -461,5 +458,5 @@ def _direct_launch(spec, grid, meta, args, device_index):
 
 _CONSTEXPR_NAMES = (
     "HALF", "D", "BLOCK_D", "BLOCK_P", "BLOCK_S", "HPP", "POS_MODE", "USE_INV_FREQ", "INTERLEAVED",
-    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST", "X_FIRST",
+    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST",
 )
