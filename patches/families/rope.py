@@ -1,11 +1,13 @@
-"""RoPE families (LLaMA, Mistral, Falcon with rotary): torchembed's tables and rotation.
+"""RoPE families (LLaMA, Mistral, Falcon with rotary): torchembed's angles and rotation.
 
 Two components per model:
 
 * the model's rotary module (``LlamaRotaryEmbedding`` ...) becomes :class:`HFRotaryEmbedding`:
-  same frequencies for every ``rope_type`` (from :mod:`torchembed.functional`), but it returns
-  float32 half tables ``(b, s, r/2)`` instead of duplicated ``(b, s, d)`` tables rounded to the
-  activation dtype;
+  same frequencies for every ``rope_type`` (from :mod:`torchembed.functional`). Where the fused
+  kernel will rotate (Triton, a CUDA device, no attention scaling) it returns the position ids and
+  ``inv_freq`` themselves and the kernel computes the angles (no cos/sin tables are made or read);
+  elsewhere float32 half tables ``(b, s, r/2)`` instead of upstream's duplicated ``(b, s, d)``
+  tables rounded to the activation dtype;
 * each attention module's ``apply_rotary_pos_emb`` (a module global in HF) is rebound, for that
   instance only, to torchembed's rotation: the fused Triton kernel (q and k in one launch) where
   it can run, the float32 PyTorch reference elsewhere. Both round once, so bf16 results are at
@@ -49,16 +51,24 @@ def rope_parameters_of(config: Any) -> dict[str, Any]:
 class HFRotaryEmbedding(nn.Module):
     """Drop-in for an HF rotary module: ``forward(x, position_ids) -> (cos, sin)``.
 
-    Returns float32 half tables ``(b, s, r/2)`` (``r`` = rotary dim); the patched attention's
-    rotation reads them. Length-dependent rope types behave as upstream: ``dynamic`` grows the
-    base once a sequence exceeds ``max_position_embeddings`` and resets below it; ``longrope``
-    switches to the long factors past ``original_max_position_embeddings``. No parameters, no
-    persistent buffers: ``state_dict`` is unchanged by the swap.
+    Returns what the patched attention's rotation (:func:`make_apply_rotary_pos_emb`) reads:
+
+    * ``(position_ids, inv_freq)`` (int ``(b, s)``, float32 ``(r/2,)``; ``r`` = rotary dim) when
+      ``angles_in_kernel`` is set, the fused kernel can run on ``x`` and the rope type has no
+      attention scaling: the kernel computes ``cos``/``sin`` of ``position_ids * inv_freq`` in
+      float32 itself, so no tables are made or read;
+    * float32 half tables ``(b, s, r/2)`` otherwise.
+
+    Length-dependent rope types behave as upstream: ``dynamic`` grows the base once a sequence
+    exceeds ``max_position_embeddings`` and resets below it; ``longrope`` switches to the long
+    factors past ``original_max_position_embeddings``. No parameters, no persistent buffers:
+    ``state_dict`` is unchanged by the swap.
     """
 
-    def __init__(self, config: Any, device: torch.device | str | None = None) -> None:
+    def __init__(self, config: Any, device: torch.device | str | None = None, angles_in_kernel: bool = True) -> None:
         super().__init__()
         self.config = config
+        self.angles_in_kernel = angles_in_kernel
         self.rope_parameters = rope_parameters_of(config)
         self.rope_type = self.rope_parameters.get("rope_type", "default")
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -85,7 +95,8 @@ class HFRotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: Tensor, position_ids: Tensor, layer_type: str | None = None) -> tuple[Tensor, Tensor]:
-        """``x`` gives the device; ``position_ids`` ``(b, s)`` -> ``(cos, sin)`` each ``(b, s, r/2)`` float32."""
+        """``x`` gives the device; ``position_ids`` ``(b, s)`` -> ``(position_ids, inv_freq)`` for the
+        kernel, or ``(cos, sin)`` each ``(b, s, r/2)`` float32 (see the class docstring)."""
         if layer_type is not None:
             raise ValueError("per-layer-type rope (layer_type=...) is not supported by torchembed's rotary module")
         position_ids = position_ids.to(self.inv_freq.device)
@@ -95,6 +106,8 @@ class HFRotaryEmbedding(nn.Module):
             original = self.rope_parameters["original_max_position_embeddings"]
             long = torch.max(position_ids) + 1 > original
             self.inv_freq.copy_(torch.where(long, self.long_inv_freq, self.original_inv_freq))
+        if self.angles_in_kernel and self.attention_scaling == 1.0 and kernels.kernel_can_run(x):
+            return position_ids, self.inv_freq
         return rope_cos_sin(self.inv_freq, position_ids, self.attention_scaling)
 
     def _dynamic_update(self, position_ids: Tensor) -> None:
@@ -109,7 +122,8 @@ class HFRotaryEmbedding(nn.Module):
             self.max_seq_len_cached = self.original_max_seq_len
 
     def extra_repr(self) -> str:
-        return f"rope_type={self.rope_type!r}, rotary_dim={self.rotary_dim}, scaling={self.attention_scaling:g}"
+        return (f"rope_type={self.rope_type!r}, rotary_dim={self.rotary_dim}, scaling={self.attention_scaling:g}, "
+                f"angles_in_kernel={self.angles_in_kernel}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,24 +131,31 @@ def make_apply_rotary_pos_emb(fused: bool | None, upstream: Callable[..., Any]) 
     """torchembed's ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (HF's signature).
 
     ``q``: ``(b, h, s, d)`` (``unsqueeze_dim=1``) or ``(b, s, h, d)`` (``unsqueeze_dim=2``), ``k``
-    likewise with its own head count; ``cos``/``sin``: :class:`HFRotaryEmbedding`'s ``(b, s, r/2)``
-    float32 tables. Upstream's duplicated ``(b, s, d)`` tables are passed to ``upstream``.
+    likewise with its own head count; ``cos``/``sin``: what :class:`HFRotaryEmbedding` returns,
+    integer position ids ``(b, s)`` and ``inv_freq`` ``(r/2,)`` (angles computed in the kernel, or
+    here where it cannot run) or float32 half tables ``(b, s, r/2)``. Upstream's duplicated
+    ``(b, s, d)`` tables are passed to ``upstream``.
     One function per (fused, upstream), so patched models share their rebound attention code.
     """
     use_triton = fused is not False and kernels.triton_available()
 
     def apply_rotary_pos_emb(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1):
-        if cos.shape[-1] == q.shape[-1]:  # an upstream table, not ours
+        angles = not cos.is_floating_point()  # (position_ids, inv_freq)
+        if not angles and cos.shape[-1] == q.shape[-1]:  # an upstream table, not ours
             return upstream(q, k, cos, sin, unsqueeze_dim)
         if use_triton and kernels.kernel_can_run(q):
             if unsqueeze_dim == 2:  # (b, s, h, d): view as (b, h, s, d)
                 q_out, k_out = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
                 return q_out.transpose(1, 2), k_out.transpose(1, 2)
             if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)) and not torch.compiler.is_compiling():
-                # Inference: rotate the fresh projections in place, no checks (the tables are
+                # Inference: rotate the fresh projections in place, no checks (the inputs are
                 # ours): the per-layer host cost is one kernel launch.
-                return kernels.rotary_tables_(q, k, cos, sin)
+                return kernels.rotary_angles_(q, k, cos, sin) if angles else kernels.rotary_tables_(q, k, cos, sin)
+            if angles:
+                return kernels.rotary_fused(q, k, inv_freq=sin, positions=cos)
             return kernels.rotary_fused(q, k, cos, sin)
+        if angles:  # the kernel cannot run on this device (e.g. a layer offloaded to the CPU)
+            cos, sin = rope_cos_sin(sin, cos)
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
@@ -154,7 +175,8 @@ class SwapRotaryModule:
             for name, child in parent.named_children():
                 if type(child).__name__ in self.class_names:
                     device = getattr(child, "inv_freq", torch.empty(0)).device
-                    new = HFRotaryEmbedding(getattr(child, "config", config), device=None if device.type == "meta" else device)
+                    new = HFRotaryEmbedding(getattr(child, "config", config), device=None if device.type == "meta" else device,
+                                            angles_in_kernel=options.fused is not False)
                     path = f"{parent_path}.{name}" if parent_path else name
                     component = Component(path, "rope", qualname(child), qualname(new))
                     actions.append(SwapModule(component, parent, name, new))

@@ -20,23 +20,33 @@ def _tiny(name):
     return transformers.AutoModelForCausalLM.from_config(tiny_config(name)).to(DEV).eval()
 
 
+def _spy(monkeypatch, name):
+    """Record the calls of ``kernels.<name>`` (still calling it)."""
+    calls, original = [], getattr(kernels, name)
+    monkeypatch.setattr(kernels, name, lambda *a, **kw: calls.append((a, kw)) or original(*a, **kw))
+    return calls
+
+
 @pytest.mark.parametrize("name", ["llama", "falcon", "falcon-mha"])
-def test_patched_model_on_the_kernel_matches_upstream(name):
+def test_patched_model_on_the_kernel_matches_upstream(name, monkeypatch):
     upstream = _tiny(name)
     patched = torchembed.patch(copy.deepcopy(upstream), fused=True)
     ids = torch.randint(0, upstream.config.vocab_size, (2, 11), device=DEV)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     assert kernels.kernel_can_run(ids.float())
-    with torch.no_grad():  # inference: the in-place hot path
+    in_place, fused = _spy(monkeypatch, "rotary_angles_"), _spy(monkeypatch, "rotary_fused")
+    with torch.no_grad():  # inference: the in-place hot path, angles computed in the kernel
         ref = upstream(ids, attention_mask=mask).logits
         out = patched(ids, attention_mask=mask).logits
     keep = mask.bool()
     torch.testing.assert_close(out[keep], ref[keep], rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert len(in_place) == upstream.config.num_hidden_layers and not fused
 
     # training: the autograd path, gradients as upstream's
     loss_ref = upstream(ids).logits.pow(2).mean()
     loss_out = patched(ids).logits.pow(2).mean()
+    assert len(fused) == upstream.config.num_hidden_layers and all("inv_freq" in kw for _, kw in fused)
     loss_ref.backward()
     loss_out.backward()
     grads = dict(upstream.named_parameters())
@@ -136,3 +146,45 @@ def test_compiled_patched_model_calls_the_kernel_op_without_graph_breaks():
     assert sum(counters["graph_break"].values()) == 0
     assert sum("torchembed.rotary" in op for op in ops) == upstream.config.num_hidden_layers, ops
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_rotary_module_hands_the_kernel_position_ids_only_where_it_rotates(monkeypatch):
+    """Where the kernel rotates, the patched rotary module returns ``(position_ids, inv_freq)``;
+    with ``fused=False``, attention scaling (YaRN) or no kernel for the device: float32 tables. The
+    rebound rotation given position ids where the kernel cannot run computes the tables itself."""
+    from torchembed.functional.rope import rope_cos_sin
+
+    ids = torch.randint(0, 100, (2, 9), device=DEV)
+    positions = torch.arange(9, device=DEV)[None] + torch.tensor([[0], [4]], device=DEV)
+    tables = {}
+    for fused in (None, False):
+        model = torchembed.patch(_tiny("llama"), fused=fused)
+        rotary = model.model.rotary_emb
+        a, b = rotary(torch.empty(0, device=DEV), positions)
+        if fused is None:
+            assert not a.is_floating_point() and torch.equal(a, positions) and b is rotary.inv_freq
+        else:
+            assert a.dtype == b.dtype == torch.float32 and a.shape == (2, 9, rotary.rotary_dim // 2)
+            tables = (a, b)
+    torch.testing.assert_close(tables, rope_cos_sin(rotary.inv_freq, positions))
+
+    yarn = _tiny("llama")
+    yarn.config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                   "original_max_position_embeddings": 32}
+    yarn = torchembed.patch(yarn)
+    rotary = yarn.model.rotary_emb
+    assert rotary.attention_scaling != 1.0
+    assert rotary(torch.empty(0, device=DEV), positions)[0].is_floating_point()
+
+    # the rebound rotation, handed position ids where the kernel cannot run, matches the table path
+    model = torchembed.patch(_tiny("llama"))
+    attention = model.model.layers[0].self_attn
+    apply = attention.forward.__func__.__globals__["apply_rotary_pos_emb"]
+    q, k = torch.randn(2, 4, 9, 16, device=DEV), torch.randn(2, 2, 9, 16, device=DEV)
+    inv_freq = model.model.rotary_emb.inv_freq
+    monkeypatch.setenv("TORCHEMBED_DISABLE_TRITON", "1")
+    got = apply(q, k, positions, inv_freq)
+    want = apply(q, k, *rope_cos_sin(inv_freq, positions))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    monkeypatch.delenv("TORCHEMBED_DISABLE_TRITON")
+    torch.testing.assert_close(apply(q.clone(), k.clone(), positions, inv_freq), got, rtol=1e-5, atol=1e-5)

@@ -796,3 +796,52 @@ def test_hot_path_records_one_entry_per_layout_and_matches(monkeypatch):
             assert torch.equal(q_in, expected[0]) and torch.equal(k_in, expected[1]), (name, call)
         assert rope_triton._DIRECT, f"{name}: the direct launch failed and switched itself off"
         assert len(rope_triton._HOT) == entries, name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pos_batch", [1, 2])
+def test_in_place_angles_hot_path_matches_the_oracle(dtype, pos_batch):
+    """``rotary_angles_`` (the patched attention's in-place call with position ids) rotates q and k
+    in place by ``positions * inv_freq``, broadcast or per-batch positions, GQA, HF's layout."""
+    from torchembed.kernels import rotary_angles_
+
+    gen = torch.Generator().manual_seed(11 + pos_batch)
+    q, k = make_qk(2, 5, 1, 13, 64, dtype, layout="hf", gen=gen)
+    positions = torch.randint(0, 5000, (pos_batch, 13), generator=gen).to(DEV)
+    inv_freq = (1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)).to(DEV)
+    ref_q, ref_k = oracle(q, k, inv_freq=inv_freq, positions=positions)
+    q_in, k_in = q.clone(), k.clone()
+    out = rotary_angles_(q_in, k_in, positions, inv_freq)
+    assert out[0] is q_in and out[1] is k_in
+    torch.testing.assert_close(q_in.double(), ref_q, **TOL[dtype])
+    torch.testing.assert_close(k_in.double(), ref_k, **TOL[dtype])
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the hot path replays compiled CUDA kernels")
+def test_angle_hot_path_records_one_entry_per_layout_and_matches(monkeypatch):
+    """``rotary_angles_`` keeps one launch entry per (shapes, strides, dtypes); misaligned position
+    ids get none; each call matches Triton's own launch."""
+    from torchembed.kernels import rotary_angles_
+
+    monkeypatch.setattr(rope_triton, "_DIRECT", True)
+    rope_triton._HOT.clear()
+    inv_freq = (1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)).to(DEV)
+    ids = torch.arange(3, 12, device=DEV)
+    long_ids = torch.arange(2, 12, device=DEV).expand(2, 10).contiguous()
+    cases = {
+        "hf layout, (1, S) ids": (make_qk(2, 4, 2, 9, 64, torch.bfloat16, layout="hf"), ids[None], 1),
+        "(B, S) ids": (make_qk(2, 4, 2, 9, 64, torch.bfloat16, layout="hf"), ids.expand(2, 9).contiguous(), 2),
+        "int32 ids": (make_qk(2, 4, 2, 9, 64, torch.bfloat16, layout="hf"), ids[None].int(), 3),
+        "misaligned ids": (make_qk(2, 4, 2, 9, 64, torch.bfloat16, layout="hf"), long_ids[:, 1:], 3),
+        "decode": (make_qk(2, 4, 2, 1, 64, torch.bfloat16, layout="hf"), ids[None, -1:], 4),
+    }
+    for name, ((q, k), positions, entries) in cases.items():
+        monkeypatch.setattr(rope_triton, "_DIRECT", False)
+        expected = rotary_fused(q, k, inv_freq=inv_freq, positions=positions)
+        monkeypatch.setattr(rope_triton, "_DIRECT", True)
+        for call in range(3):  # the first call records the entry, the next ones replay it
+            q_in, k_in = q.clone(), k.clone()
+            rotary_angles_(q_in, k_in, positions, inv_freq)
+            assert torch.equal(q_in, expected[0]) and torch.equal(k_in, expected[1]), (name, call)
+        assert rope_triton._DIRECT, f"{name}: the direct launch failed and switched itself off"
+        assert len(rope_triton._HOT) == entries, name

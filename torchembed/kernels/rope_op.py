@@ -28,7 +28,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["rotary_fused", "rotary_tables_", "triton_available", "interpret_mode", "kernel_can_run"]
+__all__ = ["rotary_fused", "rotary_tables_", "rotary_angles_", "triton_available", "interpret_mode", "kernel_can_run"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -67,7 +67,7 @@ def kernel_can_run(t: Tensor) -> bool:
     return t.is_cuda or (_environ.get("TRITON_INTERPRET") == "1" and t.device.type == "cpu")
 
 
-_launch = _hot = None
+_launch = _hot = _hot_angles = None
 
 
 def _launcher():
@@ -80,12 +80,17 @@ def _launcher():
 
 
 def _hot_launcher():
-    global _hot
+    global _hot, _hot_angles
     if _hot is None:
-        from torchembed.kernels.rope_triton import rope_tables_inplace
+        from torchembed.kernels.rope_triton import rope_angles_inplace, rope_tables_inplace
 
-        _hot = rope_tables_inplace
+        _hot, _hot_angles = rope_tables_inplace, rope_angles_inplace
     return _hot
+
+
+def _hot_angles_launcher():
+    _hot_launcher()
+    return _hot_angles
 
 
 # ------------------------------------------------------------------------------------------
@@ -376,13 +381,26 @@ class _RotaryFunction(torch.autograd.Function):
 
 
 def rotary_tables_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
-    """Hot path for per-token float32 tables (the patched HF attention): rotate q and k in place.
+    """Hot path for per-token float32 tables: rotate q and k in place.
 
     No validation, no autograd, no fallback: the caller guarantees q ``(B, Hq, S, D)`` and k
     ``(B, Hk, S, D)`` on a device the kernel runs on, unit last-dim stride, cos/sin
     ``(B or 1, S, R/2)`` with unit last-dim stride, and that nothing needs gradients.
     """
     (_hot or _hot_launcher())(q, k, cos, sin)
+    return q, k
+
+
+def rotary_angles_(q: Tensor, k: Tensor, positions: Tensor, inv_freq: Tensor) -> Tuple[Tensor, Tensor]:
+    """Hot path of the patched HF attention at inference: rotate q and k in place by the angles
+    ``positions * inv_freq``, computed in the kernel (no tables read).
+
+    No validation, no autograd, no fallback: the caller guarantees q ``(B, Hq, S, D)`` and k
+    ``(B, Hk, S, D)`` on a device the kernel runs on, unit last-dim stride, integer positions
+    ``(B or 1, S)`` and float32 ``inv_freq`` ``(R/2,)`` (contiguous) on the same device, and that
+    nothing needs gradients.
+    """
+    (_hot_angles or _hot_angles_launcher())(q, k, positions, inv_freq)
     return q, k
 
 

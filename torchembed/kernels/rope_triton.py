@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rope_forward", "rope_tables_inplace"]
+__all__ = ["rope_angles_inplace", "rope_forward", "rope_tables_inplace"]
 
 
 @triton.jit
@@ -380,11 +380,11 @@ def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale,
     return None
 
 
-# Hot path of the patched HF attention at inference: in place, per-token tables, nothing else.
-# One dict lookup keyed on what the call's tensors are (shapes, strides, dtypes) yields the kept
-# compiled kernel and every launch argument but the pointers, instead of rope_forward's two keys
-# and its specialisation tuple. Misses (a new shape, pointers not 16-byte aligned, no direct
-# launch) go through rope_forward, which records the entry for the next call.
+# Hot paths of the patched HF attention at inference: in place, per-token tables or angles from
+# position ids, nothing else. One dict lookup keyed on what the call's tensors are (shapes, strides,
+# dtypes) yields the kept compiled kernel and every launch argument but the pointers, instead of
+# rope_forward's two keys and its specialisation tuple. Misses (a new shape, pointers not 16-byte
+# aligned, no direct launch) go through rope_forward, which records the entry for the next call.
 _HOT: dict = {}
 
 
@@ -406,12 +406,40 @@ def rope_tables_inplace(q, k, cos, sin) -> None:
             _HOT.clear()
     compiled = rope_forward(q, k, q, k, cos, sin, None, None, 0, 1.0, False, False)
     if compiled is not None and aligned and _DIRECT:
-        if len(_HOT) >= _CFG_MAX:
+        _remember(key, compiled, q, k, cos.shape[-1], False, sc[0] if cos.shape[0] != 1 else 0)
+
+
+def rope_angles_inplace(q, k, positions, inv_freq) -> None:
+    """``rope_forward(q, k, q, k, None, None, inv_freq, positions, 0, 1.0, False, False)`` with less
+    host work per call. Same preconditions; positions ``(B or 1, S)`` integer, inv_freq ``(R/2,)``."""
+    sq, sk, sp = q.stride(), k.stride(), positions.stride()
+    key = (q.shape, k.shape, sq, sk, positions.shape, sp, inv_freq.shape, q.dtype, positions.dtype, inv_freq.dtype)
+    hot = _HOT.get(key)
+    aligned = not (q.data_ptr() | k.data_ptr() | positions.data_ptr() | inv_freq.data_ptr()) & 15
+    if hot is not None and aligned and _DIRECT:
+        run, function, metadata, grid, S, nqg, sp_b, constexprs = hot
+        try:
+            run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(q.get_device()), function, metadata,
+                None, None, None, q, k, q, k, inv_freq, inv_freq, positions, inv_freq, S, nqg,
+                sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
+                0, 0, sp_b, sp[1], 0, 1.0, *constexprs)
+            return
+        except Exception:  # the installed Triton launches differently: rope_forward decides from now on
             _HOT.clear()
-        cfg_key = (q.shape, k.shape[1], cos.shape[-1], q.dtype, 0, False, False, False, True)  # rope_forward's key
-        grid, _, nqg, constexprs = _CFG.get(cfg_key) or _config(cfg_key)
-        sc_b = sc[0] if cos.shape[0] != 1 else 0
-        _HOT[key] = (compiled.run, compiled.function, compiled.packed_metadata, grid, q.shape[2], nqg, sc_b, constexprs)
+    compiled = rope_forward(q, k, q, k, None, None, inv_freq, positions, 0, 1.0, False, False)
+    if compiled is not None and aligned and _DIRECT:
+        _remember(key, compiled, q, k, inv_freq.shape[-1], True, sp[0] if positions.shape[0] != 1 else 0)
+
+
+def _remember(key, compiled, q, k, half, use_inv_freq, stride_b) -> None:
+    """Record a hot-path entry: the compiled kernel and the launch arguments that depend only on
+    ``key`` (``stride_b``: the tables' or the positions' batch stride, 0 where broadcast)."""
+    if len(_HOT) >= _CFG_MAX:
+        _HOT.clear()
+    pos_mode = 2 if use_inv_freq else 0
+    cfg_key = (q.shape, k.shape[1], half, q.dtype, pos_mode, use_inv_freq, False, False, True)  # rope_forward's key
+    grid, _, nqg, constexprs = _CFG.get(cfg_key) or _config(cfg_key)
+    _HOT[key] = (compiled.run, compiled.function, compiled.packed_metadata, grid, q.shape[2], nqg, stride_b, constexprs)
 
 
 # ------------------------------------------------------------------------------------------

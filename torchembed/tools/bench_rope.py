@@ -7,7 +7,9 @@ Providers (each builds ``f(q, k) -> (q_rot, k_rot)`` for one shape; tables built
   ``torchembed.functional.apply_rotary`` runs instead and the results say so (``impl``).
 * ``torchembed-angles``: ``rotary_fused`` with ``inv_freq`` and the ``(B, S)`` position ids: the
   kernel computes cos/sin itself (no table bytes to read).
-* ``torchembed-hf``: the patched model's ``apply_rotary_pos_emb`` (in place without grad).
+* ``torchembed-hf``: what a patched LLaMA computes per layer: its rotary module's output (the
+  position ids and ``inv_freq`` where the kernel runs) through the rebound ``apply_rotary_pos_emb``
+  (in place without grad).
 * ``hf``: transformers' LLaMA ``apply_rotary_pos_emb`` with ``(B, S, D)`` tables in the
   activation dtype, as HF does.
 * ``compile``: ``torch.compile`` of that function (static shapes, fresh per shape and mode;
@@ -102,6 +104,14 @@ def _hf_apply() -> Fn:
     return apply_rotary_pos_emb
 
 
+def _llama_config(t: Tables) -> Any:
+    from transformers import LlamaConfig
+
+    d = 2 * t.inv_freq.numel()
+    return LlamaConfig(hidden_size=d, num_attention_heads=1, head_dim=d, rope_theta=10000.0,
+                       max_position_embeddings=max(4096, int(t.positions.max()) + 1))
+
+
 def build(provider: str, t: Tables, device: torch.device) -> tuple[Fn, str]:
     """``(f, impl)`` for a provider; raises ImportError when its package is missing."""
     if provider == "torchembed":
@@ -123,11 +133,15 @@ def build(provider: str, t: Tables, device: torch.device) -> tuple[Fn, str]:
         inv_freq, positions = t.inv_freq, t.positions
         return (lambda q, k: kernels.rotary_fused(q, k, inv_freq=inv_freq, positions=positions)), impl
     if provider == "torchembed-hf":
-        # What a patched HF attention calls: in place without grad, the autograd path with it.
-        from torchembed.patches.families.rope import make_apply_rotary_pos_emb
+        # What a patched LLaMA computes per layer: its rotary module's output (once per forward,
+        # outside timing) through the rebound apply_rotary_pos_emb (in place without grad).
+        from torchembed.patches.families.rope import HFRotaryEmbedding, make_apply_rotary_pos_emb
 
-        fn, cos, sin = make_apply_rotary_pos_emb(None, _hf_apply()), t.cos_half, t.sin_half
-        return (lambda q, k: fn(q, k, cos, sin)), "patched HF apply_rotary_pos_emb"
+        rotary = HFRotaryEmbedding(_llama_config(t), device=device)
+        a, b = rotary(torch.empty(0, device=device), t.positions)
+        fn = make_apply_rotary_pos_emb(None, _hf_apply())
+        source = "angles in kernel" if not a.is_floating_point() else "float32 tables"
+        return (lambda q, k: fn(q, k, a, b)), f"patched HF apply_rotary_pos_emb ({source})"
     if provider == "hf":
         fn, cos, sin = _hf_apply(), t.cos_full, t.sin_full
         return (lambda q, k: fn(q, k, cos, sin)), "eager"
@@ -286,7 +300,7 @@ def markdown(records: list[dict[str, Any]], providers: list[str], skipped: dict[
         return bench.fmt(v, 4 if key.endswith("ms") and isinstance(v, float) and v < 0.1 else digits)
 
     out = []
-    ours = [p for p in providers if p in ("torchembed", "torchembed-angles")]  # -hf: the same kernel as torchembed
+    ours = [p for p in providers if p.startswith("torchembed")]
 
     def pct(section: str, label: str, provider: str, key: str = "pct_of_floor") -> str:
         v = cell(section, label, provider, key, 0)
