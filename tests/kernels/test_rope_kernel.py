@@ -845,3 +845,58 @@ def test_angle_hot_path_records_one_entry_per_layout_and_matches(monkeypatch):
             assert torch.equal(q_in, expected[0]) and torch.equal(k_in, expected[1]), (name, call)
         assert rope_triton._DIRECT, f"{name}: the direct launch failed and switched itself off"
         assert len(rope_triton._HOT) == entries, name
+
+
+def test_hot_paths_replay_exactly_what_rope_forward_launched(monkeypatch):
+    """Plumbing of the in-place hot paths, on any machine (a stand-in for the direct launch): a miss
+    goes through ``rope_forward`` and records its launch; the next call with the same layout replays
+    it with this call's pointers and the recorded arguments; a misaligned call records nothing; a
+    replay that raises drops the entries and falls back to ``rope_forward``."""
+    launches, replays = [], []
+
+    class Compiled:
+        function, packed_metadata = "function", "metadata"
+
+        def run(self, *args):
+            if fail:
+                raise TypeError("launcher changed")
+            replays.append(args)
+
+    def fake_forward(q, k, qo, ko, cos, sin, inv_freq, positions, *rest):
+        launches.append((cos, sin, inv_freq, positions, rest))
+        return Compiled(), (7, 1, 1), ("tail", len(launches))
+
+    monkeypatch.setattr(rope_triton, "_DIRECT", True)
+    monkeypatch.setattr(rope_triton, "rope_forward", fake_forward)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: "stream", raising=False)
+    rope_triton._HOT.clear()
+    fail = False
+    q, k = make_qk(1, 4, 2, 3, 16, torch.float32, layout="hf")
+    cos, sin = make_table(3, 8, (1,))
+    positions, inv_freq = torch.arange(3, device=DEV)[None], torch.rand(8, device=DEV)
+    cases = {
+        "tables": (lambda: rope_triton.rope_tables_inplace(q, k, cos, sin), (cos, sin, q, q), (cos, sin, None, None)),
+        "angles": (lambda: rope_triton.rope_angles_inplace(q, k, positions, inv_freq),
+                   (inv_freq, inv_freq, positions, inv_freq), (None, None, inv_freq, positions)),
+    }
+    for n, (name, (call, pointers, forward_args)) in enumerate(cases.items(), start=1):
+        call()  # miss: rope_forward launches, its launch is kept
+        assert len(launches) == n and launches[-1][:4] == forward_args and launches[-1][4] == (0, 1.0, False, False)
+        call()  # hit: replayed, not relaunched
+        assert len(launches) == n, name
+        args = replays[-1]
+        assert args[:9] == (7, 1, 1, "stream", "function", "metadata", None, None, None), name
+        assert all(a is b for a, b in zip(args[9:17], (q, k, q, k, *pointers))), name
+        assert args[17:] == ("tail", n), name
+    assert len(rope_triton._HOT) == 2
+    fail = True
+    rope_triton.rope_tables_inplace(q, k, cos, sin)  # the replay raises: entries dropped, rope_forward runs
+    assert len(launches) == 3 and len(rope_triton._HOT) == 1  # and records this launch afresh
+    fail = False
+    base = torch.empty(2 * 3 * 8 + 1, device=DEV)
+    rope_triton.rope_tables_inplace(q, k, base[1:25].view(1, 3, 8), sin)  # cos misaligned: never recorded
+    rope_triton.rope_tables_inplace(q, k, base[1:25].view(1, 3, 8), sin)
+    assert len(launches) == 5 and len(rope_triton._HOT) == 1
+    rope_triton.rope_tables_inplace(q, k, cos, sin)  # aligned again: the entry recorded before, untouched
+    assert len(launches) == 5 and replays[-1][17:] == ("tail", 3)
+    rope_triton._HOT.clear()

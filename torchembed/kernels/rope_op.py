@@ -79,18 +79,13 @@ def _launcher():
     return _launch
 
 
-def _hot_launcher():
+def _hot_launchers():
+    """Import the in-place hot paths (tables, angles) on first use."""
     global _hot, _hot_angles
-    if _hot is None:
-        from torchembed.kernels.rope_triton import rope_angles_inplace, rope_tables_inplace
+    from torchembed.kernels.rope_triton import rope_angles_inplace, rope_tables_inplace
 
-        _hot, _hot_angles = rope_tables_inplace, rope_angles_inplace
-    return _hot
-
-
-def _hot_angles_launcher():
-    _hot_launcher()
-    return _hot_angles
+    _hot, _hot_angles = rope_tables_inplace, rope_angles_inplace
+    return _hot, _hot_angles
 
 
 # ------------------------------------------------------------------------------------------
@@ -387,7 +382,7 @@ def rotary_tables_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tens
     ``(B, Hk, S, D)`` on a device the kernel runs on, unit last-dim stride, cos/sin
     ``(B or 1, S, R/2)`` with unit last-dim stride, and that nothing needs gradients.
     """
-    (_hot or _hot_launcher())(q, k, cos, sin)
+    (_hot or _hot_launchers()[0])(q, k, cos, sin)
     return q, k
 
 
@@ -400,7 +395,7 @@ def rotary_angles_(q: Tensor, k: Tensor, positions: Tensor, inv_freq: Tensor) ->
     ``(B or 1, S)`` and float32 ``inv_freq`` ``(R/2,)`` (contiguous) on the same device, and that
     nothing needs gradients.
     """
-    (_hot_angles or _hot_angles_launcher())(q, k, positions, inv_freq)
+    (_hot_angles or _hot_launchers()[1])(q, k, positions, inv_freq)
     return q, k
 
 

@@ -321,7 +321,8 @@ def clear_launch_caches() -> None:
 
 def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
     """Launch the fused kernel once for q and k.  ``qo is q`` (and ``ko is k``) means in-place.
-    Returns the CompiledKernel it launched directly (None when launched through ``kernel[grid]``).
+    Returns ``(compiled kernel, grid, launch arguments after the 8 pointers, constexprs included)``
+    when it launched directly (what the in-place hot paths replay), None when through ``kernel[grid]``.
 
     Preconditions (checked by ``rope_op``): q/k/qo/ko 4-D with stride(-1) == 1, same dtype and
     device; cos/sin unit-stride in their last dim (or None with ``inv_freq`` given); positions
@@ -375,71 +376,64 @@ def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale,
             else tuple(ptr % 16 == 0 for ptr in ptrs)
         spec = (key, constexprs, meta["num_warps"], cos.dtype, sin.dtype, pos_t.dtype, inv_freq.dtype, sq, sk, sqo,
                 sko, sc_b, sc_s, sp_b, sp_s, _int_spec(pos_offset), aligned)
-        return _direct_launch(spec, grid, meta, args, q.device.index)
+        compiled = _direct_launch(spec, grid, meta, args, q.device.index)
+        return None if compiled is None else (compiled, grid, args[8:] + constexprs)
     _rope_kernel[grid](*args, **meta)
     return None
 
 
 # Hot paths of the patched HF attention at inference: in place, per-token tables or angles from
 # position ids, nothing else. One dict lookup keyed on what the call's tensors are (shapes, strides,
-# dtypes) yields the kept compiled kernel and every launch argument but the pointers, instead of
-# rope_forward's two keys and its specialisation tuple. Misses (a new shape, pointers not 16-byte
-# aligned, no direct launch) go through rope_forward, which records the entry for the next call.
+# dtypes) yields the kept compiled kernel and every launch argument but the pointers (all functions
+# of the key), instead of rope_forward's two keys and its specialisation tuple. Misses (a new shape,
+# pointers not 16-byte aligned, no direct launch) go through rope_forward, whose direct launch is
+# recorded for the next call.
 _HOT: dict = {}
 
 
 def rope_tables_inplace(q, k, cos, sin) -> None:
     """``rope_forward(q, k, q, k, cos, sin, None, None, 0, 1.0, False, False)`` with less host work
     per call. Same preconditions; cos/sin per-token tables ``(B or 1, S, R/2)``."""
-    sq, sk, sc = q.stride(), k.stride(), cos.stride()
-    key = (q.shape, k.shape, sq, sk, cos.shape, sc, sin.stride(), q.dtype, cos.dtype, sin.dtype)
-    hot = _HOT.get(key)
+    key = (q.shape, k.shape, q.stride(), k.stride(), cos.shape, cos.stride(), sin.stride(), q.dtype, cos.dtype,
+           sin.dtype)
     aligned = not (q.data_ptr() | k.data_ptr() | cos.data_ptr() | sin.data_ptr()) & 15
-    if hot is not None and aligned and _DIRECT:
-        run, function, metadata, grid, S, nqg, sc_b, constexprs = hot
-        try:
-            run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(q.get_device()), function, metadata,
-                None, None, None, q, k, q, k, cos, sin, q, q, S, nqg, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
-                sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sc_b, sc[1], 0, 0, 0, 1.0, *constexprs)
-            return
-        except Exception:  # the installed Triton launches differently: rope_forward decides from now on
-            _HOT.clear()
-    compiled = rope_forward(q, k, q, k, cos, sin, None, None, 0, 1.0, False, False)
-    if compiled is not None and aligned and _DIRECT:
-        _remember(key, compiled, q, k, cos.shape[-1], False, sc[0] if cos.shape[0] != 1 else 0)
+    if not _replay(key, aligned, q, k, cos, sin, q, q):  # unused positions / inv_freq: dummies, as rope_forward
+        _record(key, aligned, rope_forward(q, k, q, k, cos, sin, None, None, 0, 1.0, False, False))
 
 
 def rope_angles_inplace(q, k, positions, inv_freq) -> None:
     """``rope_forward(q, k, q, k, None, None, inv_freq, positions, 0, 1.0, False, False)`` with less
     host work per call. Same preconditions; positions ``(B or 1, S)`` integer, inv_freq ``(R/2,)``."""
-    sq, sk, sp = q.stride(), k.stride(), positions.stride()
-    key = (q.shape, k.shape, sq, sk, positions.shape, sp, inv_freq.shape, q.dtype, positions.dtype, inv_freq.dtype)
-    hot = _HOT.get(key)
+    key = (q.shape, k.shape, q.stride(), k.stride(), positions.shape, positions.stride(), inv_freq.shape, q.dtype,
+           positions.dtype, inv_freq.dtype)
     aligned = not (q.data_ptr() | k.data_ptr() | positions.data_ptr() | inv_freq.data_ptr()) & 15
-    if hot is not None and aligned and _DIRECT:
-        run, function, metadata, grid, S, nqg, sp_b, constexprs = hot
-        try:
-            run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(q.get_device()), function, metadata,
-                None, None, None, q, k, q, k, inv_freq, inv_freq, positions, inv_freq, S, nqg,
-                sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
-                0, 0, sp_b, sp[1], 0, 1.0, *constexprs)
-            return
-        except Exception:  # the installed Triton launches differently: rope_forward decides from now on
-            _HOT.clear()
-    compiled = rope_forward(q, k, q, k, None, None, inv_freq, positions, 0, 1.0, False, False)
-    if compiled is not None and aligned and _DIRECT:
-        _remember(key, compiled, q, k, inv_freq.shape[-1], True, sp[0] if positions.shape[0] != 1 else 0)
+    if not _replay(key, aligned, q, k, inv_freq, inv_freq, positions, inv_freq):  # unused tables: dummies
+        _record(key, aligned, rope_forward(q, k, q, k, None, None, inv_freq, positions, 0, 1.0, False, False))
 
 
-def _remember(key, compiled, q, k, half, use_inv_freq, stride_b) -> None:
-    """Record a hot-path entry: the compiled kernel and the launch arguments that depend only on
-    ``key`` (``stride_b``: the tables' or the positions' batch stride, 0 where broadcast)."""
+def _replay(key, aligned, q, k, cos, sin, pos, inv_freq) -> bool:
+    """Launch the entry kept for ``key`` in place on q, k with these pointer arguments; False on a miss."""
+    hot = _HOT.get(key)
+    if hot is None or not aligned or not _DIRECT:
+        return False
+    run, function, metadata, grid, tail = hot
+    try:
+        run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(q.get_device()), function, metadata,
+            None, None, None, q, k, q, k, cos, sin, pos, inv_freq, *tail)
+        return True
+    except Exception:  # the installed Triton launches differently: rope_forward decides from now on
+        _HOT.clear()
+        return False
+
+
+def _record(key, aligned, launched) -> None:
+    """Keep ``rope_forward``'s direct launch (compiled kernel, grid, non-pointer arguments) for ``key``."""
+    if launched is None or not aligned or not _DIRECT:
+        return
     if len(_HOT) >= _CFG_MAX:
         _HOT.clear()
-    pos_mode = 2 if use_inv_freq else 0
-    cfg_key = (q.shape, k.shape[1], half, q.dtype, pos_mode, use_inv_freq, False, False, True)  # rope_forward's key
-    grid, _, nqg, constexprs = _CFG.get(cfg_key) or _config(cfg_key)
-    _HOT[key] = (compiled.run, compiled.function, compiled.packed_metadata, grid, q.shape[2], nqg, stride_b, constexprs)
+    compiled, grid, tail = launched
+    _HOT[key] = (compiled.run, compiled.function, compiled.packed_metadata, grid, tail)
 
 
 # ------------------------------------------------------------------------------------------
