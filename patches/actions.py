@@ -1,20 +1,43 @@
 """What a patch does to a model, as plain data: each action can apply itself and undo itself.
 
-Undo information is stored as plain attributes (no closures), so a deep copy of a patched model
-is a consistently patched copy that can be unpatched on its own.
+Everything here survives ``copy.deepcopy``, ``pickle`` / ``torch.save`` and ``multiprocessing``
+hand-offs: undo information is plain attributes (no closures), the "nothing was there" marker is
+a module-level singleton, and an instance method torchembed installs (:class:`InstanceMethod`)
+rebuilds itself from importable parts when it is copied or loaded.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
-__all__ = ["Component", "SwapModule", "OverrideAttribute"]
+from torchembed.patches.rebind import replace_globals
 
-_MISSING = object()
+__all__ = ["Component", "InstanceMethod", "MISSING", "OverrideAttribute", "AddForwardPreHook", "SwapModule"]
+
+
+class _Missing:
+    """The value of an attribute that was not set on the instance (one object, also after copies)."""
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+    def __reduce__(self) -> str:
+        return "MISSING"  # pickled as a reference to this module's global
+
+    def __copy__(self) -> "_Missing":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "_Missing":
+        return self
+
+
+MISSING = _Missing()
 
 
 @dataclass(frozen=True)
@@ -22,12 +45,53 @@ class Component:
     """One positional component found in a model (what ``find_positional_components`` lists)."""
 
     path: str  # dotted module path, "" for the root
-    kind: str  # "rope", "rope-apply", "alibi", "alibi-attention", "learned", "device-copies"
+    kind: str  # "rope-apply", "alibi", "alibi-attention", "learned", "device-copies"
     upstream: str  # qualified name of what is there now
     replacement: str  # qualified name of what torchembed puts there
 
     def __str__(self) -> str:
         return f"{self.path or '<root>'}: {self.upstream} -> {self.replacement} ({self.kind})"
+
+
+class InstanceMethod:
+    """A method installed on one module instance: ``function`` bound to ``module``, with the
+    module-level names in ``replacements`` swapped inside it (see :mod:`torchembed.patches.rebind`).
+
+    Behaves as a bound method (``__self__``, ``__func__``, ``__wrapped__``, the upstream signature)
+    and, unlike a bound method of a cloned function, can be deep-copied and pickled: it is rebuilt
+    from ``(module, function, replacements)``, each importable or picklable.
+    """
+
+    __slots__ = ("__self__", "__func__", "function", "replacements")
+
+    def __init__(self, module: nn.Module, function: Any, replacements: Mapping[str, Any] | None = None) -> None:
+        self.__self__ = module
+        self.function = function
+        self.replacements = dict(replacements or {})
+        self.__func__ = replace_globals(function, self.replacements) if self.replacements else function
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return (InstanceMethod, (self.__self__, self.function, self.replacements))
+
+    @property
+    def __wrapped__(self) -> types.MethodType:
+        return types.MethodType(self.function, self.__self__)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(types.MethodType(self.function, self.__self__))
+
+    def __getattr__(self, name: str) -> Any:  # __name__, __qualname__, ...: the function's
+        if name in ("__name__", "__qualname__", "__doc__", "__annotations__"):
+            return getattr(self.function, name)
+        raise AttributeError(name)
+
+    def __repr__(self) -> str:
+        swapped = ", ".join(self.replacements) or "replaced"
+        return f"<torchembed method {self.function.__qualname__} ({swapped}) of {type(self.__self__).__name__}>"
 
 
 @dataclass
@@ -50,32 +114,55 @@ class SwapModule:
 
 @dataclass
 class OverrideAttribute:
-    """Set an instance attribute (e.g. a bound method) on ``obj``; undo restores or deletes it.
+    """Set an instance attribute (e.g. an :class:`InstanceMethod`) on ``obj``; undo restores or deletes it.
 
-    Methods wrapped by accelerate's hooks (``_hf_hook``/``_old_forward``) are overridden beneath
-    the hook, so device placement keeps working.
+    A ``forward`` wrapped by accelerate's hooks (``_hf_hook``/``_old_forward``) is overridden
+    beneath the hook, so device placement keeps working; one that accelerate wrapped after the
+    patch is found there on undo.
     """
 
     component: Component
     obj: Any
     name: str
     value: Any
-    previous: Any = field(default=_MISSING)
+    previous: Any = field(default=MISSING)
     target: str = ""
 
     def apply(self) -> None:
         self.target = self.name
         if self.name == "forward" and hasattr(self.obj, "_hf_hook") and "_old_forward" in vars(self.obj):
             self.target = "_old_forward"
-        self.previous = vars(self.obj).get(self.target, _MISSING)
+        self.previous = vars(self.obj).get(self.target, MISSING)
         setattr(self.obj, self.target, self.value)
 
     def undo(self) -> None:
-        if self.previous is _MISSING:
-            delattr(self.obj, self.target)
+        attrs = vars(self.obj)
+        target = self.target
+        if attrs.get(target, MISSING) is not self.value and attrs.get("_old_forward", MISSING) is self.value:
+            target = "_old_forward"  # accelerate dispatched the patched model: it keeps ours there
+        if target == "_old_forward" and self.previous is MISSING:
+            setattr(self.obj, target, types.MethodType(getattr(type(self.obj), self.name), self.obj))
+        elif self.previous is MISSING:
+            attrs.pop(target, None)
         else:
-            setattr(self.obj, self.target, self.previous)
+            setattr(self.obj, target, self.previous)
 
 
-def bind(fn: Any, obj: Any) -> types.MethodType:
-    return types.MethodType(fn, obj)
+@dataclass
+class AddForwardPreHook:
+    """Register ``hook`` as a forward pre-hook (with kwargs) of ``module``; undo removes it.
+
+    The hook's id is kept as plain data (not a handle), so a deep copy of a patched model
+    removes the hook from its own module."""
+
+    component: Component
+    module: nn.Module
+    hook: Any
+    hook_id: int | None = None
+
+    def apply(self) -> None:
+        self.hook_id = self.module.register_forward_pre_hook(self.hook, with_kwargs=True, prepend=True).id
+
+    def undo(self) -> None:
+        self.module._forward_pre_hooks.pop(self.hook_id, None)
+        self.module._forward_pre_hooks_with_kwargs.pop(self.hook_id, None)

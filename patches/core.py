@@ -18,8 +18,8 @@ from torch import nn
 from torchembed import kernels
 from torchembed.patches import families  # noqa: F401  (registers the adapters)
 from torchembed.patches.actions import Component
-from torchembed.patches.errors import FusedUnavailableError, PatchError, UnsupportedModelError
-from torchembed.patches.registry import Family, PatchOptions, resolve, supported_families
+from torchembed.patches.errors import FusedUnavailableError, PatchError, StructureError, UnsupportedModelError
+from torchembed.patches.registry import Family, PatchOptions, family_for, supported_families
 
 __all__ = ["patch", "unpatch", "is_patched", "patched", "find_positional_components", "PatchRecord"]
 
@@ -52,12 +52,12 @@ def _config_of(model: nn.Module) -> Any:
 
 def _family_of(model: nn.Module) -> Family:
     config = _config_of(model)
-    family = resolve(config)
+    family = family_for(config)
     if family is None:
         names = sorted({f.model_type for f in supported_families()})
         raise UnsupportedModelError(
             f"torchembed has no adapter for model_type {config.model_type!r} ({type(model).__name__}); "
-            f"supported: {', '.join(names)}. Pass strict=False to leave the model unpatched."
+            f"supported: {', '.join(names)} and RoPE models found by structure (torchembed list --all)"
         )
     return family
 
@@ -82,14 +82,19 @@ def _check_fused(model: nn.Module, family: Family, fused: bool | None) -> None:
 
 
 def _plan(model: nn.Module, family: Family, fused: bool | None) -> list[Any]:
+    """Every action of every adapter, each adapter having checked the structure it relies on."""
     options = PatchOptions(fused=fused)
-    actions = [action for adapter in family.adapters for action in adapter.plan(model, model.config, options)]
+    actions = [action for adapter in family.adapters for action in adapter.plan(model, model.config, options, family)]
     if not actions:
-        raise PatchError(
-            f"found no positional component in this {family.name} model ({type(model).__name__}); "
-            "the installed transformers may have renamed its classes"
-        )
+        raise StructureError(family.name, type(model).__name__, "at least one positional component",
+                             "none (the installed transformers may have restructured this model)")
     return actions
+
+
+def _first_sentence(err: Exception) -> str:
+    text = str(err)
+    cut = text.find(". torchembed left the model unpatched")
+    return text if cut < 0 else text[:cut]
 
 
 def find_positional_components(model: nn.Module) -> list[Component]:
@@ -117,28 +122,32 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True) -> M:
         model: a transformers model of a supported family (``torchembed list``).
         fused: ``None`` uses the Triton kernel where it can run (CUDA tensors, Triton installed) and
             the PyTorch path elsewhere; ``True`` requires the kernel; ``False`` never uses it.
-        strict: if False, an unsupported model is returned untouched with a warning.
+        strict: if False, an unsupported model (or one whose transformers code is not structured as
+            torchembed expects) is returned untouched with a warning.
 
     Returns:
         The same model object. Patching a patched model is a no-op.
 
     Raises:
         UnsupportedModelError: unsupported architecture (and ``strict=True``).
+        StructureError: the installed transformers differs from what the family's adapters rely
+            on (and ``strict=True``); nothing was changed.
         FusedUnavailableError: ``fused=True`` where the kernel cannot run.
     """
     if is_patched(model):
         return model
     try:
         family = _family_of(model)
-    except UnsupportedModelError as err:
+        _check_fused(model, family, fused)
+        actions = _plan(model, family, fused)
+    except (UnsupportedModelError, StructureError) as err:
         if strict:
             raise
-        warnings.warn(f"{err} The model is left unpatched.", stacklevel=2)
+        warnings.warn(f"torchembed.patch(strict=False): {_first_sentence(err)}; the model is left unpatched.", stacklevel=2)
         return model
-    _check_fused(model, family, fused)
     record = PatchRecord(family, fused)
     try:
-        for action in _plan(model, family, fused):
+        for action in actions:
             action.apply()
             record.actions.append(action)
     except BaseException:

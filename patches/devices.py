@@ -17,16 +17,15 @@ in-place change of the source (a new version) makes a new copy.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from torchembed.patches.actions import Component
-from torchembed.patches.registry import PatchOptions
+from torchembed.patches.actions import AddForwardPreHook, Component
+from torchembed.patches.registry import Family, PatchOptions
 
-__all__ = ["DeviceCopies", "ShareDeviceCopies", "SHARED_KWARGS"]
+__all__ = ["AddForwardPreHook", "DeviceCopies", "ShareDeviceCopies", "SHARED_KWARGS"]
 
 
 def execution_device(module: nn.Module) -> torch.device | None:
@@ -78,32 +77,15 @@ class DeviceCopies:
     def __deepcopy__(self, memo: dict) -> "DeviceCopies":
         return DeviceCopies()  # copies belong to this model's live tensors, not to a copy's
 
-
-@dataclass
-class AddForwardPreHook:
-    """Register ``hook`` as a forward pre-hook (with kwargs) of ``module``; undo removes it.
-
-    The hook's id is kept as plain data (not a handle), so a deep copy of a patched model
-    removes the hook from its own module."""
-
-    component: Component
-    module: nn.Module
-    hook: Any
-    hook_id: int | None = None
-
-    def apply(self) -> None:
-        self.hook_id = self.module.register_forward_pre_hook(self.hook, with_kwargs=True, prepend=True).id
-
-    def undo(self) -> None:
-        self.module._forward_pre_hooks.pop(self.hook_id, None)
-        self.module._forward_pre_hooks_with_kwargs.pop(self.hook_id, None)
+    def __reduce__(self) -> tuple:
+        return (DeviceCopies, ())  # likewise when pickled
 
 
 class ShareDeviceCopies:
     """On a model dispatched over two or more devices, one :class:`DeviceCopies` pre-hook (per
     model) on every dispatched submodule; nothing on a model that runs on one device."""
 
-    def plan(self, model: nn.Module, config: Any, options: PatchOptions) -> list[AddForwardPreHook]:
+    def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[AddForwardPreHook]:
         dispatched = [(path, module) for path, module in model.named_modules()
                       if path and execution_device(module) is not None]
         if len({execution_device(module) for _, module in dispatched}) < 2:

@@ -39,6 +39,8 @@ so a patched eager Falcon-ALiBi model differs from upstream eager and agrees wit
 
 from __future__ import annotations
 
+import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -47,9 +49,11 @@ from torch import Tensor, nn
 
 from torchembed.functional.alibi import alibi_decode_bias, alibi_key_bias, alibi_slopes
 from torchembed.kernels.alibi_attention import MaskCache, alibi_attention
-from torchembed.patches.actions import Component, OverrideAttribute, bind
+from torchembed.patches.actions import AddForwardPreHook, Component, InstanceMethod, OverrideAttribute
+from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
 from torchembed.patches.devices import ShareDeviceCopies
-from torchembed.patches.rebind import rebind_globals
+from torchembed.patches.errors import StructureError
+from torchembed.patches.rebind import chain, global_names
 from torchembed.patches.registry import Family, PatchOptions, register
 
 try:  # imported here, not in falcon_causal_mask: dynamo cannot trace an import from transformers' lazy module
@@ -123,92 +127,122 @@ def mpt_alibi_tensor(num_heads: int, sequence_length: int, alibi_bias_max: float
     return _constant(("mpt", num_heads, sequence_length, float(alibi_bias_max), torch.device(device or "cpu")), make)
 
 
-def bloom_attention_forward(
-    self: nn.Module,
-    hidden_states: Tensor,
-    residual: Tensor,
-    alibi: Tensor,
-    attention_mask: Tensor | None,
-    layer_past: Any = None,
-    use_cache: bool = False,
-    output_attentions: bool = False,
-    **kwargs: Any,
-) -> tuple[Tensor, None]:
-    """``BloomAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs)."""
-    if output_attentions or (self.pretraining_tp > 1 and self.slow_but_exact):
-        alibi = alibi.to(hidden_states.dtype)  # upstream's baddbmm wants the model dtype
-        return type(self).forward(self, hidden_states, residual, alibi, attention_mask, layer_past, use_cache, output_attentions, **kwargs)
+_CACHE_NAMES = ("cache", "past_key_values", "layer_past", "past_key_value")  # across releases
+
+
+def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Upstream forward's arguments by name (positional ones mapped through its signature, cached
+    per class): the patched forwards accept whatever each release passes."""
+    names = _FORWARD_PARAMS.get(type(module))
+    if names is None:
+        params = inspect.signature(type(module).forward).parameters.values()
+        names = _FORWARD_PARAMS[type(module)] = tuple(
+            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        )[1:]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+_FORWARD_PARAMS: "weakref.WeakKeyDictionary[type, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+
+
+def _cache_of(arguments: dict[str, Any]) -> Any:
+    for name in _CACHE_NAMES:
+        cache = arguments.get(name)
+        if cache is not None:
+            return cache
+    return None
+
+
+def _cache_update(cache: Any, k: Tensor, v: Tensor, layer_idx: int, arguments: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    """``cache.update`` as each release calls it (4.x passes ``cache_position`` for static caches)."""
+    position = arguments.get("cache_position")
+    if position is None:
+        return cache.update(k, v, layer_idx)
+    return cache.update(k, v, layer_idx, {"cache_position": position})
+
+
+def _upstream(module: nn.Module, args: tuple, kwargs: dict, **changed: Any) -> Any:
+    """Upstream's forward with the same arguments (``changed`` ones replaced by name)."""
+    if not changed:
+        return type(module).forward(module, *args, **kwargs)
+    return type(module).forward(module, **{**_arguments(module, args, kwargs), **changed})
+
+
+def bloom_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """``BloomAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs).
+
+    Upstream's forward runs instead for ``output_attentions``, a ``head_mask`` (4.x) and the
+    ``slow_but_exact`` tensor-parallel emulation, with the bias in the model dtype it expects.
+    """
+    a = _arguments(self, args, kwargs)
+    hidden_states, residual, alibi, attention_mask = a["hidden_states"], a["residual"], a["alibi"], a.get("attention_mask")
+    if a.get("output_attentions") or a.get("head_mask") is not None or (self.pretraining_tp > 1 and self.slow_but_exact):
+        return _upstream(self, args, kwargs, alibi=alibi.to(hidden_states.dtype))  # upstream's baddbmm: model dtype
     batch, q_len, _ = hidden_states.shape
     q, k, v = self._reshape(self.query_key_value(hidden_states))  # (b, h, s, d) views
-    if layer_past is not None:
-        k, v = layer_past.update(k, v, self.layer_idx)
+    cache = _cache_of(a)
+    if cache is not None:
+        k, v = _cache_update(cache, k, v, self.layer_idx, a)
     k_len = k.shape[-2]
     if alibi.shape[-1] != k_len:
         raise ValueError(f"ALiBi bias covers {alibi.shape[-1]} keys, attention has {k_len}")
-    # HF's mask: additive float (0 = attend) or bool (True = attend); derived once per forward.
-    keep, cache = _keep_mask(attention_mask, lambda m: m if m.dtype == torch.bool else m == 0, alibi)
+    # HF's mask: additive float (0 = attend) or bool (True = attend); 4.x slices it to the keys.
+    if attention_mask is not None and attention_mask.shape[-1] != k_len:
+        attention_mask = attention_mask[..., :k_len]
+    keep, cache_ = _keep_mask(attention_mask, lambda m: m if m.dtype == torch.bool else m == 0, alibi)
     heads = self.num_heads
     dropout = self.attention_dropout.p if self.training else 0.0
-    context = _attend(q, k, v, keep, cache, alibi, "bloom", lambda: alibi.view(batch, heads, -1),  # (b*h,1,k) -> (b,h,k)
+    context = _attend(q, k, v, keep, cache_, alibi, "bloom", lambda: alibi.view(batch, heads, -1),  # (b*h,1,k) -> (b,h,k)
                       scale=self.inv_norm_factor, dropout_p=dropout)
     context = context.transpose(1, 2).reshape(batch, q_len, self.hidden_size)  # (b, s, h*d)
     output = F.dropout(self.dense(context), p=self.hidden_dropout, training=self.training) + residual
     return output, None
 
 
-def falcon_attention_forward(
-    self: nn.Module,
-    hidden_states: Tensor,
-    alibi: Tensor | None,
-    attention_mask: Tensor | None,
-    position_ids: Tensor | None = None,
-    layer_past: Any = None,
-    use_cache: bool = False,
-    output_attentions: bool = False,
-    position_embeddings: Any = None,
-    **kwargs: Any,
-) -> tuple[Tensor, Tensor | None]:
+def falcon_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
     """``FalconAttention.forward`` for ALiBi models with torchembed's ALiBi attention.
 
     Computes upstream's sdpa path, ``softmax(q k^T / sqrt(d) + alibi / sqrt(d) | mask) v``.
 
-    Args:
-        hidden_states: ``(b, q, hidden)``.
-        alibi: ``(b * h, 1, k)`` key bias (:func:`falcon_alibi_tensor`).
-        attention_mask: ``(b, q, k)`` from :func:`falcon_causal_mask` or ``(b, 1, q, k)``; bool
-            (True = attend) or additive float (0 = attend); None: causal.
+    Upstream arguments used: ``hidden_states`` ``(b, q, hidden)``; ``alibi`` ``(b * h, 1, k)`` key
+    bias (:func:`falcon_alibi_tensor`); ``attention_mask`` ``(b, q, k)`` from
+    :func:`falcon_causal_mask` or ``(b, 1, q, k)``, bool (True = attend) or additive float
+    (0 = attend), None: causal; the cache under the release's name.
 
     Returns:
-        ``(dense(context) (b, q, hidden), None)``; with ``output_attentions`` upstream's eager
-        forward runs on the unfolded mask and returns its ``(b, h, q, k)`` probabilities.
+        ``(dense(context) (b, q, hidden), None)``; with ``output_attentions`` or a ``head_mask``
+        upstream's eager forward runs on the unfolded mask and returns its ``(b, h, q, k)``
+        probabilities.
 
     Raises:
-        ValueError: no ``alibi``, a 4-D float mask (upstream's fold, which already holds the
-            bias), or a bias that does not cover the keys (e.g. a static cache).
+        ValueError: no ``alibi``, a mask with the bias folded in (``(b, h, q, k)`` float, what
+            upstream's model forward builds), or a bias that does not cover the keys.
     """
+    a = _arguments(self, args, kwargs)
+    hidden_states, alibi, attention_mask = a["hidden_states"], a.get("alibi"), a.get("attention_mask")
     if alibi is None:
         raise ValueError("torchembed's Falcon ALiBi attention needs the alibi bias (config.alibi=True)")
-    if attention_mask is not None and attention_mask.ndim == 4 and attention_mask.dtype != torch.bool:
+    if attention_mask is not None and attention_mask.ndim == 4 and attention_mask.dtype != torch.bool and attention_mask.shape[1] != 1:
         raise ValueError(
-            "got a 4-D float attention mask, which upstream's FalconModel.forward folds the ALiBi bias into; "
-            "patch the whole model (torchembed.patch), not only its attention"
+            "got a (b, heads, q, k) float attention mask, which upstream's FalconModel.forward folds the ALiBi bias "
+            "into; patch the whole model (torchembed.patch), not only its attention"
         )
-    if output_attentions:
-        mask = _additive_mask(attention_mask, hidden_states, alibi.shape[-1])
-        return type(self).forward(
-            self, hidden_states, alibi, mask, position_ids, layer_past, use_cache, output_attentions, position_embeddings, **kwargs
-        )
+    if a.get("output_attentions") or a.get("head_mask") is not None:
+        return _upstream(self, args, kwargs, attention_mask=_additive_mask(attention_mask, hidden_states, alibi.shape[-1]))
     batch, q_len, _ = hidden_states.shape
     q, k, v = _falcon_qkv(self, hidden_states)
-    if layer_past is not None:
-        k, v = layer_past.update(k, v, self.layer_idx)
+    cache = _cache_of(a)
+    if cache is not None:
+        k, v = _cache_update(cache, k, v, self.layer_idx, a)
     k_len = k.shape[-2]
     if alibi.shape[-1] != k_len:
         raise ValueError(f"ALiBi bias covers {alibi.shape[-1]} keys, attention has {k_len}")
-    keep, cache = _keep_mask(attention_mask, _falcon_keep, alibi)
+    keep, cache_ = _keep_mask(attention_mask, _falcon_keep, alibi)
     scale, heads = self.inv_norm_factor, self.num_heads
     dropout = self.attention_dropout.p if self.training else 0.0
-    context = _attend(q, k, v, keep, cache, alibi, ("falcon", scale),
+    context = _attend(q, k, v, keep, cache_, alibi, ("falcon", scale),
                       lambda: alibi.view(batch, heads, k_len).to(torch.float32) * scale,  # upstream: alibi / sqrt(d)
                       scale=scale, dropout_p=dropout)
     context = context.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)  # (b, q, h*d)
@@ -255,32 +289,35 @@ def _additive_mask(attention_mask: Tensor | None, hidden_states: Tensor, k_len: 
     return torch.where(keep, zero, torch.finfo(hidden_states.dtype).min)
 
 
-def mpt_attention_forward(
-    self: nn.Module,
-    hidden_states: Tensor,
-    position_bias: Tensor | None,
-    past_key_values: Any = None,
-    attention_mask: Tensor | None = None,
-    **kwargs: Any,
-) -> tuple[Tensor, None]:
-    """``MptAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs)."""
-    if kwargs.get("output_attentions"):
-        return type(self).forward(self, hidden_states, position_bias, past_key_values, attention_mask, **kwargs)
+def mpt_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """``MptAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs).
+
+    Upstream's ``MptAttention`` always returns its attention weights; ``MptBlock`` does not pass
+    ``output_attentions`` down. :class:`AttentionWeightsRequest` (a pre-hook on each block) records
+    whether the block was asked for them, and then upstream's forward runs and returns them.
+    """
+    if getattr(self, WEIGHTS_REQUESTED, False):
+        return type(self).forward(self, *args, **kwargs)
+    a = _arguments(self, args, kwargs)
+    hidden_states, position_bias, attention_mask = a["hidden_states"], a.get("position_bias"), a.get("attention_mask")
     batch, q_len = hidden_states.shape[:2]
     qkv = self.Wqkv(hidden_states)
     if self.clip_qkv:
         qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
     # (b, s, 3*h*d) -> three (b, h, s, d)
     q, k, v = (t.reshape(batch, q_len, self.n_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
-    if past_key_values is not None:
-        k, v = past_key_values.update(k, v, self.layer_idx)
+    cache = _cache_of(a)
+    if cache is not None:
+        k, v = _cache_update(cache, k, v, self.layer_idx, a)
     k_len = k.shape[-2]
     if position_bias is not None and position_bias.shape[-1] < k_len:
         raise ValueError(
             f"{k_len} keys exceed MPT's ALiBi table of {position_bias.shape[-1]} positions (config.max_seq_len)"
         )
+    if attention_mask is not None and attention_mask.shape[-1] != k_len:  # 4.x: a longer static-cache mask
+        attention_mask = attention_mask[..., -k_len:]
     # MPT's mask is True where masked. No anchor: the ALiBi table outlives the forward (a constant).
-    keep, cache = _keep_mask(attention_mask, torch.logical_not, None)
+    keep, cache_ = _keep_mask(attention_mask, torch.logical_not, None)
     heads = self.n_heads
 
     def key_bias() -> Tensor:  # (h, 1, L) -> (1, h, k); zeros for MPT without ALiBi
@@ -289,10 +326,46 @@ def mpt_attention_forward(
         return position_bias[None, :, 0, -k_len:]
 
     dropout = self.attn_dropout_p if self.training else 0.0
-    context = _attend(q, k, v, keep, cache, position_bias, ("mpt", k_len), key_bias, scale=self.softmax_scale,
+    context = _attend(q, k, v, keep, cache_, position_bias, ("mpt", k_len), key_bias, scale=self.softmax_scale,
                       dropout_p=dropout)
     context = context.transpose(1, 2).reshape(batch, q_len, -1)  # (b, s, h*d)
     return self.out_proj(context), None
+
+
+WEIGHTS_REQUESTED = "_torchembed_attention_weights_requested"
+
+
+class AttentionWeightsRequest:
+    """Forward pre-hook (with kwargs) of an ``MptBlock``: tells its attention whether this call
+    was asked for attention weights (``output_attentions``), which the block does not pass on."""
+
+    def __init__(self, position: int) -> None:
+        self.position = position  # index of output_attentions among the block's positional args
+
+    def __call__(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
+        requested = kwargs.get("output_attentions", args[self.position] if len(args) > self.position else False)
+        setattr(block.attn, WEIGHTS_REQUESTED, bool(requested))
+
+
+class RequestAttentionWeights:
+    """Adapter: an :class:`AttentionWeightsRequest` pre-hook on every module of ``class_name``."""
+
+    def __init__(self, class_name: str) -> None:
+        self.class_name = class_name
+
+    def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[AddForwardPreHook]:
+        actions = []
+        for path, module in modules_of(model, self.class_name):
+            where = f"{type(module).__qualname__}.forward"
+            require_params(family, where, type(module).forward, ("self", "output_attentions"))
+            if not isinstance(getattr(module, "attn", None), nn.Module):
+                raise StructureError(family.name, type(module).__qualname__, "an attention submodule `attn`", "none")
+            params = [p.name for p in inspect.signature(type(module).forward).parameters.values()]
+            hook = AttentionWeightsRequest(params.index("output_attentions") - 1)
+            component = Component(path, "alibi-attention", f"{qualname(type(module))} output_attentions",
+                                  qualname(AttentionWeightsRequest))
+            actions.append(AddForwardPreHook(component, module, hook))
+        return actions
 
 
 # One MaskCache per live HF mask tensor: a forward has one per device of a split model (see
@@ -352,84 +425,72 @@ def _keep_mask(attention_mask: Tensor | None, to_keep: Any, anchor: Tensor | Non
     return cache.keep, cache
 
 
-class OverrideForward:
-    """Replace ``forward`` of every module of ``class_name`` by ``forward`` (bound per instance)."""
-
-    def __init__(self, class_name: str, forward: Any) -> None:
-        self.class_name, self.forward = class_name, forward
-
-    def plan(self, model: nn.Module, config: Any, options: PatchOptions) -> list[OverrideAttribute]:
-        actions = []
-        for path, module in model.named_modules():
-            if type(module).__name__ == self.class_name:
-                component = Component(path, "alibi-attention", _qualname(type(module).forward), _qualname(self.forward))
-                actions.append(OverrideAttribute(component, module, "forward", bind(self.forward, module)))
-        return actions
+def _falcon_unfolded_mask(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """4.x ``FalconModel._update_causal_mask`` without folding the ALiBi bias into the mask."""
+    names = ("attention_mask", "input_tensor", "cache_position", "past_key_values", "output_attentions", "head_mask", "alibi")
+    arguments = {**dict(zip(names, args)), **kwargs, "alibi": None}
+    return type(self)._update_causal_mask(self, **arguments)
 
 
-def _qualname(fn: Any) -> str:
-    return f"{fn.__module__}.{fn.__qualname__}"
+class UnfoldFalconMask:
+    """Adapter: keep Falcon's ALiBi bias out of its attention mask, in the structure this release has.
 
-
-class OverrideMethod:
-    """Set ``method`` on every module of ``class_name`` to a torchembed function (instance only).
-
-    The function is stored as a plain instance attribute, so it is called without ``self``.
+    5.x ``FalconModel.forward`` calls ``create_causal_mask`` (rebound to :func:`falcon_causal_mask`)
+    and ``build_alibi_tensor`` (rebound to :func:`falcon_alibi_tensor`); 4.x folds the bias in
+    ``FalconModel._update_causal_mask(..., alibi)``, which is called with ``alibi=None`` instead.
     """
 
-    def __init__(self, class_name: str, method: str, replacement: Any) -> None:
-        self.class_name, self.method, self.replacement = class_name, method, replacement
-
-    def plan(self, model: nn.Module, config: Any, options: PatchOptions) -> list[OverrideAttribute]:
+    def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[OverrideAttribute]:
         actions = []
-        for path, module in model.named_modules():
-            if type(module).__name__ == self.class_name:
-                upstream = getattr(type(module), self.method)
-                component = Component(path, "alibi", _qualname(upstream), _qualname(self.replacement))
-                actions.append(OverrideAttribute(component, module, self.method, self.replacement))
-        return actions
-
-
-class RebindForwardGlobals:
-    """Rebind module-level names inside ``forward`` of every module of ``class_name``.
-
-    Names the installed transformers does not use are skipped (e.g. BLOOM builds the bias inline
-    only in recent versions); a module whose forward uses none of them is left alone.
-    """
-
-    def __init__(self, class_name: str, overrides: dict[str, Any]) -> None:
-        self.class_name, self.overrides = class_name, overrides
-
-    def plan(self, model: nn.Module, config: Any, options: PatchOptions) -> list[OverrideAttribute]:
-        actions = []
-        for path, module in model.named_modules():
+        for path, module in modules_of(model, "FalconModel"):
             cls = type(module)
-            if cls.__name__ != self.class_name:
-                continue
-            forward = cls.forward
-            used = {name: fn for name, fn in self.overrides.items() if name in _referenced_names(forward)}
-            if used:
-                upstream = ", ".join(_qualname(forward.__globals__[name]) for name in used)
-                replacement = ", ".join(_qualname(fn) for fn in used.values())
-                component = Component(path, "alibi", upstream, replacement)
-                actions.append(OverrideAttribute(component, module, "forward", bind(rebind_globals(forward, used), module)))
+            loaded = {name for f in chain(cls.forward) for name in global_names(f) if name in f.__globals__}
+            if "create_causal_mask" in loaded:
+                replacements = {"build_alibi_tensor": falcon_alibi_tensor, "create_causal_mask": falcon_causal_mask}
+            elif "alibi" in _parameter_names(getattr(cls, "_update_causal_mask", None)):
+                replacements = {"build_alibi_tensor": falcon_alibi_tensor}
+                component = Component(path, "alibi", qualname(cls._update_causal_mask), qualname(_falcon_unfolded_mask))
+                actions.append(OverrideAttribute(component, module, "_update_causal_mask", InstanceMethod(module, _falcon_unfolded_mask)))
+            else:
+                raise StructureError(family.name, f"{cls.__qualname__}.forward",
+                                     "a call to create_causal_mask (5.x) or _update_causal_mask(..., alibi) (4.x)",
+                                     f"neither (module-level names: {', '.join(sorted(loaded))})")
+            actions += ReplaceGlobals("FalconModel", replacements).plan_one(path, module, family)
+        if not actions:
+            raise StructureError(family.name, type(model).__name__, "a FalconModel module", "none")
         return actions
 
 
-def _referenced_names(fn: Any) -> set[str]:
-    while getattr(fn, "__wrapped__", None) is not None and fn.__closure__:
-        fn = fn.__wrapped__
-    return set(fn.__code__.co_names)
+def _parameter_names(fn: Any) -> tuple[str, ...]:
+    if fn is None:
+        return ()
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()
 
+
+_ATTENTION_NEEDS = {  # what the replaced forwards read from upstream's arguments
+    "bloom": ("hidden_states", "residual", "alibi", "attention_mask"),
+    "mpt": ("hidden_states", "position_bias", "attention_mask"),
+    "falcon": ("hidden_states", "alibi", "attention_mask"),
+}
+
+
+def _falcon_alibi(config: Any) -> bool:
+    return bool(getattr(config, "alibi", False))
+
+
+_CACHE_ANY = _CACHE_NAMES
 
 register(
     Family(
         model_type="bloom",
         encoding="alibi",
         adapters=(
-            OverrideMethod("BloomModel", "build_alibi_tensor", bloom_alibi_tensor),
-            RebindForwardGlobals("BloomModel", {"_get_alibi_slopes": alibi_slopes}),  # same signature
-            OverrideForward("BloomAttention", bloom_attention_forward),
+            OverrideMethod("BloomModel", "build_alibi_tensor", bloom_alibi_tensor, ("attention_mask", "num_heads", "dtype")),
+            ReplaceGlobals("BloomModel", required={}, optional={"_get_alibi_slopes": alibi_slopes}),  # same signature
+            ReplaceForward("BloomAttention", bloom_attention_forward, _ATTENTION_NEEDS["bloom"], _CACHE_ANY),
             ShareDeviceCopies(),
         ),
         description="build_alibi_tensor / slopes -> torchembed ALiBi; attention -> fused ALiBi attention",
@@ -440,8 +501,10 @@ register(
         model_type="mpt",
         encoding="alibi",
         adapters=(
-            OverrideMethod("MptModel", "build_mpt_alibi_tensor", mpt_alibi_tensor),
-            OverrideForward("MptAttention", mpt_attention_forward),
+            OverrideMethod("MptModel", "build_mpt_alibi_tensor", mpt_alibi_tensor,
+                           ("num_heads", "sequence_length", "alibi_bias_max", "device")),
+            ReplaceForward("MptAttention", mpt_attention_forward, _ATTENTION_NEEDS["mpt"], _CACHE_ANY),
+            RequestAttentionWeights("MptBlock"),
             ShareDeviceCopies(),
         ),
         description="build_mpt_alibi_tensor -> torchembed ALiBi; attention -> fused ALiBi attention",
@@ -452,12 +515,10 @@ register(
         model_type="falcon",
         encoding="alibi",
         variant="alibi",
-        applies=lambda config: bool(getattr(config, "alibi", False)),
+        applies=_falcon_alibi,
         adapters=(
-            RebindForwardGlobals(
-                "FalconModel", {"build_alibi_tensor": falcon_alibi_tensor, "create_causal_mask": falcon_causal_mask}
-            ),
-            OverrideForward("FalconAttention", falcon_attention_forward),
+            UnfoldFalconMask(),
+            ReplaceForward("FalconAttention", falcon_attention_forward, _ATTENTION_NEEDS["falcon"], _CACHE_ANY),
             ShareDeviceCopies(),
         ),
         description=(

@@ -14,6 +14,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from torchembed.patches.actions import Component, SwapModule
+from torchembed.patches.adapters import modules_of
+from torchembed.patches.errors import StructureError
 from torchembed.patches.registry import Family, PatchOptions, register
 from torchembed.positional.learned import LearnedPositionalEmbedding
 
@@ -28,23 +30,27 @@ class HFPositionTable(LearnedPositionalEmbedding):
 
 
 class SwapPositionTable:
-    """Replace ``attr`` (an ``nn.Embedding``) of every module of ``class_name``."""
+    """Replace ``attr`` (an ``nn.Embedding``) of every module of ``class_name`` (or a subclass)."""
 
     def __init__(self, class_name: str, attr: str) -> None:
         self.class_name, self.attr = class_name, attr
 
-    def plan(self, model: nn.Module, config: Any, options: PatchOptions) -> list[SwapModule]:
+    def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[SwapModule]:
         actions = []
-        for path, module in model.named_modules():
-            if type(module).__name__ != self.class_name:
+        for path, module in modules_of(model, self.class_name):
+            table = getattr(module, self.attr, None)
+            if isinstance(table, HFPositionTable):
                 continue
-            table = getattr(module, self.attr)
             if not isinstance(table, nn.Embedding):
-                continue
+                raise StructureError(family.name, f"{type(module).__qualname__}.{self.attr}",
+                                     "an nn.Embedding position table", type(table).__name__)
             new = HFPositionTable.from_embedding(table)
             full = f"{path}.{self.attr}" if path else self.attr
             component = Component(full, "learned", "torch.nn.Embedding", f"{HFPositionTable.__module__}.HFPositionTable")
             actions.append(SwapModule(component, module, self.attr, new))
+        if not actions:
+            raise StructureError(family.name, type(model).__name__, f"a {self.class_name} module with a position table "
+                                 f"`{self.attr}`", "none")
         return actions
 
 

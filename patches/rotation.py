@@ -1,0 +1,280 @@
+"""Rotation helpers: recognise upstream's by what they compute, and torchembed's replacement.
+
+HF attention code rotates q and k with a module-level helper (``apply_rotary_pos_emb`` and
+relatives) fed with ``cos``/``sin`` tables that the model's rotary module (or the attention
+itself) builds. Families differ in how the tables are laid out and which features are paired;
+a release may rename, wrap or restructure the helper. Instead of a list of names, torchembed
+*probes* each candidate helper once: it calls it in float64 on random inputs built for each known
+way of rotating and keeps the one whose result matches to 1e-12:
+
+======================  ==========================================  ==========================
+table layout            width ``w`` of cos/sin for ``r`` rotated     families
+======================  ==========================================  ==========================
+``cat``                 ``r``: ``(θ_0..θ_{r/2-1}, θ_0..θ_{r/2-1})``  LLaMA and most others, GLM
+``repeat``              ``r``: ``(θ_0, θ_0, θ_1, θ_1, ...)``         Cohere
+``half``                ``r/2``: ``(θ_0..θ_{r/2-1})``                GPT-J, CodeGen
+======================  ==========================================  ==========================
+
+pairing: ``half`` rotates ``(x_i, x_{i+r/2})`` (GPT-NeoX/LLaMA), ``interleaved`` rotates
+``(x_{2i}, x_{2i+1})`` in place (GPT-J, Cohere, GLM), ``deinterleave`` rotates ``(x_{2i}, x_{2i+1})``
+and writes the results in half-split order (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``).
+A helper that also rotates only the first ``r`` features of a wider q (GLM, partial rotary inside
+the helper) is recorded as ``partial``. Calling conventions are read from the parameter names:
+``(q, k, cos, sin, ...)`` returning ``(q, k)``, ``(tensor, sin, cos)`` or ``(x, cos, sin, ...)``
+returning one tensor. Anything else is not recognised, and the model is not patched.
+
+The replacement (:class:`RotaryHelper`) rotates with the fused Triton kernel where it can run and
+the float32 PyTorch reference elsewhere; both compute in float32 and round once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from torchembed import kernels
+from torchembed.functional.rope import apply_rotary
+
+__all__ = ["Rotation", "RotaryHelper", "recognize", "is_rotation_name"]
+
+LAYOUTS = ("cat", "repeat", "half")
+PAIRINGS = ("half", "interleaved", "deinterleave")
+_CONVENTIONS = {  # leading parameter names -> convention
+    ("q", "k", "cos", "sin"): "qk",
+    ("tensor", "sin", "cos"): "x_sin_cos",
+    ("x", "sin", "cos"): "x_sin_cos",
+    ("x", "cos", "sin"): "x_cos_sin",
+    ("tensor", "cos", "sin"): "x_cos_sin",
+}
+# parameters a helper may have after the leading ones (all with defaults): upstream's own
+_KNOWN_EXTRA = {"unsqueeze_dim", "position_ids"}
+
+
+def is_rotation_name(name: str) -> bool:
+    """A global's name that may be a rotation helper (``apply_rotary_pos_emb``, ``apply_rope`` ...)."""
+    lowered = name.lower()
+    return ("rotary" in lowered or "rope" in lowered) and not lowered.isupper()
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """How an upstream helper rotates, as found by :func:`recognize`."""
+
+    convention: str  # "qk" | "x_sin_cos" | "x_cos_sin"
+    layout: str  # one of LAYOUTS
+    pairing: str  # one of PAIRINGS
+    partial: bool  # rotates the first r features of a wider input, the rest pass through
+    params: tuple[str, ...]  # the helper's parameter names
+
+    def rotary_dim(self, table_width: int) -> int:
+        return 2 * table_width if self.layout == "half" else table_width
+
+    def half_tables(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """``(..., w)`` tables in this layout -> the ``(..., r/2)`` angles' cos and sin (views)."""
+        if self.layout == "cat":
+            half = cos.shape[-1] // 2
+            return cos[..., :half], sin[..., :half]
+        if self.layout == "repeat":
+            return cos[..., ::2], sin[..., ::2]
+        return cos, sin
+
+    def describe(self) -> str:
+        part = ", partial" if self.partial else ""
+        return f"{self.layout} tables, {self.pairing} pairing{part}"
+
+
+# -- recognition ---------------------------------------------------------------------------------
+
+
+def _parameters(helper: Any) -> tuple[str, ...] | None:
+    target = helper.forward if isinstance(helper, torch.nn.Module) else helper
+    try:
+        params = inspect.signature(target).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def _convention(params: tuple[str, ...]) -> str | None:
+    for lead, convention in _CONVENTIONS.items():
+        if params[: len(lead)] == lead and set(params[len(lead):]) <= _KNOWN_EXTRA:
+            return convention
+    return None
+
+
+def _tables(theta: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+    if layout == "cat":
+        theta = torch.cat((theta, theta), dim=-1)
+    elif layout == "repeat":
+        theta = theta.repeat_interleave(2, dim=-1)
+    return theta.cos(), theta.sin()
+
+
+def reference_rotate(x: Tensor, cos: Tensor, sin: Tensor, pairing: str) -> Tensor:
+    """Float64-capable reference: rotate the first ``r = 2 * cos.shape[-1]`` features of ``x``
+    ``(b, h, s, d)`` by half tables ``(b, 1, s, r/2)`` with ``pairing``."""
+    if pairing == "deinterleave":
+        rot = 2 * cos.shape[-1]
+        x = torch.cat((_deinterleave(x[..., :rot]), x[..., rot:]), dim=-1)
+        pairing = "half"
+    return apply_rotary(x, cos, sin, interleaved=pairing == "interleaved")
+
+
+def _deinterleave(x: Tensor) -> Tensor:
+    """``(x_0, x_1, x_2, x_3, ...)`` -> ``(x_0, x_2, ..., x_1, x_3, ...)``."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def _call(helper: Callable, convention: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Call an upstream helper on (b, h, s, d) q/k and (b, s, w) tables; its q/k results."""
+    if convention == "qk":
+        out = helper(q, k, cos, sin)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError("not a (q, k) pair")
+        return out
+    # one-tensor helpers (GPT-J style) broadcast tables against (b, s, h, d)
+    one = (lambda x: helper(x, sin, cos)) if convention == "x_sin_cos" else (lambda x: helper(x, cos, sin))
+    return tuple(one(x.transpose(1, 2)).transpose(1, 2) for x in (q, k))  # type: ignore[return-value]
+
+
+def _matches(helper: Callable, convention: str, layout: str, pairing: str, feature_dim: int, half: int, gen: torch.Generator) -> bool:
+    batch, heads, seq = 2, 3, 5
+    theta = torch.rand(batch, seq, half, generator=gen, dtype=torch.float64) * 6.0 - 3.0
+    cos, sin = _tables(theta, layout)
+    q = torch.randn(batch, heads, seq, feature_dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, 1 if convention == "qk" else heads, seq, feature_dim, generator=gen, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            got_q, got_k = _call(helper, convention, q, k, cos, sin)
+    except Exception:  # the helper rejects these inputs: not this way of rotating
+        return False
+    c, s = theta.cos()[:, None], theta.sin()[:, None]
+    want_q, want_k = reference_rotate(q, c, s, pairing), reference_rotate(k, c, s, pairing)
+    return all(
+        isinstance(got, Tensor) and got.shape == want.shape and got.dtype == torch.float64
+        and torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+        for got, want in ((got_q, want_q), (got_k, want_k))
+    )
+
+
+_RECOGNIZED: dict[int, tuple[Any, Rotation | None]] = {}
+
+
+def recognize(helper: Any) -> Rotation | None:
+    """How ``helper`` rotates, or None if it computes none of the known rotations (cached)."""
+    hit = _RECOGNIZED.get(id(helper))
+    if hit is not None and hit[0] is helper:
+        return hit[1]
+    rotation = _probe(helper)
+    _RECOGNIZED[id(helper)] = (helper, rotation)
+    return rotation
+
+
+def _probe(helper: Any) -> Rotation | None:
+    if not callable(helper) or isinstance(helper, type):
+        return None
+    params = _parameters(helper)
+    convention = params and _convention(params)
+    if not convention:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    half = 4
+    found = [
+        (layout, pairing)
+        for layout, pairing in itertools.product(LAYOUTS, PAIRINGS)
+        if _matches(helper, convention, layout, pairing, 2 * half, half, gen)
+    ]
+    if len(found) != 1:  # none, or ambiguous (a helper that ignores its inputs)
+        return None
+    layout, pairing = found[0]
+    partial = _matches(helper, convention, layout, pairing, 4 * half, half, gen)
+    return Rotation(convention, layout, pairing, partial, params)
+
+
+# -- replacement -----------------------------------------------------------------------------------
+
+
+class RotaryHelper:
+    """torchembed's drop-in for one upstream rotation helper (same parameters, same results).
+
+    ``q``: ``(b, h, s, d)`` (or ``(b, s, h, d)`` with ``unsqueeze_dim=2``), ``k`` likewise with its
+    own head count; ``cos``/``sin``: upstream's ``(b, s, w)`` tables in the helper's layout. The
+    rotation runs in float32 and rounds once: on the fused Triton kernel (q and k in one launch)
+    where it can run and ``fused`` is not False, on :func:`~torchembed.functional.apply_rotary`
+    elsewhere. Inputs the helper was not recognised for (other table ranks, a feature dim the
+    helper would not rotate) go to ``upstream`` unchanged.
+
+    One instance per (rotation, upstream, fused) (:meth:`get`), so the rebound attention code is
+    shared by every model patched the same way; it pickles as those three.
+    """
+
+    _INSTANCES: dict[tuple, "RotaryHelper"] = {}
+
+    def __init__(self, rotation: Rotation, upstream: Callable, fused: bool | None) -> None:
+        self.rotation, self.upstream, self.fused = rotation, upstream, fused
+        self._unsqueeze_index = rotation.params.index("unsqueeze_dim") if "unsqueeze_dim" in rotation.params else None
+        self.__name__ = self.__qualname__ = f"torchembed_{getattr(upstream, '__name__', 'rotary')}"
+
+    @classmethod
+    def get(cls, rotation: Rotation, upstream: Callable, fused: bool | None) -> "RotaryHelper":
+        key = (rotation, id(upstream), fused)
+        helper = cls._INSTANCES.get(key)
+        if helper is None or helper.upstream is not upstream:
+            helper = cls._INSTANCES[key] = cls(rotation, upstream, fused)
+        return helper
+
+    def __reduce__(self) -> tuple:
+        return (RotaryHelper.get, (self.rotation, self.upstream, self.fused))
+
+    def __repr__(self) -> str:
+        return f"<torchembed rotation for {getattr(self.upstream, '__qualname__', self.upstream)}: {self.rotation.describe()}>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        rotation = self.rotation
+        if rotation.convention == "qk":
+            if len(args) < 4 or kwargs.keys() - {"unsqueeze_dim", "position_ids"}:
+                return self.upstream(*args, **kwargs)
+            q, k, cos, sin = args[:4]
+            unsqueeze = kwargs.get("unsqueeze_dim", 1)
+            if self._unsqueeze_index is not None and len(args) > self._unsqueeze_index:
+                unsqueeze = args[self._unsqueeze_index]
+            out = self.rotate(q, k, cos, sin, unsqueeze)
+            return self.upstream(*args, **kwargs) if out is None else out
+        # one tensor: x (b, s, h, d) against (b, s, w) tables
+        if len(args) != 3 or kwargs:
+            return self.upstream(*args, **kwargs)
+        x, a, b = args
+        cos, sin = (b, a) if rotation.convention == "x_sin_cos" else (a, b)
+        out = self.rotate(x, None, cos, sin, 2)
+        return self.upstream(*args) if out is None else out[0]
+
+    def rotate(self, q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, unsqueeze_dim: int) -> tuple[Tensor, Tensor | None] | None:
+        """The rotation, or None where upstream should run instead."""
+        rotation = self.rotation
+        if cos.dim() != 3 or q.dim() != 4 or unsqueeze_dim not in (1, 2):
+            return None
+        rot = rotation.rotary_dim(cos.shape[-1])
+        if q.shape[-1] != rot and not (rotation.partial and q.shape[-1] > rot):
+            return None
+        if unsqueeze_dim == 2:  # (b, s, h, d): rotate the (b, h, s, d) view
+            q_out, k_out = self.rotate(q.transpose(1, 2), None if k is None else k.transpose(1, 2), cos, sin, 1)
+            return q_out.transpose(1, 2), None if k_out is None else k_out.transpose(1, 2)
+        c, s = rotation.half_tables(cos, sin)
+        pairing = rotation.pairing
+        if pairing == "deinterleave":  # reorder once (a copy), then rotate half-split
+            q = torch.cat((_deinterleave(q[..., :rot]), q[..., rot:]), dim=-1)
+            k = None if k is None else torch.cat((_deinterleave(k[..., :rot]), k[..., rot:]), dim=-1)
+            pairing = "half"
+        interleaved = pairing == "interleaved"
+        if self.fused is not False and kernels.kernel_can_run(q):
+            if k is None:
+                return kernels.rotary_fused(q, q[:, :0], c, s, interleaved=interleaved)[0], None
+            return kernels.rotary_fused(q, k, c, s, interleaved=interleaved)
+        c, s = c.unsqueeze(1), s.unsqueeze(1)  # (b, 1, s, r/2): broadcast over heads
+        return apply_rotary(q, c, s, interleaved=interleaved), None if k is None else apply_rotary(k, c, s, interleaved=interleaved)
