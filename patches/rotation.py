@@ -275,6 +275,12 @@ class RotaryHelper:
         if self.fused is not False and kernels.kernel_can_run(q):
             if k is None:
                 return kernels.rotary_fused(q, q[:, :0], c, s, interleaved=interleaved)[0], None
+            if (not interleaved and c.stride(-1) == 1 and q.stride(-1) == 1 and k.stride(-1) == 1
+                    and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+                    and not torch.compiler.is_compiling() and 0 not in q.stride() and 0 not in k.stride()):
+                # Inference: rotate upstream's fresh projections in place (upstream rebinds its names to
+                # the results); the per-layer host cost is one lookup and one kernel launch.
+                return kernels.rotary_tables_(q, k, c, s)
             return kernels.rotary_fused(q, k, c, s, interleaved=interleaved)
         c, s = c.unsqueeze(1), s.unsqueeze(1)  # (b, 1, s, r/2): broadcast over heads
         return apply_rotary(q, c, s, interleaved=interleaved), None if k is None else apply_rotary(k, c, s, interleaved=interleaved)

@@ -35,8 +35,8 @@ def test_patched_model_on_the_kernel_matches_upstream(name, monkeypatch):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     assert kernels.kernel_can_run(ids.float())
-    in_place, fused = _spy(monkeypatch, "rotary_angles_"), _spy(monkeypatch, "rotary_fused")
-    with torch.no_grad():  # inference: the in-place hot path, angles computed in the kernel
+    in_place, fused = _spy(monkeypatch, "rotary_tables_"), _spy(monkeypatch, "rotary_fused")
+    with torch.no_grad():  # inference: the in-place hot path on upstream's tables
         ref = upstream(ids, attention_mask=mask).logits
         out = patched(ids, attention_mask=mask).logits
     keep = mask.bool()
@@ -46,7 +46,7 @@ def test_patched_model_on_the_kernel_matches_upstream(name, monkeypatch):
     # training: the autograd path, gradients as upstream's
     loss_ref = upstream(ids).logits.pow(2).mean()
     loss_out = patched(ids).logits.pow(2).mean()
-    assert len(fused) == upstream.config.num_hidden_layers and all("inv_freq" in kw for _, kw in fused)
+    assert len(fused) == upstream.config.num_hidden_layers and all(a[2].shape[-1] == a[0].shape[-1] // 2 for a, _ in fused)
     loss_ref.backward()
     loss_out.backward()
     grads = dict(upstream.named_parameters())
@@ -148,43 +148,22 @@ def test_compiled_patched_model_calls_the_kernel_op_without_graph_breaks():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-def test_rotary_module_hands_the_kernel_position_ids_only_where_it_rotates(monkeypatch):
-    """Where the kernel rotates, the patched rotary module returns ``(position_ids, inv_freq)``;
-    with ``fused=False``, attention scaling (YaRN) or no kernel for the device: float32 tables. The
-    rebound rotation given position ids where the kernel cannot run computes the tables itself."""
-    from torchembed.functional.rope import rope_cos_sin
-
-    ids = torch.randint(0, 100, (2, 9), device=DEV)
+def test_rotary_module_stays_upstream_and_both_rotation_paths_agree(monkeypatch):
+    """The patched model keeps its own rotary module (same object, same tables); the rebound
+    rotation on the kernel and with the kernel switched off give the same q and k."""
+    model = _tiny("llama")
+    rotary = model.model.rotary_emb
     positions = torch.arange(9, device=DEV)[None] + torch.tensor([[0], [4]], device=DEV)
-    tables = {}
-    for fused in (None, False):
-        model = torchembed.patch(_tiny("llama"), fused=fused)
-        rotary = model.model.rotary_emb
-        a, b = rotary(torch.empty(0, device=DEV), positions)
-        if fused is None:
-            assert not a.is_floating_point() and torch.equal(a, positions) and b is rotary.inv_freq
-        else:
-            assert a.dtype == b.dtype == torch.float32 and a.shape == (2, 9, rotary.rotary_dim // 2)
-            tables = (a, b)
-    torch.testing.assert_close(tables, rope_cos_sin(rotary.inv_freq, positions))
+    x = torch.empty(0, device=DEV)
+    before = rotary(x, positions)
+    torchembed.patch(model)
+    assert model.model.rotary_emb is rotary and "forward" not in vars(rotary)
+    after = rotary(x, positions)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
 
-    yarn = _tiny("llama")
-    yarn.config.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                   "original_max_position_embeddings": 32}
-    yarn = torchembed.patch(yarn)
-    rotary = yarn.model.rotary_emb
-    assert rotary.attention_scaling != 1.0
-    assert rotary(torch.empty(0, device=DEV), positions)[0].is_floating_point()
-
-    # the rebound rotation, handed position ids where the kernel cannot run, matches the table path
-    model = torchembed.patch(_tiny("llama"))
-    attention = model.model.layers[0].self_attn
-    apply = attention.forward.__func__.__globals__["apply_rotary_pos_emb"]
+    apply = model.model.layers[0].self_attn.forward.__func__.__globals__["apply_rotary_pos_emb"]
     q, k = torch.randn(2, 4, 9, 16, device=DEV), torch.randn(2, 2, 9, 16, device=DEV)
-    inv_freq = model.model.rotary_emb.inv_freq
     monkeypatch.setenv("TORCHEMBED_DISABLE_TRITON", "1")
-    got = apply(q, k, positions, inv_freq)
-    want = apply(q, k, *rope_cos_sin(inv_freq, positions))
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = apply(q.clone(), k.clone(), *after)
     monkeypatch.delenv("TORCHEMBED_DISABLE_TRITON")
-    torch.testing.assert_close(apply(q.clone(), k.clone(), positions, inv_freq), got, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(apply(q.clone(), k.clone(), *after), got, rtol=1e-5, atol=1e-5)

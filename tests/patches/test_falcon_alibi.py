@@ -169,7 +169,7 @@ def test_components_and_bit_exact_unpatch(name, load):
 def test_rotary_falcon_keeps_upstream_attention(load):
     model = torchembed.patch(load("falcon", attn_implementation="sdpa"))
     kinds = {c.kind for c in torchembed.find_positional_components(model)}
-    assert kinds == {"rope", "rope-apply"}
+    assert kinds == {"rope-apply"}
     assert all(c.path != "transformer" for c in torchembed.find_positional_components(model))
 
 
