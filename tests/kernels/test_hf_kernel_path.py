@@ -161,7 +161,7 @@ def test_rotary_module_stays_upstream_and_both_rotation_paths_agree(monkeypatch)
     after = rotary(x, positions)
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
-    apply = model.model.layers[0].self_attn.forward.__func__.__globals__["apply_rotary_pos_emb"]
+    apply = model.model.layers[0].self_attn.forward.replacements["apply_rotary_pos_emb"]
     q, k = torch.randn(2, 4, 9, 16, device=DEV), torch.randn(2, 2, 9, 16, device=DEV)
     monkeypatch.setenv("TORCHEMBED_DISABLE_TRITON", "1")
     got = apply(q.clone(), k.clone(), *after)

@@ -22,11 +22,12 @@ rounding noise of the other bf16 ops, which dominates end to end).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,16 @@ def _run(model: nn.Module, inputs: dict[str, Any]) -> Tensor:
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def _run_unpadded(model: nn.Module, inputs: dict[str, Any]) -> Tensor:
     """The same outputs, one sequence at a time without padding (what the truth model runs).
 
@@ -208,7 +219,8 @@ def _compare_one(
     # (family.reference_attn) under every setting: upstream and the truth run that one.
     ref_impl = (family.reference_attn if family else "") or impl
     reference = upstream if ref_impl == impl else _load(source, dtype, ref_impl, device)
-    truth = _run_unpadded(_load(source, torch.float64, ref_impl, device), inputs)
+    with _default_dtype(torch.float64):  # upstream code that makes tensors without a dtype (4.x MPT's masks)
+        truth = _run_unpadded(_load(source, torch.float64, ref_impl, device), inputs)
     out_up = _run(reference, inputs)
     if impl == "eager":
         eager_reference[dtype_name] = out_up if reference is upstream else _run(upstream, inputs)
