@@ -11,7 +11,7 @@ few declarative adapters (:mod:`torchembed.patches.families`).
 
 from torchembed.patches.actions import Component
 from torchembed.patches.core import find_positional_components, is_patched, patch, patched, unpatch
-from torchembed.patches.errors import FusedUnavailableError, PatchError, UnsupportedModelError
+from torchembed.patches.errors import FusedUnavailableError, PatchError, StructureError, UnsupportedModelError
 from torchembed.patches.loading import from_pretrained
 from torchembed.patches.registry import Family, register, supported_families
 
@@ -20,6 +20,7 @@ __all__ = [
     "Family",
     "FusedUnavailableError",
     "PatchError",
+    "StructureError",
     "UnsupportedModelError",
     "find_positional_components",
     "from_pretrained",

@@ -50,6 +50,7 @@ class ClassRotations:
     recognized: dict[str, tuple[Any, Rotation]]
     unrecognized: dict[str, str]
     calls_super_forward: bool
+    via_attribute: frozenset[str] = frozenset()  # apply-like rotation names loaded as ``x.name``
 
 
 _CLASS_CACHE: "weakref.WeakKeyDictionary[type, ClassRotations]" = weakref.WeakKeyDictionary()
@@ -82,9 +83,14 @@ def class_rotations(cls: type) -> ClassRotations:
                 recognized[name] = (helper, rotation)
         functions = list(chain(forward))
         calls_super = any("super" in global_names(f) and "forward" in attribute_names(f) for f in functions)
-        result = ClassRotations(forward, recognized, unrecognized, calls_super)
+        via_attribute = frozenset(name for f in functions for name in attribute_names(f) if _is_apply_like(name))
+        result = ClassRotations(forward, recognized, unrecognized, calls_super, via_attribute)
     _CLASS_CACHE[cls] = result
     return result
+
+
+def _is_apply_like(name: str) -> bool:
+    return is_rotation_name(name) and ("apply" in name or "rotary_pos" in name)
 
 
 def _qualname(obj: Any) -> str:
@@ -99,12 +105,17 @@ class RopeDiscovery:
     mixed: list[tuple[str, ClassRotations]] = field(default_factory=list)  # recognised and unrecognised helpers
     shadowed: list[tuple[str, type]] = field(default_factory=list)  # super().forward of a rotating class
     unrecognized: dict[str, str] = field(default_factory=dict)  # rope-named callables not recognised
+    via_attribute: set[str] = field(default_factory=set)  # apply-like names reached as attributes
 
     def reason_unsupported(self) -> str:
         """Why no attention can be patched, in one sentence."""
-        calls = {name: why for name, why in self.unrecognized.items() if "apply" in name or "rotary_pos" in name}
+        calls = {name: why for name, why in self.unrecognized.items() if _is_apply_like(name)}
         if calls:
             return "its attention rotates with " + "; ".join(f"{name} ({why})" for name, why in sorted(calls.items()))
+        if self.via_attribute:
+            names = ", ".join(sorted(self.via_attribute))
+            return (f"its attention reaches {names} through an attribute (x.{names.split(', ')[0]}), not as a "
+                    "module-level function, which torchembed cannot replace for one instance")
         return "no attention module calls a rotary-embedding helper (no RoPE, or RoPE written inline)"
 
 
@@ -114,6 +125,7 @@ def discover(model: nn.Module) -> RopeDiscovery:
     for path, module in model.named_modules():
         rotations = class_rotations(type(module))
         found.unrecognized.update(rotations.unrecognized)
+        found.via_attribute.update(rotations.via_attribute)
         if rotations.recognized:
             if rotations.unrecognized:
                 found.mixed.append((path, rotations))

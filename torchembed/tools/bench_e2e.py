@@ -1,10 +1,8 @@
 """``torchembed bench e2e``: whole ~1B-parameter models, upstream vs torchembed-patched vs liger.
 
 Random-weight LLaMA-, Mistral- and Falcon-style configs in bf16 on CUDA. Variants share weights:
-``upstream``, ``patched`` (``copy.deepcopy`` + ``torchembed.patch``), ``patched-tables`` (patched,
-its rotary module set to hand the kernel float32 tables instead of position ids: an A/B of the angle
-source) and ``liger`` (a copy whose attention instances call liger-kernel's ``liger_rotary_pos_emb``;
-skipped when not installed).
+``upstream``, ``patched`` (``copy.deepcopy`` + ``torchembed.patch``) and ``liger`` (a copy whose
+attention instances call liger-kernel's ``liger_rotary_pos_emb``; skipped when not installed).
 Phases, each repeated in interleaved order (A/B/C/A/B/C...) after one warm-up per variant and
 reported as median [min-max], next to the median [min-max] of the per-repeat ratio upstream / patched
 (the two runs of a repeat are back to back, so a slow spell of the machine hits both):
@@ -30,7 +28,6 @@ import copy
 import inspect
 import sys
 import time
-import types
 from typing import Any
 
 import torch
@@ -39,7 +36,7 @@ from torch import nn
 from torchembed.tools import bench
 
 MODELS = ("llama", "mistral", "falcon")
-VARIANTS = ("upstream", "patched", "patched-tables", "liger")
+VARIANTS = ("upstream", "patched", "liger")
 PHASES = ("prefill", "decode", "compiled")
 ATTENTION = {"llama": ("LlamaAttention",), "mistral": ("MistralAttention",),
              "falcon": ("FalconAttention", "FalconFlashAttention2")}
@@ -71,14 +68,13 @@ def liger_copy(model: nn.Module, name: str) -> nn.Module:
     Raises ImportError without liger-kernel, ValueError when no attention forward can be rebound."""
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
 
-    from torchembed.patches.rebind import rebind_globals
+    from torchembed.patches.actions import InstanceMethod
 
     model = copy.deepcopy(model)
     swapped = 0
     for module in model.modules():
         if type(module).__name__ in ATTENTION[name]:
-            forward = rebind_globals(type(module).forward, {"apply_rotary_pos_emb": liger_rotary_pos_emb})
-            module.forward = types.MethodType(forward, module)
+            module.forward = InstanceMethod(module, type(module).forward, {"apply_rotary_pos_emb": liger_rotary_pos_emb})
             swapped += 1
     if not swapped:
         raise ValueError(f"no {ATTENTION[name]} module to rebind")
@@ -98,15 +94,6 @@ def build_variants(name: str, args: argparse.Namespace, device: torch.device,
                 out[variant] = upstream
             elif variant == "patched":
                 out[variant] = torchembed.patch(copy.deepcopy(upstream))
-            elif variant == "patched-tables":  # A/B: float32 tables instead of angles computed in the kernel
-                from torchembed.patches.families.rope import HFRotaryEmbedding
-
-                out[variant] = torchembed.patch(copy.deepcopy(upstream))
-                rotary = [m for m in out[variant].modules() if isinstance(m, HFRotaryEmbedding)]
-                if not rotary:
-                    raise ValueError("no rotary module: the tables variant applies to RoPE models only")
-                for module in rotary:
-                    module.angles_in_kernel = False
             elif variant == "liger":
                 if device.type != "cuda":
                     raise ImportError("liger-kernel needs CUDA")

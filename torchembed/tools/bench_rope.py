@@ -104,14 +104,6 @@ def _hf_apply() -> Fn:
     return apply_rotary_pos_emb
 
 
-def _llama_config(t: Tables) -> Any:
-    from transformers import LlamaConfig
-
-    d = 2 * t.inv_freq.numel()
-    return LlamaConfig(hidden_size=d, num_attention_heads=1, head_dim=d, rope_theta=10000.0,
-                       max_position_embeddings=max(4096, int(t.positions.max()) + 1))
-
-
 def build(provider: str, t: Tables, device: torch.device) -> tuple[Fn, str]:
     """``(f, impl)`` for a provider; raises ImportError when its package is missing."""
     if provider == "torchembed":
@@ -133,15 +125,13 @@ def build(provider: str, t: Tables, device: torch.device) -> tuple[Fn, str]:
         inv_freq, positions = t.inv_freq, t.positions
         return (lambda q, k: kernels.rotary_fused(q, k, inv_freq=inv_freq, positions=positions)), impl
     if provider == "torchembed-hf":
-        # What a patched LLaMA computes per layer: its rotary module's output (once per forward,
-        # outside timing) through the rebound apply_rotary_pos_emb (in place without grad).
-        from torchembed.patches.families.rope import HFRotaryEmbedding, make_apply_rotary_pos_emb
+        # What a patched LLaMA computes per layer: upstream's (B, S, D) tables through torchembed's
+        # replacement of apply_rotary_pos_emb (in place without grad).
+        from torchembed.patches.rotation import RotaryHelper, recognize
 
-        rotary = HFRotaryEmbedding(_llama_config(t), device=device)
-        a, b = rotary(torch.empty(0, device=device), t.positions)
-        fn = make_apply_rotary_pos_emb(None, _hf_apply())
-        source = "angles in kernel" if not a.is_floating_point() else "float32 tables"
-        return (lambda q, k: fn(q, k, a, b)), f"patched HF apply_rotary_pos_emb ({source})"
+        upstream = _hf_apply()
+        fn, cos, sin = RotaryHelper.get(recognize(upstream), upstream, None), t.cos_full, t.sin_full
+        return (lambda q, k: fn(q, k, cos, sin)), "patched HF apply_rotary_pos_emb (upstream tables)"
     if provider == "hf":
         fn, cos, sin = _hf_apply(), t.cos_full, t.sin_full
         return (lambda q, k: fn(q, k, cos, sin)), "eager"
