@@ -40,6 +40,23 @@ class PatchRecord:
         return [a.component for a in self.actions]
 
 
+def _base(model: nn.Module) -> nn.Module:
+    """The HF model a wrapper holds: a PEFT model's base model, a DDP/FSDP-style wrapper's
+    ``.module``; the model itself otherwise. The patch record lives there, so it follows the model
+    out of the wrapper (``merge_and_unload``, ``unwrap_model``)."""
+    for _ in range(8):
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):
+            inner = model.get_base_model()
+        elif getattr(model, "config", None) is None and isinstance(getattr(model, "module", None), nn.Module):
+            inner = model.module
+        else:
+            return model
+        if inner is model:
+            return model
+        model = inner
+    return model
+
+
 def _config_of(model: nn.Module) -> Any:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "model_type"):
@@ -103,6 +120,7 @@ def find_positional_components(model: nn.Module) -> list[Component]:
     Raises:
         UnsupportedModelError: the architecture has no adapter.
     """
+    model = _base(model)
     record = getattr(model, _RECORD, None)
     if record is not None:
         return record.components
@@ -112,7 +130,7 @@ def find_positional_components(model: nn.Module) -> list[Component]:
 
 def is_patched(model: nn.Module) -> bool:
     """Whether ``model`` currently carries torchembed's components."""
-    return getattr(model, _RECORD, None) is not None
+    return getattr(_base(model), _RECORD, None) is not None
 
 
 def patch(model: M, fused: bool | None = None, *, strict: bool = True) -> M:
@@ -136,6 +154,7 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True) -> M:
     """
     if is_patched(model):
         return model
+    wrapper, model = model, _base(model)
     try:
         family = _family_of(model)
         _check_fused(model, family, fused)
@@ -144,7 +163,7 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True) -> M:
         if strict:
             raise
         warnings.warn(f"torchembed.patch(strict=False): {_first_sentence(err)}; the model is left unpatched.", stacklevel=2)
-        return model
+        return wrapper
     record = PatchRecord(family, fused)
     try:
         for action in actions:
@@ -155,17 +174,18 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True) -> M:
             action.undo()
         raise
     setattr(model, _RECORD, record)
-    return model
+    return wrapper
 
 
 def unpatch(model: M) -> M:
     """Restore the upstream components exactly (outputs bit for bit). No-op on an unpatched model."""
-    record = getattr(model, _RECORD, None)
+    base = _base(model)
+    record = getattr(base, _RECORD, None)
     if record is None:
         return model
     for action in reversed(record.actions):
         action.undo()
-    delattr(model, _RECORD)
+    delattr(base, _RECORD)
     return model
 
 

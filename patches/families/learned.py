@@ -22,11 +22,29 @@ from torchembed.positional.learned import LearnedPositionalEmbedding
 __all__ = ["HFPositionTable"]
 
 
-class HFPositionTable(LearnedPositionalEmbedding):
-    """``LearnedPositionalEmbedding`` called like ``nn.Embedding``: ``(position_ids) -> (..., d)``."""
+class HFPositionTable(LearnedPositionalEmbedding, nn.Embedding):
+    """``LearnedPositionalEmbedding`` called like ``nn.Embedding``: ``(position_ids) -> (..., d)``.
+
+    It is also an ``nn.Embedding`` (same attributes as the table it replaces), so what HF and
+    PEFT do with embeddings (``_init_weights``, ``init_weights``, adapters that target embedding
+    modules) treats it as upstream's table.
+    """
+
+    @classmethod
+    def from_embedding(cls, table: nn.Embedding, dropout: float = 0.0) -> "HFPositionTable":
+        module = super().from_embedding(table, dropout)
+        module.num_embeddings, module.embedding_dim = table.num_embeddings, table.embedding_dim
+        module.max_norm, module.norm_type = table.max_norm, table.norm_type
+        module.scale_grad_by_freq, module.sparse = table.scale_grad_by_freq, table.sparse
+        if getattr(table, "_is_hf_initialized", False):  # HF's init skips what it initialised already
+            module._is_hf_initialized = True
+        return module
 
     def forward(self, position_ids: Tensor) -> Tensor:  # type: ignore[override]
         return self.lookup(position_ids)
+
+    def extra_repr(self) -> str:
+        return LearnedPositionalEmbedding.extra_repr(self)
 
 
 class SwapPositionTable:
