@@ -41,7 +41,7 @@ from torch import Tensor
 from torchembed import kernels
 from torchembed.functional.rope import apply_rotary
 
-__all__ = ["Rotation", "RotaryHelper", "recognize", "is_rotation_name"]
+__all__ = ["Rotation", "RotaryHelper", "explain", "recognize", "is_rotation_name"]
 
 LAYOUTS = ("cat", "repeat", "half")
 PAIRINGS = ("half", "interleaved", "deinterleave")
@@ -71,6 +71,7 @@ class Rotation:
     pairing: str  # one of PAIRINGS
     partial: bool  # rotates the first r features of a wider input, the rest pass through
     params: tuple[str, ...]  # the helper's parameter names
+    conjugate: bool = False  # rotates by -theta (a rotate_half written the other way round)
 
     def rotary_dim(self, table_width: int) -> int:
         return 2 * table_width if self.layout == "half" else table_width
@@ -86,7 +87,8 @@ class Rotation:
 
     def describe(self) -> str:
         part = ", partial" if self.partial else ""
-        return f"{self.layout} tables, {self.pairing} pairing{part}"
+        sign = ", by -theta" if self.conjugate else ""
+        return f"{self.layout} tables, {self.pairing} pairing{part}{sign}"
 
 
 # -- recognition ---------------------------------------------------------------------------------
@@ -116,14 +118,14 @@ def _tables(theta: Tensor, layout: str) -> tuple[Tensor, Tensor]:
     return theta.cos(), theta.sin()
 
 
-def reference_rotate(x: Tensor, cos: Tensor, sin: Tensor, pairing: str) -> Tensor:
+def reference_rotate(x: Tensor, cos: Tensor, sin: Tensor, pairing: str, conjugate: bool = False) -> Tensor:
     """Float64-capable reference: rotate the first ``r = 2 * cos.shape[-1]`` features of ``x``
     ``(b, h, s, d)`` by half tables ``(b, 1, s, r/2)`` with ``pairing``."""
     if pairing == "deinterleave":
         rot = 2 * cos.shape[-1]
         x = torch.cat((_deinterleave(x[..., :rot]), x[..., rot:]), dim=-1)
         pairing = "half"
-    return apply_rotary(x, cos, sin, interleaved=pairing == "interleaved")
+    return apply_rotary(x, cos, sin, interleaved=pairing == "interleaved", conjugate=conjugate)
 
 
 def _deinterleave(x: Tensor) -> Tensor:
@@ -131,39 +133,61 @@ def _deinterleave(x: Tensor) -> Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-def _call(helper: Callable, convention: str, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+def _call(helper: Callable, rotation_params: tuple[str, ...], convention: str, q: Tensor, k: Tensor, cos: Tensor,
+          sin: Tensor) -> tuple[Tensor, Tensor]:
     """Call an upstream helper on (b, h, s, d) q/k and (b, s, w) tables; its q/k results."""
     if convention == "qk":
         out = helper(q, k, cos, sin)
         if not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError("not a (q, k) pair")
         return out
-    # one-tensor helpers (GPT-J style) broadcast tables against (b, s, h, d)
-    one = (lambda x: helper(x, sin, cos)) if convention == "x_sin_cos" else (lambda x: helper(x, cos, sin))
-    return tuple(one(x.transpose(1, 2)).transpose(1, 2) for x in (q, k))  # type: ignore[return-value]
+    tables = (sin, cos) if convention == "x_sin_cos" else (cos, sin)
+    if "unsqueeze_dim" in rotation_params:  # (b, h, s, d) against tables unsqueezed at dim 1
+        return helper(q, *tables), helper(k, *tables)
+    # GPT-J style: (b, s, h, d) against tables broadcast over the heads
+    return tuple(helper(x.transpose(1, 2), *tables).transpose(1, 2) for x in (q, k))  # type: ignore[return-value]
 
 
-def _matches(helper: Callable, convention: str, layout: str, pairing: str, feature_dim: int, half: int, gen: torch.Generator) -> bool:
+def _matches(helper: Callable, params: tuple[str, ...], convention: str, candidate: tuple[str, str, bool],
+             feature_dim: int, half: int, gen: torch.Generator) -> bool:
+    """Whether ``helper`` computes ``candidate`` = (layout, pairing, conjugate) on fresh inputs.
+
+    Float32 inputs (helpers that cast to float32 inside are recognised too), compared with the
+    float64 rotation at 1e-5: a different way of rotating is off by O(1)."""
+    layout, pairing, conjugate = candidate
     batch, heads, seq = 2, 3, 5
     theta = torch.rand(batch, seq, half, generator=gen, dtype=torch.float64) * 6.0 - 3.0
-    cos, sin = _tables(theta, layout)
-    q = torch.randn(batch, heads, seq, feature_dim, generator=gen, dtype=torch.float64)
-    k = torch.randn(batch, 1 if convention == "qk" else heads, seq, feature_dim, generator=gen, dtype=torch.float64)
+    cos, sin = (t.float() for t in _tables(theta, layout))
+    q = torch.randn(batch, heads, seq, feature_dim, generator=gen)
+    k = torch.randn(batch, 1 if convention == "qk" else heads, seq, feature_dim, generator=gen)
     try:
         with torch.no_grad():
-            got_q, got_k = _call(helper, convention, q, k, cos, sin)
+            got_q, got_k = _call(helper, params, convention, q, k, cos, sin)
     except Exception:  # the helper rejects these inputs: not this way of rotating
         return False
     c, s = theta.cos()[:, None], theta.sin()[:, None]
-    want_q, want_k = reference_rotate(q, c, s, pairing), reference_rotate(k, c, s, pairing)
+    want_q, want_k = (reference_rotate(x.double(), c, s, pairing, conjugate) for x in (q, k))
     return all(
-        isinstance(got, Tensor) and got.shape == want.shape and got.dtype == torch.float64
-        and torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+        isinstance(got, Tensor) and got.shape == want.shape and got.is_floating_point()
+        and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
         for got, want in ((got_q, want_q), (got_k, want_k))
     )
 
 
 _RECOGNIZED: dict[int, tuple[Any, Rotation | None]] = {}
+
+
+def explain(helper: Any) -> str:
+    """Why ``helper`` is not recognised, in a few words (for error messages and ``list --all``)."""
+    params = _parameters(helper)
+    name = getattr(helper, "__qualname__", type(helper).__name__)
+    if params is None:
+        return f"{name} has no inspectable signature"
+    if any("freqs_cis" in p or "freqs" == p for p in params):
+        return f"{name}({', '.join(params)}) rotates by complex-valued frequencies, which torchembed does not handle"
+    if not _convention(params):
+        return f"{name}({', '.join(params)}) is not a calling convention torchembed knows (e.g. multimodal M-RoPE sections)"
+    return f"{name} computes none of the rotations torchembed knows"
 
 
 def recognize(helper: Any) -> Rotation | None:
@@ -186,15 +210,15 @@ def _probe(helper: Any) -> Rotation | None:
     gen = torch.Generator().manual_seed(0)
     half = 4
     found = [
-        (layout, pairing)
-        for layout, pairing in itertools.product(LAYOUTS, PAIRINGS)
-        if _matches(helper, convention, layout, pairing, 2 * half, half, gen)
+        candidate
+        for candidate in itertools.product(LAYOUTS, PAIRINGS, (False, True))
+        if _matches(helper, params, convention, candidate, 2 * half, half, gen)
     ]
     if len(found) != 1:  # none, or ambiguous (a helper that ignores its inputs)
         return None
-    layout, pairing = found[0]
-    partial = _matches(helper, convention, layout, pairing, 4 * half, half, gen)
-    return Rotation(convention, layout, pairing, partial, params)
+    layout, pairing, conjugate = found[0]
+    partial = _matches(helper, params, convention, found[0], 4 * half, half, gen)
+    return Rotation(convention, layout, pairing, partial, params, conjugate)
 
 
 # -- replacement -----------------------------------------------------------------------------------
@@ -246,13 +270,16 @@ class RotaryHelper:
                 unsqueeze = args[self._unsqueeze_index]
             out = self.rotate(q, k, cos, sin, unsqueeze)
             return self.upstream(*args, **kwargs) if out is None else out
-        # one tensor: x (b, s, h, d) against (b, s, w) tables
-        if len(args) != 3 or kwargs:
+        # one tensor: x (b, h, s, d) with unsqueeze_dim (default 1), or (b, s, h, d) (GPT-J: no such parameter)
+        if len(args) < 3 or kwargs.keys() - {"unsqueeze_dim"}:
             return self.upstream(*args, **kwargs)
-        x, a, b = args
+        x, a, b = args[:3]
         cos, sin = (b, a) if rotation.convention == "x_sin_cos" else (a, b)
-        out = self.rotate(x, None, cos, sin, 2)
-        return self.upstream(*args) if out is None else out[0]
+        unsqueeze = 2
+        if self._unsqueeze_index is not None:
+            unsqueeze = args[self._unsqueeze_index] if len(args) > self._unsqueeze_index else kwargs.get("unsqueeze_dim", 1)
+        out = self.rotate(x, None, cos, sin, unsqueeze)
+        return self.upstream(*args, **kwargs) if out is None else out[0]
 
     def rotate(self, q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, unsqueeze_dim: int) -> tuple[Tensor, Tensor | None] | None:
         """The rotation, or None where upstream should run instead."""
@@ -271,16 +298,17 @@ class RotaryHelper:
             q = torch.cat((_deinterleave(q[..., :rot]), q[..., rot:]), dim=-1)
             k = None if k is None else torch.cat((_deinterleave(k[..., :rot]), k[..., rot:]), dim=-1)
             pairing = "half"
-        interleaved = pairing == "interleaved"
+        interleaved, conjugate = pairing == "interleaved", rotation.conjugate
         if self.fused is not False and kernels.kernel_can_run(q):
             if k is None:
-                return kernels.rotary_fused(q, q[:, :0], c, s, interleaved=interleaved)[0], None
-            if (not interleaved and c.stride(-1) == 1 and q.stride(-1) == 1 and k.stride(-1) == 1
+                return kernels.rotary_fused(q, q[:, :0], c, s, interleaved=interleaved, conjugate=conjugate)[0], None
+            if (not interleaved and not conjugate and c.stride(-1) == 1 and q.stride(-1) == 1 and k.stride(-1) == 1
                     and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
                     and not torch.compiler.is_compiling() and 0 not in q.stride() and 0 not in k.stride()):
                 # Inference: rotate upstream's fresh projections in place (upstream rebinds its names to
                 # the results); the per-layer host cost is one lookup and one kernel launch.
                 return kernels.rotary_tables_(q, k, c, s)
-            return kernels.rotary_fused(q, k, c, s, interleaved=interleaved)
+            return kernels.rotary_fused(q, k, c, s, interleaved=interleaved, conjugate=conjugate)
         c, s = c.unsqueeze(1), s.unsqueeze(1)  # (b, 1, s, r/2): broadcast over heads
-        return apply_rotary(q, c, s, interleaved=interleaved), None if k is None else apply_rotary(k, c, s, interleaved=interleaved)
+        rotated = (None if x is None else apply_rotary(x, c, s, interleaved=interleaved, conjugate=conjugate) for x in (q, k))
+        return tuple(rotated)  # type: ignore[return-value]

@@ -23,7 +23,8 @@ from torchembed.positional import (
 __version__ = "0.1.0"
 
 # The HF layer is imported on first use: `import torchembed` never imports transformers.
-_PATCH_API = ("patch", "unpatch", "is_patched", "patched", "find_positional_components", "from_pretrained", "supported_families")
+_PATCH_API = ("patch", "unpatch", "is_patched", "patched", "find_positional_components", "from_pretrained", "supported_families",
+              "PatchError", "UnsupportedModelError", "StructureError", "FusedUnavailableError")
 _TOOLS_API = ("compare",)
 
 __all__ = [

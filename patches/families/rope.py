@@ -36,7 +36,7 @@ from torchembed.patches.actions import Component, InstanceMethod, OverrideAttrib
 from torchembed.patches.errors import StructureError, UnsupportedModelError
 from torchembed.patches.rebind import attribute_names, chain, find_globals, global_names
 from torchembed.patches.registry import Family, PatchOptions, register, set_fallback
-from torchembed.patches.rotation import RotaryHelper, Rotation, is_rotation_name, recognize
+from torchembed.patches.rotation import RotaryHelper, Rotation, explain, is_rotation_name, recognize
 
 __all__ = ["ClassRotations", "RopeExpectation", "ReplaceRotationHelpers", "RopeDiscovery", "discover", "class_rotations", "discovered_family"]
 
@@ -78,7 +78,7 @@ def class_rotations(cls: type) -> ClassRotations:
             helper = next(iter(values.values()))
             rotation = recognize(helper)
             if rotation is None:
-                unrecognized[name] = f"{_qualname(helper)} computes none of the rotations torchembed knows"
+                unrecognized[name] = explain(helper)
             else:
                 recognized[name] = (helper, rotation)
         functions = list(chain(forward))

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TINY_MODELS", "tiny_config", "build_checkpoint", "default_cache_dir"]
+__all__ = ["SAMPLED_MODEL_TYPES", "TINY_MODELS", "tiny_config", "build_checkpoint", "default_cache_dir"]
 
 V = 128  # vocabulary
 _LLAMA = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2, vocab_size=V, max_position_embeddings=64)
@@ -23,8 +23,9 @@ def _llama(**rope: Any) -> Callable[[], Any]:
         import transformers
 
         kwargs = dict(_LLAMA)
-        if rope:
-            kwargs["rope_parameters"] = {"rope_theta": 10000.0, **rope}
+        if rope:  # the 4.x spelling, which 5.x folds into rope_parameters: read by every release
+            kwargs["rope_theta"] = rope.pop("rope_theta", 10000.0)
+            kwargs["rope_scaling"] = dict(rope)
         return transformers.LlamaConfig(**kwargs)
 
     return make
@@ -71,15 +72,26 @@ TINY_MODELS: dict[str, Callable[[], Any]] = {
 }
 
 
+#: A sample of the RoPE families found by structure, for the embedded default (the seven families
+#: and their variants come first); ``torchembed compare --all`` runs every supported model type.
+SAMPLED_MODEL_TYPES = ("qwen3", "gemma3_text", "phi3", "mixtral", "olmo2", "gpt_neox", "gptj", "cohere", "glm", "deepseek_v3")
+
+
 def tiny_config(name: str) -> Any:
-    """A fresh config of the tiny model ``name``.
+    """A fresh config of the tiny model ``name``: one of :data:`TINY_MODELS`, or any model type of
+    the installed transformers (made generically, :mod:`torchembed.tools.zoo`).
 
     Raises:
         ValueError: unknown name.
     """
-    if name not in TINY_MODELS:
-        raise ValueError(f"unknown tiny model {name!r}; choose from {', '.join(TINY_MODELS)}")
-    return TINY_MODELS[name]()
+    if name in TINY_MODELS:
+        return TINY_MODELS[name]()
+    from torchembed.tools.zoo import generic_tiny_config, text_model_types
+
+    if name not in text_model_types():
+        raise ValueError(f"unknown tiny model {name!r}; choose from {', '.join(TINY_MODELS)} or a text model type "
+                         "of the installed transformers (torchembed list --all)")
+    return generic_tiny_config(name)
 
 
 def default_cache_dir() -> Path:
@@ -92,7 +104,8 @@ def build_checkpoint(name: str, cache_dir: str | os.PathLike[str] | None = None,
     import torch
     import transformers
 
-    path = Path(cache_dir or default_cache_dir()) / "tiny" / f"{name}-seed{seed}"
+    # one folder per transformers release: configs written by one are not always read by another
+    path = Path(cache_dir or default_cache_dir()) / "tiny" / f"{name}-seed{seed}-transformers{transformers.__version__}"
     if (path / "config.json").exists():
         return path
     config = tiny_config(name)

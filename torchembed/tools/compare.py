@@ -202,7 +202,16 @@ def _load(source: str | nn.Module, dtype: torch.dtype, impl: str, device: torch.
         config = transformers.AutoConfig.from_pretrained(source)
         model = model_class_for(config).from_pretrained(source, dtype=dtype, attn_implementation=impl).to(device)
     _set_attn(model, impl)
+    if dtype == torch.float64:
+        _plain_experts(model)
     return model.eval()
+
+
+def _plain_experts(model: nn.Module) -> None:
+    """Mixture-of-experts layers in plain PyTorch (5.x's grouped matmul has no float64 kernel)."""
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    if can_set is not None and can_set():
+        model.set_experts_implementation("eager")
 
 
 def _compare_one(
@@ -210,11 +219,11 @@ def _compare_one(
     fused: bool | None, eager_reference: dict[str, Tensor],
 ) -> CompareRow:
     from torchembed.patches.core import patch
-    from torchembed.patches.registry import resolve
+    from torchembed.patches.registry import family_for
 
     dtype = _DTYPES[dtype_name]
     upstream = _load(source, dtype, impl, device)
-    family = resolve(upstream.config)
+    family = family_for(upstream.config)
     # Where upstream's attention implementations disagree, the patched model computes one of them
     # (family.reference_attn) under every setting: upstream and the truth run that one.
     ref_impl = (family.reference_attn if family else "") or impl
@@ -260,12 +269,16 @@ def compare(
     device: str | torch.device = "cpu",
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = False,
+    every_model_type: bool = False,
 ) -> CompareReport:
     """Compare torchembed-patched models with upstream and with float64.
 
     Args:
         models: a model, a checkpoint directory or hub id, or a list of them. ``None`` runs the
-            embedded default: tiny random-weight checkpoints of every family and rope variant.
+            embedded default: tiny random-weight checkpoints of every family and rope variant and a
+            sample of the RoPE model types found by structure.
+        every_model_type: with ``models=None``, tiny checkpoints of every model type of the
+            installed transformers that torchembed patches (``torchembed list --all``).
         dtypes: any of float32, bfloat16, float16.
         attn_implementations: default: every one the model supports among eager and sdpa.
         fused: passed to :func:`torchembed.patch`.
@@ -274,11 +287,12 @@ def compare(
     Returns:
         A :class:`CompareReport`; ``report.ok`` is the verdict, ``print(report)`` a table.
     """
-    from torchembed.tools.checkpoints import TINY_MODELS, build_checkpoint
+    from torchembed.tools.checkpoints import build_checkpoint
 
     device = torch.device(device)
     if models is None:
-        sources: list[tuple[str, str | nn.Module]] = [(n, str(build_checkpoint(n, cache_dir))) for n in TINY_MODELS]
+        sources: list[tuple[str, str | nn.Module]] = [(n, str(build_checkpoint(n, cache_dir)))
+                                                      for n in default_models(every_model_type)]
     else:
         items = [models] if isinstance(models, (str, os.PathLike, nn.Module)) else list(models)
         sources = [(_name(m), m if isinstance(m, nn.Module) else str(m)) for m in items]
@@ -300,6 +314,21 @@ def compare(
                 _compare_one(name, source, dtype_name, impl, inputs, device, fused, eager_refs.setdefault(name, {}))
             )
     return report
+
+
+def default_models(every_model_type: bool = False) -> list[str]:
+    """The embedded default: the tiny models of the seven families and their variants, then a sample
+    of the RoPE model types found by structure (all supported ones with ``every_model_type``)."""
+    from torchembed.tools.checkpoints import SAMPLED_MODEL_TYPES, TINY_MODELS
+    from torchembed.tools.zoo import survey, text_model_types
+
+    names = list(TINY_MODELS)
+    available = set(text_model_types())
+    if every_model_type:
+        extra = [s.model_type for s in survey() if s.supported]
+    else:
+        extra = [t for t in SAMPLED_MODEL_TYPES if t in available]
+    return names + [t for t in extra if t not in names]
 
 
 def _name(model: Any) -> str:

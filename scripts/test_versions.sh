@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The patches layer against other transformers releases, each in a fresh virtualenv: tests/patches
+# and `torchembed compare` on the embedded default.
+#
+#   bash scripts/test_versions.sh                  # 4.57.x (the last 4.x) and the newest release
+#   bash scripts/test_versions.sh 5.17.0 latest    # any pip version spec; "latest" = unpinned
+#
+# Only torch is pinned (TORCH_SPEC, default the CPU wheel torch==2.13.0); transformers and its
+# dependencies are what pip picks for the spec, as for a user. Virtualenvs live in
+# $TORCHEMBED_VENVS (default ~/.cache/torchembed/venvs) and are made anew on every run; pip's
+# cache keeps that quick on a machine that ran it before.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+root=${TORCHEMBED_VENVS:-$HOME/.cache/torchembed/venvs}
+specs=("$@")
+[ ${#specs[@]} -gt 0 ] || specs=("4.57.*" "latest")
+for spec in "${specs[@]}"; do
+  requirement="transformers==$spec"
+  [ "$spec" = latest ] && requirement="transformers"
+  venv="$root/transformers-${spec//\*/x}"
+  rm -rf "$venv"
+  "$PYTHON" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+  "$venv/bin/python" -m pip install -q -e ".[triton,hf,dev]" "$requirement"
+  version=$("$venv/bin/python" -c "import transformers; print(transformers.__version__)")
+  echo "== transformers $version ($spec): tests/patches"
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/patches
+  echo "== transformers $version ($spec): torchembed compare"
+  "$venv/bin/python" -m torchembed compare
+done

@@ -1,0 +1,76 @@
+"""Every RoPE model type of the installed transformers, found by structure, on tiny generic configs.
+
+For each supported model type: float32 logits within 1e-5 relative of upstream, greedy generation
+with the KV cache identical, unpatch bit-exact. (bf16 against float64: ``torchembed compare --all``.)
+"""
+
+import copy
+
+import pytest
+import torch
+
+import torchembed
+
+transformers = pytest.importorskip("transformers")
+from torchembed.tools.zoo import build_tiny, survey  # noqa: E402
+
+STATUS = {s.model_type: s for s in survey()}
+SUPPORTED = sorted(t for t, s in STATUS.items() if s.supported)
+
+# The model types people run most; each must be supported wherever the installed transformers has it.
+REQUIRED = (
+    "llama mistral falcon bloom mpt bert gpt2 qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 gemma3_text phi phi3 "
+    "phimoe mixtral olmo olmo2 olmoe granite granitemoe stablelm gpt_neox gptj codegen cohere cohere2 starcoder2 "
+    "glm glm4 helium smollm3 ministral nemotron persimmon deepseek_v3 exaone4 ernie4_5 seed_oss hunyuan_v1_dense "
+    "arcee apertus"
+).split()
+# Where a 4.x release structures a family differently (checked, with the reason torchembed gives).
+NOT_ON_4X = {"phimoe", "apertus"}
+
+
+def test_at_least_sixty_model_types_and_every_required_one():
+    assert len(SUPPORTED) >= (60 if transformers.__version__ >= "5" else 50), len(SUPPORTED)
+    exempt = NOT_ON_4X if transformers.__version__ < "5" else set()
+    missing = {t: STATUS[t].how for t in REQUIRED if t in STATUS and not STATUS[t].supported and t not in exempt}
+    assert not missing
+
+
+def test_unsupported_model_types_say_why():
+    for model_type in ("llama4_text", "deepseek_v2", "opt", "roformer"):
+        if model_type in STATUS:
+            status = STATUS[model_type]
+            assert not status.supported and status.how, model_type
+    if "llama4_text" in STATUS:
+        assert "complex-valued" in STATUS["llama4_text"].how
+    with pytest.raises(torchembed.UnsupportedModelError, match="complex-valued"):
+        if "llama4_text" not in STATUS:
+            raise torchembed.UnsupportedModelError("complex-valued (no llama4 in this release)")
+        torchembed.patch(build_tiny("llama4_text"))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_patched_model_type_matches_upstream(model_type):
+    upstream = build_tiny(model_type)
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    vocab = upstream.config.get_text_config().vocab_size
+    ids = torch.randint(3, vocab, (2, 11), generator=torch.Generator().manual_seed(0))
+    ref = _logits(upstream, ids)
+    out = _logits(patched, ids)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+    prompt = ids[:1, :6]
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        gen_ref = upstream.generate(prompt, **kwargs)
+        gen_out = patched.generate(prompt, **kwargs)
+    assert torch.equal(gen_out.sequences, gen_ref.sequences)
+    for a, b in zip(gen_out.logits, gen_ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+    torchembed.unpatch(patched)
+    assert torch.equal(_logits(patched, ids), ref)

@@ -1,0 +1,210 @@
+"""Tiny random-weight models of every text model type in the installed transformers.
+
+Configs are made generically from each config class: its defaults, with every size-like attribute
+it has (hidden size, heads, layers, vocabulary, experts, low-rank dims ...) set small, so a model
+builds and runs on a CPU in milliseconds. Nothing is written per model type. Used by
+``torchembed list --all`` (what is supported and why not) and ``torchembed compare --all``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["SMALL", "ModelTypeStatus", "text_model_types", "generic_tiny_config", "build_tiny", "status_of", "survey"]
+
+#: attribute -> small value; an attribute is set only where the config class has it.
+SMALL: dict[str, Any] = {
+    "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_hidden_layers": 4, "intermediate_size": 128, "vocab_size": 128, "max_position_embeddings": 128,
+    # mixture of experts
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "moe_num_experts": 4, "moe_k": 2,
+    "moe_topk": 2, "num_shared_experts": 1, "expert_intermediate_size": 32,
+    # multi-head latent attention (DeepSeek-V2/V3 and kin)
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    # windows and other lengths that must stay below max_position_embeddings
+    "sliding_window": 32, "attention_chunk_size": 32, "original_max_position_embeddings": 64,
+    "rotary_dim": 8,  # GPT-J / CodeGen: rotated features per head
+    # token ids inside the small vocabulary
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}
+MAX_PARAMETERS = 20_000_000  # a tiny model runs in milliseconds on a CPU
+_RECOMPUTED = ("layer_types", "mlp_layer_types", "no_rope_layers", "layers_block_type")  # per-layer lists
+_ALWAYS = ("head_dim", "num_key_value_heads")
+
+
+def text_model_types() -> list[str]:
+    """Every model type with a causal-LM class in the installed transformers, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def generic_tiny_config(model_type: str) -> Any:
+    """A small config of ``model_type``: the class defaults with :data:`SMALL` where it applies.
+
+    Raises:
+        Exception: whatever the config class raises for these values (reported by the callers).
+    """
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    kwargs = {key: value for key, value in SMALL.items() if _has(default, key)}
+    for key, value in default.to_dict().items():
+        if _is_vocab(key, value):  # every other vocabulary (hash, byte-group, ...)
+            kwargs.setdefault(key, SMALL["vocab_size"])
+        elif isinstance(value, dict) and any(k in SMALL for k in value):  # a sub-config (text, encoder ...)
+            kwargs[key] = _shrink(value)
+    for key in _ALWAYS:  # None in some defaults, and read as is by the model
+        if key not in kwargs and _settable(default, key) and hasattr(default, key):
+            kwargs[key] = SMALL[key]
+    if getattr(default, "head_dim", None) is not None and default.head_dim == getattr(default, "qk_rope_head_dim", None):
+        kwargs["head_dim"] = SMALL["qk_rope_head_dim"]  # MLA models: head_dim is the rotary part
+    layers = SMALL["num_hidden_layers"]
+    for key in _RECOMPUTED:
+        value = getattr(default, key, None)
+        if isinstance(value, (list, tuple)) and len(value) != layers and _settable(default, key):
+            kinds = list(dict.fromkeys(value))  # every kind of layer the default has, in turn
+            kwargs[key] = (kinds * layers)[:layers]
+    return _build(model_type, kwargs)
+
+
+def _is_vocab(key: str, value: Any) -> bool:
+    return "vocab" in key and isinstance(value, int) and not isinstance(value, bool) and value > SMALL["vocab_size"]
+
+
+def _shrink(values: dict[str, Any]) -> dict[str, Any]:
+    """A sub-config's dict with :data:`SMALL` applied (recursively)."""
+    out = {}
+    for key, value in values.items():
+        if key in SMALL and value is not None and not isinstance(value, (list, dict)):
+            out[key] = SMALL[key]
+        elif _is_vocab(key, value):
+            out[key] = SMALL["vocab_size"]
+        elif isinstance(value, dict) and any(k in SMALL for k in value):
+            out[key] = _shrink(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _settable(config: Any, key: str) -> bool:
+    """Not a read-only property derived from other attributes."""
+    attr = getattr(type(config), config.attribute_map.get(key, key), None)
+    return not (isinstance(attr, property) and attr.fset is None)
+
+
+def _has(config: Any, key: str) -> bool:
+    """``config`` has ``key`` set, and it can be set."""
+    if not _settable(config, key):
+        return False
+    try:
+        return getattr(config, key, None) is not None
+    except Exception:
+        return False
+
+
+def _build(model_type: str, kwargs: dict[str, Any]) -> Any:
+    """The config with ``kwargs``; where the class refuses some (per-layer attributes it derives
+    itself), without those. The first error is raised if every variant fails."""
+    from transformers import AutoConfig
+
+    variants = [kwargs, {k: v for k, v in kwargs.items() if k not in _ALWAYS},
+                {k: v for k, v in kwargs.items() if k not in _RECOMPUTED},
+                {k: v for k, v in kwargs.items() if k not in _ALWAYS + _RECOMPUTED}]
+    first: Exception | None = None
+    for variant in variants:
+        try:
+            config = AutoConfig.for_model(model_type, **variant)
+            with torch.device("meta"), _quiet():  # the model must build from it, and be small
+                size = sum(p.numel() for p in _causal_lm_class(config)(config).parameters())
+            if size > MAX_PARAMETERS:
+                raise ValueError(f"the smallest config found still has {size / 1e6:.0f}M parameters")
+            return config
+        except Exception as err:  # noqa: BLE001 - try the next variant
+            first = first or err
+    raise first  # type: ignore[misc]
+
+
+def _causal_lm_class(config: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM._model_mapping[type(config)]
+
+
+def build_tiny(model_type: str, *, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A tiny random-weight causal LM of ``model_type`` (eval mode)."""
+    from transformers import AutoModelForCausalLM
+
+    config = generic_tiny_config(model_type)
+    torch.manual_seed(seed)
+    with _quiet():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.to(device).eval()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@dataclass(frozen=True)
+class ModelTypeStatus:
+    """Whether torchembed patches a model type, and why not."""
+
+    model_type: str
+    supported: bool
+    how: str  # family and what is swapped, or the reason it is not supported
+
+    def row(self) -> list[str]:
+        return [self.model_type, "yes" if self.supported else "no", self.how]
+
+
+@functools.lru_cache(maxsize=None)
+def status_of(model_type: str) -> ModelTypeStatus:
+    """Build the tiny model, check that upstream runs it, and ask the patch layer (cached)."""
+    from torchembed.patches.core import find_positional_components
+    from torchembed.patches.errors import PatchError, StructureError
+    from torchembed.patches.registry import family_for
+
+    try:
+        config = generic_tiny_config(model_type)
+        model = build_tiny(model_type)
+    except Exception as err:  # noqa: BLE001 - reported, not raised
+        return ModelTypeStatus(model_type, False, f"no tiny model could be built ({type(err).__name__}: {str(err)[:120]})")
+    try:
+        with torch.no_grad(), _quiet():
+            model(input_ids=torch.tensor([[3, 4, 5, 6]]))
+    except Exception as err:  # noqa: BLE001
+        return ModelTypeStatus(model_type, False, "upstream does not run on a generic tiny config "
+                               f"({type(err).__name__}: {str(err)[:120]})")
+    try:
+        components = find_positional_components(model)
+    except StructureError as err:
+        return ModelTypeStatus(model_type, False, f"{err.where}: expected {err.expected}; found {err.found}")
+    except PatchError as err:
+        message = str(err)
+        return ModelTypeStatus(model_type, False, message.split("): ", 1)[-1] if "cannot patch" in message else message)
+    family = family_for(config)
+    kinds = sorted({c.kind for c in components})
+    how = ("discovered: " if family.discovered else "") + f"{family.encoding}; " + ", ".join(
+        f"{sum(c.kind == kind for c in components)} x {kind}" for kind in kinds
+    )
+    rotations = sorted({c.replacement.split("(", 1)[-1].rstrip(")") for c in components if c.kind == "rope-apply"})
+    return ModelTypeStatus(model_type, True, how + (f" ({'; '.join(rotations)})" if rotations else ""))
+
+
+def survey(model_types: list[str] | None = None) -> list[ModelTypeStatus]:
+    """:func:`status_of` for each model type (default: every text model type)."""
+    return [status_of(model_type) for model_type in (model_types or text_model_types())]
