@@ -25,6 +25,7 @@ def _compare(args: argparse.Namespace) -> int:
         device=args.device,
         cache_dir=args.cache_dir,
         progress=not args.json and sys.stderr.isatty(),
+        every_model_type=args.all,
     )
     if args.json:
         print(report.to_json())
@@ -42,8 +43,22 @@ def _compare(args: argparse.Namespace) -> int:
 def _list(args: argparse.Namespace) -> int:
     from torchembed.patches import supported_families
 
-    for family in supported_families():
-        print(f"{family.name:14} {family.encoding:8} {family.description}")
+    if not args.all:
+        for family in supported_families():
+            print(f"{family.name:14} {family.encoding:8} {family.description}")
+        print(f"{'(any other)':14} {'rope':8} RoPE models found by structure: see `torchembed list --all`")
+        return 0
+    import transformers
+
+    from torchembed.tools.zoo import survey
+
+    transformers.logging.set_verbosity_error()
+    statuses = survey()
+    for status in statuses:
+        print(f"{status.model_type:26} {'yes' if status.supported else 'no ':4} {status.how}")
+    supported = sum(s.supported for s in statuses)
+    print(f"{supported} of {len(statuses)} text model types of transformers {transformers.__version__} are patched "
+          "(checked on tiny random-weight models built from each config class)")
     return 0
 
 
@@ -68,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fused", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--cache-dir", default=None, help="where the tiny checkpoints are written (default ~/.cache/torchembed)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--all", action="store_true", help="every model type torchembed patches (see `list --all`)")
     p.set_defaults(func=_compare)
 
     p = sub.add_parser("bench", help="speed: rope kernel, alibi attention, end to end")
@@ -76,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("list", help="supported model families and what is swapped in each")
+    p.add_argument("--all", action="store_true", help="every text model type of the installed transformers: supported or why not")
     p.set_defaults(func=_list)
     return parser
 

@@ -167,6 +167,9 @@ class ModelTypeStatus:
     supported: bool
     how: str  # family and what is swapped, or the reason it is not supported
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "how", " ".join(self.how.split()))  # one line
+
     def row(self) -> list[str]:
         return [self.model_type, "yes" if self.supported else "no", self.how]
 
