@@ -89,3 +89,9 @@ def test_key_bias_is_zero_at_each_rows_last_real_key():
         expected = slopes[:, None] * ((positions[b] - positions[b, last]) * mask[b]).float()
         torch.testing.assert_close(key_bias[b], expected, rtol=0, atol=0)
         assert (key_bias[b][:, last] == 0).all() and (key_bias[b] <= 0).all()
+
+
+@pytest.mark.parametrize("max_bias", [0, -8.0, math.nan, math.inf, True, "8"])
+def test_slopes_reject_bad_max_bias(max_bias):
+    with pytest.raises(ValueError, match=r"max_bias must be a finite number > 0, got"):
+        alibi_slopes(8, max_bias=max_bias)

@@ -193,3 +193,45 @@ def test_apply_rotary_property(batch, seq, half, extra, dtype, interleaved, offs
     n_in = x[..., :rot].double().norm(dim=-1)
     n_out = out[..., :rot].double().norm(dim=-1)
     torch.testing.assert_close(n_out, n_in, **TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(dim=8, base=0), ValueError, r"base must be a finite number > 0, got 0"),
+        (dict(dim=8, base=-1.0), ValueError, r"base must be a finite number > 0, got -1.0"),
+        (dict(dim=8, base=float("nan")), ValueError, r"base must be a finite number > 0, got nan"),
+        (dict(dim=8, base=float("-inf")), ValueError, r"base must be a finite number > 0, got -inf"),
+        (dict(dim=8, base=None), TypeError, r"base must be a real number.*got NoneType"),
+        (dict(dim=8, rope_parameters={"rope_theta": 0}), ValueError, r"rope_parameters\['rope_theta'\] must be a finite number > 0"),
+        (dict(dim=8, rope_parameters={"rope_type": "linear", "factor": -2.0}), ValueError, r"'factor'\] must be a finite number > 0, got -2.0"),
+        (dict(dim=8, rope_parameters={"rope_type": "dynamic", "factor": float("nan")}), ValueError, r"'factor'\] must be"),
+        (dict(dim=8, base=1, rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+         ValueError, r"'yarn' needs base \(rope_theta\) != 1, got 1.0"),
+        (dict(dim=8, rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0,
+                                      "original_max_position_embeddings": 16}), ValueError, "low_freq_factor != high_freq_factor"),
+        (dict(dim=8, rope_parameters="llama3"), TypeError, "rope_parameters must be a mapping"),
+    ],
+)
+def test_inv_freq_rejects_bad_base_and_parameters(kwargs, exc, match):
+    """Each of these gave NaN/inf frequencies silently (or failed deep in math/torch)."""
+    with pytest.raises(exc, match=match):
+        rope_inv_freq(**kwargs)
+
+
+def test_inv_freq_rope_theta_wins_over_base_and_is_checked():
+    inv, _ = rope_inv_freq(8, 0.0, {"rope_theta": 10000.0})  # the argument is replaced, not used
+    torch.testing.assert_close(inv, rope_inv_freq(8, 10000.0)[0])
+
+
+def test_rope_positions_rejects_negative_and_non_integer_offsets():
+    with pytest.raises(ValueError, match="offset tensor must be non-negative, got a minimum of -3"):
+        rope_positions(torch.tensor([0, -3]), 2)
+    with pytest.raises(ValueError, match="non-negative int or a 1-D integer tensor, got -1"):
+        rope_positions(-1, 2)
+    with pytest.raises(ValueError, match="non-negative int or a 1-D integer tensor, got 1.5"):
+        rope_positions(1.5, 2)
+    with pytest.raises(ValueError, match="1-D integer"):
+        rope_positions(torch.tensor([True, False]), 2)
+    # off the CPU the offsets are not read (no host sync): meta tensors have no values
+    assert rope_positions(torch.tensor([0, -3], device="meta"), 2).shape == (2, 2)

@@ -663,6 +663,27 @@ def test_value_errors(case):
         rotary_fused(q, k, kw.pop("cos", None), kw.pop("sin", None), **kw)
 
 
+@pytest.mark.skipif(DEV != "cpu", reason="tensor positions are range-checked on the host for CPU tensors only")
+@pytest.mark.parametrize(
+    "positions, match",
+    [
+        (torch.tensor([0, -1]), "positions -1..3"),  # (B,) offsets: -1 .. 0 + S - 1
+        (torch.tensor([0, 29]), "positions 0..32"),  # 29 + S - 1 = 32 past a 32-row table
+        (torch.tensor([[0, 1, 2, -4], [0, 1, 2, 3]]), "positions -4..3"),
+        (torch.tensor([[0, 1, 2, 3], [0, 1, 2, 32]]), "positions 0..32"),
+    ],
+)
+def test_table_positions_out_of_range_on_cpu(positions, match):
+    """Tensor positions indexing (T, R/2) tables: past either end is a ValueError on CPU tensors
+    (the fallback would wrap negative indices silently, the interpreted kernel read out of bounds)."""
+    q, k = torch.randn(2, 3, 4, 16), torch.randn(2, 1, 4, 16)
+    cos, sin = torch.randn(32, 8), torch.randn(32, 8)
+    with pytest.raises(ValueError, match=rf"tensor positions in \[0, table length 32\), got {match}"):
+        rotary_fused(q, k, cos, sin, positions=positions)
+    ok = positions.clamp(0, 28)  # in range: runs
+    assert rotary_fused(q, k, cos, sin, positions=ok)[0].shape == q.shape
+
+
 # ------------------------------------------------------------------------------------------
 # property test
 # ------------------------------------------------------------------------------------------

@@ -5,15 +5,18 @@ with the KV cache identical, unpatch bit-exact. (bf16 against float64: ``torchem
 """
 
 import copy
+import os
 
 import pytest
 import torch
 
 import torchembed
+from torchembed import kernels
 
 transformers = pytest.importorskip("transformers")
 from torchembed.tools.zoo import build_tiny, survey  # noqa: E402
 
+DEVICE = os.environ.get("TORCHEMBED_TEST_DEVICE", "cpu")  # "cuda": the fused kernel in every family
 STATUS = {s.model_type: s for s in survey()}
 SUPPORTED = sorted(t for t, s in STATUS.items() if s.supported)
 
@@ -54,14 +57,20 @@ def _logits(model, ids):
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED)
-def test_patched_model_type_matches_upstream(model_type):
-    upstream = build_tiny(model_type)
+def test_patched_model_type_matches_upstream(model_type, monkeypatch):
+    upstream = build_tiny(model_type, device=DEVICE)
     patched = torchembed.patch(copy.deepcopy(upstream))
     vocab = upstream.config.get_text_config().vocab_size
-    ids = torch.randint(3, vocab, (2, 11), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, vocab, (2, 11), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    launches = []
+    for name in ("rotary_fused", "rotary_tables_"):
+        original = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _f=original, **k: launches.append(1) or _f(*a, **k))
     ref = _logits(upstream, ids)
     out = _logits(patched, ids)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    rope = any(c.kind == "rope-apply" for c in torchembed.find_positional_components(patched))
+    assert bool(launches) == (rope and kernels.kernel_can_run(ids.float()))  # the fused kernel rotated
 
     prompt = ids[:1, :6]
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)

@@ -143,3 +143,93 @@ def test_attention_errors(shapes, kwargs, match):
     q_shape, k_shape = shapes
     with pytest.raises(ValueError, match=match):
         ALiBiEmbedding(num_heads=4).attention(torch.randn(q_shape), torch.randn(k_shape), torch.randn(k_shape), **kwargs)
+
+
+# ------------------------------------------------------------------------------------------
+# bad inputs: a clear error naming what was expected and what was given, or defined behaviour
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seq_k", [0, 3])
+def test_attention_with_no_queries_is_empty(causal, seq_k):
+    """seq_q = 0 (also with seq_k = 0, which raised IndexError): an empty (b, h, 0, d_v) result."""
+    alibi = ALiBiEmbedding(num_heads=4)
+    q = torch.randn(2, 4, 0, 8, requires_grad=True)
+    k = torch.randn(2, 4, seq_k, 8, requires_grad=True)
+    v = torch.randn(2, 4, seq_k, 6, requires_grad=True)
+    out = alibi.attention(q, k, v, causal=causal)
+    assert out.shape == (2, 4, 0, 6) and out.dtype == q.dtype
+    out.sum().backward()
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_integer_inputs_are_type_error(causal):
+    alibi = ALiBiEmbedding(num_heads=4)
+    x = torch.ones(1, 4, 3, 8, dtype=torch.long)
+    with pytest.raises(TypeError, match="q must be a floating-point tensor, got torch.int64"):
+        alibi.attention(x, x, x, causal=causal)
+    with pytest.raises(TypeError, match="v must be a floating-point tensor, got torch.int64"):
+        alibi.attention(x.float(), x.float(), x, causal=causal)
+    with pytest.raises(TypeError, match="k must be a floating-point tensor, got list"):
+        alibi.attention(x.float(), [1.0], x.float(), causal=causal)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(
+    "shapes, match",
+    [
+        (((1, 4, 3, 8), (1, 4, 3, 4), (1, 4, 3, 4)), r"same head dim, got q \(1, 4, 3, 8\), k \(1, 4, 3, 4\)"),
+        (((1, 4, 3, 8), (1, 4, 3, 8), (1, 4, 4, 8)), r"same sequence length seq_k, got .*v \(1, 4, 4, 8\)"),
+        (((1, 4, 3, 8), (1, 2, 3, 8), (1, 2, 3, 8)), r"same \(batch, heads\) = \(1, 4\), got .*k \(1, 2, 3, 8\)"),
+        (((2, 4, 3, 8), (1, 4, 3, 8), (1, 4, 3, 8)), r"same \(batch, heads\) = \(2, 4\), got .*k \(1, 4, 3, 8\)"),
+        (((2, 4, 3, 8), (3, 4, 3, 8), (3, 4, 3, 8)), r"same \(batch, heads\) = \(2, 4\), got .*k \(3, 4, 3, 8\)"),
+        (((1, 4, 3, 8), (1, 4, 3, 8), (1, 4, 3)), r"\(batch, 4 heads, seq, dim\), got .*v \(1, 4, 3\)"),
+    ],
+)
+def test_attention_shape_mismatches(shapes, match, causal):
+    q, k, v = (torch.randn(s) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        ALiBiEmbedding(num_heads=4).attention(q, k, v, causal=causal)
+
+
+def test_attention_dtype_device_and_argument_errors():
+    alibi = ALiBiEmbedding(num_heads=4)
+    q = torch.randn(1, 4, 3, 8)
+    with pytest.raises(TypeError, match="one dtype, got torch.float32, torch.float64, torch.float32"):
+        alibi.attention(q, q.double(), q)
+    with pytest.raises(ValueError, match="one device, got cpu, meta, cpu"):
+        alibi.attention(q, q.to("meta"), q)
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\], got 1.5"):
+        alibi.attention(q, q, q, dropout_p=1.5)
+    with pytest.raises(ValueError, match="key_padding_mask must be on q's device cpu, got meta"):
+        alibi.attention(q, q, q, key_padding_mask=torch.ones(1, 3, dtype=torch.bool, device="meta"))
+    with pytest.raises(ValueError, match=r"key_padding_mask must be bool \(batch, seq_k\) = \(1, 3\), got list"):
+        alibi.attention(q, q, q, key_padding_mask=[[True, True, True]])
+
+
+def test_forward_device_and_bias_arguments():
+    alibi = ALiBiEmbedding(num_heads=4)
+    with pytest.raises(ValueError, match="attn_scores are on meta but this ALiBiEmbedding's buffers are on cpu"):
+        alibi(torch.zeros(1, 4, 3, 3, device="meta"))
+    with pytest.raises(ValueError, match="seq_q must be a non-negative int, got -1"):
+        alibi.bias(-1, 3)
+    with pytest.raises(ValueError, match="seq_k must be a non-negative int, got 2.0"):
+        alibi.bias(1, 2.0)
+    assert alibi(torch.zeros(2, 4, 0, 0)).shape == (2, 4, 0, 0)  # empty scores stay empty
+    assert alibi.bias(0, 3).shape == (4, 0, 3)
+
+
+@pytest.mark.parametrize(
+    "scores, exc, match",
+    [
+        (torch.zeros(1, 4, 3), ValueError, r"\(batch, heads, seq_q, seq_k\), got shape \(1, 4, 3\)"),
+        (torch.zeros(1, 1, 4, 3, 3), ValueError, r"\(batch, heads, seq_q, seq_k\), got shape \(1, 1, 4, 3, 3\)"),
+        (torch.zeros(2, 8, 3, 3), ValueError, "attn_scores has 8 heads, this ALiBiEmbedding has num_heads=4"),
+        ([[0.0]], TypeError, "attn_scores must be a floating-point tensor"),
+    ],
+)
+def test_forward_wrong_rank_or_heads(scores, exc, match):
+    with pytest.raises(exc, match=match):
+        ALiBiEmbedding(num_heads=4)(scores)

@@ -180,3 +180,164 @@ def test_module_property(lead, seq, half, dtype, offset):
     tol = dict(TOL[dtype])
     tol["atol"] += 2 * (offset + seq) * 2**-24 * q.abs().max().item()
     torch.testing.assert_close(qo.double(), rope_oracle(q, torch.arange(offset, offset + seq), rope.inv_freq), **tol)
+
+
+# ------------------------------------------------------------------------------------------
+# bad inputs: a clear error naming what was expected and what was given
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(dim=16, base=0), ValueError, r"base must be a finite number > 0, got 0"),
+        (dict(dim=16, base=-10000), ValueError, r"base must be a finite number > 0, got -10000"),
+        (dict(dim=16, base=float("nan")), ValueError, r"base must be a finite number > 0, got nan"),
+        (dict(dim=16, base=float("inf")), ValueError, r"base must be a finite number > 0, got inf"),
+        (dict(dim=16, base="10000"), TypeError, r"base must be a real number.*got str"),
+        (dict(dim=16, base=True), TypeError, r"base must be a real number.*got bool"),
+        (dict(dim=-2), ValueError, "positive even int, got -2"),
+        (dict(dim=16, max_seq_len=-1), ValueError, "max_seq_len must be a positive int, got -1"),
+        (dict(dim=16, max_seq_len=True), ValueError, "max_seq_len must be a positive int, got True"),
+        (dict(dim=16, rope_parameters={"rope_type": "default", "rope_theta": 0.0}), ValueError, r"rope_theta'\] must be"),
+        (dict(dim=16, rope_parameters={"rope_type": "linear", "factor": 0.0}), ValueError, r"'factor'\] must be a finite number > 0, got 0.0"),
+    ],
+)
+def test_constructor_rejects_bad_base_and_sizes(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        RotaryEmbedding(**kwargs)
+
+
+def test_valid_bases_give_finite_frequencies():
+    for base in (10000, 500000.0, 2, 1.5):
+        rope = RotaryEmbedding(dim=16, base=base)
+        assert torch.isfinite(rope.inv_freq).all() and torch.isfinite(rope.cos_cached).all()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [dict(offset=torch.tensor([0, 1])), dict(position_ids=torch.tensor([[0, 1, 2], [3, 4, 5]]))],
+    ids=["offset tensor", "position_ids (b, s)"],
+)
+@pytest.mark.parametrize("k_batch", [1, 3])
+def test_per_sequence_positions_need_matching_batch(call, k_batch):
+    """k is neither broadcast to q's batch (k batch 1) nor failing deep in torch (k batch 3)."""
+    rope = RotaryEmbedding(dim=8)
+    q, k = torch.randn(2, 3, 8), torch.randn(k_batch, 3, 8)
+    with pytest.raises(ValueError, match=rf"same batch size.*q \(2, 3, 8\) and k \({k_batch}, 3, 8\)"):
+        rope(q, k, **call)
+
+
+def test_per_sequence_positions_with_gqa_heads():
+    """Per-sequence positions: the batch must match, the heads may differ."""
+    rope = RotaryEmbedding(dim=8)
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
+    offsets = torch.tensor([0, 5])
+    qo, ko = rope(q, k, offset=offsets)
+    assert qo.shape == q.shape and ko.shape == k.shape
+    for b in range(2):
+        positions = torch.arange(offsets[b], offsets[b] + 3)
+        torch.testing.assert_close(ko[b].double(), rope_oracle(k[b], positions, rope.inv_freq), **TOL[torch.float32])
+
+
+def test_shared_positions_allow_different_leading_dims():
+    """Documented: with an int offset (or (s,)/(1, s) position_ids) each tensor is rotated on its own."""
+    rope = RotaryEmbedding(dim=8)
+    q, k = torch.randn(2, 3, 8), torch.randn(3, 3, 8)
+    for call in (dict(offset=4), dict(position_ids=torch.arange(4, 7)), dict(position_ids=torch.arange(4, 7)[None])):
+        qo, ko = rope(q, k, **call)
+        assert qo.shape == q.shape and ko.shape == k.shape
+        torch.testing.assert_close(ko.double(), rope_oracle(k, torch.arange(4, 7), rope.inv_freq), **TOL[torch.float32])
+
+
+def test_unbatched_inputs_and_per_sequence_positions():
+    """(s, d) inputs have no batch dim: an offset tensor or (b, s) position_ids are rejected (they
+    used to broadcast into an (s, s, d) or (1, s, d) output); (1, s) position_ids act as (s,)."""
+    rope = RotaryEmbedding(dim=8)
+    q = torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"needs q and k with a batch dim.*got q \(3, 8\)"):
+        rope(q, q, offset=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"need q and k with a batch dim.*got q \(3, 8\)"):
+        rope(q, q, position_ids=torch.zeros(3, 3, dtype=torch.long))
+    qo, _ = rope(q, q, position_ids=torch.tensor([[2, 3, 4]]))
+    assert qo.shape == (3, 8)
+    torch.testing.assert_close(qo.double(), rope_oracle(q, torch.arange(2, 5), rope.inv_freq), **TOL[torch.float32])
+
+
+def test_devices_must_match():
+    rope = RotaryEmbedding(dim=8)
+    q = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match="q and k must be on one device, got q on cpu and k on meta"):
+        rope(q, q.to("meta"))
+    with pytest.raises(ValueError, match="q and k must be on one device, got q on cpu and k on meta"):
+        rope(q, q.to("meta"), offset=torch.tensor([0, 1]))
+    meta_rope = RotaryEmbedding(dim=8, device="meta")
+    with pytest.raises(ValueError, match=r"q and k are on cpu but this RotaryEmbedding's buffers are on meta"):
+        meta_rope(q, q)
+    with pytest.raises(ValueError, match="position_ids is on the meta device"):
+        rope(q, q, position_ids=torch.arange(3, device="meta"))
+    with pytest.raises(ValueError, match="offset tensor is on the meta device"):
+        rope(q, q, offset=torch.arange(2, device="meta"))
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (dict(offset=torch.tensor([3, -1])), "offset tensor must be non-negative, got a minimum of -1"),
+        (dict(position_ids=torch.tensor([-2, 0, 1])), "position_ids must be non-negative, got a minimum of -2"),
+        (dict(position_ids=torch.tensor([[0, 1, 2], [0, -5, 1]])), "position_ids must be non-negative, got a minimum of -5"),
+    ],
+)
+def test_negative_tensor_positions_rejected_on_cpu(call, match):
+    rope = RotaryEmbedding(dim=8)
+    q = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match=match):
+        rope(q, q, **call)
+
+
+def test_tensor_positions_off_cpu_are_not_read():
+    """Off the CPU positions are not checked (no host sync): on meta tensors (no values) it runs."""
+    rope = RotaryEmbedding(dim=8, device="meta")
+    q = torch.randn(2, 3, 8, device="meta")
+    for call in (dict(offset=torch.tensor([0, 1], device="meta")), dict(position_ids=torch.arange(3, device="meta"))):
+        qo, ko = rope(q, q, **call)
+        assert qo.is_meta and qo.shape == q.shape
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (dict(offset=True), ValueError, "non-negative int or a"),
+        (dict(offset=torch.tensor([True, False])), ValueError, r"offset tensor must be integer \(b,\) with b=2, got torch.bool"),
+        (dict(position_ids=torch.ones(3, dtype=torch.bool)), ValueError, r"position_ids must be integer.*torch.bool"),
+        (dict(position_ids=[0, 1, 2]), TypeError, "position_ids must be an integer tensor.*got list"),
+        (dict(seq_dim="1"), TypeError, "seq_dim must be an int, got str"),
+    ],
+)
+def test_forward_argument_types(call, exc, match):
+    rope = RotaryEmbedding(dim=8)
+    q = torch.randn(2, 3, 8)
+    with pytest.raises(exc, match=match):
+        rope(q, q, **call)
+
+
+def test_fused_path_only_for_pairs_the_kernel_takes(monkeypatch):
+    """use_fused: q and k of different batch sizes or dtypes (allowed with shared positions) take
+    the PyTorch path (the kernel would reject them), so CPU and GPU accept the same inputs."""
+    from torchembed import kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "triton_available", lambda: True)
+    monkeypatch.setattr(kernels, "kernel_can_run", lambda t: True)
+    monkeypatch.setattr(kernels, "rotary_fused", lambda *a, **kw: calls.append(a) or (a[0], a[1]))
+    fused, reference = RotaryEmbedding(dim=8, use_fused=True), RotaryEmbedding(dim=8)
+    for q, k in (
+        (torch.randn(2, 3, 8), torch.randn(1, 3, 8)),
+        (torch.randn(2, 3, 8), torch.randn(2, 3, 8, dtype=torch.float64)),
+    ):
+        got, want = fused(q, k, offset=2), reference(q, k, offset=2)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    assert calls == []
+    fused(torch.randn(2, 3, 8), torch.randn(2, 3, 8), offset=2)
+    assert len(calls) == 1

@@ -9,6 +9,7 @@ Shape legend: ``b`` batch, ``h`` heads, ``q`` query length, ``k`` key length.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -29,10 +30,12 @@ def alibi_slopes(num_heads: int, device: torch.device | str | None = None, *, ma
         ``(h,)`` float32, all in ``(0, 1)``.
 
     Raises:
-        ValueError: ``num_heads`` is not a positive int.
+        ValueError: ``num_heads`` is not a positive int, ``max_bias`` not a finite number > 0.
     """
     if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads <= 0:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    if isinstance(max_bias, bool) or not isinstance(max_bias, numbers.Real) or not math.isfinite(max_bias) or max_bias <= 0:
+        raise ValueError(f"max_bias must be a finite number > 0, got {max_bias!r}")
 
     def power_of_2(n: int) -> list[float]:
         start = 2.0 ** (-max_bias / n)

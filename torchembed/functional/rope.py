@@ -15,6 +15,7 @@ rounds once to the input dtype.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +30,37 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_qk",
 ]
+
+
+def _check_base(base: Any, name: str = "base") -> float:
+    """``base`` as a float, or a ValueError/TypeError naming ``name``: ``theta = base^(-2i/r)`` is
+    finite and decreasing in ``i`` only for a finite ``base > 0`` (0, negative or NaN bases give
+    NaN/inf frequencies and NaN outputs, silently)."""
+    if isinstance(base, bool) or not isinstance(base, numbers.Real):
+        raise TypeError(f"{name} must be a real number (finite, > 0), got {type(base).__name__} {base!r}")
+    value = float(base)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {base!r}")
+    return value
+
+
+def _is_position_dtype(t: Tensor) -> bool:
+    """An integer dtype positions can have (not floating, complex or bool)."""
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
+def _check_nonnegative(positions: Tensor, name: str) -> None:
+    """Reject negative ``positions`` where that is cheap: on the host for CPU tensors.
+
+    Accelerator tensors are not checked (that would cost a host sync, or extra kernel launches
+    on the hot path); there a negative position rotates by the negative angle, as the formula
+    ``pos * theta`` says (no table is indexed by it, nothing is read out of bounds). Skipped for
+    empty and meta tensors and while ``torch.compile`` traces.
+    """
+    if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
+        low = int(positions.min())
+        if low < 0:
+            raise ValueError(f"{name} must be non-negative, got a minimum of {low}")
 
 
 def _exponents(dim: int, device: torch.device | None) -> Tensor:
@@ -55,6 +87,8 @@ def _dynamic(dim, base, p, max_pos, seq_len, device):
 
 def _yarn(dim, base, p, max_pos, seq_len, device):
     # Peng et al., "YaRN: Efficient Context Window Extension of LLMs", arXiv:2309.00071.
+    if base == 1.0:  # correction_dim divides by log(base)
+        raise ValueError(f"rope_type 'yarn' needs base (rope_theta) != 1, got {base!r}")
     original = p["original_max_position_embeddings"]
     factor = p.get("factor") or max_pos / original
     attention_factor = p.get("attention_factor")
@@ -156,10 +190,15 @@ def rope_inv_freq(
         ``(inv_freq, attention_scaling)``: float32 ``(r/2,)`` and the factor cos/sin are multiplied by.
 
     Raises:
-        ValueError: odd/non-positive ``dim``, unknown ``rope_type`` or a missing key.
+        ValueError: odd/non-positive ``dim``; a ``base`` (or ``rope_theta``) that is not a finite
+            number > 0; unknown ``rope_type``, a missing key, a ``factor`` that is not a finite
+            number > 0, llama3 with ``low_freq_factor == high_freq_factor``.
+        TypeError: ``base`` not a real number, ``rope_parameters`` not a mapping.
     """
     if not isinstance(dim, int) or dim <= 0 or dim % 2:
         raise ValueError(f"rotary dim must be a positive even int, got {dim!r}")
+    if rope_parameters is not None and not isinstance(rope_parameters, Mapping):
+        raise TypeError(f"rope_parameters must be a mapping (dict) or None, got {type(rope_parameters).__name__}")
     params = dict(rope_parameters or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
@@ -167,7 +206,19 @@ def rope_inv_freq(
     missing = [key for key in _REQUIRED_KEYS.get(rope_type, ()) if params.get(key) is None]
     if missing:
         raise ValueError(f"rope_type {rope_type!r} needs rope_parameters keys {missing}, got {sorted(params)}")
-    base = float(params.get("rope_theta", base))
+    if params.get("rope_theta") is not None:
+        base = _check_base(params["rope_theta"], "rope_parameters['rope_theta']")
+    else:
+        base = _check_base(base)
+    factor = params.get("factor") if rope_type != "default" else None
+    if factor is not None and (isinstance(factor, bool) or not isinstance(factor, numbers.Real)
+                               or not math.isfinite(factor) or factor <= 0):
+        raise ValueError(f"rope_parameters['factor'] must be a finite number > 0, got {factor!r}")
+    if rope_type == "llama3" and params["low_freq_factor"] == params["high_freq_factor"]:
+        raise ValueError(
+            "rope_type 'llama3' needs low_freq_factor != high_freq_factor (the smoothing divides by their "
+            f"difference), got {params['low_freq_factor']!r} and {params['high_freq_factor']!r}"
+        )
     inv_freq, scaling = ROPE_TYPES[rope_type](dim, base, params, max_position_embeddings, seq_len, device)
     return inv_freq.to(torch.float32), float(scaling)
 
@@ -196,15 +247,20 @@ def rope_positions(offset: int | Tensor, seq_len: int, device: torch.device | No
     """Positions of ``seq_len`` new tokens after ``offset`` earlier ones.
 
     Args:
-        offset: int, or ``(b,)`` integer tensor (per-sequence offsets, e.g. a ragged KV cache).
+        offset: non-negative int, or ``(b,)`` integer tensor (per-sequence offsets, e.g. a ragged
+            KV cache). Negative tensor offsets are a ValueError for CPU tensors; accelerator tensors
+            are not checked (no host sync): their positions are then negative.
 
     Returns:
         ``(s,)`` for an int offset, ``(b, s)`` for a tensor offset; int64.
     """
     if isinstance(offset, Tensor):
-        if offset.dim() != 1 or offset.is_floating_point():
+        if offset.dim() != 1 or not _is_position_dtype(offset):
             raise ValueError(f"offset tensor must be 1-D integer (b,), got {offset.dtype} {tuple(offset.shape)}")
+        _check_nonnegative(offset, "offset tensor")
         return offset.long()[:, None] + torch.arange(seq_len, device=offset.device)
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise ValueError(f"offset must be a non-negative int or a 1-D integer tensor, got {offset!r}")
     return torch.arange(offset, offset + seq_len, device=device)
 
 

@@ -100,7 +100,10 @@ def _fail(msg: str):
 
 
 def _validate(q, k, cos, sin, inv_freq, positions):
-    """Check the arguments; return (cos, sin, inv_freq, positions tensor or None, pos_offset)."""
+    """Check the arguments; return (cos, sin, inv_freq, positions tensor or None, pos_offset).
+
+    Tensor positions indexing cos/sin cache tables are range-checked on the host for CPU tensors
+    only; on accelerators they are not (no sync)."""
     if not isinstance(q, Tensor) or not isinstance(k, Tensor):
         _fail(f"expected q and k to be tensors, got {type(q).__name__} and {type(k).__name__}")
     qs, ks = q.shape, k.shape
@@ -167,6 +170,13 @@ def _validate(q, k, cos, sin, inv_freq, positions):
                 _fail(f"expected cos/sin cache tables of shape (T, R/2) when positions is given, got {tuple(cs)}")
             if pos_t is None and pos_off + S > cs[0]:
                 _fail(f"expected offset + S <= table length, got {pos_off} + {S} > {cs[0]}")
+            if pos_t is not None and dev.type == "cpu" and pos_t.numel() and S and not torch.compiler.is_compiling():
+                # Tensor positions index the table: checked on the host for CPU tensors (an index
+                # past either end would wrap or fail deep in the fallback, or read out of bounds in
+                # the interpreted kernel); not on accelerators (that would be a host sync).
+                low, high = int(pos_t.min()), int(pos_t.max()) + (S - 1 if pos_t.dim() == 1 else 0)
+                if low < 0 or high >= cs[0]:
+                    _fail(f"expected tensor positions in [0, table length {cs[0]}), got positions {low}..{high}")
         # The kernel needs the last dim unit-stride and cos/sin sharing strides; tables are small,
         # so a copy here is cheap (q/k are never copied for this).
         st = cos.stride()

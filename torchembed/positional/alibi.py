@@ -30,7 +30,9 @@ class ALiBiEmbedding(nn.Module):
         ``attn_scores``: ``(b, h, q, k)`` -> same shape and dtype (bias added in float32).
 
     Raises:
-        ValueError: bad ``num_heads``/``max_seq_len``; scores not 4D or with another head count.
+        ValueError: bad ``num_heads``/``max_seq_len``; scores not 4D, with another head count,
+            ``seq_q > seq_k`` or on another device than the module's buffers.
+        TypeError: scores not a floating-point tensor.
     """
 
     def __init__(self, num_heads: int, max_seq_len: int = 2048) -> None:
@@ -47,6 +49,9 @@ class ALiBiEmbedding(nn.Module):
 
     def bias(self, seq_q: int, seq_k: int) -> Tensor:
         """The ``(h, seq_q, seq_k)`` float32 bias; queries are the last ``seq_q`` of ``seq_k`` positions."""
+        for name, value in (("seq_q", seq_q), ("seq_k", seq_k)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
         if seq_q > seq_k:
             raise ValueError(f"seq_q ({seq_q}) must not exceed seq_k ({seq_k}): queries are the last keys' positions")
         if seq_k > self.bias_table.shape[1]:
@@ -92,12 +97,20 @@ class ALiBiEmbedding(nn.Module):
         positions (KV cache).
 
         Args:
-            q: ``(b, h, seq_q, d)``; k, v: ``(b, h, seq_k, d)``.
+            q: ``(b, h, seq_q, d)``; k, v: ``(b, h, seq_k, d)``: floating-point, one dtype, one
+                device, the same batch and heads (``h = num_heads``), q and k the same ``d``.
             key_padding_mask: ``(b, seq_k)`` bool, True for real tokens (left padding).
             scale: default ``d ** -0.5``.
+            dropout_p: in ``[0, 1]``.
 
         Returns:
-            ``(b, h, seq_q, d)``.
+            ``(b, h, seq_q, d)`` (``v``'s last dim). ``seq_q = 0`` gives an empty
+            ``(b, h, 0, d)`` result (also with ``seq_k = 0``).
+
+        Raises:
+            TypeError: q, k, v not floating-point tensors of one dtype.
+            ValueError: shapes, devices, ``key_padding_mask`` or ``dropout_p`` that do not fit,
+                naming what was expected and what was given.
 
         Example::
 
@@ -106,18 +119,25 @@ class ALiBiEmbedding(nn.Module):
         """
         from torchembed.kernels.alibi_attention import alibi_attention
 
-        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[1] != self.num_heads:
-            raise ValueError(
-                f"q, k, v must be (batch, {self.num_heads} heads, seq, dim), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-            )
+        self._check_qkv(q, k, v)
         seq_q, seq_k = q.shape[-2], k.shape[-2]
         if seq_q > seq_k:
             raise ValueError(f"seq_q ({seq_q}) must not exceed seq_k ({seq_k}): queries are the last keys' positions")
+        if not 0.0 <= dropout_p <= 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p!r}")
+        if seq_q == 0:  # nothing to attend from: empty, but still connected to q, k, v for autograd
+            return (q @ k.transpose(-2, -1))[..., :0] @ v[..., :0, :]
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         keep = None
         if key_padding_mask is not None:
-            if key_padding_mask.shape != (q.shape[0], seq_k) or key_padding_mask.dtype != torch.bool:
-                raise ValueError(f"key_padding_mask must be bool (batch, seq_k) = {(q.shape[0], seq_k)}, got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+            if (not isinstance(key_padding_mask, Tensor) or key_padding_mask.shape != (q.shape[0], seq_k)
+                    or key_padding_mask.dtype != torch.bool):
+                raise ValueError(
+                    f"key_padding_mask must be bool (batch, seq_k) = {(q.shape[0], seq_k)}, got "
+                    f"{getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)} {tuple(getattr(key_padding_mask, 'shape', ()))}"
+                )
+            if key_padding_mask.device != q.device:
+                raise ValueError(f"key_padding_mask must be on q's device {q.device}, got {key_padding_mask.device}")
             keep = key_padding_mask[:, None, None, :]
         slopes = self.slopes.to(q.device)
         if causal:
@@ -132,6 +152,25 @@ class ALiBiEmbedding(nn.Module):
             bias = bias.masked_fill(~keep, torch.finfo(q.dtype).min)
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p, scale=scale)
 
+    def _check_qkv(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        """Validate :meth:`attention`'s q, k, v: Python compares only (no kernel, no sync)."""
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or not t.is_floating_point():
+                raise TypeError(f"{name} must be a floating-point tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+        shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[1] != self.num_heads:
+            raise ValueError(f"q, k, v must be (batch, {self.num_heads} heads, seq, dim), got {shapes}")
+        if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
+            raise ValueError(f"q, k, v must have the same (batch, heads) = {tuple(q.shape[:2])}, got {shapes}")
+        if k.shape[-1] != q.shape[-1]:
+            raise ValueError(f"q and k must have the same head dim, got {shapes}")
+        if v.shape[-2] != k.shape[-2]:
+            raise ValueError(f"k and v must have the same sequence length seq_k, got {shapes}")
+        if not q.dtype == k.dtype == v.dtype:
+            raise TypeError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if not q.device == k.device == v.device:
+            raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
     def forward(self, attn_scores: Tensor) -> Tensor:
         """Return ``attn_scores + bias``, shape ``(b, h, q, k)``, in ``attn_scores.dtype``."""
         if not isinstance(attn_scores, Tensor) or not attn_scores.is_floating_point():
@@ -140,6 +179,11 @@ class ALiBiEmbedding(nn.Module):
             raise ValueError(f"attn_scores must be (batch, heads, seq_q, seq_k), got shape {tuple(attn_scores.shape)}")
         if attn_scores.shape[1] != self.num_heads:
             raise ValueError(f"attn_scores has {attn_scores.shape[1]} heads, this ALiBiEmbedding has num_heads={self.num_heads}")
+        if attn_scores.device != self.bias_table.device:
+            raise ValueError(
+                f"attn_scores are on {attn_scores.device} but this ALiBiEmbedding's buffers are on "
+                f"{self.bias_table.device}: move the module with .to({str(attn_scores.device)!r})"
+            )
         bias = self.bias(attn_scores.shape[-2], attn_scores.shape[-1])
         compute = torch.promote_types(attn_scores.dtype, torch.float32)  # add in >= float32, round once
         return (attn_scores.to(compute) + bias).to(attn_scores.dtype)

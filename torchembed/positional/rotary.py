@@ -12,7 +12,15 @@ import torch
 from torch import Tensor, nn
 
 from torchembed import kernels
-from torchembed.functional.rope import apply_rotary, rope_cos_sin, rope_inv_freq, rope_positions
+from torchembed.functional.rope import (
+    _check_base,
+    _check_nonnegative,
+    _is_position_dtype,
+    apply_rotary,
+    rope_cos_sin,
+    rope_inv_freq,
+    rope_positions,
+)
 
 __all__ = ["RotaryEmbedding"]
 
@@ -37,11 +45,17 @@ class RotaryEmbedding(nn.Module):
         rope_parameters: HF-style frequency scaling, e.g. ``{"rope_type": "llama3", "factor": 8, ...}``.
 
     Shapes:
-        ``q``: ``(..., s, d)``, ``k``: ``(..., s, d)`` (leading dims may differ, e.g. GQA heads);
-        outputs have the input shapes and dtypes. The math runs in float32.
+        ``q``: ``(..., s, d)``, ``k``: ``(..., s, d)``, the same rank, device and sequence length;
+        outputs have the input shapes and dtypes. The math runs in float32. With shared positions
+        (an int ``offset`` or ``(s,)``/``(1, s)`` ``position_ids``) the leading dims may differ
+        (e.g. GQA heads), each tensor is rotated on its own. With per-sequence positions (an
+        offset tensor or ``(b, s)`` ``position_ids``) dim 0 is the batch: q and k need a batch dim
+        and the same batch size (no broadcasting of k to q's batch).
 
     Raises:
-        ValueError: odd/non-positive ``dim``, bad ``rotary_dim``/``max_seq_len``.
+        ValueError: odd/non-positive ``dim``, bad ``rotary_dim``/``max_seq_len``, ``base`` not a
+            finite number > 0.
+        TypeError: ``base`` not a real number.
         ImportError: ``use_fused=True`` without Triton installed.
     """
 
@@ -63,8 +77,9 @@ class RotaryEmbedding(nn.Module):
         rotary_dim = dim if rotary_dim is None else rotary_dim
         if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > dim:
             raise ValueError(f"rotary_dim must be a positive even int <= dim={dim}, got {rotary_dim!r}")
-        if not isinstance(max_seq_len, int) or max_seq_len <= 0:
+        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+        _check_base(base, "RotaryEmbedding base")
         if use_fused and not kernels.triton_available():
             raise ImportError(
                 "RotaryEmbedding(use_fused=True) needs Triton: pip install 'torchembed[triton]' "
@@ -101,19 +116,32 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``q`` and ``k``.
 
         Args:
-            q, k: ``(..., s, d)`` with the sequence at ``seq_dim``.
+            q, k: ``(..., s, d)`` with the sequence at ``seq_dim``, on this module's device.
             seq_dim: dim of ``q``/``k`` that indexes positions (not the last).
-            offset: position of the first token: an int, or ``(b,)`` per sequence (KV cache).
-            position_ids: explicit positions, ``(s,)`` or ``(b, s)`` with ``b = q.shape[0]``;
-                excludes ``offset``.
+            offset: position of the first token: a non-negative int, or ``(b,)`` per sequence (KV
+                cache), ``b`` the batch (dim 0 of q and k once the sequence dim is moved to -2).
+            position_ids: explicit positions, ``(s,)`` or ``(b, s)`` with ``b = q.shape[0]`` (or
+                1); excludes ``offset``.
+
+        Tensor positions must be non-negative integers. For CPU tensors that is checked on the
+        host (a ValueError); accelerator tensors are not checked (no host sync on the hot path):
+        a negative position there rotates by the negative angle.
 
         Returns:
             Rotated ``(q, k)``, same shapes and dtypes.
+
+        Raises:
+            TypeError: q/k not floating-point tensors, ``position_ids`` not a tensor, ``seq_dim``
+                not an int.
+            ValueError: shapes, devices or positions that do not fit (see the class docstring),
+                each naming what was expected and what was given.
         """
         q_, k_, seq_len = self._check(q, k, seq_dim)
         q_, k_ = q_.movedim(seq_dim, -2), k_.movedim(seq_dim, -2)
-        positions = self._positions(q_, seq_len, offset, position_ids)
-        if self.use_fused and kernels.kernel_can_run(q_):
+        positions = self._positions(q_, k_, seq_len, offset, position_ids)
+        # The kernel rotates q and k of one batch size and dtype together; other pairs (shared
+        # positions, which allow them) take the PyTorch path.
+        if self.use_fused and q_.shape[0] == k_.shape[0] and q_.dtype == k_.dtype and kernels.kernel_can_run(q_):
             q_out, k_out = self._fused(q_, k_, positions)
         else:
             q_out, k_out = self._reference(q_, k_, positions)
@@ -127,9 +155,18 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"{name} must have shape (..., seq_len, dim), got {tuple(t.shape)}")
             if t.shape[-1] != self.dim:
                 raise ValueError(f"{name}.shape[-1] must be dim={self.dim}, got {tuple(t.shape)}")
+        if q.device != k.device:
+            raise ValueError(f"q and k must be on one device, got q on {q.device} and k on {k.device}")
+        if q.device != self.inv_freq.device:
+            raise ValueError(
+                f"q and k are on {q.device} but this RotaryEmbedding's buffers are on {self.inv_freq.device}: "
+                f"move the module with .to({str(q.device)!r})"
+            )
         nd = q.dim()
         if k.dim() != nd:
             raise ValueError(f"q and k must have the same rank, got {tuple(q.shape)} and {tuple(k.shape)}")
+        if not isinstance(seq_dim, int) or isinstance(seq_dim, bool):
+            raise TypeError(f"seq_dim must be an int, got {type(seq_dim).__name__} {seq_dim!r}")
         if not -nd <= seq_dim < nd or seq_dim % nd == nd - 1:
             raise ValueError(f"seq_dim must index a dim of q other than the last, got {seq_dim} for rank {nd}")
         if q.shape[seq_dim] != k.shape[seq_dim]:
@@ -138,25 +175,62 @@ class RotaryEmbedding(nn.Module):
             )
         return q, k, q.shape[seq_dim]
 
-    def _positions(self, q: Tensor, seq_len: int, offset: int | Tensor, position_ids: Tensor | None) -> int | Tensor:
+    def _positions(
+        self, q: Tensor, k: Tensor, seq_len: int, offset: int | Tensor, position_ids: Tensor | None
+    ) -> int | Tensor:
+        """Positions for ``q``/``k`` of shape ``(..., s, d)`` (sequence already at -2)."""
         if position_ids is not None:
+            if not isinstance(position_ids, Tensor):
+                raise TypeError(f"position_ids must be an integer tensor (s,) or (b, s), got {type(position_ids).__name__}")
             if isinstance(offset, Tensor) or offset != 0:
                 raise ValueError("pass either offset or position_ids, not both")
-            if position_ids.is_floating_point() or position_ids.dim() not in (1, 2) or position_ids.shape[-1] != seq_len:
+            if not _is_position_dtype(position_ids) or position_ids.dim() not in (1, 2) or position_ids.shape[-1] != seq_len:
                 raise ValueError(
                     f"position_ids must be integer (s,) or (b, s) with s={seq_len}, got {position_ids.dtype} {tuple(position_ids.shape)}"
                 )
-            if position_ids.dim() == 2 and position_ids.shape[0] not in (1, q.shape[0]):
-                raise ValueError(f"position_ids batch {position_ids.shape[0]} does not match q.shape[0]={q.shape[0]}")
+            if position_ids.dim() == 2:
+                if q.dim() == 2:  # no batch dim: only positions shared by all, (1, s), fit
+                    if position_ids.shape[0] != 1:
+                        raise ValueError(
+                            f"position_ids (b, s) = {tuple(position_ids.shape)} need q and k with a batch dim, "
+                            f"(b, ..., s, d); got q {tuple(q.shape)} (pass (s,) position_ids for unbatched inputs)"
+                        )
+                    position_ids = position_ids[0]
+                elif position_ids.shape[0] not in (1, q.shape[0]):
+                    raise ValueError(f"position_ids batch {position_ids.shape[0]} does not match q.shape[0]={q.shape[0]}")
+                elif position_ids.shape[0] != 1:
+                    self._check_batch(q, k, "(b, s) position_ids")
+            self._check_meta(position_ids, q, "position_ids")
+            _check_nonnegative(position_ids, "position_ids")
             return position_ids
         if isinstance(offset, Tensor):
-            if offset.dim() != 1 or offset.is_floating_point() or offset.shape[0] != q.shape[0]:
+            if q.dim() < 3:
+                raise ValueError(
+                    f"an offset tensor (per-sequence offsets) needs q and k with a batch dim, (b, ..., s, d); "
+                    f"got q {tuple(q.shape)} (pass an int offset for unbatched inputs)"
+                )
+            if offset.dim() != 1 or not _is_position_dtype(offset) or offset.shape[0] != q.shape[0]:
                 raise ValueError(f"offset tensor must be integer (b,) with b={q.shape[0]}, got {offset.dtype} {tuple(offset.shape)}")
-            return rope_positions(offset, seq_len)
-        if not isinstance(offset, int) or offset < 0:
+            self._check_batch(q, k, "per-sequence offsets")
+            self._check_meta(offset, q, "offset tensor")
+            return rope_positions(offset, seq_len)  # checks the offsets are non-negative (CPU)
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise ValueError(f"offset must be a non-negative int or a (b,) tensor, got {offset!r}")
         self._ensure_cache(offset + seq_len)
         return offset
+
+    @staticmethod
+    def _check_batch(q: Tensor, k: Tensor, what: str) -> None:
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"with {what}, q and k must have the same batch size (dim 0), got q {tuple(q.shape)} "
+                f"and k {tuple(k.shape)} (shapes with the sequence dim at -2)"
+            )
+
+    @staticmethod
+    def _check_meta(positions: Tensor, q: Tensor, name: str) -> None:
+        if positions.is_meta and not q.is_meta:
+            raise ValueError(f"{name} is on the meta device (no values) but q is on {q.device}")
 
     def _reference(self, q: Tensor, k: Tensor, positions: int | Tensor) -> tuple[Tensor, Tensor]:
         if isinstance(positions, int):

@@ -35,7 +35,7 @@ from torch import nn
 
 from torchembed.tools import bench
 
-MODELS = ("llama", "mistral", "falcon")
+MODELS = ("llama", "mistral", "falcon", "qwen3", "gemma3_text", "phi3")
 VARIANTS = ("upstream", "patched", "liger")
 PHASES = ("prefill", "decode", "compiled")
 ATTENTION = {"llama": ("LlamaAttention",), "mistral": ("MistralAttention",),
@@ -60,6 +60,9 @@ def make_config(name: str, smoke: bool, max_positions: int) -> Any:
     if name == "falcon":
         return transformers.FalconConfig(**falcon, max_position_embeddings=max_positions, new_decoder_architecture=True,
                                          parallel_attn=True, bias=False, alibi=False)
+    if name in MODELS:  # RoPE families found by structure: the LLaMA sizes, head dim 64, their own defaults otherwise
+        return transformers.AutoConfig.for_model(name, **llama, head_dim=hidden // heads, pad_token_id=0, bos_token_id=1,
+                                                 eos_token_id=2, max_position_embeddings=max_positions)
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
 
 
