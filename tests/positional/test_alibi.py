@@ -233,3 +233,12 @@ def test_forward_device_and_bias_arguments():
 def test_forward_wrong_rank_or_heads(scores, exc, match):
     with pytest.raises(exc, match=match):
         ALiBiEmbedding(num_heads=4)(scores)
+
+
+def test_attention_with_no_queries_still_checks_the_padding_mask():
+    alibi = ALiBiEmbedding(num_heads=4)
+    q, k = torch.randn(1, 4, 0, 8), torch.randn(1, 4, 3, 8)
+    with pytest.raises(ValueError, match=r"key_padding_mask must be bool \(batch, seq_k\) = \(1, 3\), got torch.bool \(1, 2\)"):
+        alibi.attention(q, k, k, key_padding_mask=torch.ones(1, 2, dtype=torch.bool))
+    out = alibi.attention(q, k, k, key_padding_mask=torch.ones(1, 3, dtype=torch.bool))
+    assert out.shape == (1, 4, 0, 8)

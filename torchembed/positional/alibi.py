@@ -125,8 +125,6 @@ class ALiBiEmbedding(nn.Module):
             raise ValueError(f"seq_q ({seq_q}) must not exceed seq_k ({seq_k}): queries are the last keys' positions")
         if not 0.0 <= dropout_p <= 1.0:
             raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p!r}")
-        if seq_q == 0:  # nothing to attend from: empty, but still connected to q, k, v for autograd
-            return (q @ k.transpose(-2, -1))[..., :0] @ v[..., :0, :]
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         keep = None
         if key_padding_mask is not None:
@@ -139,6 +137,8 @@ class ALiBiEmbedding(nn.Module):
             if key_padding_mask.device != q.device:
                 raise ValueError(f"key_padding_mask must be on q's device {q.device}, got {key_padding_mask.device}")
             keep = key_padding_mask[:, None, None, :]
+        if seq_q == 0:  # nothing to attend from: empty, but still connected to q, k, v for autograd
+            return (q @ k.transpose(-2, -1))[..., :0] @ v[..., :0, :]
         slopes = self.slopes.to(q.device)
         if causal:
             # Key-only form slope * (j - (seq_k - 1)): equal to -slope * (i - j) up to a per-row constant.

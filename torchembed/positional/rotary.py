@@ -155,12 +155,13 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"{name} must have shape (..., seq_len, dim), got {tuple(t.shape)}")
             if t.shape[-1] != self.dim:
                 raise ValueError(f"{name}.shape[-1] must be dim={self.dim}, got {tuple(t.shape)}")
-        if q.device != k.device:
-            raise ValueError(f"q and k must be on one device, got q on {q.device} and k on {k.device}")
-        if q.device != self.inv_freq.device:
+        device = q.device
+        if k.device != device:
+            raise ValueError(f"q and k must be on one device, got q on {device} and k on {k.device}")
+        if self.inv_freq.device != device:
             raise ValueError(
-                f"q and k are on {q.device} but this RotaryEmbedding's buffers are on {self.inv_freq.device}: "
-                f"move the module with .to({str(q.device)!r})"
+                f"q and k are on {device} but this RotaryEmbedding's buffers are on {self.inv_freq.device}: "
+                f"move the module with .to({str(device)!r})"
             )
         nd = q.dim()
         if k.dim() != nd:
