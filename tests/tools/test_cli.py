@@ -1,0 +1,225 @@
+"""The front door: each mistake ends with one line on stderr saying what is wrong and what to do,
+exit code 2 and no traceback (``--debug`` shows it); ``torchembed bench`` writes to
+``./torchembed-results`` (or ``--out``) and says where. No network: the hub is either switched off
+(``HF_HUB_OFFLINE=1``) or a closed port on the loopback address."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchembed import cli
+
+pytest.importorskip("transformers")
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_missing_folder(capsys, offline) -> None:
+    code, _, err = run(capsys, "compare", "./no/such/dir")
+    assert code == 2
+    assert one_line_error(err) == "torchembed compare: error: no such checkpoint folder: ./no/such/dir"
+
+
+def test_missing_folder_subprocess_no_traceback(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "torchembed", "compare", "./no/such/dir"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2, proc.stderr
+    assert "no such checkpoint folder" in one_line_error(proc.stderr)
+    assert proc.stdout == ""
+
+
+def test_debug_shows_the_traceback(capsys, offline) -> None:
+    from torchembed.patches.loading import CheckpointNotFoundError
+
+    for argv in (["--debug", "compare", "./no/such/dir"], ["compare", "./no/such/dir", "--debug"]):
+        with pytest.raises(CheckpointNotFoundError, match="no such checkpoint folder"):
+            cli.main(argv)
+
+
+def test_folder_that_is_not_a_checkpoint(capsys, tmp_path: Path, offline) -> None:
+    code, _, err = run(capsys, "compare", str(tmp_path))
+    assert code == 2 and "no config.json" in one_line_error(err)
+    (tmp_path / "model.Q4_0.gguf").write_bytes(b"GGUF")
+    code, _, err = run(capsys, "compare", str(tmp_path))
+    assert code == 2 and "--gguf-file model.Q4_0.gguf" in one_line_error(err)
+    code, _, err = run(capsys, "compare", str(tmp_path), "--gguf-file", "other.gguf")
+    assert code == 2 and "no GGUF file 'other.gguf'" in one_line_error(err) and "model.Q4_0.gguf" in err
+    code, _, err = run(capsys, "compare", "--gguf-file", "x.gguf")
+    assert code == 2 and "torchembed compare FOLDER --gguf-file NAME" in one_line_error(err)
+
+
+def test_hub_id_while_offline_is_quick(capsys, offline) -> None:
+    start = time.perf_counter()
+    code, _, err = run(capsys, "compare", "gpt2-like-name")
+    assert code == 2
+    line = one_line_error(err)
+    assert "'gpt2-like-name' is not a local folder" in line and "HF_HUB_OFFLINE" in line
+    assert time.perf_counter() - start < 10
+
+
+@pytest.fixture
+def closed_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hub endpoint is a closed port on the loopback address: connecting is refused at once."""
+    import socket
+
+    from huggingface_hub import constants
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+
+
+def test_hub_id_while_the_hub_is_unreachable(capsys, closed_hub) -> None:
+    start = time.perf_counter()
+    code, _, err = run(capsys, "compare", "gpt2-like-name")
+    assert code == 2
+    assert "the hub cannot be reached (http://127.0.0.1:" in one_line_error(err)
+    assert time.perf_counter() - start < 10
+
+    from torchembed.patches.loading import CheckpointNotFoundError, HubUnreachableError
+
+    with pytest.raises(HubUnreachableError) as info:
+        __import__("torchembed").from_pretrained("gpt2-like-name")
+    assert isinstance(info.value, (CheckpointNotFoundError, FileNotFoundError, ConnectionError))
+
+
+def test_cached_hub_id_loads_from_the_cache_when_the_hub_is_unreachable(tmp_path: Path, closed_hub) -> None:
+    from torchembed.patches.loading import resolve_checkpoint
+
+    repo = tmp_path / "models--org--name"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (repo / "snapshots" / ("0" * 40) / "config.json").write_text("{}")
+    name, kwargs = resolve_checkpoint("org/name", cache_dir=str(tmp_path))
+    assert name == "org/name" and kwargs == {"cache_dir": str(tmp_path), "local_files_only": True}
+
+
+def test_from_pretrained_missing_folder(offline) -> None:
+    import torchembed
+
+    with pytest.raises(FileNotFoundError, match="no such checkpoint folder: ./no/such/dir"):
+        torchembed.from_pretrained("./no/such/dir")
+    with pytest.raises(FileNotFoundError, match="HF_HUB_OFFLINE"):
+        torchembed.from_pretrained("gpt2-like-name")
+
+
+def test_fused_on_without_cuda(capsys) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine can run --fused on")
+    code, _, err = run(capsys, "compare", "--fused", "on")
+    assert code == 2
+    line = one_line_error(err)
+    assert "--fused on needs" in line and "--fused auto" in line and "fused=None" not in line
+
+
+def test_fused_unavailable_is_reported_in_cli_spelling(capsys, monkeypatch) -> None:
+    from torchembed.patches.errors import FusedUnavailableError
+    from torchembed.tools import compare
+
+    def refuse(*args, **kwargs):
+        raise FusedUnavailableError("fused=True: bloom uses alibi positions, which have no fused kernel; use fused=None")
+
+    monkeypatch.setattr(compare, "compare", refuse)
+    code, _, err = run(capsys, "compare")
+    assert code == 2
+    assert one_line_error(err) == ("torchembed compare: error: --fused on: bloom uses alibi positions, which have no "
+                                   "fused kernel; use --fused auto")
+
+
+def test_attn_choices_are_checked_up_front(capsys) -> None:
+    code, _, err = run(capsys, "compare", "--attn", "flash")
+    assert code == 2
+    assert "invalid choice: 'flash' (choose from 'eager', 'sdpa')" in one_line_error(err)
+
+
+def test_device_this_machine_lacks(capsys) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    code, _, err = run(capsys, "compare", "--device", "cuda")
+    assert code == 2
+    line = one_line_error(err)
+    assert line.startswith("torchembed compare: error: --device cuda: ") and line.endswith("use --device cpu")
+    code, _, err = run(capsys, "compare", "--device", "nonsense")
+    assert code == 2 and "not a device" in one_line_error(err)
+
+    from torchembed.tools.compare import compare
+
+    with pytest.raises(ValueError, match="use device='cpu'"):
+        compare("./anything", device="cuda")
+
+
+def test_bench_without_a_name_lists_the_benchmarks(capsys) -> None:
+    code, out, err = run(capsys, "bench")
+    assert code == 2 and out == ""
+    assert "arguments are required" not in err and "Traceback" not in err
+    assert err.splitlines()[0] == "torchembed bench: which benchmark? name one of rope, alibi, e2e, train"
+    for name in cli.BENCHMARKS:
+        assert f"  {name} " in err
+    assert "./torchembed-results" in err
+
+
+def test_bench_option_checks_are_one_line(capsys) -> None:
+    code, _, err = run(capsys, "bench", "rope", "--smoke", "--shapes", "1,2,3")
+    assert code == 2 and "--shapes expects B,S,HQ,HK,D" in one_line_error(err)
+
+
+def test_no_command(capsys) -> None:
+    code, _, err = run(capsys)
+    assert code == 2 and "name a command: compare, chat, bench or list" in err and "Traceback" not in err
+
+
+def test_chat_missing_model(capsys, offline) -> None:
+    code, _, err = run(capsys, "chat", "--model", "./no/such/dir", "hello")
+    assert code == 2 and "no such checkpoint folder: ./no/such/dir" in one_line_error(err)
+
+
+def test_bench_writes_to_torchembed_results_and_says_where(capsys, monkeypatch, tmp_path: Path) -> None:
+    from torchembed.tools import bench
+
+    def fake_main(argv):
+        parser = argparse.ArgumentParser()
+        bench.add_common_args(parser)
+        args = parser.parse_args(argv)
+        args.torch_dtype = torch.float32
+        env = bench.environment(torch.device("cpu"))
+        bench.write_results(args, "fake", "fake bench", env, {"results": []}, "| a |\n|---|", quiet=True)
+        return 0
+
+    monkeypatch.setitem(sys.modules, "torchembed.tools.bench_rope", types.SimpleNamespace(main=fake_main))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "rope"]) == 0
+    written = tmp_path / "torchembed-results" / "fake.md"
+    assert written.is_file() and (tmp_path / "torchembed-results" / "fake.json").is_file()
+    assert f"results: {written.resolve()} and fake.json" in capsys.readouterr().err
+    assert cli.main(["bench", "rope", "--out", "elsewhere"]) == 0
+    assert (tmp_path / "elsewhere" / "fake.md").is_file()
+    assert str((tmp_path / "elsewhere" / "fake.md").resolve()) in capsys.readouterr().err
