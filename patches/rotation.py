@@ -72,6 +72,7 @@ class Rotation:
     partial: bool  # rotates the first r features of a wider input, the rest pass through
     params: tuple[str, ...]  # the helper's parameter names
     conjugate: bool = False  # rotates by -theta (a rotate_half written the other way round)
+    trailing: bool = False  # with partial: rotates the last r features, the leading ones pass (DeepSeek-V4)
 
     def rotary_dim(self, table_width: int) -> int:
         return 2 * table_width if self.layout == "half" else table_width
@@ -86,7 +87,7 @@ class Rotation:
         return cos, sin
 
     def describe(self) -> str:
-        part = ", partial" if self.partial else ""
+        part = (", partial (trailing features)" if self.trailing else ", partial") if self.partial else ""
         sign = ", by -theta" if self.conjugate else ""
         return f"{self.layout} tables, {self.pairing} pairing{part}{sign}"
 
@@ -118,9 +119,13 @@ def _tables(theta: Tensor, layout: str) -> tuple[Tensor, Tensor]:
     return theta.cos(), theta.sin()
 
 
-def reference_rotate(x: Tensor, cos: Tensor, sin: Tensor, pairing: str, conjugate: bool = False) -> Tensor:
-    """Float64-capable reference: rotate the first ``r = 2 * cos.shape[-1]`` features of ``x``
-    ``(b, h, s, d)`` by half tables ``(b, 1, s, r/2)`` with ``pairing``."""
+def reference_rotate(x: Tensor, cos: Tensor, sin: Tensor, pairing: str, conjugate: bool = False,
+                     trailing: bool = False) -> Tensor:
+    """Float64-capable reference: rotate the first (``trailing``: last) ``r = 2 * cos.shape[-1]``
+    features of ``x`` ``(b, h, s, d)`` by half tables ``(b, 1, s, r/2)`` with ``pairing``."""
+    if trailing and x.shape[-1] > 2 * cos.shape[-1]:
+        rot = 2 * cos.shape[-1]
+        return torch.cat((x[..., :-rot], reference_rotate(x[..., -rot:], cos, sin, pairing, conjugate)), dim=-1)
     if pairing == "deinterleave":
         rot = 2 * cos.shape[-1]
         x = torch.cat((_deinterleave(x[..., :rot]), x[..., rot:]), dim=-1)
@@ -149,7 +154,7 @@ def _call(helper: Callable, rotation_params: tuple[str, ...], convention: str, q
 
 
 def _matches(helper: Callable, params: tuple[str, ...], convention: str, candidate: tuple[str, str, bool],
-             feature_dim: int, half: int, gen: torch.Generator) -> bool:
+             feature_dim: int, half: int, gen: torch.Generator, trailing: bool = False) -> bool:
     """Whether ``helper`` computes ``candidate`` = (layout, pairing, conjugate) on fresh inputs.
 
     Float32 inputs (helpers that cast to float32 inside are recognised too), compared with the
@@ -166,7 +171,7 @@ def _matches(helper: Callable, params: tuple[str, ...], convention: str, candida
     except Exception:  # the helper rejects these inputs: not this way of rotating
         return False
     c, s = theta.cos()[:, None], theta.sin()[:, None]
-    want_q, want_k = (reference_rotate(x.double(), c, s, pairing, conjugate) for x in (q, k))
+    want_q, want_k = (reference_rotate(x.double(), c, s, pairing, conjugate, trailing) for x in (q, k))
     return all(
         isinstance(got, Tensor) and got.shape == want.shape and got.is_floating_point()
         and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
@@ -217,8 +222,9 @@ def _probe(helper: Any) -> Rotation | None:
     if len(found) != 1:  # none, or ambiguous (a helper that ignores its inputs)
         return None
     layout, pairing, conjugate = found[0]
-    partial = _matches(helper, params, convention, found[0], 4 * half, half, gen)
-    return Rotation(convention, layout, pairing, partial, params, conjugate)
+    leading = _matches(helper, params, convention, found[0], 4 * half, half, gen)
+    trailing = not leading and _matches(helper, params, convention, found[0], 4 * half, half, gen, trailing=True)
+    return Rotation(convention, layout, pairing, leading or trailing, params, conjugate, trailing)
 
 
 # -- replacement -----------------------------------------------------------------------------------
@@ -231,8 +237,10 @@ class RotaryHelper:
     own head count; ``cos``/``sin``: upstream's ``(b, s, w)`` tables in the helper's layout. The
     rotation runs in float32 and rounds once: on the fused Triton kernel (q and k in one launch)
     where it can run and ``fused`` is not False, on :func:`~torchembed.functional.apply_rotary`
-    elsewhere. Inputs the helper was not recognised for (other table ranks, a feature dim the
-    helper would not rotate) go to ``upstream`` unchanged.
+    elsewhere. At inference on the kernel, HF's usual call rotates q and k in place (upstream binds
+    its names to the returned tensors, which are they). Inputs the helper was not recognised for
+    (other table ranks, tables that do not match q's batch and sequence, a feature dim the helper
+    would not rotate) go to ``upstream`` unchanged.
 
     One instance per (rotation, upstream, fused) (:meth:`get`), so the rebound attention code is
     shared by every model patched the same way; it pickles as those three.
@@ -244,6 +252,12 @@ class RotaryHelper:
         self.rotation, self.upstream, self.fused = rotation, upstream, fused
         self._unsqueeze_index = rotation.params.index("unsqueeze_dim") if "unsqueeze_dim" in rotation.params else None
         self.__name__ = self.__qualname__ = f"torchembed_{getattr(upstream, '__name__', 'rotary')}"
+        # The in-place kernel hot path serves HF's usual call, helper(q, k, cos, sin) on cat tables
+        # with half-split pairing; _views keeps the last tables' half views (every layer of a
+        # forward gets the same tables).
+        self._hot = (fused is not False and rotation.convention == "qk" and rotation.layout == "cat"
+                     and rotation.pairing == "half" and not rotation.conjugate)
+        self._views: tuple | None = None
 
     @classmethod
     def get(cls, rotation: Rotation, upstream: Callable, fused: bool | None) -> "RotaryHelper":
@@ -260,6 +274,10 @@ class RotaryHelper:
         return f"<torchembed rotation for {getattr(self.upstream, '__qualname__', self.upstream)}: {self.rotation.describe()}>"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._hot and len(args) == 4 and not kwargs:
+            out = self._in_place(*args)
+            if out is not None:
+                return out
         rotation = self.rotation
         if rotation.convention == "qk":
             if len(args) < 4 or kwargs.keys() - {"unsqueeze_dim", "position_ids"}:
@@ -281,17 +299,44 @@ class RotaryHelper:
         out = self.rotate(x, None, cos, sin, unsqueeze)
         return self.upstream(*args, **kwargs) if out is None else out[0]
 
+    def _in_place(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor] | None:
+        """Inference on the kernel: rotate upstream's fresh q/k projections in place (upstream binds
+        its names to the results), one lookup and one launch per layer; None where this does not
+        apply (gradients, compiling, another layout or device)."""
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+            return None
+        views = self._views
+        if views is None or views[0] is not cos or views[1] is not sin:
+            if cos.dim() != 3 or sin.shape != cos.shape:
+                return None
+            half = cos.shape[-1] // 2
+            views = self._views = (cos, sin, cos[..., :half], sin[..., :half])
+        c, s = views[2], views[3]
+        if (q.dim() != 4 or k.dim() != 4 or q.shape[-1] != 2 * c.shape[-1] or k.shape[-1] != q.shape[-1]
+                or c.shape[1] != q.shape[2] or c.shape[0] not in (1, q.shape[0]) or k.shape[0] != q.shape[0]
+                or k.shape[2] != q.shape[2] or q.stride(-1) != 1 or k.stride(-1) != 1 or 0 in q.stride()
+                or 0 in k.stride() or not kernels.kernel_can_run(q)):
+            return None
+        return kernels.rotary_tables_(q, k, c, s)
+
     def rotate(self, q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, unsqueeze_dim: int) -> tuple[Tensor, Tensor | None] | None:
-        """The rotation, or None where upstream should run instead."""
+        """The rotation out of place, or None where upstream should run instead."""
         rotation = self.rotation
-        if cos.dim() != 3 or q.dim() != 4 or unsqueeze_dim not in (1, 2):
+        if cos.dim() != 3 or q.dim() != 4 or unsqueeze_dim not in (1, 2) or sin.shape != cos.shape:
             return None
         rot = rotation.rotary_dim(cos.shape[-1])
         if q.shape[-1] != rot and not (rotation.partial and q.shape[-1] > rot):
             return None
+        seq_dim = 2 if unsqueeze_dim == 1 else 1  # the tables' (b, s) against q's batch and sequence dims
+        if cos.shape[1] != q.shape[seq_dim] or cos.shape[0] not in (1, q.shape[0]):
+            return None
         if unsqueeze_dim == 2:  # (b, s, h, d): rotate the (b, h, s, d) view
             q_out, k_out = self.rotate(q.transpose(1, 2), None if k is None else k.transpose(1, 2), cos, sin, 1)
             return q_out.transpose(1, 2), None if k_out is None else k_out.transpose(1, 2)
+        if rotation.trailing and q.shape[-1] > rot:  # rotate the last rot features, pass the leading ones
+            q_out, k_out = self.rotate(q[..., -rot:], None if k is None else k[..., -rot:], cos, sin, 1)
+            return (torch.cat((q[..., :-rot], q_out), dim=-1),
+                    None if k is None else torch.cat((k[..., :-rot], k_out), dim=-1))
         c, s = rotation.half_tables(cos, sin)
         pairing = rotation.pairing
         if pairing == "deinterleave":  # reorder once (a copy), then rotate half-split
@@ -302,12 +347,6 @@ class RotaryHelper:
         if self.fused is not False and kernels.kernel_can_run(q):
             if k is None:
                 return kernels.rotary_fused(q, q[:, :0], c, s, interleaved=interleaved, conjugate=conjugate)[0], None
-            if (not interleaved and not conjugate and c.stride(-1) == 1 and q.stride(-1) == 1 and k.stride(-1) == 1
-                    and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
-                    and not torch.compiler.is_compiling() and 0 not in q.stride() and 0 not in k.stride()):
-                # Inference: rotate upstream's fresh projections in place (upstream rebinds its names to
-                # the results); the per-layer host cost is one lookup and one kernel launch.
-                return kernels.rotary_tables_(q, k, c, s)
             return kernels.rotary_fused(q, k, c, s, interleaved=interleaved, conjugate=conjugate)
         c, s = c.unsqueeze(1), s.unsqueeze(1)  # (b, 1, s, r/2): broadcast over heads
         rotated = (None if x is None else apply_rotary(x, c, s, interleaved=interleaved, conjugate=conjugate) for x in (q, k))

@@ -94,34 +94,43 @@ def test_patched_alibi_attention_matches_upstream(name, padded, monkeypatch):
         assert len(columns) >= 2 * upstream.config.num_hidden_layers
 
 
-@pytest.mark.skipif(DEV != "cuda", reason="bf16 training with the fused kernel needs CUDA (CPU parity: tests/patches/test_training.py)")
+@pytest.mark.skipif(DEV != "cuda" and not kernels.interpret_mode(), reason="bf16 training with the fused kernel needs CUDA or TRITON_INTERPRET=1 (CPU parity: tests/patches/test_training.py)")
 @pytest.mark.parametrize("name", ["llama", "falcon"])
 def test_bf16_training_steps_with_the_fused_kernel_match_upstream(name):
     """3 AdamW steps in bf16: patched (fused kernel fwd+bwd) and upstream stay together.
 
-    Tolerances: losses 2e-2 relative (bf16 logits round at ~4e-3 relative and the two rotations
-    round differently); weights 3e-3 absolute = 3 steps of lr 1e-3, the most Adam can move a
-    weight, against drift of one step when gradients disagree in sign (a broken backward).
+    The first step's gradients point the same way (cosine > 0.99 per tensor; a broken backward
+    gives ~0 or a sign flip). Then 3 steps: losses within 2e-2 relative (bf16 logits round at ~4e-3
+    and the two rotations round differently); weights within 2 x 3 x lr absolute (Adam moves a
+    weight by up to lr per step whatever its gradient's size, so a weight whose tiny gradient
+    changes sign with rounding drifts by up to 2 lr per step) and within lr / 10 on average.
     """
     upstream = _tiny(name).to(torch.bfloat16)
     patched = torchembed.patch(copy.deepcopy(upstream), fused=True)
     gen = torch.Generator().manual_seed(4)
     batches = [torch.randint(0, upstream.config.vocab_size, (4, 32), generator=gen).to(DEV) for _ in range(3)]
-    losses = {}
+    losses, first_grads, lr = {}, {}, 1e-3
     for key, model in (("upstream", upstream), ("patched", patched)):
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
         losses[key] = []
-        for ids in batches:
+        for step, ids in enumerate(batches):
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
+            if step == 0:
+                first_grads[key] = {n: p.grad.float().flatten().clone() for n, p in model.named_parameters()}
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses[key].append(loss.item())
+    for pname, grad in first_grads["patched"].items():
+        ref = first_grads["upstream"][pname]
+        if ref.norm() > 0:
+            assert torch.nn.functional.cosine_similarity(grad, ref, dim=0) > 0.99, pname
     torch.testing.assert_close(torch.tensor(losses["patched"]), torch.tensor(losses["upstream"]), rtol=2e-2, atol=0)
     ref = dict(upstream.named_parameters())
     for pname, param in patched.named_parameters():
-        torch.testing.assert_close(param.float(), ref[pname].float(), rtol=0, atol=3e-3, msg=pname)
+        diff = (param.float() - ref[pname].float()).abs()
+        assert diff.max() <= 2 * 3 * lr + 1e-4 and diff.mean() <= lr / 10, (pname, diff.max().item(), diff.mean().item())
 
 
 def test_compiled_patched_model_calls_the_kernel_op_without_graph_breaks():

@@ -14,6 +14,7 @@ import torchembed
 from torchembed import kernels
 
 transformers = pytest.importorskip("transformers")
+from torchembed.patches.rotation import RotaryHelper  # noqa: E402
 from torchembed.tools.zoo import build_tiny, survey  # noqa: E402
 
 DEVICE = os.environ.get("TORCHEMBED_TEST_DEVICE", "cpu")  # "cuda": the fused kernel in every family
@@ -62,15 +63,21 @@ def test_patched_model_type_matches_upstream(model_type, monkeypatch):
     patched = torchembed.patch(copy.deepcopy(upstream))
     vocab = upstream.config.get_text_config().vocab_size
     ids = torch.randint(3, vocab, (2, 11), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    launches = []
-    for name in ("rotary_fused", "rotary_tables_"):
-        original = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _f=original, **k: launches.append(1) or _f(*a, **k))
     ref = _logits(upstream, ids)
+    calls, fallbacks, launches = [], [], []
+    for helper in list(RotaryHelper._INSTANCES.values()):
+        monkeypatch.setattr(helper, "upstream", lambda *a, _f=helper.upstream, **k: fallbacks.append(1) or _f(*a, **k))
+    call = RotaryHelper.__call__
+    monkeypatch.setattr(RotaryHelper, "__call__", lambda self, *a, **k: calls.append(1) or call(self, *a, **k))
+    for name in ("rotary_fused", "rotary_tables_"):
+        launch = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _f=launch, **k: launches.append(1) or _f(*a, **k))
     out = _logits(patched, ids)
+    monkeypatch.undo()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    rope = any(c.kind == "rope-apply" for c in torchembed.find_positional_components(patched))
-    assert bool(launches) == (rope and kernels.kernel_can_run(ids.float()))  # the fused kernel rotated
+    assert not fallbacks  # torchembed rotated every call, none went back to upstream's helper
+    if kernels.kernel_can_run(ids.float()):
+        assert len(launches) == len(calls)  # each on the fused kernel
 
     prompt = ids[:1, :6]
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
