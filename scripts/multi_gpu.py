@@ -19,6 +19,12 @@ Parts (``--parts``, comma-separated):
   parameters after the steps agree to float32 summation order (``PARAM_ATOL``, the reasoning is
   in tests/distributed/test_ddp.py) and losses to ``LOSS_RTOL``; the one-GPU upstream run gives
   the patched-vs-upstream loss difference.
+* ``tp``: transformers' own tensor parallelism: the ~1B LLaMA checkpoint loaded with
+  ``from_pretrained(tp_plan="auto")`` under ``torch.distributed.run`` (one process per GPU,
+  ``scripts/tp_worker.py``), patched. Its logits against the float32 one-GPU reference (patched no
+  worse than upstream, as ``infer``) and against the patched one-GPU bf16 model (the mean
+  difference within twice that model's own bf16 error: tensor parallelism only reorders sums);
+  unpatch bit-exact; greedy generation, upstream and patched in turns: decode ms/token.
 * ``speed``: the ~1B LLaMA config trained in bf16 (``--size 1b``), DDP and FSDP over all GPUs and
   one GPU at the same per-GPU batch, upstream vs patched: tokens/s (median step) and peak memory.
 
@@ -45,7 +51,8 @@ from torchembed.tools.launch import free_port, run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "train_distributed.py"
-PARTS = ("infer", "parity", "speed")
+PARTS = ("infer", "parity", "tp", "speed")
+TP_WORKER = ROOT / "scripts" / "tp_worker.py"
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ERROR_ALLOWANCE = 1.05  # patched bf16 mean error vs float32 <= 1.05 x upstream's
 PARAM_ATOL, LOSS_RTOL = 1e-5, 1e-5
@@ -228,6 +235,62 @@ def generation_speed(model: torch.nn.Module, vocab: int, device: torch.device,
     return rows
 
 
+def tensor_parallel(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """The ``tp`` part (see the module docstring)."""
+    import torchembed
+    from torchembed.tools import bench
+
+    config = infer_configs(args.smoke)["llama"]
+    device = torch.device("cpu" if args.smoke else "cuda:0")
+    one_device = "cpu" if args.smoke else {"": 0}
+    path = workdir / "llama-tp"
+    torch.manual_seed(0)
+    bench.random_causal_lm(config, device, torch.bfloat16).save_pretrained(path)
+    inputs = batch_inputs(config.vocab_size, torch.device("cpu"), args.smoke)
+    torch.save(inputs, workdir / "tp_inputs.pt")
+    real = inputs["attention_mask"].bool()
+    on_device = {k: v.to(device) for k, v in inputs.items()}
+    reference = logits_of(load(path, torch.float32, one_device, args.gpus, args.smoke), on_device, "llama")
+    single = torchembed.patch(load(path, torch.float32 if args.smoke else torch.bfloat16, one_device, args.gpus, args.smoke))
+    single_patched = logits_of(single, on_device, "llama")
+    del single
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1" if args.smoke else "4"}
+    if not args.smoke:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(args.gpus)))
+    prompt, new_tokens = (16, 4) if args.smoke else (512, 64)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.gpus}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", str(TP_WORKER), "--checkpoint", str(path), "--inputs",
+           str(workdir / "tp_inputs.pt"), "--out", str(workdir / "tp"), "--repeats", str(args.repeats),
+           "--prompt", str(prompt), "--new-tokens", str(new_tokens)] + (["--cpu"] if args.smoke else [])
+    print(f"[tp] {args.gpus} processes: {' '.join(cmd[cmd.index(str(TP_WORKER)):])}", flush=True)
+    run = run_launcher(cmd, timeout_s=args.timeout, env=env, cwd=ROOT)
+    if run.returncode != 0 or run.timed_out or not (workdir / "tp.json").exists():
+        print(f"[tp] FAILED rc={run.returncode}\n{run.output[-3000:]}", flush=True)
+        return {"ok": False, "error": run.output[-3000:]}
+    record = json.loads((workdir / "tp.json").read_text())
+    logits = torch.load(workdir / "tp.pt")
+
+    def mean_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+        return (x.double() - ref.double()).abs()[real].mean().item()
+
+    err_up, err_patched = mean_err(logits["upstream"], reference), mean_err(logits["patched"], reference)
+    own_error = mean_err(single_patched, reference)
+    record.update(
+        mean_abs_err_vs_fp32={"tp_upstream": err_up, "tp_patched": err_patched, "one_gpu_patched": own_error},
+        mean_abs_diff_tp_vs_one_gpu_patched=mean_err(logits["patched"], single_patched),
+        max_abs_diff_tp_vs_one_gpu_patched=(logits["patched"] - single_patched).abs()[real].max().item(),
+    )
+    bound = 1e-5 * reference.abs().max().item() if args.smoke else 2 * own_error  # float32: summation order only
+    record["ok"] = bool(err_patched <= ERROR_ALLOWANCE * err_up + 1e-7 and record["unpatch_bit_exact"]
+                        and record["components_patched"] > 0 and record["mean_abs_diff_tp_vs_one_gpu_patched"] <= bound
+                        and (record["generated_tokens_equal"] or not args.smoke))
+    print(f"[tp] {json.dumps({k: v for k, v in record.items() if k != 'generate'})}", flush=True)
+    return record
+
+
 # --- training runs (parity, speed) ------------------------------------------------------------
 
 
@@ -382,6 +445,26 @@ def markdown(result: dict[str, Any]) -> str:
                          f"{r['ok']} |")
         lines += ["", f"Tolerances: parameters {PARAM_ATOL} absolute (an optimizer step moves them by ~1e-3), "
                   f"losses {LOSS_RTOL} relative.", ""]
+    if tp := result.get("tp"):
+        lines += ["## Tensor parallel (`from_pretrained(tp_plan=\"auto\")`, LLaMA, one process per GPU)", ""]
+        if "error" in tp:
+            lines += ["failed:", "", "```", tp["error"][-1500:], "```", ""]
+        else:
+            e = tp["mean_abs_err_vs_fp32"]
+            lines += [f"{tp['world_size']} processes, weights as {tp['weights']}; {tp['components_patched']} components "
+                      f"patched. Mean error vs the float32 one-GPU model: TP upstream {e['tp_upstream']:.2e}, TP patched "
+                      f"{e['tp_patched']:.2e}, one-GPU patched {e['one_gpu_patched']:.2e}; TP patched vs one-GPU patched: "
+                      f"mean {tp['mean_abs_diff_tp_vs_one_gpu_patched']:.2e}, max {tp['max_abs_diff_tp_vs_one_gpu_patched']:.2e}; "
+                      f"unpatch exact {tp['unpatch_bit_exact']}; greedy tokens equal {tp['generated_tokens_equal']}; "
+                      f"ok {tp['ok']}.", "",
+                      "| batch | prompt | prefill ms upstream / patched | decode ms/token upstream / patched | speedup |",
+                      "|---|---|---|---|---|"]
+            for g in tp["generate"]:
+                u, p = g["upstream"], g["patched"]
+                lines.append(f"| {g['batch']} | {g['prompt']} | {u['prefill_ms']['median']:.1f} / "
+                             f"{p['prefill_ms']['median']:.1f} | {_stat(u['per_token_ms'])} / {_stat(p['per_token_ms'])} | "
+                             f"{g['decode_speedup']:.2f}x |")
+        lines.append("")
     if rows := result.get("speed"):
         lines += ["## Training throughput (LLaMA ~1B, bf16 AdamW, batch per GPU x 2048 tokens)", "",
                   "One launch per row and variant (upstream first), steps after the warm-up: median [min-max] ms.", "",
@@ -432,6 +515,8 @@ def main(argv: list[str]) -> int:
                 result["infer"] = [infer_model(model, config, args, workdir) for model, config in configs.items()]
             elif part == "parity":
                 result["parity"] = parity(args, workdir)
+            elif part == "tp":
+                result["tp"] = tensor_parallel(args, workdir)
             elif part == "speed":
                 result["speed"] = []
                 speed(args, workdir, result["speed"], save)
@@ -439,6 +524,7 @@ def main(argv: list[str]) -> int:
     (args.out / f"{name}.md").write_text(markdown(result))
     print(markdown(result))
     failed = [r for part in ("infer", "parity") for r in result.get(part, []) if not r.get("ok")]
+    failed += [result["tp"]] if "tp" in result and not result["tp"].get("ok") else []
     return 1 if failed else 0
 
 

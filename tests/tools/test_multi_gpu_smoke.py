@@ -29,8 +29,11 @@ def test_multi_gpu_smoke(tmp_path: Path) -> None:
         assert {"upstream", "patched"} <= set(record["generate"][0])
     assert [(r["model"], r["mode"]) for r in result["parity"]] == [("llama", "ddp"), ("falcon", "ddp"), ("bloom", "ddp")]
     assert all(r["ok"] and r["max_param_diff"] <= 1e-5 for r in result["parity"])
+    tp = result["tp"]  # transformers' tensor parallelism (gloo, 2 processes): patched, exact undo
+    assert tp["ok"] and tp["world_size"] == 2 and tp["weights"] == "DTensor" and tp["unpatch_bit_exact"]
+    assert tp["generated_tokens_equal"] and tp["mean_abs_diff_tp_vs_one_gpu_patched"] < 1e-5
     assert [r["mode"] for r in result["speed"]] == ["ddp", "one-gpu"]
     assert all(r["upstream"]["tokens_per_s"] > 0 and r["patched"]["tokens_per_s"] > 0 for r in result["speed"])
     markdown = (tmp_path / "multi_gpu_smoke.md").read_text()
-    assert "Training parity" in markdown and "Training throughput" in markdown
+    assert "Training parity" in markdown and "Training throughput" in markdown and "Tensor parallel" in markdown
 
