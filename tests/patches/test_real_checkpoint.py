@@ -54,7 +54,8 @@ def _bf16(model: torch.nn.Module) -> torch.nn.Module:
 
 def _generate(model, inputs, tokenizer, new_tokens: int) -> torch.Tensor:
     with torch.no_grad():
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=new_tokens, pad_token_id=pad)
     return out[:, inputs["input_ids"].shape[1]:]
 
 
@@ -98,8 +99,10 @@ def test_bf16_logits_no_further_from_float32_than_upstreams(smollm2) -> None:
 
 
 def test_left_padded_batch_generates_upstreams_tokens(smollm2) -> None:
-    tok = copy.copy(smollm2.tokenizer)
+    tok = copy.deepcopy(smollm2.tokenizer)
     tok.padding_side = "left"
+    if tok.pad_token is None:  # transformers 4.x reads no pad token from the GGUF file
+        tok.pad_token = tok.eos_token
     inputs = tok.apply_chat_template(BATCH, add_generation_prompt=True, return_tensors="pt", return_dict=True,
                                      padding=True)
     assert (inputs["attention_mask"][:, 0] == 0).any()  # one prompt is padded

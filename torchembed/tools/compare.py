@@ -317,6 +317,8 @@ def compare(
     for dtype_name in dtypes:
         if dtype_name not in _DTYPES:
             raise ValueError(f"unknown dtype {dtype_name!r}; choose from {sorted(_DTYPES)}")
+    if gguf_file and models is None:
+        raise ValueError("gguf_file names a file inside a checkpoint folder: pass that folder as models")
     with contextlib.ExitStack() as scratch:  # dequantised GGUF checkpoints live as long as the comparison
         if models is None:
             sources: list[tuple[str, str | _Checkpoint | nn.Module]] = [
