@@ -1,6 +1,6 @@
 """Plot benchmark JSON files (from ``torchembed bench ...``) as PNGs next to them.
 
-    python scripts/plot_results.py benchmarks/results/2026-11-29
+    python scripts/plot_results.py benchmarks/results
 """
 
 from __future__ import annotations
