@@ -18,7 +18,7 @@ from torch import nn
 from torchembed import kernels
 from torchembed.patches import families  # noqa: F401  (registers the adapters)
 from torchembed.patches.actions import Component
-from torchembed.patches.errors import FusedUnavailableError, PatchError, StructureError, UnsupportedModelError
+from torchembed.patches.errors import FusedUnavailableError, StructureError, UnsupportedModelError
 from torchembed.patches.registry import Family, PatchOptions, family_for, supported_families
 
 __all__ = ["patch", "unpatch", "is_patched", "patched", "find_positional_components", "PatchRecord"]

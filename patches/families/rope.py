@@ -33,6 +33,7 @@ from typing import Any
 from torch import nn
 
 from torchembed.patches.actions import Component, InstanceMethod, OverrideAttribute
+from torchembed.patches.adapters import qualname
 from torchembed.patches.errors import StructureError, UnsupportedModelError
 from torchembed.patches.rebind import attribute_names, chain, find_globals, global_names
 from torchembed.patches.registry import Family, PatchOptions, register, set_fallback
@@ -91,10 +92,6 @@ def class_rotations(cls: type) -> ClassRotations:
 
 def _is_apply_like(name: str) -> bool:
     return is_rotation_name(name) and ("apply" in name or "rotary_pos" in name)
-
-
-def _qualname(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
 
 
 @dataclass
@@ -160,7 +157,7 @@ class ReplaceRotationHelpers:
         for path, module, rotations in found.attentions:
             replacements = {name: RotaryHelper.get(rotation, helper, options.fused)
                             for name, (helper, rotation) in rotations.recognized.items()}
-            upstream = ", ".join(_qualname(helper) for helper, _ in rotations.recognized.values())
+            upstream = ", ".join(qualname(helper) for helper, _ in rotations.recognized.values())
             described = "; ".join(f"{name}: {rotation.describe()}" for name, (_, rotation) in rotations.recognized.items())
             component = Component(path, "rope-apply", upstream, f"torchembed RotaryHelper ({described})")
             method = InstanceMethod(module, rotations.forward, replacements)
