@@ -251,9 +251,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (2: a usage error, reported in one line)."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown and not (args.command == "bench" and args.what is None):  # `bench --smoke`: which benchmark?
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
         return exc.code if isinstance(exc.code, int) else 2
+    if unknown:
+        args.rest = [*unknown, *args.rest]
     if args.command is None:
         parser.print_usage(sys.stderr)
         print("torchembed: error: name a command: compare, chat, bench or list (see torchembed --help)", file=sys.stderr)
