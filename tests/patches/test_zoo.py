@@ -15,11 +15,9 @@ from torchembed import kernels
 
 transformers = pytest.importorskip("transformers")
 from torchembed.patches.rotation import RotaryHelper  # noqa: E402
-from torchembed.tools.zoo import build_tiny, survey  # noqa: E402
+from torchembed.tools.zoo import build_tiny, status_of, survey, text_model_types  # noqa: E402
 
 DEVICE = os.environ.get("TORCHEMBED_TEST_DEVICE", "cpu")  # "cuda": the fused kernel in every family
-STATUS = {s.model_type: s for s in survey()}
-SUPPORTED = sorted(t for t, s in STATUS.items() if s.supported)
 
 # The model types people run most; each must be supported wherever the installed transformers has it.
 REQUIRED = (
@@ -33,23 +31,24 @@ NOT_ON_4X = {"phimoe", "apertus"}
 
 
 def test_at_least_sixty_model_types_and_every_required_one():
-    assert len(SUPPORTED) >= (60 if transformers.__version__ >= "5" else 50), len(SUPPORTED)
+    status = {s.model_type: s for s in survey()}
+    supported = [t for t, s in status.items() if s.supported]
+    assert len(supported) >= (60 if transformers.__version__ >= "5" else 50), len(supported)
     exempt = NOT_ON_4X if transformers.__version__ < "5" else set()
-    missing = {t: STATUS[t].how for t in REQUIRED if t in STATUS and not STATUS[t].supported and t not in exempt}
+    missing = {t: status[t].how for t in REQUIRED if t in status and not status[t].supported and t not in exempt}
     assert not missing
 
 
 def test_unsupported_model_types_say_why():
+    available = set(text_model_types())
     for model_type in ("llama4_text", "deepseek_v2", "opt", "roformer"):
-        if model_type in STATUS:
-            status = STATUS[model_type]
+        if model_type in available:
+            status = status_of(model_type)
             assert not status.supported and status.how, model_type
-    if "llama4_text" in STATUS:
-        assert "complex-valued" in STATUS["llama4_text"].how
-    with pytest.raises(torchembed.UnsupportedModelError, match="complex-valued"):
-        if "llama4_text" not in STATUS:
-            raise torchembed.UnsupportedModelError("complex-valued (no llama4 in this release)")
-        torchembed.patch(build_tiny("llama4_text"))
+    if "llama4_text" in available:
+        assert "complex-valued" in status_of("llama4_text").how
+        with pytest.raises(torchembed.UnsupportedModelError, match="complex-valued"):
+            torchembed.patch(build_tiny("llama4_text"))
 
 
 def _logits(model, ids):
@@ -57,8 +56,11 @@ def _logits(model, ids):
         return model(input_ids=ids).logits
 
 
-@pytest.mark.parametrize("model_type", SUPPORTED)
+@pytest.mark.parametrize("model_type", text_model_types())
 def test_patched_model_type_matches_upstream(model_type, monkeypatch):
+    status = status_of(model_type)
+    if not status.supported:
+        pytest.skip(f"not patched: {status.how}")
     upstream = build_tiny(model_type, device=DEVICE)
     patched = torchembed.patch(copy.deepcopy(upstream))
     vocab = upstream.config.get_text_config().vocab_size

@@ -116,7 +116,7 @@ def _compile_kwargs(fullgraph: bool) -> dict[str, Any]:
 def run_case(name: str, models: dict[str, nn.Module], batch: int, prompt: int, args: argparse.Namespace,
              device: torch.device, budget: bench.Budget) -> list[dict[str, Any]]:
     """All requested phases for one (model, batch, prompt length)."""
-    vocab = next(iter(models.values())).config.vocab_size
+    vocab = next(iter(models.values())).config.get_text_config().vocab_size
     ids = torch.randint(1, vocab, (batch, prompt), device=device)
     n = args.new_tokens
     takes_keep = "logits_to_keep" in inspect.signature(next(iter(models.values())).forward).parameters

@@ -8,6 +8,7 @@ seed: the same name gives the same checkpoint on every machine.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ def _llama(**rope: Any) -> Callable[[], Any]:
         if rope:  # the 4.x spelling, which 5.x folds into rope_parameters: read by every release
             kwargs["rope_theta"] = rope.pop("rope_theta", 10000.0)
             kwargs["rope_scaling"] = dict(rope)
+            if "original_max_position_embeddings" in rope:  # 4.x LongRoPE reads it from the config itself
+                kwargs["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
         return transformers.LlamaConfig(**kwargs)
 
     return make
@@ -112,7 +115,18 @@ def build_checkpoint(name: str, cache_dir: str | os.PathLike[str] | None = None,
     model_class = transformers.AutoModel if config.model_type == "bert" else transformers.AutoModelForCausalLM
     torch.manual_seed(seed)
     model = model_class.from_config(config)
-    model.save_pretrained(path)
+    # written beside and renamed into place: processes building the same checkpoint at once (test
+    # workers, parallel runs) never see half a folder
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}-") as tmp:
+        model.save_pretrained(tmp)
+        try:
+            os.replace(tmp, path)
+        except OSError:  # another process put it there first: theirs is the same checkpoint
+            if not (path / "config.json").exists():
+                raise
+        else:
+            os.makedirs(tmp)  # for TemporaryDirectory's cleanup
     return path
 
 

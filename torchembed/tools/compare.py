@@ -112,7 +112,7 @@ def _set_attn(model: nn.Module, impl: str) -> None:
 
 def _inputs(model: nn.Module, batch: int, seq_len: int, steps: int, seed: int, device: torch.device) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
+    vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (batch, seq_len), generator=gen)
     mask = torch.ones(batch, seq_len, dtype=torch.long)
     for b in range(1, batch):  # rows after the first are left-padded by a growing amount
@@ -130,6 +130,12 @@ def _forward_kwargs(model: nn.Module) -> tuple[bool, bool]:
     return takes_positions, _is_causal_lm(model)
 
 
+def _returns_cache(out: Any) -> bool:
+    """Whether the forward handed back a KV cache to decode on (recurrent models such as
+    RecurrentGemma keep their state inside the model: compared on the prefill only)."""
+    return getattr(out, "past_key_values", None) is not None
+
+
 @torch.no_grad()
 def _run(model: nn.Module, inputs: dict[str, Any]) -> Tensor:
     """Batched run: outputs at every real position, then every decode step; flat, float64."""
@@ -142,7 +148,7 @@ def _run(model: nn.Module, inputs: dict[str, Any]) -> Tensor:
         kwargs["use_cache"] = True
     out = model(input_ids=ids, **kwargs)
     outputs = [(out.logits if causal else out.last_hidden_state)[mask.bool()].double()]
-    if causal:
+    if causal and _returns_cache(out):
         past = out.past_key_values
         for token in inputs["next"]:
             positions = mask.sum(-1, keepdim=True)
@@ -180,7 +186,7 @@ def _run_unpadded(model: nn.Module, inputs: dict[str, Any]) -> Tensor:
         out = model(input_ids=ids, use_cache=True) if causal else model(input_ids=ids)
         prefill.append((out.logits if causal else out.last_hidden_state)[0].double())
         row = []
-        if causal:
+        if causal and _returns_cache(out):
             past = out.past_key_values
             for token in inputs["next"]:
                 out = model(input_ids=token[b : b + 1], past_key_values=past, use_cache=True)
@@ -188,7 +194,7 @@ def _run_unpadded(model: nn.Module, inputs: dict[str, Any]) -> Tensor:
                 row.append(out.logits[0, -1].double())
         steps.append(row)
     flat = [p.reshape(-1) for p in prefill]
-    flat += [steps[b][t] for t in range(len(inputs["next"]) if causal else 0) for b in range(len(steps))]
+    flat += [steps[b][t] for t in range(len(steps[0])) for b in range(len(steps))]
     return torch.cat(flat).cpu()
 
 
@@ -405,9 +411,13 @@ def _compare_sources(
     with _progress(progress, len(tasks)) as advance:
         for name, source, dtype_name, impl, inputs in tasks:
             advance(f"{name} {dtype_name} {impl}")
-            report.rows.append(
-                _compare_one(name, source, dtype_name, impl, inputs, device, fused, eager_refs.setdefault(name, {}))
-            )
+            try:
+                row = _compare_one(name, source, dtype_name, impl, inputs, device, fused, eager_refs.setdefault(name, {}))
+            except Exception as exc:
+                if hasattr(exc, "add_note"):  # Python 3.11+
+                    exc.add_note(f"while comparing {name} ({dtype_name}, {impl} attention)")
+                raise
+            report.rows.append(row)
     return report
 
 

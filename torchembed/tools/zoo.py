@@ -24,20 +24,26 @@ __all__ = ["SMALL", "ModelTypeStatus", "text_model_types", "generic_tiny_config"
 SMALL: dict[str, Any] = {
     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "num_hidden_layers": 4, "intermediate_size": 128, "vocab_size": 128, "max_position_embeddings": 128,
-    # mixture of experts
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    # mixture of experts; every token goes to every expert, so that no top-k choice flips between
+    # two runs that round differently (bf16 against float64 would then measure the flips)
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 4,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
-    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "moe_num_experts": 4, "moe_k": 2,
-    "moe_topk": 2, "num_shared_experts": 1, "expert_intermediate_size": 32,
+    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "moe_num_experts": 4, "moe_k": 4,
+    "moe_topk": 4, "num_shared_experts": 1, "expert_intermediate_size": 32,
     # multi-head latent attention (DeepSeek-V2/V3 and kin)
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     # windows and other lengths that must stay below max_position_embeddings
     "sliding_window": 32, "attention_chunk_size": 32, "original_max_position_embeddings": 64,
     "rotary_dim": 8,  # GPT-J / CodeGen: rotated features per head
+    # state-space layers of hybrid models (their CPU path materialises chunk x chunk x state tensors)
+    "mamba_d_state": 16, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_chunk_size": 16, "mamba_d_ssm": 64,
+    "mamba_n_groups": 1, "ssm_state_size": 16, "state_size": 16, "chunk_size": 16, "n_groups": 1,
+    "mamba_headdim": 16, "time_step_rank": 8,
     # token ids inside the small vocabulary
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }
 MAX_PARAMETERS = 20_000_000  # a tiny model runs in milliseconds on a CPU
+MAX_SECONDS = 3.0  # ... its build and one forward well inside this
 _RECOMPUTED = ("layer_types", "mlp_layer_types", "no_rope_layers", "layers_block_type")  # per-layer lists
 _ALWAYS = ("head_dim", "num_key_value_heads")
 
@@ -150,8 +156,10 @@ def _build(model_type: str, kwargs: dict[str, Any]) -> Any:
 
 
 def _runs(config: Any) -> None:
-    """Upstream runs a forward of the tiny model, with eager attention and the default one."""
+    """Upstream runs a forward of the tiny model, with eager attention and the default one, in a
+    fraction of a second (a slow one means a size this module does not shrink yet)."""
     import copy
+    import time
 
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     for impl in ("eager", None):
@@ -159,8 +167,11 @@ def _runs(config: Any) -> None:
         if impl is not None:
             candidate._attn_implementation = impl
         torch.manual_seed(0)
+        start = time.perf_counter()
         with _quiet(), torch.no_grad():
             _causal_lm_class(candidate)(candidate).eval()(input_ids=ids)
+        if time.perf_counter() - start > MAX_SECONDS:
+            raise ValueError(f"a forward of the smallest config found takes over {MAX_SECONDS:g} s")
 
 
 def _causal_lm_class(config: Any) -> Any:
