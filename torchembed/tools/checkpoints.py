@@ -7,6 +7,7 @@ seed: the same name gives the same checkpoint on every machine.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -107,11 +108,14 @@ def build_checkpoint(name: str, cache_dir: str | os.PathLike[str] | None = None,
     import torch
     import transformers
 
-    # one folder per transformers release: configs written by one are not always read by another
-    path = Path(cache_dir or default_cache_dir()) / "tiny" / f"{name}-seed{seed}-transformers{transformers.__version__}"
+    config = tiny_config(name)
+    # one folder per transformers release (configs written by one are not always read by another)
+    # and per config content (a changed tiny config never reuses an old checkpoint)
+    digest = hashlib.sha256(config.to_json_string().encode()).hexdigest()[:10]
+    folder = f"{name}-seed{seed}-transformers{transformers.__version__}-{digest}"
+    path = Path(cache_dir or default_cache_dir()) / "tiny" / folder
     if (path / "config.json").exists():
         return path
-    config = tiny_config(name)
     model_class = transformers.AutoModel if config.model_type == "bert" else transformers.AutoModelForCausalLM
     torch.manual_seed(seed)
     model = model_class.from_config(config)

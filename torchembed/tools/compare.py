@@ -16,8 +16,9 @@ Where upstream's implementations disagree, a family names the one its patched mo
 the patched model with upstream (and float64) in that implementation, and the note says so.
 
 A row passes when float32 agrees within ``rel <= 1e-5`` and, in half precision, patched is no
-further from float64 than upstream (mean error over all outputs; 5% allowance for the
-rounding noise of the other bf16 ops, which dominates end to end).
+further from float64 than upstream (mean error over all outputs, allowing 10%: on one draw of
+inputs, upstream's own eager and sdpa attention, equally valid roundings, differ in that error by
+up to 6% on the tiny models; the other bf16 ops dominate it end to end).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch import Tensor, nn
 __all__ = ["compare", "CompareReport", "CompareRow", "FP32_REL_TOL"]
 
 FP32_REL_TOL = 1e-5
-HALF_SLACK = 1.05  # bf16/fp16: patched mean error may exceed upstream's by this factor (rounding noise)
+HALF_SLACK = 1.10  # bf16/fp16: patched mean error may exceed upstream's by this factor (rounding noise)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
