@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchembed.tools.bench import TokenClock
+
 __all__ = ["ChatAnswer", "ChatResult", "chat", "load_chat_model"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -66,19 +68,6 @@ class ChatResult:
         return "\n".join(lines)
 
 
-class _Clock:
-    """A generate() streamer that only records when each batch of tokens arrives."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def put(self, value: Any) -> None:
-        self.times.append(time.perf_counter())
-
-    def end(self) -> None:
-        pass
-
-
 def load_chat_model(model: str | os.PathLike[str] | None = None, *, gguf_file: str | None = None,
                     dtype: str = "float32", fused: bool | None = None) -> tuple[nn.Module, Any, str]:
     """``(patched model, tokenizer, name)``: ``model`` (a folder, hub id or ``.gguf`` file; default
@@ -105,7 +94,7 @@ def _answer(label: str, model: nn.Module, tokenizer: Any, inputs: dict[str, torc
     kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id
                   if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     model.generate(**inputs, **{**kwargs, "max_new_tokens": 2})  # warm-up
-    clock = _Clock()
+    clock = TokenClock()
     start = time.perf_counter()
     out = model.generate(**inputs, **kwargs, streamer=clock)
     new = out[0, inputs["input_ids"].shape[1]:].tolist()
