@@ -757,7 +757,7 @@ def test_direct_launch_replays_the_compiled_kernel(monkeypatch):
     monkeypatch.setattr(rope_triton, "_DIRECT", False)
     expected = rotary_fused(q, k, cos, sin)
     monkeypatch.setattr(rope_triton, "_DIRECT", True)
-    rope_triton._COMPILED.clear()
+    rope_triton.clear_launch_caches()
     first = rotary_fused(q, k, cos, sin)  # compiles through kernel[grid] and keeps the kernel
     assert len(rope_triton._COMPILED) == 1
     second = rotary_fused(q, k, cos, sin)  # replayed directly
@@ -772,7 +772,7 @@ def test_direct_launch_keys_alignment_and_table_dtype(monkeypatch):
     view, nor one compiled for float32 tables on bfloat16 tables: each gets its own entry and
     matches Triton's own launch."""
     monkeypatch.setattr(rope_triton, "_DIRECT", True)
-    rope_triton._COMPILED.clear()
+    rope_triton.clear_launch_caches()
     base_q, base_k = make_qk(2, 4, 2, 9, 64 + 1, torch.bfloat16)
     cases = {
         "aligned": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (2,))),

@@ -57,7 +57,7 @@ def _check_nonnegative(positions: Tensor, name: str) -> None:
     ``pos * theta`` says (no table is indexed by it, nothing is read out of bounds). Skipped for
     empty and meta tensors and while ``torch.compile`` traces.
     """
-    if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
+    if positions.is_cpu and positions.numel() and not torch.compiler.is_compiling():
         low = int(positions.min())
         if low < 0:
             raise ValueError(f"{name} must be non-negative, got a minimum of {low}")

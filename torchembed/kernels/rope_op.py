@@ -16,6 +16,10 @@ Autograd: the rotation is orthogonal (times ``scale``), so the gradient of q/k i
 *conjugate* rotation of the incoming gradient -- the same kernel with ``conjugate`` flipped.
 cos/sin/inv_freq/positions get NO gradient (they are treated as constants).
 
+Eager calls without autograd skip the custom ops; one whose signature (shapes, strides, dtypes,
+devices, position form, flags) was validated and launched before replays that launch with its own
+pointers, offset and scale (``_FAST``), so a decode step costs little more than the launch itself.
+
 Devices: the Triton kernel runs where ``kernel_can_run`` says so (CUDA, or CPU under
 ``TRITON_INTERPRET=1``); elsewhere (CPU without the interpreter, meta, Triton missing or
 ``TORCHEMBED_DISABLE_TRITON=1``) the ops fall back to an equivalent pure-PyTorch computation
@@ -23,6 +27,7 @@ with the same float32 math, so ``rotary_fused`` works everywhere.
 """
 
 import os
+from collections.abc import Callable
 from typing import Optional, Tuple, Union
 
 import torch
@@ -36,7 +41,27 @@ __all__ = ["rotary_fused", "rotary_tables_", "rotary_angles_", "triton_available
 # ------------------------------------------------------------------------------------------
 
 _TRITON_OK: Optional[bool] = None
-_environ = os.environ
+
+
+def _env_flag(name: str, value: str = "1") -> Callable[[], bool]:
+    """A reader of ``os.environ.get(name) == value`` for switches read on every call.
+
+    ``os.environ.get`` pays for a KeyError on a missing name (about 1 us); CPython's ``os.environ``
+    keeps its entries in a dict of encoded names and values, read here directly (the same dict,
+    so changes show at once)."""
+    environ = os.environ
+    data = getattr(environ, "_data", None)
+    try:
+        key, expected = environ.encodekey(name), environ.encodevalue(value)
+    except AttributeError:
+        data = None
+    if not isinstance(data, dict):
+        return lambda: environ.get(name) == value
+    return lambda: data.get(key) == expected
+
+
+_triton_disabled = _env_flag("TORCHEMBED_DISABLE_TRITON")
+_interpreting = _env_flag("TRITON_INTERPRET")
 
 
 def triton_available() -> bool:
@@ -61,13 +86,13 @@ def interpret_mode() -> bool:
 def kernel_can_run(t: Tensor) -> bool:
     """Whether the fused kernel can run on ``t``: Triton available and ``t`` on CUDA (or CPU
     under ``TRITON_INTERPRET=1``).  ``TORCHEMBED_DISABLE_TRITON=1`` forces False.  The
-    environment is read on every call (about 1 us), so switches take effect immediately."""
-    if _environ.get("TORCHEMBED_DISABLE_TRITON") == "1" or not (_TRITON_OK or triton_available()):
+    environment is read on every call (well under 1 us), so switches take effect immediately."""
+    if _triton_disabled() or not (_TRITON_OK or triton_available()):
         return False
-    return t.is_cuda or (_environ.get("TRITON_INTERPRET") == "1" and t.device.type == "cpu")
+    return t.is_cuda or (_interpreting() and t.device.type == "cpu")
 
 
-_launch = _hot = _hot_angles = None
+_launch = _hot = _hot_angles = _replayer = None
 
 
 def _launcher():
@@ -77,6 +102,15 @@ def _launcher():
 
         _launch = rope_forward
     return _launch
+
+
+def _replayer_of():
+    global _replayer
+    if _replayer is None:
+        from torchembed.kernels.rope_triton import rope_replayer
+
+        _replayer = rope_replayer
+    return _replayer
 
 
 def _hot_launchers():
@@ -410,6 +444,65 @@ def rotary_angles_(q: Tensor, k: Tensor, positions: Tensor, inv_freq: Tensor) ->
 
 
 # ------------------------------------------------------------------------------------------
+# Replays of validated eager calls without autograd
+# ------------------------------------------------------------------------------------------
+
+# Call signature -> replay (``rope_triton.rope_replayer``): a call whose signature was validated
+# and launched before skips validation and the launch set-up.  Cleared by clear_launch_caches.
+_FAST: dict = {}
+_FAST_MAX = 4096
+_I32 = 2**31
+
+
+def _tensor_key(t: Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def _signature(q, k, cos, sin, inv_freq, positions, interleaved, inplace, conjugate) -> Optional[tuple]:
+    """Everything ``_validate`` and the launch depend on but the pointers, the int offset's value
+    (its Triton specialisation instead) and scale; None for calls that are never replayed: tensor
+    subclasses, flags that are not bools, a negative or out-of-table int offset, positions checked on
+    the host."""
+    if type(q) is not Tensor or type(k) is not Tensor or q.dim() != 4:
+        return None
+    if type(interleaved) is not bool or type(inplace) is not bool or type(conjugate) is not bool:
+        return None
+    if positions is None:
+        pos = None
+    elif type(positions) is int:
+        if positions < 0 or (cos is not None and type(cos) is Tensor and positions + q.shape[2] > cos.shape[0]):
+            return None
+        pos = (positions == 1, positions % 16 == 0, positions < _I32)
+    elif type(positions) is Tensor:
+        if cos is not None and not q.is_cuda:  # CPU positions indexing a table: range-checked
+            return None
+        pos = _tensor_key(positions)
+    else:
+        return None
+    if inv_freq is not None:
+        if cos is not None or sin is not None or type(inv_freq) is not Tensor:
+            return None
+        angles = _tensor_key(inv_freq)
+    elif type(cos) is Tensor and type(sin) is Tensor:
+        angles = (_tensor_key(cos), _tensor_key(sin))
+    else:
+        return None
+    return (q.shape, k.shape, q.stride(), k.stride(), q.dtype, k.dtype, q.device, k.device, angles, pos,
+            interleaved, inplace, conjugate)
+
+
+def _record(signature, q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, inplace, conjugate):
+    """Launch a validated call through ``rope_replayer`` and keep its replay; (q_out, k_out)."""
+    qo, ko = (q, k) if inplace else (_empty_like(q), _empty_like(k))
+    replay = _replayer_of()(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
+    if replay is not None:
+        if len(_FAST) >= _FAST_MAX:
+            _FAST.clear()
+        _FAST[signature] = replay
+    return qo, ko
+
+
+# ------------------------------------------------------------------------------------------
 # Public entry point
 # ------------------------------------------------------------------------------------------
 
@@ -458,23 +551,39 @@ def rotary_fused(
     Raises:
         ValueError: on any shape/dtype/device mismatch, naming the expected and given values.
     """
+    compiling = torch.compiler.is_compiling()
+    # REPLAY (eager, no autograd): a call with the signature of one validated and launched before
+    # launches again at once, with this call's pointers, offset and scale.
+    signature = None if compiling else _signature(q, k, cos, sin, inv_freq, positions, interleaved, inplace, conjugate)
+    grad = torch.is_grad_enabled()
+    if signature is not None and not (grad and (q.requires_grad or k.requires_grad)):
+        replay = _FAST.get(signature)
+        if replay is not None and kernel_can_run(q):
+            pos_t, pos_off = (None, positions) if type(positions) is int else (positions, 0)
+            qo, ko = (q, k) if inplace else (_empty_like(q), _empty_like(k))
+            if replay(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, float(scale)):
+                return qo, ko
+
+    cos_in, sin_in, inv_freq_in = cos, sin, inv_freq
     cos, sin, inv_freq, pos_t, pos_off = _validate(q, k, cos, sin, inv_freq, positions)
     scale = float(scale)
-    interleaved, conjugate = bool(interleaved), bool(conjugate)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    interleaved, inplace, conjugate = bool(interleaved), bool(inplace), bool(conjugate)
+    needs_grad = grad and (q.requires_grad or k.requires_grad)
 
     # FAST PATH (eager, no autograd): skip the custom-op dispatcher -- its Python dispatch costs
     # several times the kernel launch itself at decode sizes -- and call the implementation
     # directly.  The custom ops below are only needed for torch.compile (tracing through the
     # fake impl) and autograd (register_autograd); the result is identical either way.
-    if not needs_grad and not torch.compiler.is_compiling():
+    if not needs_grad and not compiling:
+        if (signature is not None and cos is cos_in and sin is sin_in and inv_freq is inv_freq_in
+                and q.stride(-1) == 1 and k.stride(-1) == 1 and kernel_can_run(q)):
+            return _record(signature, q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, inplace, conjugate)
         if inplace:
             _rotary_inplace_impl(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
             return q, k
         return _rotary_impl(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
 
     # Eager with autograd: a plain autograd.Function (no dispatcher); compiled: the custom ops.
-    compiling = torch.compiler.is_compiling()
     rotate = torch.ops.torchembed.rotary if compiling else _RotaryFunction.apply
     if inplace:
         if needs_grad:

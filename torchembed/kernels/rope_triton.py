@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rope_angles_inplace", "rope_forward", "rope_tables_inplace"]
+__all__ = ["rope_angles_inplace", "rope_forward", "rope_replayer", "rope_tables_inplace"]
 
 
 @triton.jit
@@ -315,20 +315,14 @@ def _config(key: tuple) -> tuple:
 
 def clear_launch_caches() -> None:
     """Forget every kept launch configuration and compiled kernel (after changing a tuning knob)."""
-    for cache in (_CFG, _COMPILED, _HOT):
+    from torchembed.kernels import rope_op
+
+    for cache in (_CFG, _COMPILED, _HOT, rope_op._FAST):
         cache.clear()
 
 
-def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
-    """Launch the fused kernel once for q and k.  ``qo is q`` (and ``ko is k``) means in-place.
-    Returns ``(compiled kernel, grid, launch arguments after the 8 pointers, constexprs included)``
-    when it launched directly (what the in-place hot paths replay), None when through ``kernel[grid]``.
-
-    Preconditions (checked by ``rope_op``): q/k/qo/ko 4-D with stride(-1) == 1, same dtype and
-    device; cos/sin unit-stride in their last dim (or None with ``inv_freq`` given); positions
-    None, (B|1,) or (B|1, S) integer.  Per-token table mode: cos (Bc, S, R/2), positions None,
-    pos_offset 0.  Cache mode: cos (T, R/2), indexed by positions or by pos_offset + s.
-    """
+def _setup(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
+    """``rope_forward``'s launch: (config key, grid, meta, constexprs, kernel arguments)."""
     qshape = q.shape
     use_inv_freq = cos is None
     half = (inv_freq if use_inv_freq else cos).shape[-1]
@@ -366,20 +360,97 @@ def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale,
         sc_b, sc_s, sp_b, sp_s,
         pos_offset, scale,
     )
+    return key, grid, meta, constexprs, args
+
+
+def _launch(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
+    """``rope_forward``'s launch: (compiled kernel when launched directly else None, grid, meta,
+    constexprs, kernel arguments)."""
+    key, grid, meta, constexprs, args = _setup(
+        q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate
+    )
     if _DIRECT and q.is_cuda:
         # What Triton specialises on beyond the launch config: the other tensors' dtypes, the
         # strides and offset (their values cover ==1, %16 and int32 range) and the pointers'
         # 16-byte alignment (one bit when all are aligned, the usual case).
-        ptrs = (q.data_ptr(), k.data_ptr(), qo.data_ptr(), ko.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                pos_t.data_ptr(), inv_freq.data_ptr())
+        ptrs = tuple(t.data_ptr() for t in args[:8])
         aligned = True if not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5] | ptrs[6] | ptrs[7]) & 15 \
             else tuple(ptr % 16 == 0 for ptr in ptrs)
-        spec = (key, constexprs, meta["num_warps"], cos.dtype, sin.dtype, pos_t.dtype, inv_freq.dtype, sq, sk, sqo,
-                sko, sc_b, sc_s, sp_b, sp_s, _int_spec(pos_offset), aligned)
+        cos, sin, pos_t, inv_freq = args[4:8]
+        spec = (key, constexprs, meta["num_warps"], cos.dtype, sin.dtype, pos_t.dtype, inv_freq.dtype, args[10:26],
+                _int_spec(pos_offset), aligned)
         compiled = _direct_launch(spec, grid, meta, args, q.device.index)
-        return None if compiled is None else (compiled, grid, args[8:] + constexprs)
+        return compiled, grid, meta, constexprs, args
     _rope_kernel[grid](*args, **meta)
-    return None
+    return None, grid, meta, constexprs, args
+
+
+def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
+    """Launch the fused kernel once for q and k.  ``qo is q`` (and ``ko is k``) means in-place.
+    Returns ``(compiled kernel, grid, launch arguments after the 8 pointers, constexprs included)``
+    when it launched directly (what the in-place hot paths replay), None when through ``kernel[grid]``.
+
+    Preconditions (checked by ``rope_op``): q/k/qo/ko 4-D with stride(-1) == 1, same dtype and
+    device; cos/sin unit-stride in their last dim (or None with ``inv_freq`` given); positions
+    None, (B|1,) or (B|1, S) integer.  Per-token table mode: cos (Bc, S, R/2), positions None,
+    pos_offset 0.  Cache mode: cos (T, R/2), indexed by positions or by pos_offset + s.
+    """
+    compiled, grid, _, constexprs, args = _launch(
+        q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate
+    )
+    return None if compiled is None else (compiled, grid, args[8:] + constexprs)
+
+
+def rope_replayer(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
+    """Launch as ``rope_forward`` does; return ``replay(q, k, qo, ko, cos, sin, inv_freq, positions,
+    pos_offset, scale) -> bool``, the same launch with other pointers, offset and scale, for tensors
+    of this call's shapes, strides, dtypes and device and an offset Triton specialises alike.
+
+    ``replay`` launches nothing and returns False where it no longer applies (the direct launch was
+    switched on or off, a pointer is not 16-byte aligned, the launcher raised): ``rope_forward``
+    decides then. None when this call's own launch cannot be replayed (unaligned pointers)."""
+    compiled, grid, meta, constexprs, args = _launch(
+        q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate
+    )
+    fixed = args[8:-2]  # sizes and strides; pos_offset and scale come with each call
+    tables = cos is not None
+    if compiled is None:
+        def replay(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale) -> bool:
+            if _DIRECT and q.is_cuda:
+                return False
+            if not tables:  # rope_forward's dummies for the unused pointers
+                cos = sin = inv_freq
+            _rope_kernel[grid](q, k, qo, ko, cos, sin, q if positions is None else positions,
+                               q if inv_freq is None else inv_freq, *fixed, pos_offset, scale, **meta)
+            return True
+
+        return replay
+    if any(t.data_ptr() & 15 for t in args[:8]):
+        return None
+    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
+    g0, g1, g2 = grid
+    index = q.device.index
+
+    def replay(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale) -> bool:
+        if not _DIRECT:
+            return False
+        if not tables:  # rope_forward's dummies for the unused pointers
+            cos = sin = inv_freq
+        if positions is None:
+            positions = q
+        if inv_freq is None:
+            inv_freq = q
+        if (q.data_ptr() | k.data_ptr() | qo.data_ptr() | ko.data_ptr() | cos.data_ptr() | sin.data_ptr()
+                | positions.data_ptr() | inv_freq.data_ptr()) & 15:
+            return False
+        try:
+            run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(index), function, metadata, None, None, None,
+                q, k, qo, ko, cos, sin, positions, inv_freq, *fixed, pos_offset, scale, *constexprs)
+        except Exception:  # the installed Triton launches differently: rope_forward decides
+            return False
+        return True
+
+    return replay
 
 
 # Hot paths of the patched HF attention at inference: in place, per-token tables or angles from

@@ -136,18 +136,34 @@ class RotaryEmbedding(nn.Module):
             ValueError: shapes, devices or positions that do not fit (see the class docstring),
                 each naming what was expected and what was given.
         """
-        q_, k_, seq_len = self._check(q, k, seq_dim)
-        q_, k_ = q_.movedim(seq_dim, -2), k_.movedim(seq_dim, -2)
-        positions = self._positions(q_, k_, seq_len, offset, position_ids)
+        inv_freq = self.inv_freq
+        seq_len = self._check(q, k, seq_dim, inv_freq)
+        nd = q.dim()
+        moved = seq_dim % nd != nd - 2
+        if moved:
+            q, k = q.movedim(seq_dim, -2), k.movedim(seq_dim, -2)
+        offset, position_ids = self._positions(q, k, seq_len, offset, position_ids)
         # The kernel rotates q and k of one batch size and dtype together; other pairs (shared
         # positions, which allow them) take the PyTorch path.
-        if self.use_fused and q_.shape[0] == k_.shape[0] and q_.dtype == k_.dtype and kernels.kernel_can_run(q_):
-            q_out, k_out = self._fused(q_, k_, positions)
+        if self.use_fused and q.shape[0] == k.shape[0] and q.dtype == k.dtype and kernels.kernel_can_run(q):
+            q_out, k_out = self._fused(q, k, offset, position_ids, inv_freq)
         else:
-            q_out, k_out = self._reference(q_, k_, positions)
-        return q_out.movedim(-2, seq_dim), k_out.movedim(-2, seq_dim)
+            q_out, k_out = self._reference(q, k, offset, position_ids)
+        if moved:
+            return q_out.movedim(-2, seq_dim), k_out.movedim(-2, seq_dim)
+        return q_out, k_out
 
-    def _check(self, q: Tensor, k: Tensor, seq_dim: int) -> tuple[Tensor, Tensor, int]:
+    def _check(self, q: Tensor, k: Tensor, seq_dim: int, inv_freq: Tensor) -> int:
+        """The sequence length of valid ``q``/``k``; else the TypeError/ValueError ``forward`` names."""
+        if type(q) is Tensor and type(k) is Tensor and type(seq_dim) is int:  # all valid: one pass
+            qs, ks = q.shape, k.shape
+            nd = len(qs)
+            if (
+                len(ks) == nd >= 2 and qs[-1] == ks[-1] == self.dim and -nd <= seq_dim < nd and seq_dim % nd != nd - 1
+                and qs[seq_dim] == ks[seq_dim] and q.is_floating_point() and k.is_floating_point()
+                and q.device == k.device == inv_freq.device
+            ):
+                return qs[seq_dim]
         for name, t in (("q", q), ("k", k)):
             if not isinstance(t, Tensor) or not t.is_floating_point():
                 raise TypeError(f"{name} must be a floating-point tensor, got {getattr(t, 'dtype', type(t))}")
@@ -158,9 +174,9 @@ class RotaryEmbedding(nn.Module):
         device = q.device
         if k.device != device:
             raise ValueError(f"q and k must be on one device, got q on {device} and k on {k.device}")
-        if self.inv_freq.device != device:
+        if inv_freq.device != device:
             raise ValueError(
-                f"q and k are on {device} but this RotaryEmbedding's buffers are on {self.inv_freq.device}: "
+                f"q and k are on {device} but this RotaryEmbedding's buffers are on {inv_freq.device}: "
                 f"move the module with .to({str(device)!r})"
             )
         nd = q.dim()
@@ -174,12 +190,13 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(
                 f"q and k must have the same sequence length at seq_dim={seq_dim}, got {tuple(q.shape)} and {tuple(k.shape)}"
             )
-        return q, k, q.shape[seq_dim]
+        return q.shape[seq_dim]
 
     def _positions(
         self, q: Tensor, k: Tensor, seq_len: int, offset: int | Tensor, position_ids: Tensor | None
-    ) -> int | Tensor:
-        """Positions for ``q``/``k`` of shape ``(..., s, d)`` (sequence already at -2)."""
+    ) -> tuple[int | Tensor, Tensor | None]:
+        """Checked ``(offset, position_ids)`` for ``q``/``k`` of shape ``(..., s, d)`` (sequence at -2):
+        an int or ``(b,)`` offset and None, or 0 and ``(s,)``/``(b, s)`` position ids."""
         if position_ids is not None:
             if not isinstance(position_ids, Tensor):
                 raise TypeError(f"position_ids must be an integer tensor (s,) or (b, s), got {type(position_ids).__name__}")
@@ -203,7 +220,7 @@ class RotaryEmbedding(nn.Module):
                     self._check_batch(q, k, "(b, s) position_ids")
             self._check_meta(position_ids, q, "position_ids")
             _check_nonnegative(position_ids, "position_ids")
-            return position_ids
+            return 0, position_ids
         if isinstance(offset, Tensor):
             if q.dim() < 3:
                 raise ValueError(
@@ -214,11 +231,11 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"offset tensor must be integer (b,) with b={q.shape[0]}, got {offset.dtype} {tuple(offset.shape)}")
             self._check_batch(q, k, "per-sequence offsets")
             self._check_meta(offset, q, "offset tensor")
-            return rope_positions(offset, seq_len)  # checks the offsets are non-negative (CPU)
+            _check_nonnegative(offset, "offset tensor")
+            return offset, None
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise ValueError(f"offset must be a non-negative int or a (b,) tensor, got {offset!r}")
-        self._ensure_cache(offset + seq_len)
-        return offset
+        return offset, None
 
     @staticmethod
     def _check_batch(q: Tensor, k: Tensor, what: str) -> None:
@@ -233,11 +250,16 @@ class RotaryEmbedding(nn.Module):
         if positions.is_meta and not q.is_meta:
             raise ValueError(f"{name} is on the meta device (no values) but q is on {q.device}")
 
-    def _reference(self, q: Tensor, k: Tensor, positions: int | Tensor) -> tuple[Tensor, Tensor]:
-        if isinstance(positions, int):
-            cos = self.cos_cached[positions : positions + q.shape[-2]]
-            sin = self.sin_cached[positions : positions + q.shape[-2]]
+    def _reference(
+        self, q: Tensor, k: Tensor, offset: int | Tensor, position_ids: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        seq_len = q.shape[-2]
+        if position_ids is None and not isinstance(offset, Tensor):
+            self._ensure_cache(offset + seq_len)
+            cos = self.cos_cached[offset : offset + seq_len]
+            sin = self.sin_cached[offset : offset + seq_len]
         else:
+            positions = rope_positions(offset, seq_len) if position_ids is None else position_ids
             cos, sin = rope_cos_sin(self.inv_freq, positions.to(q.device), self.attention_scaling)
             if positions.dim() == 2:  # (b, s, r/2) -> (b, 1, ..., 1, s, r/2) against (b, ..., s, d)
                 cos = cos.view(cos.shape[0], *([1] * (q.dim() - 3)), *cos.shape[1:])
@@ -247,18 +269,27 @@ class RotaryEmbedding(nn.Module):
             apply_rotary(k, cos, sin, interleaved=self.interleaved),
         )
 
-    def _fused(self, q: Tensor, k: Tensor, positions: int | Tensor) -> tuple[Tensor, Tensor]:
-        shape_q, shape_k = q.shape, k.shape
-        q4, k4 = _as_bhsd(q), _as_bhsd(k)
+    def _fused(
+        self, q: Tensor, k: Tensor, offset: int | Tensor, position_ids: Tensor | None, inv_freq: Tensor
+    ) -> tuple[Tensor, Tensor]:
         # The kernel computes the angles from inv_freq (no table bytes read): 96-99 % of the copy
-        # bandwidth at large shapes on an H200, against 94-96 % with float32 tables.
-        if isinstance(positions, Tensor):
-            positions = (positions[None] if positions.dim() == 1 else positions).to(q.device)
+        # bandwidth at large shapes on an H200, against 94-96 % with float32 tables. Offsets go
+        # to the kernel as they are ((b,): pos = offset[b] + s), position ids as (1 or b, s).
+        if position_ids is None:
+            positions = offset
+        else:
+            positions = position_ids[None] if position_ids.dim() == 1 else position_ids
+        if isinstance(positions, Tensor) and positions.device != q.device:
+            positions = positions.to(q.device)
+        if q.dim() == 4:
+            return kernels.rotary_fused(
+                q, k, inv_freq=inv_freq, scale=self.attention_scaling, positions=positions, interleaved=self.interleaved
+            )
         q_out, k_out = kernels.rotary_fused(
-            q4, k4, inv_freq=self.inv_freq, scale=self.attention_scaling, positions=positions,
+            _as_bhsd(q), _as_bhsd(k), inv_freq=inv_freq, scale=self.attention_scaling, positions=positions,
             interleaved=self.interleaved,
         )
-        return q_out.reshape(shape_q), k_out.reshape(shape_k)
+        return q_out.reshape(q.shape), k_out.reshape(k.shape)
 
     def extra_repr(self) -> str:
         return (

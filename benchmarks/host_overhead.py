@@ -1,0 +1,114 @@
+"""Host time per call of the public fused RoPE entry points at decode shapes.
+
+q ``(B, 32, 1, 128)``, k ``(B, 8, 1, 128)``, bf16, B in {1, 32}; every position form of
+``RotaryEmbedding(use_fused=True).forward`` and ``kernels.rotary_fused``, plus the patched-HF hot
+path ``kernels.rotary_angles_`` for reference. Prints the median over repeats of the mean time of
+``--calls`` calls, in microseconds.
+
+On a CUDA machine the kernel really launches (the time is the host's: calls are not synchronised).
+Elsewhere the script runs on CPU under ``TRITON_INTERPRET=1`` with the Triton launch replaced by a
+no-op, so it times every host step but the launch itself. CPU tensor positions are checked for
+negative values on the host (a tensor op the CUDA path does not make).
+
+    python benchmarks/host_overhead.py [--calls 2000] [--repeats 7]
+
+It imports the ``torchembed`` of this checkout unless ``PYTHONPATH`` is set (then that one's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton decorates the kernels
+
+if not os.environ.get("PYTHONPATH"):  # this checkout's package unless told otherwise
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchembed import RotaryEmbedding, kernels
+from torchembed.kernels import rope_triton
+
+
+class _NoLaunch:
+    """Stands in for the Triton kernel: ``kernel[grid](*args, **meta)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _time(fn: Callable[[], object], calls: int, repeats: int) -> float:
+    """Median over repeats of the host time per call.  On CUDA the calls run in chunks that the
+    launch queue holds (its depth is about a thousand launches), synchronised between chunks and
+    outside the clock, so the time is the host's even where the kernels are the slower side."""
+    chunk = 250 if CUDA else calls
+    for _ in range(50):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        elapsed = 0.0
+        for done in range(0, calls, chunk):
+            if CUDA:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(min(chunk, calls - done)):
+                fn()
+            elapsed += time.perf_counter() - start
+        samples.append(elapsed / calls * 1e6)
+    if CUDA:
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def _cases(batch: int, device: torch.device) -> dict[str, Callable[[], object]]:
+    q = torch.randn(batch, 32, 1, 128, device=device, dtype=torch.bfloat16)
+    k = torch.randn(batch, 8, 1, 128, device=device, dtype=torch.bfloat16)
+    rope = RotaryEmbedding(128, use_fused=True, device=device)
+    inv_freq = rope.inv_freq
+    offsets = torch.full((batch,), 1000, device=device, dtype=torch.long)
+    ids_s = torch.full((1,), 1000, device=device, dtype=torch.long)
+    ids_bs = torch.full((batch, 1), 1000, device=device, dtype=torch.long)
+    cos = torch.randn(1, 1, 64, device=device)
+    sin = torch.randn(1, 1, 64, device=device)
+    return {
+        "RotaryEmbedding offset=int": lambda: rope(q, k, offset=1000),
+        "RotaryEmbedding offset=(b,)": lambda: rope(q, k, offset=offsets),
+        "RotaryEmbedding position_ids=(s,)": lambda: rope(q, k, position_ids=ids_s),
+        "RotaryEmbedding position_ids=(b,s)": lambda: rope(q, k, position_ids=ids_bs),
+        "rotary_fused cos/sin (1,s,r/2)": lambda: kernels.rotary_fused(q, k, cos, sin),
+        "rotary_fused inv_freq positions=int": lambda: kernels.rotary_fused(q, k, inv_freq=inv_freq, positions=1000),
+        "rotary_fused inv_freq positions=(b,)": lambda: kernels.rotary_fused(q, k, inv_freq=inv_freq, positions=offsets),
+        "rotary_fused inv_freq positions=(b,s)": lambda: kernels.rotary_fused(q, k, inv_freq=inv_freq, positions=ids_bs),
+        "rotary_angles_ (b,s) [hot path]": lambda: kernels.rotary_angles_(q, k, ids_bs, inv_freq),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000, help="calls per timed repeat")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats (the median is printed)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if CUDA else "cpu")
+    if not CUDA:
+        rope_triton._rope_kernel = _NoLaunch()
+    mode = torch.cuda.get_device_name() if CUDA else "CPU, TRITON_INTERPRET=1, launch stubbed"
+    print(f"host us/call ({mode}; median of {args.repeats} x {args.calls} calls)")
+    results = {batch: {name: _time(fn, args.calls, args.repeats) for name, fn in _cases(batch, device).items()}
+               for batch in (1, 32)}
+    width = max(len(name) for name in results[1])
+    print(f"{'entry point':<{width}}  {'B=1':>7}  {'B=32':>7}")
+    for name in results[1]:
+        print(f"{name:<{width}}  {results[1][name]:7.1f}  {results[32][name]:7.1f}")
+
+
+if __name__ == "__main__":
+    with torch.inference_mode(False), torch.no_grad():
+        main()
