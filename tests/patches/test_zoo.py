@@ -91,4 +91,8 @@ def test_patched_model_type_matches_upstream(model_type, monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
     torchembed.unpatch(patched)
-    assert torch.equal(_logits(patched, ids), ref)
+    restored = _logits(patched, ids)
+    if torch.equal(_logits(upstream, ids), ref):
+        assert torch.equal(restored, ref)
+    else:  # upstream itself is not bit-reproducible here (atomic adds of a MoE layer on CUDA)
+        torch.testing.assert_close(restored, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
