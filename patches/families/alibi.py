@@ -132,11 +132,16 @@ _CACHE_NAMES = ("cache", "past_key_values", "layer_past", "past_key_value")  # a
 
 def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     """Upstream forward's arguments by name (positional ones mapped through its signature, cached
-    per class): the patched forwards accept whatever each release passes."""
-    names = _FORWARD_PARAMS.get(type(module))
+    per function): the patched forwards accept whatever each release passes."""
+    return _bind(type(module).forward, args, kwargs)
+
+
+def _bind(method: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """``method``'s arguments after ``self`` by name (its positional names cached per function)."""
+    names = _POSITIONAL_NAMES.get(method)
     if names is None:
-        params = inspect.signature(type(module).forward).parameters.values()
-        names = _FORWARD_PARAMS[type(module)] = tuple(
+        params = inspect.signature(method).parameters.values()
+        names = _POSITIONAL_NAMES[method] = tuple(
             p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         )[1:]
     bound = dict(zip(names, args))
@@ -144,7 +149,7 @@ def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
-_FORWARD_PARAMS: "weakref.WeakKeyDictionary[type, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+_POSITIONAL_NAMES: "weakref.WeakKeyDictionary[Any, tuple[str, ...]]" = weakref.WeakKeyDictionary()
 
 
 def _cache_of(arguments: dict[str, Any]) -> Any:
@@ -426,17 +431,17 @@ def _keep_mask(attention_mask: Tensor | None, to_keep: Any, anchor: Tensor | Non
 
 
 def _falcon_unfolded_mask(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """4.x ``FalconModel._update_causal_mask`` without folding the ALiBi bias into the mask."""
-    names = ("attention_mask", "input_tensor", "cache_position", "past_key_values", "output_attentions", "head_mask", "alibi")
-    arguments = {**dict(zip(names, args)), **kwargs, "alibi": None}
-    return type(self)._update_causal_mask(self, **arguments)
+    """``FalconModel._update_causal_mask`` (4.57, 5.0) without folding the ALiBi bias into the mask;
+    positional arguments named by this release's signature (4.57 has ``head_mask``, 5.0 not)."""
+    method = type(self)._update_causal_mask
+    return method(self, **{**_bind(method, args, kwargs), "alibi": None})
 
 
 class UnfoldFalconMask:
     """Adapter: keep Falcon's ALiBi bias out of its attention mask, in the structure this release has.
 
-    5.x ``FalconModel.forward`` calls ``create_causal_mask`` (rebound to :func:`falcon_causal_mask`)
-    and ``build_alibi_tensor`` (rebound to :func:`falcon_alibi_tensor`); 4.x folds the bias in
+    Recent ``FalconModel.forward`` calls ``create_causal_mask`` (rebound to :func:`falcon_causal_mask`)
+    and ``build_alibi_tensor`` (rebound to :func:`falcon_alibi_tensor`); 4.x and 5.0 fold the bias in
     ``FalconModel._update_causal_mask(..., alibi)``, which is called with ``alibi=None`` instead.
     """
 

@@ -140,19 +140,33 @@ def _build(model_type: str, kwargs: dict[str, Any]) -> Any:
                 {k: v for k, v in kwargs.items() if k not in _ALWAYS + _RECOMPUTED}]
     if "num_key_value_heads" in kwargs:
         variants += [mha, {k: v for k, v in mha.items() if k not in _RECOMPUTED}]
+    # models that read token ids their config class does not define (5.0's Phi, StableLM, EXAONE 4)
+    variants.append({**kwargs, **{k: SMALL[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id") if k not in kwargs}})
     first: Exception | None = None
     for variant in variants:
         try:
             config = AutoConfig.for_model(model_type, **variant)
-            with torch.device("meta"), _quiet():  # the model must build from it, and be small
-                size = sum(p.numel() for p in _causal_lm_class(config)(config).parameters())
-            if size > MAX_PARAMETERS:
-                raise ValueError(f"the smallest config found still has {size / 1e6:.0f}M parameters")
+            if _size(config) > MAX_PARAMETERS:
+                raise ValueError(f"the smallest config found still has {_size(config) / 1e6:.0f}M parameters")
             _runs(config)
             return config
         except Exception as err:  # noqa: BLE001 - try the next variant
             first = first or err
     raise first  # type: ignore[misc]
+
+
+def _size(config: Any) -> int:
+    """Parameters of the model built from ``config``: on the meta device (no memory), or, for a
+    model whose construction reads values (5.0's Apertus activation), on the CPU once the meta
+    build ran into that."""
+    try:
+        with torch.device("meta"), _quiet():
+            return sum(p.numel() for p in _causal_lm_class(config)(config).parameters())
+    except NotImplementedError as err:
+        if "meta" not in str(err):
+            raise
+    with _quiet():
+        return sum(p.numel() for p in _causal_lm_class(config)(config).parameters())
 
 
 def _runs(config: Any) -> None:
