@@ -14,7 +14,7 @@ import numbers
 import torch
 from torch import Tensor
 
-__all__ = ["alibi_slopes", "alibi_bias", "alibi_key_bias", "alibi_decode_bias", "alibi_attention_reference"]
+__all__ = ["alibi_slopes", "alibi_bias", "alibi_key_bias", "alibi_decode_bias", "alibi_prefill_bias", "alibi_attention_reference"]
 
 
 def alibi_slopes(num_heads: int, device: torch.device | str | None = None, *, max_bias: float = 8.0) -> Tensor:
@@ -141,14 +141,26 @@ def alibi_attention_reference(
         ``(b, h, q, d)`` in ``q.dtype``. Rows with no key kept attend uniformly (as upstream's
         eager attention does with its finite mask), never NaN.
     """
-    if q.shape[-2] == 1:
-        bias = alibi_decode_bias(key_bias, keep, q.dtype)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
-    compute = torch.promote_types(q.dtype, torch.float32)
+    make = alibi_decode_bias if q.shape[-2] == 1 else alibi_prefill_bias
+    bias = make(key_bias, keep, q.dtype)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+
+
+def alibi_prefill_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The SDPA mask of a prefill: ``key_bias`` re-centred per query row so that its largest kept
+    entry is 0, the positions ``keep`` excludes set to ``dtype``'s minimum (finite, as upstream).
+
+    Args:
+        key_bias: ``(b or 1, h, k)`` float.
+        keep: ``(b or 1, 1, q, k)`` bool or None (then one row, broadcast over the queries).
+
+    Returns:
+        ``(b or 1, h, q or 1, k)`` in ``dtype``.
+    """
+    compute = torch.promote_types(dtype, torch.float32)
     bias = key_bias[:, :, None, :].to(compute)
     if keep is not None:
         bias = bias.masked_fill(~keep, -math.inf)
     row_max = bias.amax(dim=-1, keepdim=True)
     bias = bias - torch.where(torch.isfinite(row_max), row_max, 0.0)
-    bias = bias.clamp(min=torch.finfo(q.dtype).min).to(q.dtype)  # masked: finite minimum, as upstream
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+    return bias.clamp(min=torch.finfo(dtype).min).to(dtype)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torchembed.functional.alibi import alibi_attention_reference, alibi_decode_bias
+from torchembed.functional.alibi import alibi_attention_reference, alibi_decode_bias, alibi_prefill_bias
 
 __all__ = ["alibi_attention", "flex_available", "alibi_score_mod", "bias_columns", "prefill_path", "MaskCache"]
 
@@ -39,8 +39,12 @@ __all__ = ["alibi_attention", "flex_available", "alibi_score_mod", "bias_columns
 _CAUSAL: dict = {}
 # Devices whose prefill takes the fused paths (tests add "cpu" to exercise them).
 _FUSED_DEVICES: tuple[str, ...] = ("cuda",)
-# "auto": bias columns + SDPA where they apply, FlexAttention elsewhere; "flex": FlexAttention only.
-PREFILL_PATHS = ("auto", "flex")
+# "auto": a materialised bias for small prefills, else bias columns + SDPA where they apply and
+# FlexAttention elsewhere; "flex": FlexAttention only; "dense": the materialised bias only.
+PREFILL_PATHS = ("auto", "flex", "dense")
+# "auto" materialises the (b, h, q, k) bias (once per forward, SDPA with a mask: what upstream's sdpa
+# attention computes) up to this many elements, where that is the faster path.
+DENSE_MAX_ELEMENTS = 0
 _PREFILL = os.environ.get("TORCHEMBED_ALIBI_PREFILL", "auto")
 if _PREFILL not in PREFILL_PATHS:
     raise ValueError(f"TORCHEMBED_ALIBI_PREFILL must be one of {PREFILL_PATHS}, got {_PREFILL!r}")
@@ -212,6 +216,13 @@ def alibi_attention(
     """
     q_len, k_len = q.shape[-2], k.shape[-2]
     fused = q_len > 1 and q.device.type in _FUSED_DEVICES and not torch.compiler.is_compiling()
+    if fused and (_PREFILL == "dense" or (_PREFILL == "auto" and q.shape[0] * q.shape[1] * q_len * k_len <= DENSE_MAX_ELEMENTS)):
+        if keep is None:
+            keep, cache = _causal(q_len, k_len, q.device)
+        tag = ("dense", q.dtype)
+        bias = alibi_prefill_bias(key_bias, keep, q.dtype) if cache is None else cache.memo(
+            key_bias, tag, lambda: alibi_prefill_bias(key_bias, keep, q.dtype))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
     if fused and _columns_apply(q, k, key_bias) and _plain_causal(keep, cache):
         batch = q.shape[0]
 

@@ -32,8 +32,9 @@ from torch import nn
 from torchembed.tools import bench
 
 MODELS = ("bloom", "mpt", "falcon")
-# "patched-flex": the patched model with FlexAttention for every CUDA prefill (no bias columns)
-VARIANTS = ("upstream", "patched", "patched-flex")
+# "patched-flex": the patched model with FlexAttention for every CUDA prefill (no bias columns);
+# "patched-dense": with the materialised bias for every CUDA prefill
+VARIANTS = ("upstream", "patched", "patched-flex", "patched-dense")
 
 
 def make_config(name: str, smoke: bool, max_len: int) -> Any:
@@ -64,7 +65,8 @@ def build_variants(name: str, args: argparse.Namespace, device: torch.device) ->
     if asked and upstream.config._attn_implementation != asked:
         raise RuntimeError(f"{name}: upstream runs {upstream.config._attn_implementation!r} attention, not {asked!r}")
     patched = torchembed.patch(copy.deepcopy(upstream)) if set(args.variants) - {"upstream"} else None
-    models = {"upstream": upstream, "patched": patched, "patched-flex": PrefillPath(patched, "flex")}
+    models = {"upstream": upstream, "patched": patched, "patched-flex": PrefillPath(patched, "flex"),
+              "patched-dense": PrefillPath(patched, "dense")}
     return {v: models[v] for v in args.variants}
 
 
@@ -180,7 +182,8 @@ def main(argv: list[str]) -> int:
     bench.add_common_args(parser)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--variants", nargs="+", default=["upstream", "patched"], choices=VARIANTS,
-                        help="default: upstream patched; patched-flex: FlexAttention for every prefill (compare the paths)")
+                        help="default: upstream patched; patched-flex: FlexAttention for every prefill, "
+                        "patched-dense: the materialised bias for every prefill (compare the paths)")
     parser.add_argument("--phases", nargs="+", default=["prefill", "decode"], choices=["prefill", "decode"])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="default 1 4 (--smoke: 1 2)")
     parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
