@@ -2,7 +2,7 @@
 
 q ``(B, 32, 1, 128)``, k ``(B, 8, 1, 128)``, bf16, B in {1, 32}; every position form of
 ``RotaryEmbedding(use_fused=True).forward`` and ``kernels.rotary_fused``, plus the patched-HF hot
-path ``kernels.rotary_angles_`` for reference. Prints the median over repeats of the mean time of
+path ``kernels.rotary_tables_`` (in place, per-token tables) for reference. Prints the median over repeats of the mean time of
 ``--calls`` calls, in microseconds.
 
 On a CUDA machine the kernel really launches (the time is the host's: calls are not synchronised).
@@ -87,7 +87,7 @@ def _cases(batch: int, device: torch.device) -> dict[str, Callable[[], object]]:
         "rotary_fused inv_freq positions=int": lambda: kernels.rotary_fused(q, k, inv_freq=inv_freq, positions=1000),
         "rotary_fused inv_freq positions=(b,)": lambda: kernels.rotary_fused(q, k, inv_freq=inv_freq, positions=offsets),
         "rotary_fused inv_freq positions=(b,s)": lambda: kernels.rotary_fused(q, k, inv_freq=inv_freq, positions=ids_bs),
-        "rotary_angles_ (b,s) [hot path]": lambda: kernels.rotary_angles_(q, k, ids_bs, inv_freq),
+        "rotary_tables_ (1,s,r/2) [patched HF path]": lambda: kernels.rotary_tables_(q, k, cos, sin),
     }
 
 
@@ -95,6 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000, help="calls per timed repeat")
     parser.add_argument("--repeats", type=int, default=7, help="timed repeats (the median is printed)")
+    parser.add_argument("--json", help="also write the table to this JSON file")
     args = parser.parse_args()
     device = torch.device("cuda" if CUDA else "cpu")
     if not CUDA:
@@ -107,6 +108,17 @@ def main() -> None:
     print(f"{'entry point':<{width}}  {'B=1':>7}  {'B=32':>7}")
     for name in results[1]:
         print(f"{name:<{width}}  {results[1][name]:7.1f}  {results[32][name]:7.1f}")
+    if args.json:
+        import json
+        import platform
+
+        import triton
+
+        meta = dict(device=mode, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+                    shape="q (B, 32, 1, 128), k (B, 8, 1, 128), bf16", calls=args.calls, repeats=args.repeats,
+                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+        rows = [dict(entry_point=name, us_b1=results[1][name], us_b32=results[32][name]) for name in results[1]]
+        Path(args.json).write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
 
 
 if __name__ == "__main__":

@@ -99,6 +99,7 @@ def test_flex_path_keeps_compiling_past_dynamo_recompile_limit(monkeypatch):
 
     compiled = torch.compile(flex_attention, backend="eager")
     monkeypatch.setattr(module, "_FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # the fused paths at any size
     monkeypatch.setattr(module, "_compiled", lambda: (compiled, lambda *a, _compile=True, **kw: create_block_mask(*a, **kw)))
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     torch._dynamo.reset()
@@ -160,6 +161,8 @@ def test_bias_columns_path_matches_float64(monkeypatch, dtype, tol, b, h, n, d, 
     import torchembed.kernels.alibi_attention as module
 
     monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
+
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # the fused paths at any size
     taken, flex = [], []
     original = module._sdpa_with_columns
     monkeypatch.setattr(module, "_sdpa_with_columns", lambda *a, **kw: taken.append(1) or original(*a, **kw))
@@ -181,6 +184,8 @@ def test_padded_or_cached_prefill_does_not_take_the_bias_columns(monkeypatch):
     import torchembed.kernels.alibi_attention as module
 
     monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
+
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # the fused paths at any size
     monkeypatch.setattr(module, "_sdpa_with_columns", lambda *a, **kw: pytest.fail("bias columns taken"))
     flex = []
     monkeypatch.setattr(module, "_flex_attention", lambda q, *a, **kw: flex.append(1) or q)
@@ -198,6 +203,8 @@ def test_bias_columns_path_backward_matches_float64(monkeypatch):
     import torchembed.kernels.alibi_attention as module
 
     monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
+
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # the fused paths at any size
     q, k, v, key_bias, keep = _causal_case(2, 3, 40, 16, torch.float32, 1)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
@@ -215,6 +222,8 @@ def test_prefill_path_flex_turns_the_bias_columns_off(monkeypatch):
     from torchembed.kernels.alibi_attention import prefill_path
 
     monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
+
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # the fused paths at any size
     taken = []
     monkeypatch.setattr(module, "_sdpa_with_columns", lambda q, *a, **kw: taken.append("columns") or q)
     monkeypatch.setattr(module, "_flex_attention", lambda q, *a, **kw: taken.append("flex") or q)
@@ -258,3 +267,49 @@ def test_plain_causal_check_against_the_cached_mask(where):
     if row is not None:
         keep[2, 0, row, col] = not keep[2, 0, row, col]
     assert module._plain_causal(keep, None) is (where == "none")
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("pad", [0, 3])
+def test_small_prefill_materialises_the_bias_once_per_forward(monkeypatch, dtype, tol, pad):
+    """Prefills of at most ``DENSE_MAX_ELEMENTS`` bias elements (``b * h * q * k``) take SDPA with the
+    bias materialised, once per forward for all layers (where the H200 measured it faster than the
+    fused paths); larger ones the fused paths. Plain causal and left-padded batches match float64."""
+    import torchembed.kernels.alibi_attention as module
+
+    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
+    built, fused = [], []
+    original = module.alibi_prefill_bias
+    monkeypatch.setattr(module, "alibi_prefill_bias", lambda *a: built.append(1) or original(*a))
+    monkeypatch.setattr(module, "_sdpa_with_columns", lambda q, *a, **kw: fused.append("columns") or q)
+    monkeypatch.setattr(module, "_flex_attention", lambda q, *a, **kw: fused.append("flex") or q)
+    b, h, n, d = 2, 3, 40, 16
+    q, k, v, key_bias, keep = _case(b, h, n, n, d, dtype, pad=pad)
+    truth = _truth(q, k, v, key_bias, keep, d**-0.5)
+    rows = keep.expand(b, h, n, n).any(-1)  # a left-padded query attends to nothing: no truth
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", b * h * n * n)
+    cache = MaskCache().store(keep, keep)
+    for _ in range(3):  # three layers of one forward
+        out = alibi_attention(q, k, v, key_bias, keep, scale=d**-0.5, cache=cache)
+        assert out.dtype == dtype and out.shape == q.shape
+        torch.testing.assert_close(out.double()[rows], truth[rows], atol=tol, rtol=tol)
+    assert len(built) == 1 and not fused
+    if not pad:  # no mask at all (causal): built without a cache, on each call
+        torch.testing.assert_close(alibi_attention(q, k, v, key_bias, scale=d**-0.5).double(), truth, atol=tol, rtol=tol)
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", b * h * n * n - 1)  # one element more: the fused paths
+    alibi_attention(q, k, v, key_bias, keep, scale=d**-0.5, cache=MaskCache().store(keep, keep))
+    assert fused == (["flex"] if pad else ["columns"])
+
+
+def test_prefill_path_dense_materialises_at_any_size(monkeypatch):
+    """``prefill_path("dense")`` takes the materialised bias whatever the size (to measure it)."""
+    import torchembed.kernels.alibi_attention as module
+    from torchembed.kernels.alibi_attention import prefill_path
+
+    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)
+    monkeypatch.setattr(module, "_sdpa_with_columns", lambda *a, **kw: pytest.fail("bias columns taken"))
+    q, k, v, key_bias, keep = _causal_case(1, 2, 32, 16, torch.float32, 1)
+    with prefill_path("dense"):
+        out = alibi_attention(q, k, v, key_bias, keep, scale=0.25)
+    torch.testing.assert_close(out.double(), _truth(q, k, v, key_bias, keep, 0.25), atol=2e-5, rtol=2e-5)

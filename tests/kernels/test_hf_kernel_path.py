@@ -69,6 +69,7 @@ def test_patched_alibi_attention_matches_upstream(name, padded, monkeypatch):
     columns = []
     if not padded:
         monkeypatch.setattr(attention, "_FUSED_DEVICES", (torch.device(DEV).type,))
+        monkeypatch.setattr(attention, "DENSE_MAX_ELEMENTS", 0)  # the fused paths at any size
         original = attention._sdpa_with_columns
         monkeypatch.setattr(attention, "_sdpa_with_columns", lambda *a, **kw: columns.append(1) or original(*a, **kw))
     upstream = _tiny(name)

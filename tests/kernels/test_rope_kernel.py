@@ -28,7 +28,7 @@ from torchembed.kernels import interpret_mode, kernel_can_run, rotary_fused, tri
 if not triton_available():
     pytest.skip("triton is not importable", allow_module_level=True)
 
-from torchembed.kernels import rope_op, rope_triton  # noqa: E402  (imports triton)
+from torchembed.kernels import rope_launches, rope_op, rope_triton  # noqa: E402  (imports triton)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and not interpret_mode():
@@ -173,6 +173,13 @@ def run_case(B=2, Hq=3, Hk=1, S=7, D=64, R=None, dtype=torch.float32, interleave
     return qo, ko
 
 
+@pytest.fixture(autouse=True)
+def _forget_kept_launches():
+    """Kept launches carry the tuning knobs and stand-ins of the test that made them."""
+    yield
+    rope_launches.clear()
+
+
 @pytest.fixture
 def poisoned(monkeypatch):
     """Out-of-place outputs start as NaN, so any element the kernel does not write shows up."""
@@ -259,7 +266,7 @@ def test_heads_and_lengths(Hq, Hk, S, poisoned):
 def test_grid_orders(monkeypatch, poisoned, heads_fast):
     monkeypatch.setattr(rope_triton, "_HEADS_FAST", heads_fast)
     monkeypatch.setattr(rope_triton, "_HPP_CANDIDATES", (4, 2))
-    monkeypatch.setattr(rope_triton, "_CFG", {})
+    rope_launches.clear()  # kept launches carry the knobs of their first call
     monkeypatch.setattr(rope_triton, "_HPP_MIN_PROGRAMS", 0)
     run_case(B=2, Hq=4, Hk=2, S=37, D=64)
     run_case(B=1, Hq=3, Hk=1, S=1, D=128, pos_mode="ids")
@@ -270,7 +277,7 @@ def test_heads_per_program_grouping(monkeypatch, poisoned):
     monkeypatch.setattr(rope_triton, "_HPP_MIN_PROGRAMS", 0)
     monkeypatch.setattr(rope_triton, "_HPP_CANDIDATES", (4, 2))
     monkeypatch.setattr(rope_triton, "_HEADS_FAST", False)
-    monkeypatch.setattr(rope_triton, "_CFG", {})
+    rope_launches.clear()  # kept launches carry the knobs of their first call
     grid, meta, nqg, _ = rope_triton._make_config(2, 4, 2, 9, 64, 32, torch.float32, 0, False, False, False, False)
     assert meta["HPP"] == 2 and nqg == 2 and grid[1] == 3
     run_case(B=2, Hq=4, Hk=2, S=9, D=64)
@@ -282,7 +289,7 @@ def test_prefill_grids_group_two_heads_per_program(monkeypatch, poisoned):
     # heads of a program (8 warps); decode-sized grids keep one head per program. The default
     # candidates, forced at a small size.
     monkeypatch.setattr(rope_triton, "_HPP_MIN_PROGRAMS", 0)
-    monkeypatch.setattr(rope_triton, "_CFG", {})
+    rope_launches.clear()  # kept launches carry the knobs of their first call
     for use_inv_freq in (True, False):
         grid, meta, nqg, _ = rope_triton._make_config(2, 4, 2, 9, 64, 32, torch.float32, 1, use_inv_freq, False,
                                                       False, False)
@@ -416,13 +423,19 @@ def test_decode_is_one_launch(B, launches):
     assert_close(ko, want[1], torch.bfloat16)
 
 
-def test_launch_config_is_cached(launches):
+def test_launch_is_kept(launches, monkeypatch):
+    """The second call with the same key launches the kept configuration: nothing is derived again."""
     q, k = make_qk(1, 3, 1, 4, 64, torch.float32)
     cos, sin = make_table(4, 32, (1,))
+    want = oracle(q, k, cos, sin)
     rotary_fused(q, k, cos, sin)
-    n = len(rope_triton._CFG)
-    rotary_fused(q, k, cos, sin)
-    assert len(rope_triton._CFG) == n and len(launches.grids) == 2
+    assert rope_launches.key_of(q, k, cos, sin, None, None, 1.0, False, False, False) in rope_launches.LAUNCHES
+    made = []
+    monkeypatch.setattr(rope_triton, "_make_config", lambda *args: made.append(args))
+    qo, ko = rotary_fused(q, k, cos, sin)
+    assert not made and len(launches.grids) == 2
+    assert_close(qo, want[0], torch.float32)
+    assert_close(ko, want[1], torch.float32)
 
 
 class OpLog(TorchDispatchMode):
@@ -448,7 +461,7 @@ def test_eager_fast_path_skips_dispatcher():
     with OpLog() as log:
         qo, _ = rotary_fused(q, k, cos, sin)
     assert not any("torchembed" in op for op in log.ops), log.ops
-    assert type(qo.grad_fn).__name__ == "_RotaryFunctionBackward"
+    assert type(qo.grad_fn).__name__ == "_RotaryBackward"
 
 
 def test_disable_switch(monkeypatch):
@@ -750,17 +763,24 @@ def test_hypothesis_random_cases(case):
             os.environ["TORCHEMBED_DISABLE_TRITON"] = old
 
 
+def _triton_launch(monkeypatch, call):
+    """``call()`` launched through ``kernel[grid]`` (Triton's own binding), nothing kept after."""
+    monkeypatch.setattr(rope_triton, "_DIRECT", False)
+    out = call()
+    out = tuple(t.clone() for t in out)
+    monkeypatch.setattr(rope_triton, "_DIRECT", True)
+    rope_launches.clear()
+    return out
+
+
 @pytest.mark.skipif(DEV != "cuda", reason="direct launch replays compiled CUDA kernels")
 def test_direct_launch_replays_the_compiled_kernel(monkeypatch):
     q, k = make_qk(2, 5, 3, 7, 128, torch.bfloat16)
     cos, sin = make_table(7, 64, (2,))
-    monkeypatch.setattr(rope_triton, "_DIRECT", False)
-    expected = rotary_fused(q, k, cos, sin)
-    monkeypatch.setattr(rope_triton, "_DIRECT", True)
-    rope_triton.clear_launch_caches()
-    first = rotary_fused(q, k, cos, sin)  # compiles through kernel[grid] and keeps the kernel
-    assert len(rope_triton._COMPILED) == 1
-    second = rotary_fused(q, k, cos, sin)  # replayed directly
+    expected = _triton_launch(monkeypatch, lambda: rotary_fused(q, k, cos, sin))
+    first = rotary_fused(q, k, cos, sin)  # compiles through kernel[grid] and keeps the launch
+    assert len(rope_launches.LAUNCHES) == 1
+    second = rotary_fused(q, k, cos, sin)  # the kept launch
     assert rope_triton._DIRECT, "the direct launch failed and switched itself off"
     for out in (first, second):
         assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
@@ -768,36 +788,35 @@ def test_direct_launch_replays_the_compiled_kernel(monkeypatch):
 
 @pytest.mark.skipif(DEV != "cuda", reason="direct launch replays compiled CUDA kernels")
 def test_direct_launch_keys_alignment_and_table_dtype(monkeypatch):
-    """Replays must not reuse a kernel compiled for 16-byte-aligned pointers on a misaligned
-    view, nor one compiled for float32 tables on bfloat16 tables: each gets its own entry and
-    matches Triton's own launch."""
-    monkeypatch.setattr(rope_triton, "_DIRECT", True)
-    rope_triton.clear_launch_caches()
+    """A kept launch is never used on a misaligned view (a launch compiled for one is not kept), nor
+    on bfloat16 tables when it was compiled for float32 ones; each call matches Triton's own launch."""
     base_q, base_k = make_qk(2, 4, 2, 9, 64 + 1, torch.bfloat16)
     cases = {
-        "aligned": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (2,))),
-        "misaligned": ((base_q[..., 1:], base_k[..., 1:]), make_table(9, 32, (2,))),  # data_ptr % 16 == 2
-        "bf16 tables": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (2,), torch.bfloat16)),
+        "aligned": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (2,)), 1),
+        "misaligned": ((base_q[..., 1:], base_k[..., 1:]), make_table(9, 32, (2,)), 0),  # data_ptr % 16 == 2
+        "bf16 tables": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (2,), torch.bfloat16), 1),
     }
-    for name, ((q, k), (cos, sin)) in cases.items():
-        for _ in range(2):  # the first call compiles and keeps the kernel, the second replays it
+    for name, ((q, k), (cos, sin), kept) in cases.items():
+        expected = _triton_launch(monkeypatch, lambda: rotary_fused(q, k, cos, sin))
+        for _ in range(2):  # the first call compiles and keeps the launch, the second uses it
             got = rotary_fused(q, k, cos, sin)
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), name
         assert rope_triton._DIRECT, f"{name}: the direct launch failed and switched itself off"
-        monkeypatch.setattr(rope_triton, "_DIRECT", False)
-        expected = rotary_fused(q, k, cos, sin)
-        monkeypatch.setattr(rope_triton, "_DIRECT", True)
-        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), name
-    assert len(rope_triton._COMPILED) == 3
+        assert len(rope_launches.LAUNCHES) == kept, name
+        rope_launches.clear()
+
+
+def _tables_keys() -> int:
+    return sum(1 for key in rope_launches.LAUNCHES if key[0] == "tables_")
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the hot path replays compiled CUDA kernels")
-def test_hot_path_records_one_entry_per_layout_and_matches(monkeypatch):
-    """``rotary_tables_`` (the patched attention's in-place call) keeps one launch entry per
-    (shapes, strides, dtypes); a misaligned view gets none; each call matches Triton's own launch."""
+def test_hot_path_keeps_one_launch_per_layout_and_matches(monkeypatch):
+    """``rotary_tables_`` (the patched attention's in-place call) keeps one launch per (shapes,
+    strides, dtypes) in the shared cache; a misaligned view gets none; each call matches Triton's own
+    launch."""
     from torchembed.kernels import rotary_tables_
 
-    monkeypatch.setattr(rope_triton, "_DIRECT", True)
-    rope_triton._HOT.clear()
     base_q, base_k = make_qk(2, 4, 2, 9, 64 + 1, torch.bfloat16, layout="hf")
     cases = {
         "hf layout": (make_qk(2, 4, 2, 9, 64, torch.bfloat16, layout="hf"), make_table(9, 32, (2,)), 1),
@@ -805,119 +824,131 @@ def test_hot_path_records_one_entry_per_layout_and_matches(monkeypatch):
         "misaligned": ((base_q[..., 1:], base_k[..., 1:]), make_table(9, 32, (2,)), 2),
         "bf16 tables": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (2,), torch.bfloat16), 3),
     }
+    monkeypatch.setattr(rope_triton, "_DIRECT", True)
     for name, ((q, k), (cos, sin), entries) in cases.items():
         monkeypatch.setattr(rope_triton, "_DIRECT", False)
-        expected = rotary_fused(q, k, cos, sin)
+        expected = tuple(t.clone() for t in rotary_fused(q, k, cos, sin))
         monkeypatch.setattr(rope_triton, "_DIRECT", True)
-        for call in range(3):  # the first call records the entry, the next ones replay it
+        for call in range(3):  # the first call keeps the launch, the next ones use it
             # clone keeps dense strides; the misaligned view is cut again from a clone of its base
             q_in, k_in = (base_q.clone()[..., 1:], base_k.clone()[..., 1:]) if name == "misaligned" else (q.clone(), k.clone())
             got = rotary_tables_(q_in, k_in, cos, sin)
             assert got[0] is q_in and got[1] is k_in
             assert torch.equal(q_in, expected[0]) and torch.equal(k_in, expected[1]), (name, call)
         assert rope_triton._DIRECT, f"{name}: the direct launch failed and switched itself off"
-        assert len(rope_triton._HOT) == entries, name
+        assert _tables_keys() == entries, name
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("pos_batch", [1, 2])
-def test_in_place_angles_hot_path_matches_the_oracle(dtype, pos_batch):
-    """``rotary_angles_`` (the patched attention's in-place call with position ids) rotates q and k
-    in place by ``positions * inv_freq``, broadcast or per-batch positions, GQA, HF's layout."""
-    from torchembed.kernels import rotary_angles_
-
-    gen = torch.Generator().manual_seed(11 + pos_batch)
-    q, k = make_qk(2, 5, 1, 13, 64, dtype, layout="hf", gen=gen)
-    positions = torch.randint(0, 5000, (pos_batch, 13), generator=gen).to(DEV)
+@pytest.mark.skipif(DEV != "cuda", reason="direct launch replays compiled CUDA kernels")
+def test_every_position_form_replays_exactly(monkeypatch):
+    """Kept launches of every position form and angle source, in and out of place, at decode and
+    prefill shapes: each call equals Triton's own launch, also with new values in the same tensors."""
     inv_freq = (1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)).to(DEV)
-    ref_q, ref_k = oracle(q, k, inv_freq=inv_freq, positions=positions)
-    q_in, k_in = q.clone(), k.clone()
-    out = rotary_angles_(q_in, k_in, positions, inv_freq)
-    assert out[0] is q_in and out[1] is k_in
-    torch.testing.assert_close(q_in.double(), ref_q, **TOL[dtype])
-    torch.testing.assert_close(k_in.double(), ref_k, **TOL[dtype])
+    for S in (1, 9):
+        q, k = make_qk(3, 4, 2, S, 64, torch.bfloat16, layout="hf")
+        cos, sin = make_table(64, 32, ())
+        forms = {
+            "int": dict(inv_freq=inv_freq, positions=17),
+            "offset 1": dict(inv_freq=inv_freq, positions=1),
+            "(b,)": dict(inv_freq=inv_freq, positions=torch.tensor([3, 0, 40], device=DEV)),
+            "(b, s)": dict(inv_freq=inv_freq, positions=torch.randint(0, 50, (3, S), device=DEV)),
+            "(1, s) int32": dict(inv_freq=inv_freq, positions=torch.randint(0, 50, (1, S), device=DEV).int()),
+            "table, int": dict(cos=cos, sin=sin, positions=5),
+            "table, (b, s)": dict(cos=cos, sin=sin, positions=torch.randint(0, 50, (3, S), device=DEV)),
+            "scaled, conjugate, interleaved": dict(inv_freq=inv_freq, positions=7, scale=0.5, conjugate=True,
+                                                   interleaved=True),
+        }
+        for name, kw in forms.items():
+            for inplace in (False, True):
+                def call():
+                    a, b = q.clone(), k.clone()
+                    out = rotary_fused(a, b, inplace=inplace, **kw)
+                    return out
+
+                expected = _triton_launch(monkeypatch, call)
+                for _ in range(3):
+                    got = call()
+                    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), (S, name, inplace)
+                assert rope_triton._DIRECT, (S, name, inplace)
 
 
-@pytest.mark.skipif(DEV != "cuda", reason="the hot path replays compiled CUDA kernels")
-def test_angle_hot_path_records_one_entry_per_layout_and_matches(monkeypatch):
-    """``rotary_angles_`` keeps one launch entry per (shapes, strides, dtypes); misaligned position
-    ids get none; each call matches Triton's own launch."""
-    from torchembed.kernels import rotary_angles_
+class _FakeKernel:
+    """Stands in for the jitted kernel on any machine: ``kernel[grid](*args, **meta)`` records the
+    launch and returns a compiled kernel whose launcher records its calls."""
 
+    def __init__(self):
+        self.launches, self.entries, self.fail = [], [], False
+        fake = self
+
+        class Run:
+            global_scratch_size = profile_scratch_size = 0
+            launch_cooperative_grid, launch_pdl = "coop", "pdl"
+
+            def launch(self, *args):
+                if fake.fail:
+                    raise TypeError("launcher changed")
+                fake.entries.append(args)
+
+        class Compiled:
+            function, packed_metadata, run = "function", "metadata", Run()
+
+        self.compiled = Compiled()
+
+    def __getitem__(self, grid):
+        def go(*args, **meta):
+            self.launches.append((grid, args, meta))
+            return self.compiled
+
+        return go
+
+
+def test_kept_launches_replay_what_was_launched(monkeypatch):
+    """Plumbing of the launch cache, on any machine (stand-ins for the compiled kernel and the GPU): a
+    miss launches through ``kernel[grid]`` and keeps the launch under its key; the next call with that
+    key calls the launcher's entry point with this call's pointers (ints) and the kept arguments; a
+    launch compiled for misaligned pointers is not kept; a launcher that raises switches the direct
+    launch off, and Triton's own launch takes over."""
+    from torchembed.kernels import rotary_tables_
+
+    kernel = _FakeKernel()
+    monkeypatch.setattr(rope_triton, "_rope_kernel", kernel)
     monkeypatch.setattr(rope_triton, "_DIRECT", True)
-    rope_triton._HOT.clear()
-    inv_freq = (1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)).to(DEV)
-    ids = torch.arange(3, 12, device=DEV)
-    long_ids = torch.arange(2, 12, device=DEV).expand(2, 10).contiguous()
-    cases = {
-        "hf layout, (1, S) ids": (make_qk(2, 4, 2, 9, 64, torch.bfloat16, layout="hf"), ids[None], 1),
-        "(B, S) ids": (make_qk(2, 4, 2, 9, 64, torch.bfloat16, layout="hf"), ids.expand(2, 9).contiguous(), 2),
-        "int32 ids": (make_qk(2, 4, 2, 9, 64, torch.bfloat16, layout="hf"), ids[None].int(), 3),
-        "misaligned ids": (make_qk(2, 4, 2, 9, 64, torch.bfloat16, layout="hf"), long_ids[:, 1:], 3),
-        "decode": (make_qk(2, 4, 2, 1, 64, torch.bfloat16, layout="hf"), ids[None, -1:], 4),
-    }
-    for name, ((q, k), positions, entries) in cases.items():
-        monkeypatch.setattr(rope_triton, "_DIRECT", False)
-        expected = rotary_fused(q, k, inv_freq=inv_freq, positions=positions)
-        monkeypatch.setattr(rope_triton, "_DIRECT", True)
-        for call in range(3):  # the first call records the entry, the next ones replay it
-            q_in, k_in = q.clone(), k.clone()
-            rotary_angles_(q_in, k_in, positions, inv_freq)
-            assert torch.equal(q_in, expected[0]) and torch.equal(k_in, expected[1]), (name, call)
-        assert rope_triton._DIRECT, f"{name}: the direct launch failed and switched itself off"
-        assert len(rope_triton._HOT) == entries, name
-
-
-def test_hot_paths_replay_exactly_what_rope_forward_launched(monkeypatch):
-    """Plumbing of the in-place hot paths, on any machine (a stand-in for the direct launch): a miss
-    goes through ``rope_forward`` and records its launch; the next call with the same layout replays
-    it with this call's pointers and the recorded arguments; a misaligned call records nothing; a
-    replay that raises drops the entries and falls back to ``rope_forward``."""
-    launches, replays = [], []
-
-    class Compiled:
-        function, packed_metadata = "function", "metadata"
-
-        def run(self, *args):
-            if fail:
-                raise TypeError("launcher changed")
-            replays.append(args)
-
-    def fake_forward(q, k, qo, ko, cos, sin, inv_freq, positions, *rest):
-        launches.append((cos, sin, inv_freq, positions, rest))
-        return Compiled(), (7, 1, 1), ("tail", len(launches))
-
-    monkeypatch.setattr(rope_triton, "_DIRECT", True)
-    monkeypatch.setattr(rope_triton, "rope_forward", fake_forward)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: "stream", raising=False)
-    rope_triton._HOT.clear()
-    fail = False
+    monkeypatch.setattr(rope_triton, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(rope_triton, "_raw_stream", lambda index: "stream")
+    monkeypatch.setattr(rope_op, "kernel_can_run", lambda t: True)
+    rope_launches.clear()
     q, k = make_qk(1, 4, 2, 3, 16, torch.float32, layout="hf")
     cos, sin = make_table(3, 8, (1,))
-    positions, inv_freq = torch.arange(3, device=DEV)[None], torch.rand(8, device=DEV)
-    cases = {
-        "tables": (lambda: rope_triton.rope_tables_inplace(q, k, cos, sin), (cos, sin, q, q), (cos, sin, None, None)),
-        "angles": (lambda: rope_triton.rope_angles_inplace(q, k, positions, inv_freq),
-                   (inv_freq, inv_freq, positions, inv_freq), (None, None, inv_freq, positions)),
-    }
-    for n, (name, (call, pointers, forward_args)) in enumerate(cases.items(), start=1):
-        call()  # miss: rope_forward launches, its launch is kept
-        assert len(launches) == n and launches[-1][:4] == forward_args and launches[-1][4] == (0, 1.0, False, False)
-        call()  # hit: replayed, not relaunched
-        assert len(launches) == n, name
-        args = replays[-1]
-        assert args[:9] == (7, 1, 1, "stream", "function", "metadata", None, None, None), name
-        assert all(a is b for a, b in zip(args[9:17], (q, k, q, k, *pointers))), name
-        assert args[17:] == ("tail", n), name
-    assert len(rope_triton._HOT) == 2
-    fail = True
-    rope_triton.rope_tables_inplace(q, k, cos, sin)  # the replay raises: entries dropped, rope_forward runs
-    assert len(launches) == 3 and len(rope_triton._HOT) == 1  # and records this launch afresh
-    fail = False
+
+    def expect_entry(pointers):
+        grid, args, meta = kernel.launches[-1]
+        got = kernel.entries[-1]
+        assert got[:13] == (*grid, "stream", "function", "coop", "pdl", None, None, "metadata", None, None, None)
+        assert got[13:21] == tuple(t.data_ptr() for t in pointers)
+        assert got[21:] == tuple(args[8:]) + tuple(meta[name] for name in rope_triton._CONSTEXPR_NAMES)
+
+    rotary_tables_(q, k, cos, sin)  # miss: kernel[grid], kept
+    assert len(kernel.launches) == 1 and not kernel.entries and _tables_keys() == 1
+    rotary_tables_(q, k, cos, sin)  # hit: the launcher's entry point, no kernel[grid]
+    assert len(kernel.launches) == 1 and len(kernel.entries) == 1
+    expect_entry((q, k, q, k, cos, sin, q, q))  # unused positions / inv_freq: q, as the first launch
+
+    inv_freq, positions = torch.rand(8, device=DEV), torch.arange(3, device=DEV)[None]
+    qo, ko = rotary_fused(q, k, inv_freq=inv_freq, positions=positions)
+    assert len(kernel.launches) == 2 and len(kernel.entries) == 1
+    qo, ko = rotary_fused(q, k, inv_freq=inv_freq, positions=positions)
+    assert len(kernel.launches) == 2 and len(kernel.entries) == 2
+    expect_entry((q, k, qo, ko, inv_freq, inv_freq, positions, inv_freq))
+
     base = torch.empty(2 * 3 * 8 + 1, device=DEV)
-    rope_triton.rope_tables_inplace(q, k, base[1:25].view(1, 3, 8), sin)  # cos misaligned: never recorded
-    rope_triton.rope_tables_inplace(q, k, base[1:25].view(1, 3, 8), sin)
-    assert len(launches) == 5 and len(rope_triton._HOT) == 1
-    rope_triton.rope_tables_inplace(q, k, cos, sin)  # aligned again: the entry recorded before, untouched
-    assert len(launches) == 5 and replays[-1][17:] == ("tail", 3)
-    rope_triton._HOT.clear()
+    for _ in range(2):  # cos misaligned: launched by Triton each time, never kept
+        rotary_tables_(q, k, base[1:25].view(1, 3, 8), sin)
+    assert len(kernel.launches) == 4 and _tables_keys() == 1
+    rotary_tables_(q, k, cos, sin)  # aligned again: the launch kept before
+    assert len(kernel.launches) == 4 and len(kernel.entries) == 3
+
+    kernel.fail = True
+    rotary_tables_(q, k, cos, sin)  # the launcher raises: direct launch off, Triton's launch instead
+    assert not rope_triton._DIRECT and len(kernel.launches) == 5
+    rotary_tables_(q, k, cos, sin)  # kept again, as a kernel[grid] launch
+    assert len(kernel.launches) == 6 and len(kernel.entries) == 3

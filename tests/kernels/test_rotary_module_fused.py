@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from torchembed import kernels
+from torchembed.kernels import rope_launches
 from torchembed.positional import RotaryEmbedding
 
 if not kernels.triton_available():
@@ -45,13 +46,19 @@ def test_fused_module_matches_its_pytorch_path(call, config, dtype, monkeypatch)
     launches = []
     original = kernels.rotary_fused
     monkeypatch.setattr(kernels, "rotary_fused", lambda *a, **kw: launches.append(kw) or original(*a, **kw))
-    got = fused(q, k, **kwargs)
+    rope_launches.clear()
+    got = fused(q, k, **kwargs)  # checked, then the kernel: its launch is kept
     assert len(launches) == 1 and launches[0]["inv_freq"] is fused.inv_freq  # angles computed in the kernel
+    q2, k2 = torch.randn_like(q), torch.randn_like(k)
+    got_kept = fused(q2, k2, **kwargs)  # a call like it: the kept launch (CPU position tensors: checked again)
+    checked_again = not q.is_cuda and any(isinstance(v, torch.Tensor) for v in kwargs.values())
+    assert len(launches) == (2 if checked_again else 1)
     monkeypatch.setattr(kernels, "rotary_fused", original)
-    want = reference(q.float(), k.float(), **kwargs)
-    for g, w in zip(got, want):
-        assert g.dtype == dtype and g.shape == w.shape
-        torch.testing.assert_close(g.float(), w, **TOL[dtype])
+    for out, (qi, ki) in ((got, (q, k)), (got_kept, (q2, k2))):
+        want = reference(qi.float(), ki.float(), **kwargs)
+        for g, w in zip(out, want):
+            assert g.dtype == dtype and g.shape == w.shape
+            torch.testing.assert_close(g.float(), w, **TOL[dtype])
 
 
 def test_fused_module_with_sequence_first_layout_and_gradients():

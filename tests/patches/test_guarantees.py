@@ -214,6 +214,8 @@ def test_alibi_masks_derived_once_per_forward(name, padded, load, decode_masks_b
     import torchembed.kernels.alibi_attention as kernel
 
     monkeypatch.setattr(kernel, "_FUSED_DEVICES", ("cpu",))
+
+    monkeypatch.setattr(kernel, "DENSE_MAX_ELEMENTS", 0)  # the fused paths at any size
     columns = []
     original = kernel.bias_columns
     monkeypatch.setattr(kernel, "bias_columns", lambda *a: columns.append(1) or original(*a))

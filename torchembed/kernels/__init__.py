@@ -10,18 +10,18 @@ first call, and the kernel module (``rope_triton``) is imported only when a kern
 * ``rotary_fused(q, k, cos, sin, *, inv_freq, scale, positions, interleaved, inplace,
   conjugate)``: RoPE on q and k in one launch (custom ops ``torchembed::rotary`` /
   ``torchembed::rotary_``).
-* ``rotary_angles_(q, k, positions, inv_freq)`` / ``rotary_tables_(q, k, cos, sin)``: the
-  unchecked in-place hot paths the patched HF attention uses for inference (angles computed in
-  the kernel from position ids, or per-token float32 tables; no autograd).
+* ``rotary_tables_(q, k, cos, sin)``: the unchecked in-place call the patched HF attention
+  makes at inference (per-token tables; no autograd).
+
+Every route to the RoPE kernel shares one launch cache (``rope_launches``).
 """
 
 from torchembed.kernels.rope_op import (
     interpret_mode,
     kernel_can_run,
-    rotary_angles_,
     rotary_fused,
     rotary_tables_,
     triton_available,
 )
 
-__all__ = ["interpret_mode", "kernel_can_run", "rotary_angles_", "rotary_fused", "rotary_tables_", "triton_available"]
+__all__ = ["interpret_mode", "kernel_can_run", "rotary_fused", "rotary_tables_", "triton_available"]

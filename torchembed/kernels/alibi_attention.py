@@ -1,6 +1,8 @@
-"""ALiBi inside fused attention kernels: nothing quadratic materialised.
+"""ALiBi attention for prefill: fused kernels at scale, nothing quadratic materialised there.
 
-Press et al., arXiv:2108.12409. Two fused prefill paths, for CUDA tensors:
+Press et al., arXiv:2108.12409. Small CUDA prefills (at most ``DENSE_MAX_ELEMENTS`` bias elements)
+take SDPA with the ``(b, h, q, k)`` bias materialised once per forward (faster there); larger ones
+one of two fused paths:
 
 * **bias columns + SDPA** (causal prefill without padding, bf16/float32): the key-only bias is
   carried by extra head-dim columns, ``q' = [q, 1, 1, 1, -r_i]`` and ``k' = [k, b_j]`` with
@@ -42,9 +44,12 @@ _FUSED_DEVICES: tuple[str, ...] = ("cuda",)
 # "auto": a materialised bias for small prefills, else bias columns + SDPA where they apply and
 # FlexAttention elsewhere; "flex": FlexAttention only; "dense": the materialised bias only.
 PREFILL_PATHS = ("auto", "flex", "dense")
-# "auto" materialises the (b, h, q, k) bias (once per forward, SDPA with a mask: what upstream's sdpa
-# attention computes) up to this many elements, where that is the faster path.
-DENSE_MAX_ELEMENTS = 0
+# "auto" materialises the (b, h, q, k) bias (once per forward, then SDPA with a mask, as upstream's sdpa
+# attention does) up to this many elements (128 MB in bf16): there it measured faster than the bias
+# columns (which copy q and k per layer and build the columns per forward) on the H200, per layer and
+# per model forward (benchmarks/results/alibi-paths.md, alibi.md); beyond it the fused paths win and
+# the bias would cost memory quadratic in the length.
+DENSE_MAX_ELEMENTS = 2**26
 _PREFILL = os.environ.get("TORCHEMBED_ALIBI_PREFILL", "auto")
 if _PREFILL not in PREFILL_PATHS:
     raise ValueError(f"TORCHEMBED_ALIBI_PREFILL must be one of {PREFILL_PATHS}, got {_PREFILL!r}")
@@ -82,9 +87,10 @@ def _compiled():
 
 @contextlib.contextmanager
 def prefill_path(path: str):
-    """Within the block, CUDA prefill takes ``path``: ``"auto"`` (the default: bias columns + SDPA
-    where they apply, FlexAttention elsewhere) or ``"flex"`` (FlexAttention only), e.g. to measure
-    one against the other. The process-wide default comes from ``TORCHEMBED_ALIBI_PREFILL``.
+    """Within the block, CUDA prefill takes ``path``: ``"auto"`` (the default: the materialised bias
+    up to ``DENSE_MAX_ELEMENTS``, else bias columns + SDPA where they apply and FlexAttention
+    elsewhere), ``"flex"`` (FlexAttention only) or ``"dense"`` (the materialised bias only), e.g. to
+    measure one against another. The process-wide default comes from ``TORCHEMBED_ALIBI_PREFILL``.
 
     Raises:
         ValueError: an unknown path.

@@ -1,29 +1,27 @@
-"""``rotary_fused``: the fused RoPE kernel as PyTorch custom ops, plus the public entry point.
+"""``rotary_fused``: the fused RoPE kernel's public entry point, its custom ops and its autograd.
 
-Custom ops (namespace ``torchembed``):
+Routes to the kernel, all through one launch cache (:mod:`torchembed.kernels.rope_launches`):
 
-* ``torchembed::rotary(q, k, cos?, sin?, inv_freq?, positions?, pos_offset, scale, interleaved,
-  conjugate) -> (Tensor, Tensor)``: out-of-place, with a fake (meta) impl and autograd.
-* ``torchembed::rotary_(...) -> ()``: mutates q and k, with a fake impl (no autograd;
-  ``rotary_fused(inplace=True)`` on tensors that need grad goes through ``rotary`` + ``copy_``).
+* eager, no gradient: a call whose key (shapes, strides, dtypes, devices, position form, flags)
+  was validated and launched before replays that launch with its own pointers, offset and scale,
+  so a decode step costs little more than the launch itself; otherwise it is validated, launched
+  and kept;
+* eager with autograd: :class:`_Rotary` (an ``autograd.Function``: no custom-op dispatch);
+* ``torch.compile``: the custom ops (namespace ``torchembed``), which register the same autograd:
+  ``torchembed::rotary(q, k, cos?, sin?, inv_freq?, positions?, pos_offset, scale, interleaved,
+  conjugate) -> (Tensor, Tensor)`` (out of place) and ``torchembed::rotary_(...) -> ()`` (mutates
+  q and k, no autograd; ``rotary_fused(inplace=True)`` on tensors that need grad goes out of place,
+  then ``copy_``).  Their arguments are :class:`RopeArgs` in order.
 
 The positions variants map onto the schema as: ``positions=None`` -> (None, 0); an int offset
 -> (None, offset); a ``(B,)`` or ``(B|1, S)`` integer tensor -> (tensor, 0).  ``cos``/``sin``
 or ``inv_freq`` is given, the others are None.  3-D cos/sin are per-token tables (positions
 None); 2-D cos/sin are position-indexed caches (by the tensor, or by ``pos_offset + s``).
 
-Autograd: the rotation is orthogonal (times ``scale``), so the gradient of q/k is the
-*conjugate* rotation of the incoming gradient -- the same kernel with ``conjugate`` flipped.
-cos/sin/inv_freq/positions get NO gradient (they are treated as constants).
-
-Eager calls without autograd skip the custom ops; one whose signature (shapes, strides, dtypes,
-devices, position form, flags) was validated and launched before replays that launch with its own
-pointers, offset and scale (``_FAST``), so a decode step costs little more than the launch itself.
-
 Devices: the Triton kernel runs where ``kernel_can_run`` says so (CUDA, or CPU under
 ``TRITON_INTERPRET=1``); elsewhere (CPU without the interpreter, meta, Triton missing or
-``TORCHEMBED_DISABLE_TRITON=1``) the ops fall back to an equivalent pure-PyTorch computation
-with the same float32 math, so ``rotary_fused`` works everywhere.
+``TORCHEMBED_DISABLE_TRITON=1``) the same float32 math runs in PyTorch, so ``rotary_fused``
+works everywhere.
 """
 
 import os
@@ -33,7 +31,9 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-__all__ = ["rotary_fused", "rotary_tables_", "rotary_angles_", "triton_available", "interpret_mode", "kernel_can_run"]
+from torchembed.kernels.rope_launches import LAUNCHES, RopeArgs, key_of
+
+__all__ = ["rotary_fused", "rotary_tables_", "triton_available", "interpret_mode", "kernel_can_run"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -92,34 +92,16 @@ def kernel_can_run(t: Tensor) -> bool:
     return t.is_cuda or (_interpreting() and t.device.type == "cpu")
 
 
-_launch = _hot = _hot_angles = _replayer = None
+_triton = None
 
 
-def _launcher():
-    global _launch
-    if _launch is None:
-        from torchembed.kernels.rope_triton import rope_forward
+def _kernel_module():
+    """``rope_triton`` (which imports Triton), imported on the first launch."""
+    global _triton
+    from torchembed.kernels import rope_triton
 
-        _launch = rope_forward
-    return _launch
-
-
-def _replayer_of():
-    global _replayer
-    if _replayer is None:
-        from torchembed.kernels.rope_triton import rope_replayer
-
-        _replayer = rope_replayer
-    return _replayer
-
-
-def _hot_launchers():
-    """Import the in-place hot paths (tables, angles) on first use."""
-    global _hot, _hot_angles
-    from torchembed.kernels.rope_triton import rope_angles_inplace, rope_tables_inplace
-
-    _hot, _hot_angles = rope_tables_inplace, rope_angles_inplace
-    return _hot, _hot_angles
+    _triton = rope_triton
+    return _triton
 
 
 # ------------------------------------------------------------------------------------------
@@ -133,8 +115,8 @@ def _fail(msg: str):
     raise ValueError(f"rotary_fused: {msg}")
 
 
-def _validate(q, k, cos, sin, inv_freq, positions):
-    """Check the arguments; return (cos, sin, inv_freq, positions tensor or None, pos_offset).
+def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate) -> RopeArgs:
+    """Check the arguments of ``rotary_fused``; return them as the kernel takes them.
 
     Tensor positions indexing cos/sin cache tables are range-checked on the host for CPU tensors
     only; on accelerators they are not (no sync)."""
@@ -230,7 +212,9 @@ def _validate(q, k, cos, sin, inv_freq, positions):
         _fail(f"expected a positive even rotary dim R = 2 * cos.shape[-1], got R = {2 * half}")
     if 2 * half > D:
         _fail(f"expected rotary dim R = 2 * {half} = {2 * half} <= head dim D = {D}")
-    return cos, sin, inv_freq, pos_t, pos_off
+    if isinstance(scale, Tensor) or not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        _fail(f"expected a Python number scale, got {type(scale).__name__}")
+    return RopeArgs(q, k, cos, sin, inv_freq, pos_t, pos_off, float(scale), bool(interleaved), bool(conjugate))
 
 
 # ------------------------------------------------------------------------------------------
@@ -251,14 +235,15 @@ def _alloc_like(x: Tensor) -> Tensor:
     return _empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _torch_cos_sin(B, S, cos, sin, inv_freq, pos_t, pos_off, scale, cdt, device):
+def _torch_cos_sin(a: RopeArgs, cdt: torch.dtype) -> Tuple[Tensor, Tensor]:
     """(Bc, 1, S, R/2) cos/sin in ``cdt`` with the kernel's semantics (PyTorch fallback)."""
+    cos, sin, inv_freq, pos_t = a.cos, a.sin, a.inv_freq, a.positions
     if inv_freq is None and cos.dim() == 3:  # per-token tables (Bc, S, R/2)
         c, s = cos.to(cdt), sin.to(cdt)
     else:
-        ar = torch.arange(S, device=device)
+        ar = torch.arange(a.q.shape[2], device=a.q.device)
         if pos_t is None:
-            pos = (ar + pos_off)[None]
+            pos = (ar + a.offset)[None]
         elif pos_t.dim() == 1:
             pos = pos_t.long()[:, None] + ar
         else:
@@ -268,8 +253,8 @@ def _torch_cos_sin(B, S, cos, sin, inv_freq, pos_t, pos_off, scale, cdt, device)
             c, s = torch.cos(ang), torch.sin(ang)
         else:
             c, s = cos.to(cdt)[pos], sin.to(cdt)[pos]
-    if scale != 1.0:
-        c, s = c * scale, s * scale
+    if a.scale != 1.0:
+        c, s = c * a.scale, s * a.scale
     return c[:, None], s[:, None]
 
 
@@ -294,41 +279,60 @@ def _torch_rotate_into(x: Tensor, out: Tensor, c: Tensor, s: Tensor, interleaved
         out[..., r:] = x[..., r:]
 
 
-def _run(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate) -> None:
-    """Rotate (q, k) into (qo, ko) (which may be q, k).  All four have stride(-1) == 1."""
+def _launch_key(a: RopeArgs, inplace: bool) -> Optional[tuple]:
+    """The key ``rotary_fused`` computes for the call these arguments were validated from (the
+    position form as given: a tensor, None with per-token tables, else the int offset)."""
+    if a.positions is not None:
+        positions = a.positions
+    elif a.cos is not None and a.cos.dim() == 3:
+        positions = None
+    else:
+        positions = a.offset
+    return key_of(a.q, a.k, a.cos, a.sin, a.inv_freq, positions, a.scale, a.interleaved, inplace, a.conjugate)
+
+
+def _run(a: RopeArgs, qo: Tensor, ko: Tensor) -> None:
+    """Rotate ``a.q``/``a.k`` into ``qo``/``ko`` (which may be they).  All have stride(-1) == 1.
+
+    The one way to the kernel: the launch kept for this call's key, else a launch through Triton
+    that is kept; where the kernel cannot run, the same math in PyTorch."""
+    q, k = a.q, a.k
     if kernel_can_run(q):
-        (_launch or _launcher())(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
+        key = _launch_key(a, qo is q)
+        kept = None if key is None else LAUNCHES.get(key)
+        if kept is None or not kept(q, k, qo, ko, a.cos, a.sin, a.inv_freq, a.positions, a.offset, a.scale):
+            (_triton or _kernel_module()).launch(a, qo, ko, key)
         return
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    c, s = _torch_cos_sin(q.shape[0], q.shape[2], cos, sin, inv_freq, pos_t, pos_off, scale, cdt, q.device)
-    _torch_rotate_into(q, qo, c, s, interleaved, conjugate)
-    _torch_rotate_into(k, ko, c, s, interleaved, conjugate)
+    c, s = _torch_cos_sin(a, cdt)
+    _torch_rotate_into(q, qo, c, s, a.interleaved, a.conjugate)
+    _torch_rotate_into(k, ko, c, s, a.interleaved, a.conjugate)
 
 
-def _rotary_impl(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate) -> Tuple[Tensor, Tensor]:
-    # Fallback for a non-unit last-dim stride (rare: HF never produces it): copy THAT tensor.
-    # Its output is then contiguous, as _alloc_like (the fake impl's rule) says.
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    qo, ko = _empty_like(q), _empty_like(k)
-    _run(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
+def _rotate(a: RopeArgs) -> Tuple[Tensor, Tensor]:
+    """Out of place.  A q or k whose last dim is not unit-stride (HF never makes one) is copied
+    first; its output is then contiguous, as ``_alloc_like`` (the fake impl's rule) says."""
+    if a.q.stride(-1) != 1 or a.k.stride(-1) != 1:
+        a = a._replace(q=a.q if a.q.stride(-1) == 1 else a.q.contiguous(),
+                       k=a.k if a.k.stride(-1) == 1 else a.k.contiguous())
+    qo, ko = _empty_like(a.q), _empty_like(a.k)
+    _run(a, qo, ko)
     return qo, ko
 
 
-def _rotary_inplace_impl(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate) -> None:
+def _rotate_(a: RopeArgs) -> None:
+    """In place (a non-unit last-dim stride: out of place, then copied back)."""
+    q, k = a.q, a.k
     if q.stride(-1) != 1 or k.stride(-1) != 1:
-        # Fallback for a non-unit last-dim stride: rotate out-of-place, then copy back.
-        qo, ko = _rotary_impl(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
+        qo, ko = _rotate(a)
         q.copy_(qo)
         k.copy_(ko)
         return
-    _run(q, k, q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
+    _run(a, q, k)
 
 
 # ------------------------------------------------------------------------------------------
-# Custom ops (what torch.compile and autograd see)
+# Custom ops (what torch.compile sees) and the one autograd definition
 # ------------------------------------------------------------------------------------------
 
 
@@ -345,31 +349,12 @@ def _rotary_op(
     interleaved: bool,
     conjugate: bool,
 ) -> Tuple[Tensor, Tensor]:
-    return _rotary_impl(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate)
+    return _rotate(RopeArgs(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate))
 
 
 @_rotary_op.register_fake
 def _rotary_fake(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
     return _alloc_like(q), _alloc_like(k)
-
-
-def _rotary_setup_context(ctx, inputs, output):
-    _, _, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate = inputs
-    ctx.save_for_backward(cos, sin, inv_freq, positions)
-    ctx.consts = (pos_offset, scale, interleaved, conjugate)
-
-
-def _rotary_backward(ctx, grad_q, grad_k):
-    cos, sin, inv_freq, positions = ctx.saved_tensors
-    pos_offset, scale, interleaved, conjugate = ctx.consts
-    # d(scale * R x)/dx applied to g is scale * R^T g: the conjugate rotation, same kernel.
-    dq, dk = torch.ops.torchembed.rotary(
-        grad_q, grad_k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, not conjugate
-    )
-    return dq, dk, None, None, None, None, None, None, None, None
-
-
-_rotary_op.register_autograd(_rotary_backward, setup_context=_rotary_setup_context)
 
 
 @torch.library.custom_op("torchembed::rotary_", mutates_args=("q", "k"))
@@ -385,7 +370,7 @@ def _rotary_inplace_op(
     interleaved: bool,
     conjugate: bool,
 ) -> None:
-    _rotary_inplace_impl(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate)
+    _rotate_(RopeArgs(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate))
 
 
 @_rotary_inplace_op.register_fake
@@ -393,118 +378,79 @@ def _rotary_inplace_fake(q, k, cos, sin, inv_freq, positions, pos_offset, scale,
     return None
 
 
-class _RotaryFunction(torch.autograd.Function):
-    """Eager autograd for the out-of-place rotation, without the custom-op dispatcher.
+class _Rotary(torch.autograd.Function):
+    """The autograd of the out-of-place rotation, once: eager calls apply this Function (no
+    custom-op dispatch, whose Python cost is several times a decode-sized kernel); the custom op
+    ``torchembed::rotary`` registers the same ``setup_context`` and ``backward`` for torch.compile.
 
-    ``register_autograd`` on the custom op is what torch.compile needs, but in eager mode its
-    Python dispatch costs several times the kernel; this Function calls the implementation
-    directly. Backward is the conjugate rotation: the implementation directly, or this Function
-    again under ``create_graph=True`` (so it is itself differentiable).
+    The rotation is orthogonal (times ``scale``): the gradient of q/k is the conjugate rotation of
+    the incoming gradient, the same kernel with ``conjugate`` flipped.  cos/sin/inv_freq/positions
+    get no gradient (constants).  Under ``create_graph=True`` the backward is itself differentiable.
     """
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate):
-        ctx.save_for_backward(cos, sin, inv_freq, pos_t)
-        ctx.consts = (pos_off, scale, interleaved, conjugate)
-        return _rotary_impl(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
+    def forward(q, k, cos, sin, inv_freq, positions, offset, scale, interleaved, conjugate):
+        return _rotate(RopeArgs(q, k, cos, sin, inv_freq, positions, offset, scale, interleaved, conjugate))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, cos, sin, inv_freq, positions, offset, scale, interleaved, conjugate = inputs
+        ctx.save_for_backward(cos, sin, inv_freq, positions)
+        ctx.consts = (offset, scale, interleaved, conjugate)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        cos, sin, inv_freq, pos_t = ctx.saved_tensors
-        pos_off, scale, interleaved, conjugate = ctx.consts
-        args = (grad_q, grad_k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, not conjugate)
-        # create_graph=True (grad mode on here): stay differentiable; otherwise the kernel directly
-        # (a nested Function.apply costs host time on every backward).
-        dq, dk = _RotaryFunction.apply(*args) if torch.is_grad_enabled() else _rotary_impl(*args)
+        cos, sin, inv_freq, positions = ctx.saved_tensors
+        offset, scale, interleaved, conjugate = ctx.consts
+        a = RopeArgs(grad_q, grad_k, cos, sin, inv_freq, positions, offset, scale, interleaved, not conjugate)
+        if type(grad_q) is not Tensor or type(grad_k) is not Tensor or torch.compiler.is_compiling():
+            dq, dk = torch.ops.torchembed.rotary(*a)  # traced (compile) or a tensor subclass: the op
+        elif torch.is_grad_enabled():  # create_graph=True: stay differentiable
+            dq, dk = _Rotary.apply(*a)
+        else:
+            dq, dk = _rotate(a)
         return dq, dk, None, None, None, None, None, None, None, None
 
 
+_rotary_op.register_autograd(_Rotary.backward, setup_context=_Rotary.setup_context)
+
+
+# ------------------------------------------------------------------------------------------
+# Public entry points
+# ------------------------------------------------------------------------------------------
+
+
+def replay_kept(key: Optional[tuple], q: Tensor, k: Tensor, cos: Optional[Tensor], sin: Optional[Tensor],
+                inv_freq: Optional[Tensor], positions: Union[None, int, Tensor], scale: float,
+                inplace: bool) -> Optional[Tuple[Tensor, Tensor]]:
+    """``rotary_fused``'s result from the launch kept under ``key`` (:func:`rope_launches.key_of` of
+    these arguments), with no validation (the key implies it); None where nothing is kept, the
+    kernel cannot run, or a gradient is needed: the caller goes the validated way."""
+    kept = LAUNCHES.get(key)
+    # A kept launch means the kernel ran on this device; only the switch can have changed since.
+    if kept is None or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)) or _triton_disabled():
+        return None
+    qo, ko = (q, k) if inplace else (_empty_like(q), _empty_like(k))
+    pos_t, offset = (None, positions) if type(positions) is int else (positions, 0)
+    if kept(q, k, qo, ko, cos, sin, inv_freq, pos_t, offset, scale):
+        return qo, ko
+    return None
+
+
 def rotary_tables_(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
-    """Hot path for per-token float32 tables: rotate q and k in place.
+    """The patched HF attention's call at inference: rotate q and k in place by per-token tables.
 
     No validation, no autograd, no fallback: the caller guarantees q ``(B, Hq, S, D)`` and k
     ``(B, Hk, S, D)`` on a device the kernel runs on, unit last-dim stride, cos/sin
-    ``(B or 1, S, R/2)`` with unit last-dim stride, and that nothing needs gradients.
+    ``(B or 1, S, R/2)`` with unit last-dim stride, and that nothing needs gradients.  Its key (a
+    shorter one than ``rotary_fused``'s, tagged apart) is looked up in the same launch cache.
     """
-    (_hot or _hot_launchers()[0])(q, k, cos, sin)
+    key = ("tables_", q.shape, k.shape, q.stride(), k.stride(), cos.shape, cos.stride(), sin.stride(), q.dtype,
+           cos.dtype, sin.dtype, q.device)
+    kept = LAUNCHES.get(key)
+    if kept is None or not kept(q, k, q, k, cos, sin, None, None, 0, 1.0):
+        (_triton or _kernel_module()).launch(RopeArgs(q, k, cos, sin, None, None, 0, 1.0, False, False), q, k, key)
     return q, k
-
-
-def rotary_angles_(q: Tensor, k: Tensor, positions: Tensor, inv_freq: Tensor) -> Tuple[Tensor, Tensor]:
-    """Hot path of the patched HF attention at inference: rotate q and k in place by the angles
-    ``positions * inv_freq``, computed in the kernel (no tables read).
-
-    No validation, no autograd, no fallback: the caller guarantees q ``(B, Hq, S, D)`` and k
-    ``(B, Hk, S, D)`` on a device the kernel runs on, unit last-dim stride, integer positions
-    ``(B or 1, S)`` and float32 ``inv_freq`` ``(R/2,)`` (contiguous) on the same device, and that
-    nothing needs gradients.
-    """
-    (_hot_angles or _hot_launchers()[1])(q, k, positions, inv_freq)
-    return q, k
-
-
-# ------------------------------------------------------------------------------------------
-# Replays of validated eager calls without autograd
-# ------------------------------------------------------------------------------------------
-
-# Call signature -> replay (``rope_triton.rope_replayer``): a call whose signature was validated
-# and launched before skips validation and the launch set-up.  Cleared by clear_launch_caches.
-_FAST: dict = {}
-_FAST_MAX = 4096
-_I32 = 2**31
-
-
-def _tensor_key(t: Tensor) -> tuple:
-    return t.shape, t.stride(), t.dtype, t.device
-
-
-def _signature(q, k, cos, sin, inv_freq, positions, interleaved, inplace, conjugate) -> Optional[tuple]:
-    """Everything ``_validate`` and the launch depend on but the pointers, the int offset's value
-    (its Triton specialisation instead) and scale; None for calls that are never replayed: tensor
-    subclasses, flags that are not bools, a negative or out-of-table int offset, positions checked on
-    the host."""
-    if type(q) is not Tensor or type(k) is not Tensor or q.dim() != 4:
-        return None
-    if type(interleaved) is not bool or type(inplace) is not bool or type(conjugate) is not bool:
-        return None
-    if positions is None:
-        pos = None
-    elif type(positions) is int:
-        if positions < 0 or (cos is not None and type(cos) is Tensor and positions + q.shape[2] > cos.shape[0]):
-            return None
-        pos = (positions == 1, positions % 16 == 0, positions < _I32)
-    elif type(positions) is Tensor:
-        if cos is not None and not q.is_cuda:  # CPU positions indexing a table: range-checked
-            return None
-        pos = _tensor_key(positions)
-    else:
-        return None
-    if inv_freq is not None:
-        if cos is not None or sin is not None or type(inv_freq) is not Tensor:
-            return None
-        angles = _tensor_key(inv_freq)
-    elif type(cos) is Tensor and type(sin) is Tensor:
-        angles = (_tensor_key(cos), _tensor_key(sin))
-    else:
-        return None
-    return (q.shape, k.shape, q.stride(), k.stride(), q.dtype, k.dtype, q.device, k.device, angles, pos,
-            interleaved, inplace, conjugate)
-
-
-def _record(signature, q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, inplace, conjugate):
-    """Launch a validated call through ``rope_replayer`` and keep its replay; (q_out, k_out)."""
-    qo, ko = (q, k) if inplace else (_empty_like(q), _empty_like(k))
-    replay = _replayer_of()(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
-    if replay is not None:
-        if len(_FAST) >= _FAST_MAX:
-            _FAST.clear()
-        _FAST[signature] = replay
-    return qo, ko
-
-
-# ------------------------------------------------------------------------------------------
-# Public entry point
-# ------------------------------------------------------------------------------------------
 
 
 def rotary_fused(
@@ -552,47 +498,29 @@ def rotary_fused(
         ValueError: on any shape/dtype/device mismatch, naming the expected and given values.
     """
     compiling = torch.compiler.is_compiling()
-    # REPLAY (eager, no autograd): a call with the signature of one validated and launched before
-    # launches again at once, with this call's pointers, offset and scale.
-    signature = None if compiling else _signature(q, k, cos, sin, inv_freq, positions, interleaved, inplace, conjugate)
-    grad = torch.is_grad_enabled()
-    if signature is not None and not (grad and (q.requires_grad or k.requires_grad)):
-        replay = _FAST.get(signature)
-        if replay is not None and kernel_can_run(q):
-            pos_t, pos_off = (None, positions) if type(positions) is int else (positions, 0)
-            qo, ko = (q, k) if inplace else (_empty_like(q), _empty_like(k))
-            if replay(q, k, qo, ko, cos, sin, inv_freq, pos_t, pos_off, float(scale)):
-                return qo, ko
-
-    cos_in, sin_in, inv_freq_in = cos, sin, inv_freq
-    cos, sin, inv_freq, pos_t, pos_off = _validate(q, k, cos, sin, inv_freq, positions)
-    scale = float(scale)
-    interleaved, inplace, conjugate = bool(interleaved), bool(inplace), bool(conjugate)
-    needs_grad = grad and (q.requires_grad or k.requires_grad)
-
-    # FAST PATH (eager, no autograd): skip the custom-op dispatcher -- its Python dispatch costs
-    # several times the kernel launch itself at decode sizes -- and call the implementation
-    # directly.  The custom ops below are only needed for torch.compile (tracing through the
-    # fake impl) and autograd (register_autograd); the result is identical either way.
+    if not compiling:  # a call like one launched before: that launch again, at once
+        key = key_of(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate)
+        if key is not None:
+            out = replay_kept(key, q, k, cos, sin, inv_freq, positions, float(scale), inplace)
+            if out is not None:
+                return out
+    a = _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate)
+    inplace = bool(inplace)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     if not needs_grad and not compiling:
-        if (signature is not None and cos is cos_in and sin is sin_in and inv_freq is inv_freq_in
-                and q.stride(-1) == 1 and k.stride(-1) == 1 and kernel_can_run(q)):
-            return _record(signature, q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, inplace, conjugate)
         if inplace:
-            _rotary_inplace_impl(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
+            _rotate_(a)
             return q, k
-        return _rotary_impl(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
-
-    # Eager with autograd: a plain autograd.Function (no dispatcher); compiled: the custom ops.
-    rotate = torch.ops.torchembed.rotary if compiling else _RotaryFunction.apply
-    if inplace:
-        if needs_grad:
-            # Mutating custom ops have no autograd formula: go out-of-place, then copy_ (which
-            # autograd tracks), preserving in-place semantics.
-            qo, ko = rotate(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
-            q.copy_(qo)
-            k.copy_(ko)
-        else:
-            torch.ops.torchembed.rotary_(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
+        return _rotate(a)
+    if not needs_grad:  # compiling, nothing to differentiate
+        if inplace:
+            torch.ops.torchembed.rotary_(*a)
+            return q, k
+        return torch.ops.torchembed.rotary(*a)
+    rotate = torch.ops.torchembed.rotary if compiling else _Rotary.apply
+    if inplace:  # a mutating op has no autograd formula: out of place, then copy_ (which autograd tracks)
+        qo, ko = rotate(*a)
+        q.copy_(qo)
+        k.copy_(ko)
         return q, k
-    return rotate(q, k, cos, sin, inv_freq, pos_t, pos_off, scale, interleaved, conjugate)
+    return rotate(*a)

@@ -13,7 +13,7 @@ rounded once, on store.
 
 This module imports Triton at import time; ``torchembed.kernels`` imports it lazily, only
 when a kernel is about to run.  Input validation lives in ``rope_op`` (the public entry);
-``rope_forward`` trusts its arguments.
+``launch`` trusts its arguments; ``rope_launches`` keeps the launches.
 
 Grid: ``(cdiv(S, BLOCK_S), Hq // HPP + Hk // HPP, B)``.  Axis 1 enumerates head groups of q
 first, then of k, so q and k are rotated by ONE launch; a program loads the cos/sin (or
@@ -35,8 +35,12 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
-__all__ = ["rope_angles_inplace", "rope_forward", "rope_replayer", "rope_tables_inplace"]
+from torchembed.kernels import rope_launches
+from torchembed.kernels.rope_launches import RopeArgs
+
+__all__ = ["clear_launch_caches", "launch"]
 
 
 @triton.jit
@@ -236,12 +240,6 @@ def _rope_kernel(
 # Host launcher
 # ------------------------------------------------------------------------------------------
 
-# Per-shape launch configuration cache: key -> (grid, constexpr kwargs, NQG).  Everything
-# derivable from shapes/dtype/flags is computed once, so a cached call only reads strides and
-# launches.  Bounded: cleared when it grows past _CFG_MAX entries (prefill with many lengths).
-_CFG: dict = {}
-_CFG_MAX = 4096
-
 # Tile: at most _TILE_PAIRS (token, pair) lanes per program (4 KB of bf16 per operand).
 _TILE_PAIRS = 1024
 # Group several heads per program (amortising the cos/sin load/compute) only once the
@@ -304,249 +302,144 @@ def _make_config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleav
     return grid, meta, Hq // hpp, constexprs
 
 
-def _config(key: tuple) -> tuple:
-    """The launch configuration of a ``rope_forward`` key, made once and kept in ``_CFG``."""
-    if len(_CFG) >= _CFG_MAX:
-        _CFG.clear()
-    (B, Hq, S, D), Hk, *rest = key
-    cfg = _CFG[key] = _make_config(B, Hq, Hk, S, D, *rest)
-    return cfg
-
-
 def clear_launch_caches() -> None:
-    """Forget every kept launch configuration and compiled kernel (after changing a tuning knob)."""
-    from torchembed.kernels import rope_op
-
-    for cache in (_CFG, _COMPILED, _HOT, rope_op._FAST):
-        cache.clear()
+    """Forget every kept launch (after changing a tuning knob)."""
+    rope_launches.clear()
 
 
-def _setup(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
-    """``rope_forward``'s launch: (config key, grid, meta, constexprs, kernel arguments)."""
-    qshape = q.shape
+def _arguments(a: RopeArgs, qo: Tensor, ko: Tensor) -> tuple:
+    """The launch of rotation ``a`` into ``qo``/``ko``: (grid, meta, constexprs, kernel arguments)."""
+    q, k, cos, sin, inv_freq, positions = a.q, a.k, a.cos, a.sin, a.inv_freq, a.positions
+    B, Hq, S, D = q.shape
     use_inv_freq = cos is None
     half = (inv_freq if use_inv_freq else cos).shape[-1]
     pos_mode = 0 if positions is None else positions.dim()
-    inplace = qo is q
-    key = (qshape, k.shape[1], half, q.dtype, pos_mode, use_inv_freq, interleaved, conjugate, inplace)
-    grid, meta, nqg, constexprs = _CFG.get(key) or _config(key)
-    S = qshape[2]
-
+    grid, meta, nqg, constexprs = _make_config(B, Hq, k.shape[1], S, D, half, q.dtype, pos_mode, use_inv_freq,
+                                               a.interleaved, a.conjugate, qo is q)
     if use_inv_freq:
         cos = sin = inv_freq  # dummies for the unused table pointers
         sc_b = sc_s = 0
     elif cos.dim() == 3:  # per-token table (Bc, S, R/2), Bc in {1, B}; positions is None
         sc_b = cos.stride(0) if cos.shape[0] != 1 else 0
         sc_s = cos.stride(1)
-    else:  # position-indexed cache (T, R/2); an int offset arrives as positions=None + pos_offset
+    else:  # position-indexed cache (T, R/2), by the positions tensor or by offset + s
         sc_b = 0
         sc_s = cos.stride(0)
     if positions is None:
-        pos_t = q  # dummy pointer, never read (POS_MODE == 0)
+        positions = q  # dummy pointer, never read (POS_MODE == 0)
         sp_b = sp_s = 0
     else:
-        pos_t = positions
         sp_b = positions.stride(0) if positions.shape[0] != 1 else 0
         sp_s = positions.stride(1) if pos_mode == 2 else 0
     if inv_freq is None:
         inv_freq = q  # dummy pointer, never read
-
     sq, sk, sqo, sko = q.stride(), k.stride(), qo.stride(), ko.stride()
     args = (
-        q, k, qo, ko, cos, sin, pos_t, inv_freq,
+        q, k, qo, ko, cos, sin, positions, inv_freq,
         S, nqg,
         sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
         sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
         sc_b, sc_s, sp_b, sp_s,
-        pos_offset, scale,
+        a.offset, a.scale,
     )
-    return key, grid, meta, constexprs, args
+    return grid, meta, constexprs, args
 
 
-def _launch(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
-    """``rope_forward``'s launch: (compiled kernel when launched directly else None, grid, meta,
-    constexprs, kernel arguments)."""
-    key, grid, meta, constexprs, args = _setup(
-        q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate
-    )
-    if _DIRECT and q.is_cuda:
-        # What Triton specialises on beyond the launch config: the other tensors' dtypes, the
-        # strides and offset (their values cover ==1, %16 and int32 range) and the pointers'
-        # 16-byte alignment (one bit when all are aligned, the usual case).
-        ptrs = tuple(t.data_ptr() for t in args[:8])
-        aligned = True if not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5] | ptrs[6] | ptrs[7]) & 15 \
-            else tuple(ptr % 16 == 0 for ptr in ptrs)
-        cos, sin, pos_t, inv_freq = args[4:8]
-        spec = (key, constexprs, meta["num_warps"], cos.dtype, sin.dtype, pos_t.dtype, inv_freq.dtype, args[10:26],
-                _int_spec(pos_offset), aligned)
-        compiled = _direct_launch(spec, grid, meta, args, q.device.index)
-        return compiled, grid, meta, constexprs, args
-    _rope_kernel[grid](*args, **meta)
-    return None, grid, meta, constexprs, args
-
-
-def rope_forward(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
-    """Launch the fused kernel once for q and k.  ``qo is q`` (and ``ko is k``) means in-place.
-    Returns ``(compiled kernel, grid, launch arguments after the 8 pointers, constexprs included)``
-    when it launched directly (what the in-place hot paths replay), None when through ``kernel[grid]``.
+def launch(a: RopeArgs, qo: Tensor, ko: Tensor, key=None) -> None:
+    """Rotate ``a.q``/``a.k`` into ``qo``/``ko`` (``qo is a.q``: in place) with one launch.  With a
+    ``key`` (:func:`rope_launches.key_of`, or another key that determines the same launch) the
+    launch is kept in :data:`rope_launches.LAUNCHES`, where the next call with that key finds it.
 
     Preconditions (checked by ``rope_op``): q/k/qo/ko 4-D with stride(-1) == 1, same dtype and
     device; cos/sin unit-stride in their last dim (or None with ``inv_freq`` given); positions
     None, (B|1,) or (B|1, S) integer.  Per-token table mode: cos (Bc, S, R/2), positions None,
-    pos_offset 0.  Cache mode: cos (T, R/2), indexed by positions or by pos_offset + s.
+    offset 0.  Cache mode: cos (T, R/2), indexed by positions or by offset + s.
     """
-    compiled, grid, _, constexprs, args = _launch(
-        q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate
-    )
-    return None if compiled is None else (compiled, grid, args[8:] + constexprs)
+    grid, meta, constexprs, args = _arguments(a, qo, ko)
+    compiled = _rope_kernel[grid](*args, **meta)  # compiles on the first call of a specialisation
+    if key is not None:
+        kept = _keep(compiled, grid, meta, constexprs, args, a.cos is not None)
+        if kept is not None:
+            rope_launches.store(key, kept)
 
 
-def rope_replayer(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
-    """Launch as ``rope_forward`` does; return ``replay(q, k, qo, ko, cos, sin, inv_freq, positions,
-    pos_offset, scale) -> bool``, the same launch with other pointers, offset and scale, for tensors
-    of this call's shapes, strides, dtypes and device and an offset Triton specialises alike.
+# ------------------------------------------------------------------------------------------
+# Kept launches: the compiled kernel again, without Triton's per-call binding
+# ------------------------------------------------------------------------------------------
+# ``kernel[grid](...)`` re-derives the specialisation of every argument on each call (dtype,
+# 16-byte alignment, ints equal to 1 or divisible by 16), which at decode sizes costs more than
+# the kernel.  A kept launch calls the CompiledKernel's launcher directly with raw pointers (ints:
+# the launcher then makes no driver call per pointer); the key it is kept under fixes everything
+# else Triton specialised on, and the launch checks the pointers' alignment itself.  Any failure of
+# the installed Triton's launcher switches the direct launch off for good (then a kept launch is a
+# plain ``kernel[grid]`` call with the kept configuration).  ``TORCHEMBED_DIRECT_LAUNCH=0`` too.
 
-    ``replay`` launches nothing and returns False where it no longer applies (the direct launch was
-    switched on or off, a pointer is not 16-byte aligned, the launcher raised): ``rope_forward``
-    decides then. None when this call's own launch cannot be replayed (unaligned pointers)."""
-    compiled, grid, meta, constexprs, args = _launch(
-        q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate
-    )
-    fixed = args[8:-2]  # sizes and strides; pos_offset and scale come with each call
-    tables = cos is not None
-    if compiled is None:
-        def replay(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale) -> bool:
-            if _DIRECT and q.is_cuda:
+_DIRECT = os.environ.get("TORCHEMBED_DIRECT_LAUNCH", "1") == "1"
+_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+
+
+def _on_gpu(t: Tensor) -> bool:
+    return t.is_cuda
+
+
+def _switch_direct_off() -> None:
+    global _DIRECT
+    _DIRECT = False
+    rope_launches.clear()
+
+
+def _keep(compiled, grid, meta, constexprs, args, tables: bool):
+    """A :data:`rope_launches.Launch` repeating this launch; None where it cannot be kept."""
+    fixed = args[8:-2]  # sizes and strides; the offset and scale come with each call
+    g0, g1, g2 = grid
+    q = args[0]
+    run = getattr(compiled, "run", None)
+    if not (_DIRECT and _on_gpu(q) and run is not None):
+        def relaunch(q, k, qo, ko, cos, sin, inv_freq, positions, offset, scale) -> bool:
+            if _DIRECT and _on_gpu(q):  # the direct launch came back on: launch() keeps one
                 return False
-            if not tables:  # rope_forward's dummies for the unused pointers
+            if not tables:  # the dummies of _arguments
                 cos = sin = inv_freq
             _rope_kernel[grid](q, k, qo, ko, cos, sin, q if positions is None else positions,
-                               q if inv_freq is None else inv_freq, *fixed, pos_offset, scale, **meta)
+                               q if inv_freq is None else inv_freq, *fixed, offset, scale, **meta)
             return True
 
-        return replay
-    if any(t.data_ptr() & 15 for t in args[:8]):
+        return relaunch
+    if any(t.data_ptr() & 15 for t in args[:8]):  # compiled for unaligned pointers: not kept
         return None
-    run, function, metadata = compiled.run, compiled.function, compiled.packed_metadata
-    g0, g1, g2 = grid
     index = q.device.index
+    # The launcher's C entry point where the installed Triton exposes it (no scratch buffers to
+    # allocate); otherwise its Python wrapper. Both take the kernel arguments after a fixed head.
+    entry = getattr(run, "launch", None)
+    if (callable(entry) and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
+            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
+        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
+                None, None, None)
+    else:
+        entry, head = run, (compiled.function, compiled.packed_metadata, None, None, None)
 
-    def replay(q, k, qo, ko, cos, sin, inv_freq, positions, pos_offset, scale) -> bool:
+    def replay(q, k, qo, ko, cos, sin, inv_freq, positions, offset, scale) -> bool:
         if not _DIRECT:
             return False
-        if not tables:  # rope_forward's dummies for the unused pointers
-            cos = sin = inv_freq
-        if positions is None:
-            positions = q
-        if inv_freq is None:
-            inv_freq = q
-        if (q.data_ptr() | k.data_ptr() | qo.data_ptr() | ko.data_ptr() | cos.data_ptr() | sin.data_ptr()
-                | positions.data_ptr() | inv_freq.data_ptr()) & 15:
+        qp, kp = q.data_ptr(), k.data_ptr()
+        qop = qp if qo is q else qo.data_ptr()
+        kop = kp if ko is k else ko.data_ptr()
+        if tables:
+            cp, sp, ip = cos.data_ptr(), sin.data_ptr(), qp
+        else:
+            cp = sp = ip = inv_freq.data_ptr()
+        pp = qp if positions is None else positions.data_ptr()
+        if (qp | kp | qop | kop | cp | sp | pp | ip) & 15:
             return False
         try:
-            run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(index), function, metadata, None, None, None,
-                q, k, qo, ko, cos, sin, positions, inv_freq, *fixed, pos_offset, scale, *constexprs)
-        except Exception:  # the installed Triton launches differently: rope_forward decides
+            entry(g0, g1, g2, _raw_stream(index), *head, qp, kp, qop, kop, cp, sp, pp, ip, *fixed, offset, scale,
+                  *constexprs)
+        except Exception:  # the installed Triton launches differently: kernel[grid] from now on
+            _switch_direct_off()
             return False
         return True
 
     return replay
-
-
-# Hot paths of the patched HF attention at inference: in place, per-token tables or angles from
-# position ids, nothing else. One dict lookup keyed on what the call's tensors are (shapes, strides,
-# dtypes) yields the kept compiled kernel and every launch argument but the pointers (all functions
-# of the key), instead of rope_forward's two keys and its specialisation tuple. Misses (a new shape,
-# pointers not 16-byte aligned, no direct launch) go through rope_forward, whose direct launch is
-# recorded for the next call.
-_HOT: dict = {}
-
-
-def rope_tables_inplace(q, k, cos, sin) -> None:
-    """``rope_forward(q, k, q, k, cos, sin, None, None, 0, 1.0, False, False)`` with less host work
-    per call. Same preconditions; cos/sin per-token tables ``(B or 1, S, R/2)``."""
-    key = (q.shape, k.shape, q.stride(), k.stride(), cos.shape, cos.stride(), sin.stride(), q.dtype, cos.dtype,
-           sin.dtype)
-    aligned = not (q.data_ptr() | k.data_ptr() | cos.data_ptr() | sin.data_ptr()) & 15
-    if not _replay(key, aligned, q, k, cos, sin, q, q):  # unused positions / inv_freq: dummies, as rope_forward
-        _record(key, aligned, rope_forward(q, k, q, k, cos, sin, None, None, 0, 1.0, False, False))
-
-
-def rope_angles_inplace(q, k, positions, inv_freq) -> None:
-    """``rope_forward(q, k, q, k, None, None, inv_freq, positions, 0, 1.0, False, False)`` with less
-    host work per call. Same preconditions; positions ``(B or 1, S)`` integer, inv_freq ``(R/2,)``."""
-    key = (q.shape, k.shape, q.stride(), k.stride(), positions.shape, positions.stride(), inv_freq.shape, q.dtype,
-           positions.dtype, inv_freq.dtype)
-    aligned = not (q.data_ptr() | k.data_ptr() | positions.data_ptr() | inv_freq.data_ptr()) & 15
-    if not _replay(key, aligned, q, k, inv_freq, inv_freq, positions, inv_freq):  # unused tables: dummies
-        _record(key, aligned, rope_forward(q, k, q, k, None, None, inv_freq, positions, 0, 1.0, False, False))
-
-
-def _replay(key, aligned, q, k, cos, sin, pos, inv_freq) -> bool:
-    """Launch the entry kept for ``key`` in place on q, k with these pointer arguments; False on a miss."""
-    hot = _HOT.get(key)
-    if hot is None or not aligned or not _DIRECT:
-        return False
-    run, function, metadata, grid, tail = hot
-    try:
-        run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(q.get_device()), function, metadata,
-            None, None, None, q, k, q, k, cos, sin, pos, inv_freq, *tail)
-        return True
-    except Exception:  # the installed Triton launches differently: rope_forward decides from now on
-        _HOT.clear()
-        return False
-
-
-def _record(key, aligned, launched) -> None:
-    """Keep ``rope_forward``'s direct launch (compiled kernel, grid, non-pointer arguments) for ``key``."""
-    if launched is None or not aligned or not _DIRECT:
-        return
-    if len(_HOT) >= _CFG_MAX:
-        _HOT.clear()
-    compiled, grid, tail = launched
-    _HOT[key] = (compiled.run, compiled.function, compiled.packed_metadata, grid, tail)
-
-
-# ------------------------------------------------------------------------------------------
-# Direct launch: replay the compiled kernel without Triton's per-call binding
-# ------------------------------------------------------------------------------------------
-# ``kernel[grid](...)`` re-derives the specialisation of every argument on each call (dtype,
-# 16-byte alignment, ints equal to 1, 32/64-bit ints), which at decode sizes costs more than the
-# kernel. We compute the same facts ourselves, keep the CompiledKernel Triton returned for them,
-# and call its launcher. Any mismatch with the installed Triton disables this path for good.
-# ``TORCHEMBED_DIRECT_LAUNCH=0`` switches it off.
-
-_DIRECT = os.environ.get("TORCHEMBED_DIRECT_LAUNCH", "1") == "1"
-_COMPILED: dict = {}
-_I32 = 2**31
-
-
-def _int_spec(value: int) -> tuple:
-    """What Triton specialises an int argument on: == 1, divisible by 16, int32 range."""
-    return value == 1, value % 16 == 0, -_I32 <= value < _I32
-
-
-def _direct_launch(spec, grid, meta, args, device_index):
-    """Launch through the CompiledKernel kept for ``spec`` (the first call of a spec compiles
-    or fetches it through ``kernel[grid]``); return it (None once the direct path is off)."""
-    global _DIRECT
-    constexprs = spec[1]
-    compiled = _COMPILED.get(spec)
-    if compiled is None:
-        if len(_COMPILED) >= _CFG_MAX:
-            _COMPILED.clear()
-        compiled = _COMPILED[spec] = _rope_kernel[grid](*args, **meta)
-        return compiled
-    try:
-        compiled.run(
-            grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device_index),
-            compiled.function, compiled.packed_metadata, None, None, None, *args, *constexprs,
-        )
-        return compiled
-    except Exception:  # the installed Triton launches differently: use its own path from now on
-        _DIRECT = False
-        _rope_kernel[grid](*args, **meta)
-        return None
 
 
 _CONSTEXPR_NAMES = (

@@ -12,6 +12,8 @@ import torch
 from torch import Tensor, nn
 
 from torchembed import kernels
+from torchembed.kernels import rope_launches
+from torchembed.kernels.rope_op import replay_kept
 from torchembed.functional.rope import (
     _check_base,
     _check_nonnegative,
@@ -136,6 +138,10 @@ class RotaryEmbedding(nn.Module):
             ValueError: shapes, devices or positions that do not fit (see the class docstring),
                 each naming what was expected and what was given.
         """
+        if self.use_fused:
+            out = self._replay(q, k, seq_dim, offset, position_ids)
+            if out is not None:
+                return out
         inv_freq = self.inv_freq
         seq_len = self._check(q, k, seq_dim, inv_freq)
         nd = q.dim()
@@ -152,6 +158,28 @@ class RotaryEmbedding(nn.Module):
         if moved:
             return q_out.movedim(-2, seq_dim), k_out.movedim(-2, seq_dim)
         return q_out, k_out
+
+    def _replay(
+        self, q: Tensor, k: Tensor, seq_dim: int, offset: int | Tensor, position_ids: Tensor | None
+    ) -> tuple[Tensor, Tensor] | None:
+        """The fused path at once for a call like one it served before: 4-D q/k, the sequence at
+        dim 2, positions on the GPU. Its launch key implies every check of ``forward`` but the two
+        made here (head dim, offsets per sequence), so none is repeated; None: the checked way."""
+        if type(q) is not Tensor or q.dim() != 4 or q.shape[-1] != self.dim or (seq_dim != -2 and seq_dim != 2):
+            return None
+        if position_ids is None:
+            positions = offset
+            if type(offset) is Tensor and (offset.dim() != 1 or offset.shape[0] != q.shape[0] or not offset.is_cuda):
+                return None
+        elif type(offset) is int and offset == 0 and type(position_ids) is Tensor and position_ids.is_cuda:
+            positions = position_ids[None] if position_ids.dim() == 1 else position_ids
+        else:
+            return None
+        if torch.compiler.is_compiling():
+            return None
+        inv_freq, scale = self._buffers["inv_freq"], self.attention_scaling  # (not Module.__getattr__: 1 us)
+        key = rope_launches.key_of(q, k, None, None, inv_freq, positions, scale, self.interleaved, False, False)
+        return None if key is None else replay_kept(key, q, k, None, None, inv_freq, positions, scale, False)
 
     def _check(self, q: Tensor, k: Tensor, seq_dim: int, inv_freq: Tensor) -> int:
         """The sequence length of valid ``q``/``k``; else the TypeError/ValueError ``forward`` names."""
