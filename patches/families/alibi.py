@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torchembed.functional.alibi import alibi_decode_bias, alibi_key_bias, alibi_slopes
-from torchembed.kernels.alibi_attention import MaskCache, alibi_attention
+from torchembed.functional.alibi import alibi_decode_bias, alibi_key_bias, alibi_prefill_bias, alibi_slopes
+from torchembed.kernels.alibi_attention import MaskCache, alibi_attention, causal_keep, dense_prefill
 from torchembed.patches.actions import AddForwardPreHook, Component, InstanceMethod, OverrideAttribute
 from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
 from torchembed.patches.devices import ShareDeviceCopies
@@ -401,6 +401,13 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, cache: MaskCac
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     heads = q.shape[1]
     k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    if dense_prefill(q, k):  # small prefill (host-bound): the forward's SDPA mask, one lookup per layer
+        def dense() -> Tensor:
+            whole = keep if keep is not None else causal_keep(q.shape[-2], k.shape[-2], q.device)
+            return alibi_prefill_bias(key_bias(), whole, q.dtype)
+
+        mask = _per_forward(cache, source, (tag, "dense", q.dtype), dense)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
     return alibi_attention(q, k, v, _per_forward(cache, source, tag, key_bias), keep, scale=scale, dropout_p=dropout_p,
                            cache=cache)
 

@@ -237,6 +237,34 @@ def test_alibi_masks_derived_once_per_forward(name, padded, load, decode_masks_b
     assert len(columns) == (0 if padded else 1), len(columns)  # unpadded prefill: once for all layers
 
 
+@pytest.mark.parametrize("padded", [True, False])
+@pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi"])
+def test_small_alibi_prefill_materialises_its_bias_once_per_forward(name, padded, load, monkeypatch):
+    """Small prefills (path forced on CPU) take SDPA with the bias materialised once per forward for
+    all layers, padded or not, and give upstream's logits."""
+    import torchembed.kernels.alibi_attention as kernel
+    import torchembed.patches.families.alibi as family
+
+    monkeypatch.setattr(kernel, "_FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(kernel, "_sdpa_with_columns", lambda *a, **kw: pytest.fail("bias columns taken"))
+    monkeypatch.setattr(kernel, "_flex_attention", lambda *a, **kw: pytest.fail("FlexAttention taken"))
+    built = []
+    original = family.alibi_prefill_bias
+    monkeypatch.setattr(family, "alibi_prefill_bias", lambda *a: built.append(1) or original(*a))
+    upstream = load(name)
+    model = torchembed.patch(copy.deepcopy(upstream))
+    ids = torch.randint(1, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :2] = 0
+    with torch.no_grad():
+        got = model(input_ids=ids, attention_mask=mask).logits
+        want = upstream(input_ids=ids, attention_mask=mask).logits
+    assert model.config.num_hidden_layers > 1 and len(built) == 1, len(built)
+    rows = mask.bool()  # a padded position's own logits are not defined by either
+    torch.testing.assert_close(got[rows], want[rows], rtol=1e-5, atol=1e-5)
+
+
 def _decode_step_ops(model) -> int:
     """Operators a decode step dispatches from Python (top-level aten ops: what costs host time at
     decode shapes), counted with the profiler on one step after a 9-token prompt."""

@@ -159,8 +159,9 @@ def alibi_prefill_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype
     """
     compute = torch.promote_types(dtype, torch.float32)
     bias = key_bias[:, :, None, :].to(compute)
-    if keep is not None:
+    if keep is not None:  # one (b, h, q, k) buffer in the compute dtype, then updated in place
         bias = bias.masked_fill(~keep, -math.inf)
     row_max = bias.amax(dim=-1, keepdim=True)
-    bias = bias - torch.where(torch.isfinite(row_max), row_max, 0.0)
-    return bias.clamp(min=torch.finfo(dtype).min).to(dtype)
+    shift = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    bias = bias.sub_(shift) if keep is not None else bias - shift
+    return bias.clamp_(min=torch.finfo(dtype).min).to(dtype)

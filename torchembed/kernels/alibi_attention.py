@@ -35,7 +35,8 @@ from torch import Tensor
 
 from torchembed.functional.alibi import alibi_attention_reference, alibi_decode_bias, alibi_prefill_bias
 
-__all__ = ["alibi_attention", "flex_available", "alibi_score_mod", "bias_columns", "prefill_path", "MaskCache"]
+__all__ = ["alibi_attention", "flex_available", "alibi_score_mod", "bias_columns", "causal_keep", "dense_prefill", "prefill_path",
+           "MaskCache"]
 
 
 _CAUSAL: dict = {}
@@ -221,14 +222,13 @@ def alibi_attention(
         ``(b, h, q, d)`` in ``q.dtype``.
     """
     q_len, k_len = q.shape[-2], k.shape[-2]
-    fused = q_len > 1 and q.device.type in _FUSED_DEVICES and not torch.compiler.is_compiling()
-    if fused and (_PREFILL == "dense" or (_PREFILL == "auto" and q.shape[0] * q.shape[1] * q_len * k_len <= DENSE_MAX_ELEMENTS)):
+    if dense_prefill(q, k):
         if keep is None:
             keep, cache = _causal(q_len, k_len, q.device)
-        tag = ("dense", q.dtype)
-        bias = alibi_prefill_bias(key_bias, keep, q.dtype) if cache is None else cache.memo(
-            key_bias, tag, lambda: alibi_prefill_bias(key_bias, keep, q.dtype))
+        make = lambda: alibi_prefill_bias(key_bias, keep, q.dtype)  # noqa: E731
+        bias = make() if cache is None else cache.memo(key_bias, ("dense", q.dtype), make)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+    fused = q_len > 1 and q.device.type in _FUSED_DEVICES and not torch.compiler.is_compiling()
     if fused and _columns_apply(q, k, key_bias) and _plain_causal(keep, cache):
         batch = q.shape[0]
 
@@ -246,6 +246,22 @@ def alibi_attention(
         bias = cache.memo(key_bias, ("decode", q.dtype), lambda: alibi_decode_bias(key_bias, keep, q.dtype))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
     return alibi_attention_reference(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p)
+
+
+def dense_prefill(q: Tensor, k: Tensor) -> bool:
+    """Whether the prefill of ``q (b, h, q, d)`` over ``k (b, h, k, d)`` takes SDPA with the
+    materialised bias (``alibi_prefill_bias``): a CUDA prefill (outside ``torch.compile``) of at most
+    ``DENSE_MAX_ELEMENTS`` bias elements, or any under ``prefill_path("dense")``."""
+    q_len = q.shape[-2]
+    if q_len == 1 or q.device.type not in _FUSED_DEVICES or torch.compiler.is_compiling():
+        return False
+    return _PREFILL == "dense" or (_PREFILL == "auto" and q.shape[0] * q.shape[1] * q_len * k.shape[-2] <= DENSE_MAX_ELEMENTS)
+
+
+def causal_keep(q_len: int, k_len: int, device: torch.device) -> Tensor:
+    """The causal ``keep`` mask, queries at the last ``q_len`` of ``k_len`` positions:
+    ``(1, 1, q, k)`` bool, shared (do not modify)."""
+    return _causal(q_len, k_len, device)[0]
 
 
 def bias_columns(key_bias: Tensor, q_len: int, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

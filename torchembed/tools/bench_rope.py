@@ -7,9 +7,10 @@ Providers (each builds ``f(q, k) -> (q_rot, k_rot)`` for one shape; tables built
   ``torchembed.functional.apply_rotary`` runs instead and the results say so (``impl``).
 * ``torchembed-angles``: ``rotary_fused`` with ``inv_freq`` and the ``(B, S)`` position ids: the
   kernel computes cos/sin itself (no table bytes to read).
-* ``torchembed-hf``: what a patched LLaMA computes per layer: its rotary module's output (the
-  position ids and ``inv_freq`` where the kernel runs) through the rebound ``apply_rotary_pos_emb``
-  (in place without grad).
+* ``torchembed-module``: ``RotaryEmbedding(D, use_fused=True)(q, k, position_ids=...)``, the public
+  module on the same position ids (angles in the kernel; its kept launch after the first call).
+* ``torchembed-hf``: what a patched LLaMA computes per layer: upstream's ``(B, S, D)`` tables
+  through the rebound ``apply_rotary_pos_emb`` (in place without grad: ``rotary_tables_``).
 * ``hf``: transformers' LLaMA ``apply_rotary_pos_emb`` with ``(B, S, D)`` tables in the
   activation dtype, as HF does.
 * ``compile``: ``torch.compile`` of that function (static shapes, fresh per shape and mode;
@@ -43,7 +44,7 @@ from torch import Tensor
 
 from torchembed.tools import bench
 
-PROVIDERS = ("torchembed", "torchembed-angles", "torchembed-hf", "hf", "compile", "liger")
+PROVIDERS = ("torchembed", "torchembed-angles", "torchembed-module", "torchembed-hf", "hf", "compile", "liger")
 Fn = Callable[[Tensor, Tensor], Any]
 
 
@@ -124,6 +125,16 @@ def build(provider: str, t: Tables, device: torch.device) -> tuple[Fn, str]:
         impl = "triton" if kernels.kernel_can_run(probe) else "reference (rotary_fused without the kernel)"
         inv_freq, positions = t.inv_freq, t.positions
         return (lambda q, k: kernels.rotary_fused(q, k, inv_freq=inv_freq, positions=positions)), impl
+    if provider == "torchembed-module":
+        # The public module, position ids (B, S): angles in the kernel, as torchembed-angles, plus the
+        # module's own checks (first call) or its kept launch (later calls).
+        from torchembed import RotaryEmbedding, kernels
+
+        rope = RotaryEmbedding(2 * t.inv_freq.shape[0], use_fused=True, device=device)
+        probe = torch.empty(0, device=device)
+        impl = "triton" if kernels.kernel_can_run(probe) else "reference (RotaryEmbedding without the kernel)"
+        positions = t.positions
+        return (lambda q, k: rope(q, k, position_ids=positions)), impl
     if provider == "torchembed-hf":
         # What a patched LLaMA computes per layer: upstream's (B, S, D) tables through torchembed's
         # replacement of apply_rotary_pos_emb (in place without grad).
