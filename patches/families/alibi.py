@@ -40,7 +40,6 @@ so a patched eager Falcon-ALiBi model differs from upstream eager and agrees wit
 from __future__ import annotations
 
 import inspect
-import weakref
 from typing import Any
 
 import torch
@@ -149,7 +148,8 @@ def _bind(method: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
     return bound
 
 
-_POSITIONAL_NAMES: "weakref.WeakKeyDictionary[Any, tuple[str, ...]]" = weakref.WeakKeyDictionary()
+# Keyed by the upstream forward functions (a handful per process, alive as long as their classes).
+_POSITIONAL_NAMES: dict[Any, tuple[str, ...]] = {}
 
 
 def _cache_of(arguments: dict[str, Any]) -> Any:
@@ -196,11 +196,11 @@ def bloom_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple
     # HF's mask: additive float (0 = attend) or bool (True = attend); 4.x slices it to the keys.
     if attention_mask is not None and attention_mask.shape[-1] != k_len:
         attention_mask = attention_mask[..., :k_len]
-    keep, cache_ = _keep_mask(attention_mask, lambda m: m if m.dtype == torch.bool else m == 0, alibi)
     heads = self.num_heads
     dropout = self.attention_dropout.p if self.training else 0.0
-    context = _attend(q, k, v, keep, cache_, alibi, "bloom", lambda: alibi.view(batch, heads, -1),  # (b*h,1,k) -> (b,h,k)
-                      scale=self.inv_norm_factor, dropout_p=dropout)
+    context = _attention(q, k, v, attention_mask, _bloom_keep, alibi, alibi, "bloom",
+                         lambda: alibi.view(batch, heads, -1),  # (b*h,1,k) -> (b,h,k)
+                         scale=self.inv_norm_factor, dropout_p=dropout)
     context = context.transpose(1, 2).reshape(batch, q_len, self.hidden_size)  # (b, s, h*d)
     output = F.dropout(self.dense(context), p=self.hidden_dropout, training=self.training) + residual
     return output, None
@@ -244,12 +244,11 @@ def falcon_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tupl
     k_len = k.shape[-2]
     if alibi.shape[-1] != k_len:
         raise ValueError(f"ALiBi bias covers {alibi.shape[-1]} keys, attention has {k_len}")
-    keep, cache_ = _keep_mask(attention_mask, _falcon_keep, alibi)
     scale, heads = self.inv_norm_factor, self.num_heads
     dropout = self.attention_dropout.p if self.training else 0.0
-    context = _attend(q, k, v, keep, cache_, alibi, ("falcon", scale),
-                      lambda: alibi.view(batch, heads, k_len).to(torch.float32) * scale,  # upstream: alibi / sqrt(d)
-                      scale=scale, dropout_p=dropout)
+    context = _attention(q, k, v, attention_mask, _falcon_keep, alibi, alibi, ("falcon", scale),
+                         lambda: alibi.view(batch, heads, k_len).to(torch.float32) * scale,  # upstream: alibi / sqrt(d)
+                         scale=scale, dropout_p=dropout)
     context = context.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)  # (b, q, h*d)
     return self.dense(context), None
 
@@ -273,6 +272,11 @@ def _repeat_kv(x: Tensor, num_heads: int) -> Tensor:
     if num_heads % kv:
         raise ValueError(f"{num_heads} query heads are not a multiple of {kv} key/value heads")
     return x[:, :, None].expand(batch, kv, num_heads // kv, length, dim).reshape(batch, num_heads, length, dim)
+
+
+def _bloom_keep(mask: Tensor) -> Tensor:
+    """BLOOM's mask as a keep mask: bool (True = attend) as it is, additive float: 0 = attend."""
+    return mask if mask.dtype == torch.bool else mask == 0
 
 
 def _falcon_keep(mask: Tensor) -> Tensor:
@@ -321,8 +325,6 @@ def mpt_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[T
         )
     if attention_mask is not None and attention_mask.shape[-1] != k_len:  # 4.x: a longer static-cache mask
         attention_mask = attention_mask[..., -k_len:]
-    # MPT's mask is True where masked. No anchor: the ALiBi table outlives the forward (a constant).
-    keep, cache_ = _keep_mask(attention_mask, torch.logical_not, None)
     heads = self.n_heads
 
     def key_bias() -> Tensor:  # (h, 1, L) -> (1, h, k); zeros for MPT without ALiBi
@@ -331,8 +333,10 @@ def mpt_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[T
         return position_bias[None, :, 0, -k_len:]
 
     dropout = self.attn_dropout_p if self.training else 0.0
-    context = _attend(q, k, v, keep, cache_, position_bias, ("mpt", k_len), key_bias, scale=self.softmax_scale,
-                      dropout_p=dropout)
+    # MPT's mask is True where masked. It carries the forward's masks: the ALiBi table outlives the
+    # forward (a constant), so it cannot.
+    context = _attention(q, k, v, attention_mask, torch.logical_not, attention_mask, position_bias, ("mpt", k_len),
+                         key_bias, scale=self.softmax_scale, dropout_p=dropout)
     context = context.transpose(1, 2).reshape(batch, q_len, -1)  # (b, s, h*d)
     return self.out_proj(context), None
 
@@ -386,30 +390,54 @@ def _per_forward(cache: MaskCache | None, source: Tensor | None, tag: Any, make:
     return make() if cache is None or source is None else cache.memo(source, tag, make)
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, cache: MaskCache | None, source: Tensor | None,
-            tag: Any, key_bias: Any, *, scale: float, dropout_p: float) -> Tensor:
-    """ALiBi attention of one patched layer, ``(b, h, q, d)``.
+# Attribute of a tensor that every layer of one forward receives and no other forward does (the bias
+# BLOOM and Falcon build per forward, MPT's mask): the SDPA masks its layers share, which die with it.
+_FORWARD_MASKS = "_torchembed_forward_masks"
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, to_keep: Any, carrier: Tensor | None,
+               source: Tensor | None, tag: Any, key_bias: Any, *, scale: float, dropout_p: float) -> Tensor:
+    """ALiBi attention of one patched layer, ``(b, h, q, d)``; ``k``, ``v`` may have fewer heads.
 
     ``key_bias()`` builds the ``(b or 1, h, k)`` float32 bias from ``source``, the bias tensor every
-    layer of the forward receives; it and what derives from it are built once per forward (``tag``
-    names the family's derivation). Decode (one query, no dropout) is host-bound: one lookup of the
-    forward's SDPA mask, then SDPA, which broadcasts a multi-query kv head as upstream's does.
-    Prefill goes to :func:`alibi_attention` (its fused kernels take ``h`` kv heads).
+    layer receives (``tag`` names the family's derivation); ``to_keep`` makes HF's mask a keep mask.
+    Decode steps (no dropout) and small prefills (:func:`dense_prefill`) are bound by host time: they
+    attend with one SDPA mask per forward, which the first layer derives and keeps on ``carrier`` and
+    the others find with one lookup. Other prefills go to :func:`alibi_attention` (fused kernels),
+    with what they derive from the mask kept once per forward in its :class:`MaskCache`.
     """
-    if q.shape[-2] == 1 and dropout_p == 0.0:
-        mask = _per_forward(cache, source, (tag, "decode", q.dtype), lambda: alibi_decode_bias(key_bias(), keep, q.dtype))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    heads = q.shape[1]
-    k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
-    if dense_prefill(q, k):  # small prefill (host-bound): the forward's SDPA mask, one lookup per layer
-        def dense() -> Tensor:
-            whole = keep if keep is not None else causal_keep(q.shape[-2], k.shape[-2], q.device)
-            return alibi_prefill_bias(key_bias(), whole, q.dtype)
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    compiling = torch.compiler.is_compiling()
+    owner = None if attention_mask is carrier else attention_mask  # (MPT: the mask is the carrier)
+    slot = (tag, q_len, k_len, q.dtype, id(owner))
+    kept = None if carrier is None or compiling else getattr(carrier, _FORWARD_MASKS, None)
+    hit = None if kept is None else kept.get(slot)
+    if hit is not None and hit[0] is owner:
+        return _masked_sdpa(q, k, v, hit[1], scale, dropout_p)
+    keep, cache = _keep_mask(attention_mask, to_keep, carrier)
+    if q_len == 1 and dropout_p == 0.0:
+        mask = alibi_decode_bias(key_bias(), keep, q.dtype)
+    elif dense_prefill(q, k):
+        mask = alibi_prefill_bias(key_bias(), keep if keep is not None else causal_keep(q_len, k_len, q.device), q.dtype)
+    else:
+        heads = q.shape[1]
+        return alibi_attention(q, _repeat_kv(k, heads), _repeat_kv(v, heads), _per_forward(cache, source, tag, key_bias),
+                               keep, scale=scale, dropout_p=dropout_p, cache=cache)
+    if carrier is not None and not compiling:
+        if kept is None:
+            kept = {}
+            setattr(carrier, _FORWARD_MASKS, kept)
+        kept[slot] = (owner, mask)
+    return _masked_sdpa(q, k, v, mask, scale, dropout_p)
 
-        mask = _per_forward(cache, source, (tag, "dense", q.dtype), dense)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-    return alibi_attention(q, k, v, _per_forward(cache, source, tag, key_bias), keep, scale=scale, dropout_p=dropout_p,
-                           cache=cache)
+
+def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, dropout_p: float) -> Tensor:
+    """SDPA with an additive mask; a decode step broadcasts a multi-query kv head (as upstream's
+    SDPA does), a prefill gets the kv heads repeated."""
+    heads = q.shape[1]
+    if q.shape[-2] != 1 and k.shape[1] != heads:
+        k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
 def _keep_mask(attention_mask: Tensor | None, to_keep: Any, anchor: Tensor | None) -> tuple[Tensor | None, MaskCache | None]:

@@ -161,7 +161,8 @@ def alibi_prefill_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype
     bias = key_bias[:, :, None, :].to(compute)
     if keep is not None:  # one (b, h, q, k) buffer in the compute dtype, then updated in place
         bias = bias.masked_fill(~keep, -math.inf)
-    row_max = bias.amax(dim=-1, keepdim=True)
-    shift = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    # A row with no key kept has max -inf: shifted by the lowest finite value it stays -inf and is
+    # clamped to dtype's minimum like every masked entry (uniform attention, as upstream, not NaN).
+    shift = bias.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(compute).min)
     bias = bias.sub_(shift) if keep is not None else bias - shift
     return bias.clamp_(min=torch.finfo(dtype).min).to(dtype)
