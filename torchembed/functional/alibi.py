@@ -147,22 +147,29 @@ def alibi_attention_reference(
 
 
 def alibi_prefill_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """The SDPA mask of a prefill: ``key_bias`` re-centred per query row so that its largest kept
-    entry is 0, the positions ``keep`` excludes set to ``dtype``'s minimum (finite, as upstream).
+    """The SDPA mask of a prefill: ``key_bias`` re-centred on each query's own key (queries are the
+    last ``q`` of the ``k`` keys, as in a prefill after any cache), the positions ``keep`` excludes
+    set to ``dtype``'s minimum (finite, as upstream). Softmax ignores the per-row constant; the
+    entries near the diagonal, which carry the attention, are then small and exact in low precision.
+
+    Built in one pass in ``dtype`` (the difference computed in float32, rounded once on store) and
+    one masking pass: no ``(b, h, q, k)`` float32 tensor. A row that keeps no key attends uniformly.
 
     Args:
         key_bias: ``(b or 1, h, k)`` float.
-        keep: ``(b or 1, 1, q, k)`` bool or None (then one row, broadcast over the queries).
+        keep: ``(b or 1, 1, q, k)`` bool, or None (every key, one row: the bias shifted by its
+            largest entry).
 
     Returns:
-        ``(b or 1, h, q or 1, k)`` in ``dtype``.
+        ``(b, h, q, k)`` in ``dtype`` (``(b or 1, h, 1, k)`` when ``keep`` is None).
     """
     compute = torch.promote_types(dtype, torch.float32)
-    bias = key_bias[:, :, None, :].to(compute)
-    if keep is not None:  # one (b, h, q, k) buffer in the compute dtype, then updated in place
-        bias = bias.masked_fill(~keep, -math.inf)
-    # A row with no key kept has max -inf: shifted by the lowest finite value it stays -inf and is
-    # clamped to dtype's minimum like every masked entry (uniform attention, as upstream, not NaN).
-    shift = bias.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(compute).min)
-    bias = bias.sub_(shift) if keep is not None else bias - shift
-    return bias.clamp_(min=torch.finfo(dtype).min).to(dtype)
+    bias = key_bias if key_bias.dtype == compute else key_bias.to(compute)
+    if keep is None:
+        return (bias - bias.amax(dim=-1, keepdim=True))[:, :, None, :].to(dtype)
+    q_len, k_len = keep.shape[-2:]
+    shape = (max(bias.shape[0], keep.shape[0]), bias.shape[1], q_len, k_len)
+    own = bias[:, :, k_len - q_len :, None]  # (b, h, q, 1): each query's own key
+    out = torch.empty(shape, dtype=dtype, device=bias.device)
+    torch.sub(bias[:, :, None, :].expand(shape), own.expand(shape), out=out)
+    return out.masked_fill_(~keep, torch.finfo(dtype).min)
