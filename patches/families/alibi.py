@@ -407,13 +407,14 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, t
     with what they derive from the mask kept once per forward in its :class:`MaskCache`.
     """
     q_len, k_len = q.shape[-2], k.shape[-2]
-    compiling = torch.compiler.is_compiling()
-    owner = None if attention_mask is carrier else attention_mask  # (MPT: the mask is the carrier)
-    slot = (tag, q_len, k_len, q.dtype, id(owner))
-    kept = None if carrier is None or compiling else getattr(carrier, _FORWARD_MASKS, None)
-    hit = None if kept is None else kept.get(slot)
-    if hit is not None and hit[0] is owner:
-        return _masked_sdpa(q, k, v, hit[1], scale, dropout_p)
+    keeping = carrier is not None and not torch.compiler.is_compiling()  # (no id() of a traced tensor)
+    if keeping:
+        owner = None if attention_mask is carrier else attention_mask  # (MPT: the mask is the carrier)
+        slot = (tag, q_len, k_len, q.dtype, id(owner))
+        kept = getattr(carrier, _FORWARD_MASKS, None)
+        hit = None if kept is None else kept.get(slot)
+        if hit is not None and hit[0] is owner:
+            return _masked_sdpa(q, k, v, hit[1], scale, dropout_p)
     keep, cache = _keep_mask(attention_mask, to_keep, carrier)
     if q_len == 1 and dropout_p == 0.0:
         mask = alibi_decode_bias(key_bias(), keep, q.dtype)
@@ -423,7 +424,7 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, t
         heads = q.shape[1]
         return alibi_attention(q, _repeat_kv(k, heads), _repeat_kv(v, heads), _per_forward(cache, source, tag, key_bias),
                                keep, scale=scale, dropout_p=dropout_p, cache=cache)
-    if carrier is not None and not compiling:
+    if keeping:
         if kept is None:
             kept = {}
             setattr(carrier, _FORWARD_MASKS, kept)
