@@ -876,7 +876,7 @@ class _FakeKernel:
     """Stands in for the jitted kernel on any machine: ``kernel[grid](*args, **meta)`` records the
     launch and returns a compiled kernel whose launcher records its calls."""
 
-    def __init__(self):
+    def __init__(self, packed=False):
         self.launches, self.entries, self.fail = [], [], False
         fake = self
 
@@ -888,6 +888,12 @@ class _FakeKernel:
                 if fake.fail:
                     raise TypeError("launcher changed")
                 fake.entries.append(args)
+
+            def __call__(self, *args):  # the Python wrapper: (grid, stream, function, metadata, hooks, args)
+                fake.entries.append(("wrapper",) + args)
+
+        if packed:  # a launcher whose C entry takes the arguments packed (Triton 3.9)
+            Run.kernel_signature = "packed"
 
         class Compiled:
             function, packed_metadata, run = "function", "metadata", Run()
@@ -952,3 +958,26 @@ def test_kept_launches_replay_what_was_launched(monkeypatch):
     assert not rope_triton._DIRECT and len(kernel.launches) == 5
     rotary_tables_(q, k, cos, sin)  # kept again, as a kernel[grid] launch
     assert len(kernel.launches) == 6 and len(kernel.entries) == 3
+
+
+def test_kept_launch_calls_the_python_wrapper_of_a_packed_launcher(monkeypatch):
+    """Where the launcher's C entry takes its arguments packed (a later Triton), the kept launch
+    calls the launcher's Python wrapper, with the arguments Triton's own launch passes it."""
+    from torchembed.kernels import rotary_tables_
+
+    kernel = _FakeKernel(packed=True)
+    monkeypatch.setattr(rope_triton, "_rope_kernel", kernel)
+    monkeypatch.setattr(rope_triton, "_DIRECT", True)
+    monkeypatch.setattr(rope_triton, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(rope_triton, "_raw_stream", lambda index: "stream")
+    rope_launches.clear()
+    q, k = make_qk(1, 4, 2, 3, 16, torch.float32, layout="hf")
+    cos, sin = make_table(3, 8, (1,))
+    rotary_tables_(q, k, cos, sin)
+    rotary_tables_(q, k, cos, sin)
+    grid, args, meta = kernel.launches[-1]
+    got = kernel.entries[-1]
+    assert len(kernel.launches) == 1 and got[0] == "wrapper"
+    assert got[1:10] == (*grid, "stream", "function", "metadata", None, None, None)
+    assert got[10:18] == tuple(t.data_ptr() for t in (q, k, q, k, cos, sin, q, q))
+    assert got[18:] == tuple(args[8:]) + tuple(meta[name] for name in rope_triton._CONSTEXPR_NAMES)

@@ -393,8 +393,8 @@ def _keep(compiled, grid, meta, constexprs, args, tables: bool):
     fixed = args[8:-2]  # sizes and strides; the offset and scale come with each call
     g0, g1, g2 = grid
     q = args[0]
-    run = getattr(compiled, "run", None)
-    if not (_DIRECT and _on_gpu(q) and run is not None):
+    run, function, metadata = (getattr(compiled, name, None) for name in ("run", "function", "packed_metadata"))
+    if not (_DIRECT and _on_gpu(q) and run is not None and function is not None and metadata is not None):
         def relaunch(q, k, qo, ko, cos, sin, inv_freq, positions, offset, scale) -> bool:
             if _DIRECT and _on_gpu(q):  # the direct launch came back on: launch() keeps one
                 return False
@@ -408,15 +408,17 @@ def _keep(compiled, grid, meta, constexprs, args, tables: bool):
     if any(t.data_ptr() & 15 for t in args[:8]):  # compiled for unaligned pointers: not kept
         return None
     index = q.device.index
-    # The launcher's C entry point where the installed Triton exposes it (no scratch buffers to
-    # allocate); otherwise its Python wrapper. Both take the kernel arguments after a fixed head.
+    # The launcher's C entry point where the installed Triton exposes it with the kernel arguments
+    # flat after a fixed head (as Triton 3.6's) and there are no scratch buffers to allocate;
+    # otherwise (3.9 packs the arguments with their annotations) its Python wrapper, called as
+    # Triton's own launch calls it.
     entry = getattr(run, "launch", None)
     if (callable(entry) and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
-            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")):
-        head = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
-                None, None, None)
+            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")
+            and not hasattr(run, "kernel_signature") and not hasattr(run, "arg_annotations")):
+        head = (function, run.launch_cooperative_grid, run.launch_pdl, None, None, metadata, None, None, None)
     else:
-        entry, head = run, (compiled.function, compiled.packed_metadata, None, None, None)
+        entry, head = run, (function, metadata, None, None, None)
 
     def replay(q, k, qo, ko, cos, sin, inv_freq, positions, offset, scale) -> bool:
         if not _DIRECT:
