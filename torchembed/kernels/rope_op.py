@@ -420,15 +420,21 @@ _rotary_op.register_autograd(_Rotary.backward, setup_context=_Rotary.setup_conte
 # ------------------------------------------------------------------------------------------
 
 
+def needs_grad(q: Tensor, k: Tensor) -> bool:
+    """Autograd records this call (q and k may be anything here: validation comes later)."""
+    return torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False))
+
+
 def replay_kept(key: Optional[tuple], q: Tensor, k: Tensor, cos: Optional[Tensor], sin: Optional[Tensor],
                 inv_freq: Optional[Tensor], positions: Union[None, int, Tensor], scale: float,
                 inplace: bool) -> Optional[Tuple[Tensor, Tensor]]:
     """``rotary_fused``'s result from the launch kept under ``key`` (:func:`rope_launches.key_of` of
-    these arguments), with no validation (the key implies it); None where nothing is kept, the
-    kernel cannot run, or a gradient is needed: the caller goes the validated way."""
+    these arguments), with no validation (the key implies it); None where nothing is kept or the
+    kernel cannot run: the caller goes the validated way. For calls that need no gradient
+    (:func:`needs_grad` false: the caller checks, before computing the key)."""
     kept = LAUNCHES.get(key)
     # A kept launch means the kernel ran on this device; only the switch can have changed since.
-    if kept is None or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)) or _triton_disabled():
+    if kept is None or _triton_disabled():
         return None
     qo, ko = (q, k) if inplace else (_empty_like(q), _empty_like(k))
     pos_t, offset = (None, positions) if type(positions) is int else (positions, 0)
@@ -498,7 +504,7 @@ def rotary_fused(
         ValueError: on any shape/dtype/device mismatch, naming the expected and given values.
     """
     compiling = torch.compiler.is_compiling()
-    if not compiling:  # a call like one launched before: that launch again, at once
+    if not compiling and not needs_grad(q, k):  # a call like one launched before: that launch again, at once
         key = key_of(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate)
         if key is not None:
             out = replay_kept(key, q, k, cos, sin, inv_freq, positions, float(scale), inplace)
@@ -506,13 +512,13 @@ def rotary_fused(
                 return out
     a = _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate)
     inplace = bool(inplace)
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    if not needs_grad and not compiling:
+    recorded = needs_grad(q, k)
+    if not recorded and not compiling:
         if inplace:
             _rotate_(a)
             return q, k
         return _rotate(a)
-    if not needs_grad:  # compiling, nothing to differentiate
+    if not recorded:  # compiling, nothing to differentiate
         if inplace:
             torch.ops.torchembed.rotary_(*a)
             return q, k

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from torchembed import kernels
 from torchembed.kernels import rope_launches
-from torchembed.kernels.rope_op import replay_kept
+from torchembed.kernels.rope_op import needs_grad, replay_kept
 from torchembed.functional.rope import (
     _check_base,
     _check_nonnegative,
@@ -175,7 +175,7 @@ class RotaryEmbedding(nn.Module):
             positions = position_ids[None] if position_ids.dim() == 1 else position_ids
         else:
             return None
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or needs_grad(q, k):
             return None
         inv_freq, scale = self._buffers["inv_freq"], self.attention_scaling  # (not Module.__getattr__: 1 us)
         key = rope_launches.key_of(q, k, None, None, inv_freq, positions, scale, self.interleaved, False, False)
