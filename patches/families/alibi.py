@@ -46,8 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torchembed.functional.alibi import alibi_decode_bias, alibi_key_bias, alibi_prefill_bias, alibi_slopes
+from torchembed.functional.alibi import alibi_decode_bias, alibi_key_bias, alibi_slopes
 from torchembed.kernels.alibi_attention import MaskCache, alibi_attention, causal_keep, dense_prefill
+from torchembed.kernels.alibi_bias import prefill_bias
 from torchembed.patches.actions import AddForwardPreHook, Component, InstanceMethod, OverrideAttribute
 from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
 from torchembed.patches.devices import ShareDeviceCopies
@@ -419,7 +420,7 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, t
     if q_len == 1 and dropout_p == 0.0:
         mask = alibi_decode_bias(key_bias(), keep, q.dtype)
     elif dense_prefill(q, k):
-        mask = alibi_prefill_bias(key_bias(), keep if keep is not None else causal_keep(q_len, k_len, q.device), q.dtype)
+        mask = prefill_bias(key_bias(), keep if keep is not None else causal_keep(q_len, k_len, q.device), q.dtype)
     else:
         heads = q.shape[1]
         return alibi_attention(q, _repeat_kv(k, heads), _repeat_kv(v, heads), _per_forward(cache, source, tag, key_bias),

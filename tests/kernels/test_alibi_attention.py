@@ -279,8 +279,8 @@ def test_small_prefill_materialises_the_bias_once_per_forward(monkeypatch, dtype
 
     monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
     built, fused = [], []
-    original = module.alibi_prefill_bias
-    monkeypatch.setattr(module, "alibi_prefill_bias", lambda *a: built.append(1) or original(*a))
+    original = module.prefill_bias
+    monkeypatch.setattr(module, "prefill_bias", lambda *a: built.append(1) or original(*a))
     monkeypatch.setattr(module, "_sdpa_with_columns", lambda q, *a, **kw: fused.append("columns") or q)
     monkeypatch.setattr(module, "_flex_attention", lambda q, *a, **kw: fused.append("flex") or q)
     b, h, n, d = 2, 3, 40, 16

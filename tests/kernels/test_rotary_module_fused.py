@@ -76,3 +76,30 @@ def test_fused_module_with_sequence_first_layout_and_gradients():
         outs[name] = (*out, q.grad.clone(), k.grad.clone())
     for g, w in zip(outs["fused"], outs["reference"]):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+def test_position_ids_of_one_dim_keep_the_launch_of_their_batch_view():
+    """``(s,)`` position ids go to the kernel as the ``(1, s)`` view; that launch is kept also under
+    the key of the ``(s,)`` tensor itself, tagged apart from ``(b,)`` offsets (which a 1-D tensor is to
+    ``rotary_fused``), so the next such call replays without making the view. With ``b == s`` the two
+    forms have tensors alike; each keeps its own meaning, replayed (on CUDA) or not."""
+    import torchembed.positional.rotary as rotary
+
+    fused = RotaryEmbedding(dim=32, use_fused=True, device=DEV)
+    reference = RotaryEmbedding(dim=32, device=DEV)
+    q, k = torch.randn(S, 4, S, 32, device=DEV), torch.randn(S, 2, S, 32, device=DEV)
+    ids = torch.randperm(50)[:S].to(DEV)
+    offsets = torch.randint(0, 100, (S,)).to(DEV)
+    rope_launches.clear()
+    with torch.no_grad():
+        for _ in range(2):  # checked and kept, then (on CUDA) replayed
+            for kwargs in (dict(position_ids=ids), dict(offset=offsets)):
+                got, want = fused(q, k, **kwargs), reference(q, k, **kwargs)
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g, w, **TOL[torch.float32])
+    args = (q, k, None, None, fused.inv_freq)
+    as_view = rope_launches.key_of(*args, ids[None], fused.attention_scaling, False, False, False)
+    as_is = rope_launches.key_of(*args, ids, fused.attention_scaling, False, False, False)
+    assert as_is == rope_launches.key_of(*args, offsets, fused.attention_scaling, False, False, False)
+    assert rope_launches.LAUNCHES[(rotary._IDS_1D, as_is)] is rope_launches.LAUNCHES[as_view]
+    assert rope_launches.LAUNCHES[as_is] is not rope_launches.LAUNCHES[as_view]  # the offsets' own launch

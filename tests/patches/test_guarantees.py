@@ -249,8 +249,8 @@ def test_small_alibi_prefill_materialises_its_bias_once_per_forward(name, padded
     monkeypatch.setattr(kernel, "_sdpa_with_columns", lambda *a, **kw: pytest.fail("bias columns taken"))
     monkeypatch.setattr(kernel, "_flex_attention", lambda *a, **kw: pytest.fail("FlexAttention taken"))
     built = []
-    original = family.alibi_prefill_bias
-    monkeypatch.setattr(family, "alibi_prefill_bias", lambda *a: built.append(1) or original(*a))
+    original = family.prefill_bias
+    monkeypatch.setattr(family, "prefill_bias", lambda *a: built.append(1) or original(*a))
     upstream = load(name)
     model = torchembed.patch(copy.deepcopy(upstream))
     ids = torch.randint(1, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))

@@ -1,8 +1,8 @@
 """ALiBi attention for prefill: fused kernels at scale, nothing quadratic materialised there.
 
 Press et al., arXiv:2108.12409. Small CUDA prefills (at most ``DENSE_MAX_ELEMENTS`` bias elements)
-take SDPA with the ``(b, h, q, k)`` bias materialised once per forward (faster there); larger ones
-one of two fused paths:
+take SDPA with the ``(b, h, q, k)`` bias materialised once per forward (faster there; written in one
+Triton pass, :mod:`torchembed.kernels.alibi_bias`); larger ones one of two fused paths:
 
 * **bias columns + SDPA** (causal prefill without padding, bf16/float32): the key-only bias is
   carried by extra head-dim columns, ``q' = [q, 1, 1, 1, -r_i]`` and ``k' = [k, b_j]`` with
@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torchembed.functional.alibi import alibi_attention_reference, alibi_decode_bias, alibi_prefill_bias
+from torchembed.functional.alibi import alibi_attention_reference, alibi_decode_bias
+from torchembed.kernels.alibi_bias import prefill_bias
 
 __all__ = ["alibi_attention", "flex_available", "alibi_score_mod", "bias_columns", "causal_keep", "dense_prefill", "prefill_path",
            "MaskCache"]
@@ -225,7 +226,7 @@ def alibi_attention(
     if dense_prefill(q, k):
         if keep is None:
             keep, cache = _causal(q_len, k_len, q.device)
-        make = lambda: alibi_prefill_bias(key_bias, keep, q.dtype)  # noqa: E731
+        make = lambda: prefill_bias(key_bias, keep, q.dtype)  # noqa: E731
         bias = make() if cache is None else cache.memo(key_bias, ("dense", q.dtype), make)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
     fused = q_len > 1 and q.device.type in _FUSED_DEVICES and not torch.compiler.is_compiling()
@@ -250,8 +251,9 @@ def alibi_attention(
 
 def dense_prefill(q: Tensor, k: Tensor) -> bool:
     """Whether the prefill of ``q (b, h, q, d)`` over ``k (b, h, k, d)`` takes SDPA with the
-    materialised bias (``alibi_prefill_bias``): a CUDA prefill (outside ``torch.compile``) of at most
-    ``DENSE_MAX_ELEMENTS`` bias elements, or any under ``prefill_path("dense")``."""
+    materialised bias (:func:`torchembed.kernels.alibi_bias.prefill_bias`, one Triton write): a CUDA
+    prefill (outside ``torch.compile``) of at most ``DENSE_MAX_ELEMENTS`` bias elements, or any under
+    ``prefill_path("dense")``."""
     q_len = q.shape[-2]
     if q_len == 1 or q.device.type not in _FUSED_DEVICES or torch.compiler.is_compiling():
         return False

@@ -26,6 +26,8 @@ from torchembed.functional.rope import (
 
 __all__ = ["RotaryEmbedding"]
 
+_IDS_1D = "ids (s,)"  # tags the launch-cache key of (s,) position ids (see RotaryEmbedding._replay)
+
 
 class RotaryEmbedding(nn.Module):
     """Rotate query/key features in 2D subspaces by position-dependent angles.
@@ -162,23 +164,28 @@ class RotaryEmbedding(nn.Module):
     def _replay(
         self, q: Tensor, k: Tensor, seq_dim: int, offset: int | Tensor, position_ids: Tensor | None
     ) -> tuple[Tensor, Tensor] | None:
-        """The fused path at once for a call like one it served before: 4-D q/k, the sequence at
-        dim 2, positions on the GPU. Its launch key implies every check of ``forward`` but the two
-        made here (head dim, offsets per sequence), so none is repeated; None: the checked way."""
+        """The fused path at once for a call like one it served before: 4-D q/k with the sequence
+        at dim 2, positions on the GPU, nothing to differentiate. Its launch key implies every check of
+        ``forward`` (the positions' shape included: a kept launch had them checked) but those made
+        here (head dim, offsets per sequence), so none is repeated; None: the checked way."""
         if type(q) is not Tensor or q.dim() != 4 or q.shape[-1] != self.dim or (seq_dim != -2 and seq_dim != 2):
-            return None
-        if position_ids is None:
-            positions = offset
-            if type(offset) is Tensor and (offset.dim() != 1 or offset.shape[0] != q.shape[0] or not offset.is_cuda):
-                return None
-        elif type(offset) is int and offset == 0 and type(position_ids) is Tensor and position_ids.is_cuda:
-            positions = position_ids[None] if position_ids.dim() == 1 else position_ids
-        else:
             return None
         if torch.compiler.is_compiling() or needs_grad(q, k):
             return None
         inv_freq, scale = self._buffers["inv_freq"], self.attention_scaling  # (not Module.__getattr__: 1 us)
+        if position_ids is None:
+            if type(offset) is Tensor and offset.shape[:1] != q.shape[:1]:  # ((1,) offsets: rotary_fused's broadcast)
+                return None
+            positions = offset
+        elif type(offset) is int and offset == 0:
+            positions = position_ids
+        else:
+            return None
+        if type(positions) is Tensor and not positions.is_cuda:  # CPU positions: range-checked on the host
+            return None
         key = rope_launches.key_of(q, k, None, None, inv_freq, positions, scale, self.interleaved, False, False)
+        if key is not None and position_ids is not None and position_ids.dim() == 1:
+            key = (_IDS_1D, key)  # (s,) ids: not the (b,) offsets a 1-D tensor is to the kernel
         return None if key is None else replay_kept(key, q, k, None, None, inv_freq, positions, scale, False)
 
     def _check(self, q: Tensor, k: Tensor, seq_dim: int, inv_freq: Tensor) -> int:
@@ -310,14 +317,29 @@ class RotaryEmbedding(nn.Module):
         if isinstance(positions, Tensor) and positions.device != q.device:
             positions = positions.to(q.device)
         if q.dim() == 4:
-            return kernels.rotary_fused(
+            out = kernels.rotary_fused(
                 q, k, inv_freq=inv_freq, scale=self.attention_scaling, positions=positions, interleaved=self.interleaved
             )
+            if position_ids is not None and position_ids.dim() == 1:  # kept for _replay, which passes (s,) as is
+                self._keep_ids_1d(q, k, position_ids, positions, inv_freq)
+            return out
         q_out, k_out = kernels.rotary_fused(
             _as_bhsd(q), _as_bhsd(k), inv_freq=inv_freq, scale=self.attention_scaling, positions=positions,
             interleaved=self.interleaved,
         )
         return q_out.reshape(q.shape), k_out.reshape(k.shape)
+
+    def _keep_ids_1d(self, q: Tensor, k: Tensor, ids: Tensor, ids_2d: Tensor, inv_freq: Tensor) -> None:
+        """Keep the launch made for ``(1, s)`` ids also under the key of the ``(s,)`` tensor they view
+        (same pointer and strides), tagged: :meth:`_replay` then needs no view op per call."""
+        if needs_grad(q, k) or torch.compiler.is_compiling() or ids.device != q.device:
+            return
+        args = (None, None, inv_freq)
+        made = rope_launches.key_of(q, k, *args, ids_2d, self.attention_scaling, self.interleaved, False, False)
+        launch = None if made is None else rope_launches.LAUNCHES.get(made)
+        key = rope_launches.key_of(q, k, *args, ids, self.attention_scaling, self.interleaved, False, False)
+        if launch is not None and key is not None:
+            rope_launches.store((_IDS_1D, key), launch)
 
     def extra_repr(self) -> str:
         return (
