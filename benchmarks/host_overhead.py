@@ -3,7 +3,7 @@
 q ``(B, 32, 1, 128)``, k ``(B, 8, 1, 128)``, bf16, B in {1, 32}; every position form of
 ``RotaryEmbedding(use_fused=True).forward`` and ``kernels.rotary_fused``, plus the patched-HF hot
 path ``kernels.rotary_tables_`` (in place, per-token tables) for reference. Prints the median over repeats of the mean time of
-``--calls`` calls, in microseconds.
+``--calls`` calls and the best repeat, in microseconds (the cases interleaved within each repeat).
 
 On a CUDA machine the kernel really launches (the time is the host's: calls are not synchronised).
 Elsewhere the script runs on CPU under ``TRITON_INTERPRET=1`` with the Triton launch replaced by a
@@ -45,27 +45,32 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-def _time(fn: Callable[[], object], calls: int, repeats: int) -> float:
-    """Median over repeats of the host time per call.  On CUDA the calls run in chunks that the
-    launch queue holds (its depth is about a thousand launches), synchronised between chunks and
-    outside the clock, so the time is the host's even where the kernels are the slower side."""
+def _time_all(cases: dict[str, Callable[[], object]], calls: int, repeats: int) -> dict[str, tuple[float, float]]:
+    """Host time per call of each case, ``(median, best)`` over repeats, in microseconds.
+
+    The cases take turns within each repeat (a burst of noise on the host then touches every case
+    alike, not one). On CUDA a repeat's calls run in chunks that the launch queue holds (its depth is
+    about a thousand launches), synchronised between chunks and outside the clock, so the time is the
+    host's even where the kernels are the slower side."""
     chunk = 250 if CUDA else calls
-    for _ in range(50):
-        fn()
-    samples = []
+    for fn in cases.values():
+        for _ in range(50):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeats):
-        elapsed = 0.0
-        for done in range(0, calls, chunk):
-            if CUDA:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(min(chunk, calls - done)):
-                fn()
-            elapsed += time.perf_counter() - start
-        samples.append(elapsed / calls * 1e6)
+        for name, fn in cases.items():
+            elapsed = 0.0
+            for done in range(0, calls, chunk):
+                if CUDA:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(min(chunk, calls - done)):
+                    fn()
+                elapsed += time.perf_counter() - start
+            samples[name].append(elapsed / calls * 1e6)
     if CUDA:
         torch.cuda.synchronize()
-    return statistics.median(samples)
+    return {name: (statistics.median(x), min(x)) for name, x in samples.items()}
 
 
 def _cases(batch: int, device: torch.device) -> dict[str, Callable[[], object]]:
@@ -94,20 +99,20 @@ def _cases(batch: int, device: torch.device) -> dict[str, Callable[[], object]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2000, help="calls per timed repeat")
-    parser.add_argument("--repeats", type=int, default=7, help="timed repeats (the median is printed)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats (median and best are printed)")
     parser.add_argument("--json", help="also write the table to this JSON file")
     args = parser.parse_args()
     device = torch.device("cuda" if CUDA else "cpu")
     if not CUDA:
         rope_triton._rope_kernel = _NoLaunch()
     mode = torch.cuda.get_device_name() if CUDA else "CPU, TRITON_INTERPRET=1, launch stubbed"
-    print(f"host us/call ({mode}; median of {args.repeats} x {args.calls} calls)")
-    results = {batch: {name: _time(fn, args.calls, args.repeats) for name, fn in _cases(batch, device).items()}
-               for batch in (1, 32)}
+    print(f"host us/call ({mode}; median and best of {args.repeats} x {args.calls} calls, cases interleaved)")
+    results = {batch: _time_all(_cases(batch, device), args.calls, args.repeats) for batch in (1, 32)}
     width = max(len(name) for name in results[1])
-    print(f"{'entry point':<{width}}  {'B=1':>7}  {'B=32':>7}")
+    print(f"{'entry point':<{width}}  {'B=1':>7}  {'best':>6}  {'B=32':>7}  {'best':>6}")
     for name in results[1]:
-        print(f"{name:<{width}}  {results[1][name]:7.1f}  {results[32][name]:7.1f}")
+        (m1, b1), (m32, b32) = results[1][name], results[32][name]
+        print(f"{name:<{width}}  {m1:7.1f}  {b1:6.1f}  {m32:7.1f}  {b32:6.1f}")
     if args.json:
         import json
         import platform
@@ -117,7 +122,8 @@ def main() -> None:
         meta = dict(device=mode, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
                     shape="q (B, 32, 1, 128), k (B, 8, 1, 128), bf16", calls=args.calls, repeats=args.repeats,
                     date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-        rows = [dict(entry_point=name, us_b1=results[1][name], us_b32=results[32][name]) for name in results[1]]
+        rows = [dict(entry_point=name, us_b1=results[1][name][0], us_b32=results[32][name][0],
+                     best_us_b1=results[1][name][1], best_us_b32=results[32][name][1]) for name in results[1]]
         Path(args.json).write_text(json.dumps(dict(meta=meta, results=rows), indent=1))
 
 

