@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from torchembed.kernels import rope_launches
+from torchembed.kernels import direct_launch, rope_launches
 from torchembed.kernels.rope_launches import RopeArgs
 
 __all__ = ["clear_launch_caches", "launch"]
@@ -366,16 +366,14 @@ def launch(a: RopeArgs, qo: Tensor, ko: Tensor, key=None) -> None:
 # ------------------------------------------------------------------------------------------
 # Kept launches: the compiled kernel again, without Triton's per-call binding
 # ------------------------------------------------------------------------------------------
-# ``kernel[grid](...)`` re-derives the specialisation of every argument on each call (dtype,
-# 16-byte alignment, ints equal to 1 or divisible by 16), which at decode sizes costs more than
-# the kernel.  A kept launch calls the CompiledKernel's launcher directly with raw pointers (ints:
-# the launcher then makes no driver call per pointer); the key it is kept under fixes everything
-# else Triton specialised on, and the launch checks the pointers' alignment itself.  Any failure of
-# the installed Triton's launcher switches the direct launch off for good (then a kept launch is a
-# plain ``kernel[grid]`` call with the kept configuration).  ``TORCHEMBED_DIRECT_LAUNCH=0`` too.
+# A kept launch calls the compiled kernel's launcher directly (:mod:`direct_launch`) with raw
+# pointers; the key it is kept under fixes everything else Triton specialised on, and the launch
+# checks the pointers' alignment itself.  Any failure of the installed Triton's launcher switches the
+# direct launch off for good (then a kept launch is a plain ``kernel[grid]`` call with the kept
+# configuration).  ``TORCHEMBED_DIRECT_LAUNCH=0`` too.
 
-_DIRECT = os.environ.get("TORCHEMBED_DIRECT_LAUNCH", "1") == "1"
-_raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
+_DIRECT = direct_launch.ENABLED
+_raw_stream = direct_launch.raw_stream
 
 
 def _on_gpu(t: Tensor) -> bool:
@@ -393,8 +391,8 @@ def _keep(compiled, grid, meta, constexprs, args, tables: bool):
     fixed = args[8:-2]  # sizes and strides; the offset and scale come with each call
     g0, g1, g2 = grid
     q = args[0]
-    run, function, metadata = (getattr(compiled, name, None) for name in ("run", "function", "packed_metadata"))
-    if not (_DIRECT and _on_gpu(q) and run is not None and function is not None and metadata is not None):
+    found = direct_launch.entry_of(compiled)
+    if not (_DIRECT and _on_gpu(q) and found is not None):
         def relaunch(q, k, qo, ko, cos, sin, inv_freq, positions, offset, scale) -> bool:
             if _DIRECT and _on_gpu(q):  # the direct launch came back on: launch() keeps one
                 return False
@@ -408,17 +406,7 @@ def _keep(compiled, grid, meta, constexprs, args, tables: bool):
     if any(t.data_ptr() & 15 for t in args[:8]):  # compiled for unaligned pointers: not kept
         return None
     index = q.device.index
-    # The launcher's C entry point where the installed Triton exposes it with the kernel arguments
-    # flat after a fixed head (as Triton 3.6's) and there are no scratch buffers to allocate;
-    # otherwise (3.9 packs the arguments with their annotations) its Python wrapper, called as
-    # Triton's own launch calls it.
-    entry = getattr(run, "launch", None)
-    if (callable(entry) and getattr(run, "global_scratch_size", 1) == 0 and getattr(run, "profile_scratch_size", 1) == 0
-            and hasattr(run, "launch_cooperative_grid") and hasattr(run, "launch_pdl")
-            and not hasattr(run, "kernel_signature") and not hasattr(run, "arg_annotations")):
-        head = (function, run.launch_cooperative_grid, run.launch_pdl, None, None, metadata, None, None, None)
-    else:
-        entry, head = run, (function, metadata, None, None, None)
+    entry, head = found
 
     def replay(q, k, qo, ko, cos, sin, inv_freq, positions, offset, scale) -> bool:
         if not _DIRECT:
