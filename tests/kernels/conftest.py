@@ -15,7 +15,13 @@ import pytest
 import torch
 
 _INTERPRET = not torch.cuda.is_available()
-_SAVED = os.environ.get("TRITON_INTERPRET")
+# The value before this conftest set it. pytest-xdist's controller imports this conftest too when the
+# command names files below tests/kernels, and its workers inherit its environment: the original
+# value travels with them under a name of its own, so each worker restores the user's, not "1".
+_ORIGINAL = "TORCHEMBED_TESTS_TRITON_INTERPRET_BEFORE"
+if _ORIGINAL not in os.environ:
+    os.environ[_ORIGINAL] = os.environ.get("TRITON_INTERPRET", "")
+_SAVED = os.environ[_ORIGINAL] or None
 
 if _INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"

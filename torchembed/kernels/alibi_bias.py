@@ -68,13 +68,12 @@ def prefill_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype) -> T
     """
     if keep is None or dtype not in _KERNEL_DTYPES or not kernel_can_run(key_bias):
         return alibi_prefill_bias(key_bias, keep, dtype)
-    batch, heads, _, _ = _shape(key_bias, keep)
+    shape = _shape(key_bias, keep)
     if (keep.dtype != torch.bool or keep.device != key_bias.device or not key_bias.is_floating_point()
-            or batch * heads > _MAX_PROGRAMS_Z):
+            or shape[0] * shape[1] > _MAX_PROGRAMS_Z):
         return alibi_prefill_bias(key_bias, keep, dtype)
     if torch.compiler.is_compiling():
         return torch.ops.torchembed.alibi_prefill_bias(key_bias, keep, dtype)
     from torchembed.kernels import alibi_bias_triton  # (the op's dispatch costs host time in eager)
 
-    return alibi_bias_triton.launch(key_bias, keep, torch.empty((batch, heads) + keep.shape[-2:], dtype=dtype,
-                                                                device=key_bias.device))
+    return alibi_bias_triton.launch(key_bias, keep, torch.empty(shape, dtype=dtype, device=key_bias.device))
