@@ -41,7 +41,7 @@ def _shape(key_bias: Tensor, keep: Tensor) -> tuple[int, int, int, int]:
 def _bias_op(key_bias: Tensor, keep: Tensor, dtype: torch.dtype) -> Tensor:
     shape = _shape(key_bias, keep)
     if not kernel_can_run(key_bias):
-        return alibi_prefill_bias(key_bias, keep, dtype).expand(shape).contiguous()
+        return alibi_prefill_bias(key_bias, keep, dtype)  # (b, h, q, k) already: keep is given
     from torchembed.kernels import alibi_bias_triton
 
     return alibi_bias_triton.launch(key_bias, keep, torch.empty(shape, dtype=dtype, device=key_bias.device))
