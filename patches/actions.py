@@ -94,6 +94,20 @@ class InstanceMethod:
         return f"<torchembed method {self.function.__qualname__} ({swapped}) of {type(self.__self__).__name__}>"
 
 
+_REPLICATE = "_replicate_for_data_parallel"
+
+
+def replicate_rebinding(module: nn.Module) -> nn.Module:
+    """``module._replicate_for_data_parallel()`` with every :class:`InstanceMethod` bound to
+    ``module`` rebound to the replica (this one included, for replicas of replicas)."""
+    replica = getattr(type(module), _REPLICATE)(module)
+    attrs = vars(replica)
+    for name, value in list(attrs.items()):
+        if isinstance(value, InstanceMethod) and value.__self__ is module:
+            attrs[name] = InstanceMethod(replica, value.function, value.replacements)
+    return replica
+
+
 @dataclass
 class SwapModule:
     """Replace the child ``name`` of ``parent`` by ``new``."""
@@ -119,6 +133,10 @@ class OverrideAttribute:
     A ``forward`` wrapped by accelerate's hooks (``_hf_hook``/``_old_forward``) is overridden
     beneath the hook, so device placement keeps working; one that accelerate wrapped after the
     patch is found there on undo.
+
+    An :class:`InstanceMethod` value also gives the module a ``_replicate_for_data_parallel`` that
+    rebinds it to each replica (``nn.DataParallel`` copies a module's ``__dict__``, so a replica
+    would otherwise run the method on the original module's weights); undo removes it.
     """
 
     component: Component
@@ -127,6 +145,7 @@ class OverrideAttribute:
     value: Any
     previous: Any = field(default=MISSING)
     target: str = ""
+    rebinds_replicas: bool = False
 
     def apply(self) -> None:
         self.target = self.name
@@ -134,8 +153,14 @@ class OverrideAttribute:
             self.target = "_old_forward"
         self.previous = vars(self.obj).get(self.target, MISSING)
         setattr(self.obj, self.target, self.value)
+        if isinstance(self.value, InstanceMethod) and _REPLICATE not in vars(self.obj):
+            setattr(self.obj, _REPLICATE, InstanceMethod(self.obj, replicate_rebinding))
+            self.rebinds_replicas = True
 
     def undo(self) -> None:
+        if self.rebinds_replicas:
+            vars(self.obj).pop(_REPLICATE, None)
+            self.rebinds_replicas = False
         attrs = vars(self.obj)
         target = self.target
         if attrs.get(target, MISSING) is not self.value and attrs.get("_old_forward", MISSING) is self.value:

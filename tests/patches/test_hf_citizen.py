@@ -219,3 +219,41 @@ def test_peft_lora_training_step_and_merge(name, order, load):
     merged_up, merged = upstream.merge_and_unload().eval(), patched.merge_and_unload().eval()
     assert torchembed.is_patched(merged) and not torchembed.is_patched(merged_up)
     _close(_out(merged, ids), _out(merged_up, ids))
+
+
+def _replicate(model, scale):
+    """What ``torch.nn.parallel.replicate`` does to each module (it needs CUDA devices to broadcast):
+    ``_replicate_for_data_parallel`` (a ``__dict__`` copy), then the replica's own parameters (here
+    the originals times ``scale``, so a replica computing with the original's weights is seen)."""
+    replicas = {module: module._replicate_for_data_parallel() for module in model.modules()}
+    for module, replica in replicas.items():
+        for name, child in module._modules.items():
+            replica._modules[name] = None if child is None else replicas[child]
+        for name, param in module._parameters.items():
+            replica._parameters[name] = None if param is None else param.detach() * scale
+    return replicas[model]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_data_parallel_replicas_compute_with_their_own_weights(name, load):
+    """``nn.DataParallel`` (and HF Trainer on several GPUs without torchrun) runs replicas made by
+    copying each module's ``__dict__``: torchembed's per-instance methods must follow the replica,
+    not keep computing with the original module's weights (or device)."""
+    upstream, patched = _pair(load, name)
+    ids = _ids(upstream)
+    _close(_out(_replicate(patched, 0.5), ids), _out(_replicate(upstream, 0.5), ids))
+    assert torchembed.is_patched(patched)
+    torchembed.unpatch(patched)
+    assert not any("_replicate_for_data_parallel" in vars(m) for m in patched.modules())
+    _close(_out(_replicate(patched, 0.5), ids), _out(_replicate(upstream, 0.5), ids))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("name", ["llama", "falcon", "bloom"])
+def test_data_parallel_forward_on_two_gpus(name, load):
+    upstream, patched = _pair(load, name)
+    ids = _ids(upstream, batch=4).cuda()
+    for model in (upstream, patched):
+        model.cuda()
+    expected = _out(upstream, ids)
+    _close(_out(torch.nn.DataParallel(patched, device_ids=[0, 1]), ids), expected)
