@@ -257,3 +257,24 @@ def test_data_parallel_forward_on_two_gpus(name, load):
         model.cuda()
     expected = _out(upstream, ids)
     _close(_out(torch.nn.DataParallel(patched, device_ids=[0, 1]), ids), expected)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_hf_fx_symbolic_trace_where_upstream_traces(name, load):
+    """transformers 4.x exports models with ``transformers.utils.fx.symbolic_trace`` (its model
+    tests run it for BERT): a patched model traces wherever upstream does, to the same function."""
+    fx = pytest.importorskip("transformers.utils.fx", reason="transformers 5 removed its fx tracer")
+    upstream, patched = _pair(load, name)
+    ids = _ids(upstream)
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    for model in (upstream, patched):
+        model.config.use_cache = False
+    try:
+        traced_upstream = fx.symbolic_trace(upstream, input_names=list(inputs))
+    except Exception as err:  # noqa: BLE001  (e.g. GPT-2 and LLaMA in 4.57: upstream's own fx fails)
+        pytest.skip(f"upstream does not trace here: {type(err).__name__}")
+    traced = fx.symbolic_trace(patched, input_names=list(inputs))
+    key = "logits" if hasattr(upstream, "lm_head") else "last_hidden_state"
+    expected = traced_upstream(**inputs)[key]
+    _close(traced(**inputs)[key], expected)
+    _close(_out(patched, ids, attention_mask=inputs["attention_mask"]), expected)

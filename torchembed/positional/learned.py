@@ -71,6 +71,8 @@ class LearnedPositionalEmbedding(nn.Module):
             ValueError: a position outside ``[0, max_seq_len)`` (checked on the host for CPU
                 tensors; on accelerators by an asynchronous device-side assert, no sync).
         """
+        if isinstance(position_ids, torch.fx.Proxy):  # symbolic tracing (HF's fx export): no values to check
+            return F.embedding(position_ids, self.weight, self.padding_idx)
         if position_ids.is_floating_point():
             raise TypeError(f"position_ids must be integer, got {position_ids.dtype}")
         if position_ids.numel() and not torch.compiler.is_compiling():
