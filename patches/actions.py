@@ -8,6 +8,7 @@ rebuilds itself from importable parts when it is copied or loaded.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import types
 from collections.abc import Mapping
@@ -110,7 +111,13 @@ def replicate_rebinding(module: nn.Module) -> nn.Module:
 
 @dataclass
 class SwapModule:
-    """Replace the child ``name`` of ``parent`` by ``new``."""
+    """Replace the child ``name`` of ``parent`` by ``new``.
+
+    An accelerate hook on the module taken out (``device_map`` placement, CPU or disk offload: the
+    hook moves inputs and loads offloaded weights on each call) is given, as a copy, to the module
+    put in, both ways: a model dispatched before the patch keeps working patched, and one
+    dispatched while patched keeps working after ``unpatch``.
+    """
 
     component: Component
     parent: nn.Module
@@ -120,10 +127,29 @@ class SwapModule:
 
     def apply(self) -> None:
         self.old = getattr(self.parent, self.name)
+        _carry_accelerate_hook(self.old, self.new)
         setattr(self.parent, self.name, self.new)
 
     def undo(self) -> None:
+        _carry_accelerate_hook(self.new, self.old)
         setattr(self.parent, self.name, self.old)
+
+
+def _carry_accelerate_hook(source: nn.Module, target: nn.Module) -> None:
+    """Give ``target`` a copy of ``source``'s accelerate hook, where it has one and ``target`` none.
+
+    A copy (the hook's state, e.g. the devices it restores on removal, is per module), sharing
+    what it was given at dispatch (execution device, the offloaded weights' map)."""
+    hook = getattr(source, "_hf_hook", None)
+    if hook is None or getattr(target, "_hf_hook", None) is not None:
+        return
+    from accelerate.hooks import SequentialHook, add_hook_to_module
+
+    if isinstance(hook, SequentialHook):
+        copied = SequentialHook(*(copy.copy(h) for h in hook.hooks))
+    else:
+        copied = copy.copy(hook)
+    add_hook_to_module(target, copied)
 
 
 @dataclass

@@ -278,3 +278,40 @@ def test_hf_fx_symbolic_trace_where_upstream_traces(name, load):
     expected = traced_upstream(**inputs)[key]
     _close(traced(**inputs)[key], expected)
     _close(_out(patched, ids, attention_mask=inputs["attention_mask"]), expected)
+
+
+def _disk_map(model):
+    """A ``device_map`` putting each child of the base model on disk (the token embedding, tied to
+    the head, stays on the CPU with the head)."""
+    base = getattr(model, model.base_model_prefix, model)
+    prefix = "" if base is model else model.base_model_prefix + "."
+    device_map = {prefix + name: "cpu" if name in ("wte", "word_embeddings", "embed_tokens") else "disk"
+                  for name, _ in base.named_children()}
+    if base is not model:
+        device_map.update({name: "cpu" for name, _ in model.named_children() if name != model.base_model_prefix})
+    return device_map
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_disk_offload_dispatched_before_or_after_the_patch(name, checkpoint, load, tmp_path):
+    """accelerate keeps offloaded weights on disk and loads them in a hook on each call: a model
+    loaded with an offloading ``device_map`` and then patched (``torchembed.from_pretrained``
+    included), and a patched model offloaded by ``accelerate.cpu_offload``, compute as upstream
+    and again after ``unpatch`` (a swapped position table carries the hook both ways)."""
+    accelerate = pytest.importorskip("accelerate")
+    upstream = load(name)
+    ids = _ids(upstream)
+    expected = _out(upstream, ids)
+    device_map = _disk_map(upstream)
+    assert "disk" in device_map.values()
+    loaded = torchembed.from_pretrained(checkpoint(name), device_map=device_map, offload_folder=str(tmp_path)).eval()
+    assert torchembed.is_patched(loaded)
+    _close(_out(loaded, ids), expected)
+    torchembed.unpatch(loaded)
+    _close(_out(loaded, ids), expected)
+
+    patched = torchembed.patch(load(name))
+    accelerate.cpu_offload(patched, execution_device="cpu")
+    _close(_out(patched, ids), expected)
+    torchembed.unpatch(patched)
+    _close(_out(patched, ids), expected)
