@@ -144,7 +144,9 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True) -> M:
             torchembed expects) is returned untouched with a warning.
 
     Returns:
-        The same model object. Patching a patched model is a no-op.
+        The same model object. Patching a patched model is a no-op. A patched model inside
+        ``model`` (a base model patched before a task model was built around it) is taken over:
+        ``model``'s patch then covers it, and ``unpatch(model)`` restores all of it.
 
     Raises:
         UnsupportedModelError: unsupported architecture (and ``strict=True``).
@@ -158,23 +160,45 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True) -> M:
     try:
         family = _family_of(model)
         _check_fused(model, family, fused)
-        actions = _plan(model, family, fused)
     except (UnsupportedModelError, StructureError) as err:
-        if strict:
-            raise
-        warnings.warn(f"torchembed.patch(strict=False): {_first_sentence(err)}; the model is left unpatched.", stacklevel=2)
-        return wrapper
+        return _unpatched(wrapper, err, strict)
+    inner = _take_over_inner_patches(model)
     record = PatchRecord(family, fused)
     try:
+        actions = _plan(model, family, fused)
         for action in actions:
             action.apply()
             record.actions.append(action)
-    except BaseException:
+    except BaseException as err:
         for action in reversed(record.actions):
             action.undo()
+        for module, previous in inner:  # as they were: their own actions again
+            for action in previous.actions:
+                action.apply()
+            setattr(module, _RECORD, previous)
+        if isinstance(err, (UnsupportedModelError, StructureError)):
+            return _unpatched(wrapper, err, strict)
         raise
     setattr(model, _RECORD, record)
     return wrapper
+
+
+def _unpatched(wrapper: M, err: Exception, strict: bool) -> M:
+    if strict:
+        raise err
+    warnings.warn(f"torchembed.patch(strict=False): {_first_sentence(err)}; the model is left unpatched.", stacklevel=3)
+    return wrapper
+
+
+def _take_over_inner_patches(model: nn.Module) -> list[tuple[nn.Module, PatchRecord]]:
+    """Unpatch the patched models inside ``model`` (e.g. a base model patched before a task model
+    was built around it), so that ``model``'s patch covers them with one record and its ``unpatch``
+    restores all of upstream; returns them with their records (re-applied if the patch fails)."""
+    inner = [(module, vars(module)[_RECORD]) for module in model.modules()
+             if module is not model and _RECORD in vars(module)]
+    for module, _ in inner:
+        unpatch(module)
+    return inner
 
 
 def unpatch(model: M) -> M:

@@ -57,15 +57,17 @@ class SwapPositionTable:
         actions = []
         for path, module in modules_of(model, self.class_name):
             table = getattr(module, self.attr, None)
-            if isinstance(table, HFPositionTable):
+            full = f"{path}.{self.attr}" if path else self.attr
+            replacement = f"{HFPositionTable.__module__}.HFPositionTable"
+            if isinstance(table, HFPositionTable):  # a base model patched on its own inside this one: kept
+                component = Component(full, "learned", f"{replacement} (of the patched base model)", replacement)
+                actions.append(SwapModule(component, module, self.attr, table))
                 continue
             if not isinstance(table, nn.Embedding):
                 raise StructureError(family.name, f"{type(module).__qualname__}.{self.attr}",
                                      "an nn.Embedding position table", type(table).__name__)
-            new = HFPositionTable.from_embedding(table)
-            full = f"{path}.{self.attr}" if path else self.attr
-            component = Component(full, "learned", "torch.nn.Embedding", f"{HFPositionTable.__module__}.HFPositionTable")
-            actions.append(SwapModule(component, module, self.attr, new))
+            component = Component(full, "learned", "torch.nn.Embedding", replacement)
+            actions.append(SwapModule(component, module, self.attr, HFPositionTable.from_embedding(table)))
         if not actions:
             raise StructureError(family.name, type(model).__name__, f"a {self.class_name} module with a position table "
                                  f"`{self.attr}`", "none")

@@ -290,3 +290,39 @@ def test_alibi_decode_step_dispatches_no_more_operators_than_upstream(name, load
     patched = torchembed.patch(copy.deepcopy(upstream))
     ours, theirs = _decode_step_ops(patched), _decode_step_ops(upstream)
     assert 0 < ours <= theirs, (ours, theirs)
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILY_MODELS if n != "bert"])
+def test_patching_a_model_around_a_patched_base_model_takes_it_over(name, load, monkeypatch):
+    """A base model patched on its own, then a task model patched around it (as when every model
+    is patched at construction): one patch covers both, and unpatching the outer one restores
+    upstream exactly whatever the order of the two unpatch calls. If the outer patch fails, the
+    inner one is as it was."""
+    from torchembed.patches import core
+
+    upstream = load(name)
+    model = copy.deepcopy(upstream)
+    base = model.base_model
+    assert base is not model
+    inputs = _inputs(model)
+    expected = _out(upstream, inputs)
+    torchembed.patch(base)
+    torchembed.patch(model)
+    assert torchembed.is_patched(model) and not torchembed.is_patched(base)
+    assert [str(c) for c in torchembed.find_positional_components(model)] == [
+        str(c) for c in torchembed.find_positional_components(upstream)]
+    torch.testing.assert_close(_out(model, inputs), expected, rtol=1e-5, atol=1e-5)
+    torchembed.unpatch(base)  # nothing of its own left: the outer patch covers it
+    assert torchembed.is_patched(model)
+    torchembed.unpatch(model)
+    assert torch.equal(_out(model, inputs), expected)
+    assert all("torchembed" not in type(m).__module__ for m in model.modules())
+    assert not any(isinstance(v, InstanceMethod) for m in model.modules() for v in vars(m).values())
+
+    torchembed.patch(base)
+    patched_base = _out(model, inputs)
+    monkeypatch.setattr(core, "_plan", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        torchembed.patch(model)
+    assert torchembed.is_patched(base) and not torchembed.is_patched(model)
+    assert torch.equal(_out(model, inputs), patched_base)

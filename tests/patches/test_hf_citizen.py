@@ -315,3 +315,28 @@ def test_disk_offload_dispatched_before_or_after_the_patch(name, checkpoint, loa
     _close(_out(patched, ids), expected)
     torchembed.unpatch(patched)
     _close(_out(patched, ids), expected)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("name", ["llama", "bloom"])
+def test_trainer_on_two_gpus_without_torchrun(name, load, tmp_path):
+    """HF ``Trainer`` in one process with two GPUs wraps the model in ``nn.DataParallel``: a patched
+    model trains there with the losses of upstream's."""
+    pytest.importorskip("accelerate")
+    batches = [{"input_ids": row, "labels": row} for row in _ids(load(name), batch=16, length=12, seed=3)]
+    losses = {}
+    for variant in ("upstream", "patched"):
+        model = load(name).train()
+        if variant == "patched":
+            torchembed.patch(model)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / variant), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3,
+            logging_steps=1, report_to=[], save_strategy="no", seed=0, dataloader_num_workers=0,
+        )
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=batches)
+        assert trainer.args.n_gpu == 2
+        trainer.train()
+        assert isinstance(trainer.model_wrapped, torch.nn.DataParallel)
+        losses[variant] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses["patched"]) == 3
+    torch.testing.assert_close(losses["patched"], losses["upstream"], rtol=1e-3, atol=1e-4)
