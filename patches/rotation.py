@@ -163,8 +163,8 @@ def _matches(helper: Callable, params: tuple[str, ...], convention: str, candida
     batch, heads, seq = 2, 3, 5
     theta = torch.rand(batch, seq, half, generator=gen, dtype=torch.float64) * 6.0 - 3.0
     cos, sin = (t.float() for t in _tables(theta, layout))
-    q = torch.randn(batch, heads, seq, feature_dim, generator=gen)
-    k = torch.randn(batch, 1 if convention == "qk" else heads, seq, feature_dim, generator=gen)
+    q = torch.randn(batch, heads, seq, feature_dim, generator=gen, dtype=torch.float32)
+    k = torch.randn(batch, 1 if convention == "qk" else heads, seq, feature_dim, generator=gen, dtype=torch.float32)
     try:
         with torch.no_grad():
             got_q, got_k = _call(helper, params, convention, q, k, cos, sin)
@@ -200,7 +200,8 @@ def recognize(helper: Any) -> Rotation | None:
     hit = _RECOGNIZED.get(id(helper))
     if hit is not None and hit[0] is helper:
         return hit[1]
-    rotation = _probe(helper)
+    with torch.device("cpu"):  # also where a model is built under a meta (or CUDA) default device
+        rotation = _probe(helper)
     _RECOGNIZED[id(helper)] = (helper, rotation)
     return rotation
 

@@ -326,3 +326,29 @@ def test_patching_a_model_around_a_patched_base_model_takes_it_over(name, load, 
         torchembed.patch(model)
     assert torchembed.is_patched(base) and not torchembed.is_patched(model)
     assert torch.equal(_out(model, inputs), patched_base)
+
+
+@pytest.mark.parametrize("name", FAMILY_MODELS)
+def test_patched_as_built_by_from_pretrained(name, checkpoint, load, monkeypatch):
+    """Every model patched as it is constructed (``post_init``), which ``from_pretrained`` does under
+    a meta default device and, with ``dtype``, a bfloat16 default dtype: the patch (its probing of
+    upstream's helpers included) does not depend on either, and the loaded model computes as
+    upstream's."""
+    from torchembed.patches import rotation
+
+    monkeypatch.setattr(rotation, "_RECOGNIZED", {})  # probe upstream's helpers anew, here
+    post_init = transformers.PreTrainedModel.post_init
+    built = []
+
+    def patching_post_init(self):
+        post_init(self)
+        built.append(torchembed.is_patched(torchembed.patch(self)))
+
+    upstream = load(name, dtype=torch.bfloat16)
+    monkeypatch.setattr(transformers.PreTrainedModel, "post_init", patching_post_init)
+    model = type(upstream).from_pretrained(checkpoint(name), dtype=torch.bfloat16).eval()
+    monkeypatch.undo()
+    assert built and all(built) and torchembed.is_patched(model)
+    inputs = _inputs(model)
+    expected = _out(upstream, inputs)
+    torch.testing.assert_close(_out(model, inputs), expected, rtol=1.6e-2, atol=3e-2 * expected.abs().max().item())
