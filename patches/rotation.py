@@ -231,6 +231,12 @@ def _probe(helper: Any) -> Rotation | None:
 # -- replacement -----------------------------------------------------------------------------------
 
 
+def _unknown(kwargs: dict, known: tuple[str, ...]) -> bool:
+    """A keyword other than ``known`` (written so that dynamo traces it: torch 2.8 breaks the graph
+    on ``kwargs.keys() - {...}``)."""
+    return any(key not in known for key in kwargs)
+
+
 class RotaryHelper:
     """torchembed's drop-in for one upstream rotation helper (same parameters, same results).
 
@@ -281,7 +287,7 @@ class RotaryHelper:
                 return out
         rotation = self.rotation
         if rotation.convention == "qk":
-            if len(args) < 4 or kwargs.keys() - {"unsqueeze_dim", "position_ids"}:
+            if len(args) < 4 or _unknown(kwargs, ("unsqueeze_dim", "position_ids")):
                 return self.upstream(*args, **kwargs)
             q, k, cos, sin = args[:4]
             unsqueeze = kwargs.get("unsqueeze_dim", 1)
@@ -290,7 +296,7 @@ class RotaryHelper:
             out = self.rotate(q, k, cos, sin, unsqueeze)
             return self.upstream(*args, **kwargs) if out is None else out
         # one tensor: x (b, h, s, d) with unsqueeze_dim (default 1), or (b, s, h, d) (GPT-J: no such parameter)
-        if len(args) < 3 or kwargs.keys() - {"unsqueeze_dim"}:
+        if len(args) < 3 or _unknown(kwargs, ("unsqueeze_dim",)):
             return self.upstream(*args, **kwargs)
         x, a, b = args[:3]
         cos, sin = (b, a) if rotation.convention == "x_sin_cos" else (a, b)

@@ -1,6 +1,8 @@
-"""Shared test helpers: float64 oracles and dtype tolerances."""
+"""Shared test helpers: float64 oracles, dtype tolerances, graph breaks."""
 
 from __future__ import annotations
+
+import collections
 
 import torch
 from torch import Tensor
@@ -33,3 +35,23 @@ def rope_oracle(x: Tensor, positions: Tensor, inv_freq: Tensor, *, interleaved: 
 
 def max_err(a: Tensor, b: Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
+
+
+def graph_breaks(model, **inputs) -> tuple[collections.Counter, Tensor]:
+    """The graph-break reasons (counted) of ``torch.compile(model, backend="aot_eager")`` on
+    ``inputs``, and the compiled model's logits."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        out = torch.compile(model, backend="aot_eager")(**inputs).logits
+    return collections.Counter(counters["graph_break"]), out
+
+
+def assert_no_new_graph_breaks(patched: collections.Counter, upstream: collections.Counter) -> None:
+    """The patched model breaks the graph for no reason of its own: each of its reasons is one of
+    upstream's (a patched layer may run into one of upstream's own breaks more often: BLOOM and
+    Falcon on torch 2.8 with transformers 5.24)."""
+    new = set(patched) - set(upstream)
+    assert not new, f"graph breaks upstream does not have: {new}"

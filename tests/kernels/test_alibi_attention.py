@@ -101,29 +101,31 @@ def test_flex_path_keeps_compiling_past_dynamo_recompile_limit(monkeypatch):
     monkeypatch.setattr(module, "_FUSED_DEVICES", ("cpu",))
     monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # the fused paths at any size
     monkeypatch.setattr(module, "_compiled", lambda: (compiled, lambda *a, _compile=True, **kw: create_block_mask(*a, **kw)))
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    torch._dynamo.reset()
-    def limit_hits():
-        return sum(n for reason, n in counters["unimplemented"].items() if "recompile limit" in reason.lower())
+    # config.patch, not monkeypatch: on torch 2.8 monkeypatch's undo deleted the option
+    with torch._dynamo.config.patch(recompile_limit=2):
+        torch._dynamo.reset()
 
-    before, hits = counters["frames"]["ok"], limit_hits()
-    gen = torch.Generator().manual_seed(0)
-    cases = [(torch.float32, 1, 32), (torch.float64, 2, 48), (torch.bfloat16, 2, 32), (torch.float16, 1, 64)]
-    for dtype, b, n in cases:  # a dtype is always a new graph: 4 graphs > the limit of 2
-        q, k, v = (torch.randn(b, 2, n, 16, generator=gen).to(dtype) for _ in range(3))
-        mask = torch.ones(b, n, dtype=torch.long)
-        mask[0, :3] = 0
-        key_bias = alibi_key_bias(alibi_slopes(2), mask)
-        positions = torch.arange(n)
-        keep = (positions[None, :] <= positions[:, None])[None, None] & mask.bool()[:, None, None, :]
-        out = alibi_attention(q, k, v, key_bias, keep, scale=0.25, cache=MaskCache().store(keep, keep))
-        truth = _truth(q, k, v, key_bias, keep, 0.25)
-        tol = 2e-5 if dtype in (torch.float32, torch.float64) else 2e-2
-        rows = keep.expand(b, 2, n, n).any(-1)  # padded queries attend to nothing: no truth
-        torch.testing.assert_close(out.double()[rows], truth[rows], atol=tol, rtol=tol)
-    assert limit_hits() == hits, "dynamo hit its recompile limit and ran flex_attention unfused"
-    assert counters["frames"]["ok"] - before >= len(cases), "dynamo stopped compiling flex_attention"
-    assert torch._dynamo.config.recompile_limit == 2, "the limit must be restored after each call"
+        def limit_hits():
+            return sum(n for reason, n in counters["unimplemented"].items() if "recompile limit" in reason.lower())
+
+        before, hits = counters["frames"]["ok"], limit_hits()
+        gen = torch.Generator().manual_seed(0)
+        cases = [(torch.float32, 1, 32), (torch.float64, 2, 48), (torch.bfloat16, 2, 32), (torch.float16, 1, 64)]
+        for dtype, b, n in cases:  # a dtype is always a new graph: 4 graphs > the limit of 2
+            q, k, v = (torch.randn(b, 2, n, 16, generator=gen).to(dtype) for _ in range(3))
+            mask = torch.ones(b, n, dtype=torch.long)
+            mask[0, :3] = 0
+            key_bias = alibi_key_bias(alibi_slopes(2), mask)
+            positions = torch.arange(n)
+            keep = (positions[None, :] <= positions[:, None])[None, None] & mask.bool()[:, None, None, :]
+            out = alibi_attention(q, k, v, key_bias, keep, scale=0.25, cache=MaskCache().store(keep, keep))
+            truth = _truth(q, k, v, key_bias, keep, 0.25)
+            tol = 2e-5 if dtype in (torch.float32, torch.float64) else 2e-2
+            rows = keep.expand(b, 2, n, n).any(-1)  # padded queries attend to nothing: no truth
+            torch.testing.assert_close(out.double()[rows], truth[rows], atol=tol, rtol=tol)
+        assert limit_hits() == hits, "dynamo hit its recompile limit and ran flex_attention unfused"
+        assert counters["frames"]["ok"] - before >= len(cases), "dynamo stopped compiling flex_attention"
+        assert torch._dynamo.config.recompile_limit == 2, "the limit must be restored after each call"
 
 
 def test_bias_columns_carry_the_bias_to_float32_accuracy():

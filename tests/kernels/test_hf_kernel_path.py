@@ -149,6 +149,12 @@ def test_compiled_patched_model_calls_the_kernel_op_without_graph_breaks():
         return gm.forward
 
     torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.compile(upstream, backend="eager", fullgraph=True)(input_ids=ids)
+    except torch._dynamo.exc.Unsupported as err:  # e.g. transformers 5.24's LLaMA on torch 2.8
+        pytest.skip(f"upstream itself does not compile with fullgraph=True here: {str(err).splitlines()[0]}")
+    torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
         out = torch.compile(patched, backend=backend, fullgraph=True)(input_ids=ids).logits

@@ -19,6 +19,7 @@ import torch
 import torchembed
 from torchembed.patches.families.alibi import falcon_alibi_tensor
 from torchembed.tools.compare import FP32_REL_TOL
+from tests.helpers import assert_no_new_graph_breaks, graph_breaks
 
 transformers = pytest.importorskip("transformers")
 VARIANTS = ["falcon-alibi", "falcon-alibi-mha", "falcon-alibi-gqa"]
@@ -179,23 +180,12 @@ def test_rotary_falcon_keeps_upstream_attention(load):
 
 @pytest.mark.parametrize("name", ["falcon-alibi", "falcon-alibi-mha"])
 def test_torch_compile_no_new_graph_breaks(name, load):
-    from torch._dynamo.utils import counters
-
     upstream = load(name, attn_implementation="sdpa")
     patched = torchembed.patch(copy.deepcopy(upstream))
     ids, mask = _padded_batch(upstream.config.vocab_size, seed=17, length=8)
-
-    def breaks(model):
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(model, backend="aot_eager")
-        with torch.no_grad():
-            out = compiled(input_ids=ids, attention_mask=mask).logits
-        return sum(counters["graph_break"].values()), out
-
-    ref_breaks, _ = breaks(upstream)
-    our_breaks, out = breaks(patched)
-    assert our_breaks <= ref_breaks
+    ref_breaks, _ = graph_breaks(upstream, input_ids=ids, attention_mask=mask)
+    our_breaks, out = graph_breaks(patched, input_ids=ids, attention_mask=mask)
+    assert_no_new_graph_breaks(our_breaks, ref_breaks)
     with torch.no_grad():
         ref = upstream(input_ids=ids, attention_mask=mask).logits
     _assert_logits_close(out, ref, mask.bool())

@@ -121,10 +121,14 @@ def _recompile_limit():
 
 def alibi_score_mod(key_bias: Tensor):
     """A FlexAttention ``score_mod`` adding ``key_bias[b, h, kv]`` (``(b or 1, h, k)`` float32)."""
-    broadcast_batch = key_bias.shape[0] == 1
+    if key_bias.shape[0] == 1:  # (an int index among the index tensors fails under vmap on torch < 2.9)
+        shared = key_bias[0]
 
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return score + key_bias[0 if broadcast_batch else b, h, kv_idx]
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + shared[h, kv_idx]
+    else:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + key_bias[b, h, kv_idx]
 
     return score_mod
 
@@ -367,9 +371,10 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, keep: Ten
     block_mask = cache.block_mask if cache is not None else None
     if block_mask is None:
         batch_keep = keep.shape[0] != 1
+        rows = keep[:, 0] if batch_keep else keep[0, 0]  # views: no int index among the index tensors (torch < 2.9)
 
         def mask_mod(b, h, q_idx, kv_idx):
-            return keep[b if batch_keep else 0, 0, q_idx, kv_idx]
+            return rows[b, q_idx, kv_idx] if batch_keep else rows[q_idx, kv_idx]
 
         batch = keep.shape[0] if batch_keep else None
         with _recompile_limit():
