@@ -17,8 +17,9 @@ Parts (``--parts``, comma-separated):
 * ``parity``: ``scripts/train_distributed.py`` (tiny configs, float32, patched with the fused
   kernels) on one GPU vs ``accelerate launch`` DDP and FSDP on all GPUs: same global batches, so
   parameters after the steps agree to float32 summation order (``PARAM_ATOL``, the reasoning is
-  in tests/distributed/test_ddp.py) and losses to ``LOSS_RTOL``; the one-GPU upstream run gives
-  the patched-vs-upstream loss difference.
+  in tests/distributed/test_ddp.py, or twice upstream's own one-GPU vs distributed difference,
+  run alike) and losses to ``LOSS_RTOL``; the one-GPU upstream run gives the patched-vs-upstream
+  loss difference.
 * ``tp``: transformers' own tensor parallelism: the ~1B LLaMA checkpoint loaded with
   ``from_pretrained(tp_plan="auto")`` under ``torch.distributed.run`` (one process per GPU,
   ``scripts/tp_worker.py``), patched. Its logits against the float32 one-GPU reference (patched no
@@ -342,28 +343,37 @@ def parity(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
         single = launch(workdir / f"{model}-single.safetensors", 1, [*base, "--patch", "before"], args)
         upstream = launch(workdir / f"{model}-upstream.safetensors", 1, [*base, "--patch", "none"], args)
         for mode in modes:
-            dist = launch(workdir / f"{model}-{mode}.safetensors", args.gpus,
-                          [*base, "--patch", "before", *(["--fsdp"] if mode == "fsdp" else [])], args)
+            extra = ["--fsdp"] if mode == "fsdp" else []
+            dist = launch(workdir / f"{model}-{mode}.safetensors", args.gpus, [*base, "--patch", "before", *extra], args)
+            upstream_dist = launch(workdir / f"{model}-{mode}-upstream.safetensors", args.gpus,
+                                   [*base, "--patch", "none", *extra], args)
             row: dict[str, Any] = {"model": model, "mode": mode, "processes": args.gpus}
-            if any(r.get("returncode") for r in (single, upstream, dist)):
-                row.update(ok=False, error=next(r["error"] for r in (single, upstream, dist) if r.get("returncode")))
+            runs = (single, upstream, dist, upstream_dist)
+            if any(r.get("returncode") for r in runs):
+                row.update(ok=False, error=next(r["error"] for r in runs if r.get("returncode")))
                 rows.append(row)
                 continue
             a, b = params_of(single), params_of(dist)
             diffs = {k: (a[k] - b[k]).abs().max().item() for k in a if k in b}
             worst = max(diffs, key=diffs.get)
+            up, up_dist = params_of(upstream), params_of(upstream_dist)
+            # AdamW turns summation-order noise of a near-zero gradient into a fraction of lr, and how
+            # much depends on torch's kernels (torch 2.8: 1.4e-5 on one LLaMA weight, upstream alike):
+            # the bound is PARAM_ATOL or twice upstream's own one-process vs distributed difference.
+            upstream_diff = max((up[k] - up_dist[k]).abs().max().item() for k in up if k in up_dist)
+            bound = max(PARAM_ATOL, 2 * upstream_diff)
             loss_rel = max(abs(x - y) / abs(x) for x, y in zip(single["losses"], dist["losses"]))
-            up = params_of(upstream)
             vs_upstream = max((a[k] - up[k]).abs().max().item() for k in a)
             row.update(
                 distributed_type=dist["distributed_type"], rope_kernel=dist["rope_kernel"],
                 same_keys=sorted(a) == sorted(b), max_param_diff=diffs[worst], worst_param=worst,
+                max_param_diff_upstream=upstream_diff, param_bound=bound,
                 max_loss_rel_diff=loss_rel, losses_single=single["losses"], losses_dist=dist["losses"],
                 losses_upstream_single=upstream["losses"],
                 max_loss_rel_diff_patched_vs_upstream=max(
                     abs(x - y) / abs(x) for x, y in zip(upstream["losses"], single["losses"])),
                 max_param_diff_patched_vs_upstream=vs_upstream)
-            row["ok"] = bool(row["same_keys"] and row["max_param_diff"] <= PARAM_ATOL and loss_rel <= LOSS_RTOL
+            row["ok"] = bool(row["same_keys"] and row["max_param_diff"] <= bound and loss_rel <= LOSS_RTOL
                              and dist["world_size"] == args.gpus
                              and dist["distributed_type"] == ("FSDP" if mode == "fsdp" else "MULTI_GPU" if not args.smoke
                                                               else "MULTI_CPU"))
@@ -433,18 +443,20 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append("")
     if rows := result.get("parity"):
         lines += ["## Training parity: one GPU vs all GPUs (tiny configs, float32, patched, 3 AdamW steps)", "",
-                  "| model | mode | accelerate | RoPE kernel | max param diff (worst) | max loss rel diff "
-                  "| one GPU patched vs upstream: loss / params | ok |", "|---|---|---|---|---|---|---|---|"]
+                  "| model | mode | accelerate | RoPE kernel | max param diff (worst) | upstream's own | max loss rel diff "
+                  "| one GPU patched vs upstream: loss / params | ok |", "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if "error" in r:
-                lines.append(f"| {r['model']} | {r['mode']} | failed | | | | | False |")
+                lines.append(f"| {r['model']} | {r['mode']} | failed | | | | | | False |")
                 continue
             lines.append(f"| {r['model']} | {r['mode']} | {r['distributed_type']} | {r['rope_kernel']} | "
-                         f"{r['max_param_diff']:.1e} ({r['worst_param']}) | {r['max_loss_rel_diff']:.1e} | "
+                         f"{r['max_param_diff']:.1e} ({r['worst_param']}) | {r['max_param_diff_upstream']:.1e} | "
+                         f"{r['max_loss_rel_diff']:.1e} | "
                          f"{r['max_loss_rel_diff_patched_vs_upstream']:.1e} / {r['max_param_diff_patched_vs_upstream']:.1e} | "
                          f"{r['ok']} |")
-        lines += ["", f"Tolerances: parameters {PARAM_ATOL} absolute (an optimizer step moves them by ~1e-3), "
-                  f"losses {LOSS_RTOL} relative.", ""]
+        lines += ["", f"Tolerances: parameters {PARAM_ATOL} absolute (an optimizer step moves them by ~1e-3) or twice "
+                  f"upstream's own one-process vs distributed difference, whichever is larger; losses {LOSS_RTOL} "
+                  "relative.", ""]
     if tp := result.get("tp"):
         lines += ["## Tensor parallel (`from_pretrained(tp_plan=\"auto\")`, LLaMA, one process per GPU)", ""]
         if "error" in tp:

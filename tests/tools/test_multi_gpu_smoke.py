@@ -28,7 +28,7 @@ def test_multi_gpu_smoke(tmp_path: Path) -> None:
         assert record["ok"] and record["unpatch_bit_exact"] and record["components_patched"] > 0
         assert {"upstream", "patched"} <= set(record["generate"][0])
     assert [(r["model"], r["mode"]) for r in result["parity"]] == [("llama", "ddp"), ("falcon", "ddp"), ("bloom", "ddp")]
-    assert all(r["ok"] and r["max_param_diff"] <= 1e-5 for r in result["parity"])
+    assert all(r["ok"] and r["max_param_diff"] <= max(1e-5, 2 * r["max_param_diff_upstream"]) for r in result["parity"])
     tp = result["tp"]  # transformers' tensor parallelism (gloo, 2 processes): patched, exact undo
     assert tp["ok"] and tp["world_size"] == 2 and tp["weights"] == "DTensor" and tp["unpatch_bit_exact"]
     assert tp["generated_tokens_equal"] and tp["mean_abs_diff_tp_vs_one_gpu_patched"] < 1e-5
