@@ -16,6 +16,7 @@ the memory for it (``test_tensor_past_2_31_elements``).
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -643,6 +644,10 @@ def _err_cases():
         ("non-floating q", dict(q=q.long(), k=k.long(), cos=cos, sin=sin), "floating dtype"),
         ("dtype mismatch", dict(q=q, k=k.half(), cos=cos, sin=sin), "one floating dtype"),
         ("R > D", dict(q=q, k=k, cos=torch.randn(2, 4, 9, device=DEV), sin=torch.randn(2, 4, 9, device=DEV)), "<= head dim"),
+        ("HF full tables", dict(q=q, k=k, cos=torch.cat([cos, cos], -1), sin=torch.cat([sin, sin], -1)),
+         "look like HF's full tables (cat(freqs, freqs)): rotary_fused takes half tables (R/2 entries), e.g. cos[..., :8]"),
+        ("HF full tables interleaved", dict(q=q, k=k, cos=cos.repeat_interleave(2, -1), sin=sin.repeat_interleave(2, -1),
+                                            interleaved=True), "e.g. cos[..., ::2]"),
         ("R == 0", dict(q=q, k=k, cos=cos[..., :0], sin=sin[..., :0]), "positive even"),
         ("cos/sin shape", dict(q=q, k=k, cos=cos, sin=sin[..., :4]), "same shape"),
         ("table batch", dict(q=q, k=k, cos=cos.repeat(2, 1, 1), sin=sin.repeat(2, 1, 1)), "per-token cos/sin"),
@@ -672,7 +677,7 @@ def _err_cases():
 def test_value_errors(case):
     _, kw, match = case
     q, k = kw.pop("q"), kw.pop("k")
-    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(match)):
         rotary_fused(q, k, kw.pop("cos", None), kw.pop("sin", None), **kw)
 
 

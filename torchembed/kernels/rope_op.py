@@ -211,7 +211,12 @@ def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate
     if half < 1:
         _fail(f"expected a positive even rotary dim R = 2 * cos.shape[-1], got R = {2 * half}")
     if 2 * half > D:
-        _fail(f"expected rotary dim R = 2 * {half} = {2 * half} <= head dim D = {D}")
+        hint = ""
+        if cos is not None and 2 * D >= 2 * half > D:  # wider than R/2 can be: HF/Liger full tables
+            first = "[..., ::2]" if interleaved else f"[..., :{half // 2}]"
+            hint = (f"; cos/sin with {half} entries per row look like HF's full tables ({'repeat_interleave' if interleaved else 'cat'}"
+                    f"(freqs, freqs)): rotary_fused takes half tables (R/2 entries), e.g. cos{first}, sin{first}")
+        _fail(f"expected rotary dim R = 2 * {half} = {2 * half} <= head dim D = {D}{hint}")
     if isinstance(scale, Tensor) or not isinstance(scale, (int, float)) or isinstance(scale, bool):
         _fail(f"expected a Python number scale, got {type(scale).__name__}")
     return RopeArgs(q, k, cos, sin, inv_freq, pos_t, pos_off, float(scale), bool(interleaved), bool(conjugate))
