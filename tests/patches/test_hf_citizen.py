@@ -281,12 +281,14 @@ def test_hf_fx_symbolic_trace_where_upstream_traces(name, load):
 
 
 def _disk_map(model):
-    """A ``device_map`` putting each child of the base model on disk (the token embedding, tied to
-    the head, stays on the CPU with the head)."""
+    """A ``device_map`` putting the children of the base model on disk, but for the token embedding
+    (tied to the head, it stays on the CPU with the head) and the last child (transformers 5.0 does
+    not dispatch a model with nothing on an execution device: its outputs came out on meta)."""
     base = getattr(model, model.base_model_prefix, model)
     prefix = "" if base is model else model.base_model_prefix + "."
-    device_map = {prefix + name: "cpu" if name in ("wte", "word_embeddings", "embed_tokens") else "disk"
-                  for name, _ in base.named_children()}
+    names = [name for name, _ in base.named_children()]
+    device_map = {prefix + name: "cpu" if name in ("wte", "word_embeddings", "embed_tokens") or name == names[-1]
+                  else "disk" for name in names}
     if base is not model:
         device_map.update({name: "cpu" for name, _ in model.named_children() if name != model.base_model_prefix})
     return device_map
