@@ -183,3 +183,27 @@ def test_rotary_module_stays_upstream_and_both_rotation_paths_agree(monkeypatch)
     got = apply(q.clone(), k.clone(), *after)
     monkeypatch.delenv("TORCHEMBED_DISABLE_TRITON")
     torch.testing.assert_close(apply(q.clone(), k.clone(), *after), got, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="generate compiles the forward of a static-cache model on CUDA")
+@pytest.mark.parametrize("name", ["llama", "falcon"])
+def test_static_cache_generate_compiled_on_cuda_matches_upstream(name):
+    """``generate(cache_implementation="static")`` on CUDA compiles the model's forward (CUDA
+    graphs included, transformers' default compile config): a patched model's rotation is then the
+    kernel's custom op inside that compiled graph, and the tokens are upstream's."""
+    upstream = _tiny(name)
+    patched = torchembed.patch(copy.deepcopy(upstream), fused=True)
+    ids = torch.randint(3, upstream.config.vocab_size, (2, 9), device=DEV, generator=torch.Generator(DEV).manual_seed(0))
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, cache_implementation="static")
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = upstream.generate(ids, **kwargs)
+        torch._dynamo.reset()
+        counters.clear()
+        got = patched.generate(ids, **kwargs)
+        again = patched.generate(ids, **kwargs)  # replays what the first call compiled
+    assert counters["frames"]["ok"] > 0, "generate did not compile the forward"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.equal(got, expected) and torch.equal(again, expected)
