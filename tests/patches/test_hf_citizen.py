@@ -342,3 +342,31 @@ def test_trainer_on_two_gpus_without_torchrun(name, load, tmp_path):
         losses[variant] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses["patched"]) == 3
     torch.testing.assert_close(losses["patched"], losses["upstream"], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "bloom", "gpt2"])
+def test_trainer_checkpoint_and_resume(name, load, tmp_path):
+    """HF ``Trainer`` trains a patched model, saves checkpoints and resumes from one into a freshly
+    loaded patched model: the losses are upstream's, before and after the resume."""
+    batches = [{"input_ids": row, "labels": row} for row in _ids(load(name), batch=8, length=12, seed=5)]
+
+    def train(variant, resume=False):
+        model = load(name).train()
+        if variant == "patched":
+            torchembed.patch(model)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / variant), per_device_train_batch_size=2, max_steps=4, learning_rate=1e-3,
+            logging_steps=1, report_to=[], save_strategy="steps", save_steps=2, seed=0, use_cpu=True,
+            dataloader_num_workers=0,
+        )
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=batches)
+        trainer.train(resume_from_checkpoint=str(tmp_path / variant / "checkpoint-2") if resume else None)
+        assert torchembed.is_patched(trainer.model) == (variant == "patched")
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    upstream, patched = train("upstream"), train("patched")
+    assert len(patched) == 4
+    torch.testing.assert_close(patched, upstream, rtol=1e-4, atol=1e-5)
+    resumed = train("patched", resume=True)  # steps 3 and 4 again, from the saved optimizer state
+    assert len(resumed) == 4  # the checkpoint's history, then the two steps run again
+    torch.testing.assert_close(resumed, patched, rtol=1e-4, atol=1e-5)
