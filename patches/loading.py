@@ -124,6 +124,14 @@ def _check_folder(folder: Path, shown: str, kwargs: dict[str, Any]) -> None:
     )
 
 
+def _require_gguf(kwargs: dict[str, Any]) -> None:
+    import importlib.util
+
+    if kwargs.get("gguf_file") and importlib.util.find_spec("gguf") is None:
+        raise MissingDependencyError("reading a GGUF file needs the gguf package: pip install 'torchembed[gguf]' "
+                                     "(or pip install gguf)")
+
+
 def resolve_checkpoint(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -> tuple[str, dict[str, Any]]:
     """Check that ``name_or_path`` can be loaded before transformers tries; return what to load.
 
@@ -147,17 +155,13 @@ def resolve_checkpoint(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -
             local, name = local.parent, str(local.parent)
         else:
             raise CheckpointNotFoundError(f"{name} is a file; pass the checkpoint folder that holds it")
-    if kwargs.get("gguf_file"):
-        import importlib.util
-
-        if importlib.util.find_spec("gguf") is None:
-            raise MissingDependencyError("reading a GGUF file needs the gguf package: pip install 'torchembed[gguf]' "
-                                         "(or pip install gguf)")
     if local.is_dir():
-        _check_folder(local, name, kwargs)
+        _check_folder(local, name, kwargs)  # a wrong name first: installing gguf would not help it
+        _require_gguf(kwargs)
         return str(local), kwargs
     if _looks_like_path(name):
         raise CheckpointNotFoundError(f"no such checkpoint folder: {name}")
+    _require_gguf(kwargs)
     # a hub id
     gguf_file = kwargs.get("gguf_file")
     filenames = [gguf_file] if gguf_file else ["config.json", "adapter_config.json"]

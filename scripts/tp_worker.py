@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchembed.tools.launch import hide_gpus
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -28,6 +30,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
+    if args.cpu:
+        hide_gpus()
 
     import transformers
 

@@ -49,6 +49,7 @@ from torchembed import kernels
 
 from torchembed.tools import bench
 from torchembed.tools.bench_train import checkpointing_on
+from torchembed.tools.launch import hide_gpus
 
 MODELS = ("llama", "falcon", "bloom", "gpt2")
 SIZES = {"tiny": MODELS, "1b": ("llama", "falcon")}  # sizes and the models each offers
@@ -187,6 +188,8 @@ def save(path: Path, state: dict[str, torch.Tensor], record: dict[str, Any]) -> 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.cpu:
+        hide_gpus()
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
     torch.use_deterministic_algorithms(True, warn_only=True)
     import torchembed

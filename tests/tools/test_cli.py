@@ -72,6 +72,20 @@ def test_folder_that_is_not_a_checkpoint(capsys, tmp_path: Path, offline) -> Non
     assert code == 2 and "torchembed compare FOLDER --gguf-file NAME" in one_line_error(err)
 
 
+def test_gguf_file_without_the_gguf_package(capsys, tmp_path: Path, offline, monkeypatch) -> None:
+    """The file exists: then (only then) the missing package is what to fix."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+    (tmp_path / "model.Q4_0.gguf").write_bytes(b"GGUF")
+    for argv in (["compare", str(tmp_path), "--gguf-file", "model.Q4_0.gguf"], ["compare", str(tmp_path / "model.Q4_0.gguf")]):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and "needs the gguf package: pip install 'torchembed[gguf]'" in one_line_error(err)
+    code, _, err = run(capsys, "compare", str(tmp_path), "--gguf-file", "other.gguf")
+    assert code == 2 and "no GGUF file 'other.gguf'" in one_line_error(err)
+
+
 def test_hub_id_while_offline_is_quick(capsys, offline) -> None:
     start = time.perf_counter()
     code, _, err = run(capsys, "compare", "gpt2-like-name")

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Finished", "free_port", "run_launcher"]
+__all__ = ["Finished", "free_port", "hide_gpus", "run_launcher"]
 
 
 @dataclass
@@ -31,6 +31,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def hide_gpus() -> None:
+    """Make this process see no GPU (a worker's ``--cpu``). With GPUs visible, a CPU/gloo run still
+    meets CUDA: accelerate's ``wait_for_everyone`` passes ``device_ids=[LOCAL_RANK]`` to the barrier
+    and transformers' tensor parallelism picks ``cuda:LOCAL_RANK``, which fails on a machine with
+    fewer GPUs than processes. Call it before anything initialises CUDA."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError("hide_gpus() after CUDA was initialised in this process: call it first")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def run_launcher(cmd: Sequence[str], *, timeout_s: float, env: Mapping[str, str] | None = None,
