@@ -89,7 +89,7 @@ def _check_fused(model: nn.Module, family: Family, fused: bool | None) -> None:
             f"fused=True: {family.name} uses {family.encoding} positions, which have no fused kernel; use fused=None"
         )
     if not kernels.triton_available():
-        raise FusedUnavailableError("fused=True needs Triton: pip install 'torchembed[triton]' (or pass fused=None)")
+        raise FusedUnavailableError("fused=True needs Triton: pip install triton (or pass fused=None)")
     param = next(model.parameters(), None)
     if param is not None and not kernels.kernel_can_run(param):
         raise FusedUnavailableError(

@@ -128,8 +128,7 @@ def _require_gguf(kwargs: dict[str, Any]) -> None:
     import importlib.util
 
     if kwargs.get("gguf_file") and importlib.util.find_spec("gguf") is None:
-        raise MissingDependencyError("reading a GGUF file needs the gguf package: pip install 'torchembed[gguf]' "
-                                     "(or pip install gguf)")
+        raise MissingDependencyError("reading a GGUF file needs the gguf package: pip install gguf")
 
 
 def resolve_checkpoint(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -> tuple[str, dict[str, Any]]:

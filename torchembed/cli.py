@@ -52,7 +52,7 @@ def _check_fused(fused: str, device: str) -> None:
     if torch.device(device).type != "cuda":
         missing.append(f"a CUDA device (this is --device {device})")
     if not kernels.triton_available():
-        missing.append("Triton (pip install 'torchembed[triton]')")
+        missing.append("Triton (pip install triton)")
     if missing:
         raise UsageError(f"--fused on needs the Triton kernel, which needs {' and '.join(missing)}; use --fused auto "
                          "(the kernel where it can run, PyTorch elsewhere) or --fused off")

@@ -28,7 +28,7 @@ BATCH = [[{"role": "user", "content": "What is the capital of France?"}],
 @pytest.fixture(scope="module")
 def smollm2():
     if importlib.util.find_spec("gguf") is None:
-        pytest.skip("the gguf package is not installed (pip install 'torchembed[gguf]'; bash scripts/setup.sh does it)")
+        pytest.skip("the gguf package is not installed (pip install gguf; bash scripts/setup.sh does it)")
     from torchembed.tools.checkpoints import smollm2_gguf
 
     try:

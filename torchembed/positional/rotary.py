@@ -42,7 +42,7 @@ class RotaryEmbedding(nn.Module):
         base: ``theta`` of the frequency progression (LLaMA 3 uses 500000).
         use_fused: rotate with the fused Triton kernel (q and k in one launch) for tensors it can
             run on (CUDA, or any device under ``TRITON_INTERPRET=1``); the PyTorch path elsewhere.
-            Needs Triton (``pip install 'torchembed[triton]'``).
+            Needs Triton (``pip install triton``).
         device: where to build the buffers.
         rotary_dim: rotate only the first ``rotary_dim`` features (partial rotary); default ``dim``.
         interleaved: pair features ``(2i, 2i+1)`` (GPT-J) instead of ``(i, i + r/2)`` (LLaMA).
@@ -86,7 +86,7 @@ class RotaryEmbedding(nn.Module):
         _check_base(base, "RotaryEmbedding base")
         if use_fused and not kernels.triton_available():
             raise ImportError(
-                "RotaryEmbedding(use_fused=True) needs Triton: pip install 'torchembed[triton]' "
+                "RotaryEmbedding(use_fused=True) needs Triton: pip install triton "
                 "(or pass use_fused=False for the PyTorch path)"
             )
         self.dim, self.rotary_dim, self.base = dim, rotary_dim, base
