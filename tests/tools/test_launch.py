@@ -61,18 +61,14 @@ def test_hide_gpus_leaves_the_process_no_gpu() -> None:
     accelerate's barrier before): after ``hide_gpus`` torch sees no GPU; once CUDA is up it refuses."""
     import subprocess
 
+    import torch
+
     code = ("import os, torch; from torchembed.tools.launch import hide_gpus; hide_gpus(); "
             "assert os.environ['CUDA_VISIBLE_DEVICES'] == '' and not torch.cuda.is_available() "
             "and torch.cuda.device_count() == 0; print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
-    if torch_cuda_available():  # only a GPU machine can initialise CUDA first
+    if torch.cuda.is_available():  # only a GPU machine can initialise CUDA first
         late = "import torch; torch.zeros(1, device='cuda'); from torchembed.tools.launch import hide_gpus; hide_gpus()"
         proc = subprocess.run([sys.executable, "-c", late], capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and "after CUDA was initialised" in proc.stderr
-
-
-def torch_cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
