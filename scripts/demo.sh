@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-PYTHON=${PYTHON:-python3}
+source scripts/python.sh
 export HF_HUB_OFFLINE=1  # everything is local: never wait for a model hub
 "$PYTHON" -m torchembed list
 "$PYTHON" -m torchembed compare "$@"

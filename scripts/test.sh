@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-PYTHON=${PYTHON:-python3}
+source scripts/python.sh
 # One test process per core (pytest-xdist), each on one thread: the tests are many small models,
 # so processes use the cores better than intra-op threads. TORCHEMBED_TEST_WORKERS=0: one process.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
