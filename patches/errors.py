@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from torchembed.kernels.availability import FusedUnavailableError  # one class for every fused=True
+
 __all__ = ["PatchError", "UnsupportedModelError", "FusedUnavailableError", "StructureError", "transformers_version"]
 
 
@@ -12,9 +14,6 @@ class PatchError(RuntimeError):
 class UnsupportedModelError(PatchError, ValueError):
     """The model's architecture has no adapter (pass ``strict=False`` to leave it unpatched)."""
 
-
-class FusedUnavailableError(PatchError):
-    """``fused=True`` was asked for where the Triton kernel cannot run."""
 
 
 class StructureError(PatchError):

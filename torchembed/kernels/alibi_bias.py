@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from torchembed.functional.alibi import alibi_prefill_bias
-from torchembed.kernels.rope_op import kernel_can_run
+from torchembed.kernels.availability import kernel_can_run
 
 __all__ = ["prefill_bias"]
 

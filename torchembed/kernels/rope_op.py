@@ -24,72 +24,16 @@ Devices: the Triton kernel runs where ``kernel_can_run`` says so (CUDA, or CPU u
 works everywhere.
 """
 
-import os
-from collections.abc import Callable
 from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
+from torchembed.kernels.availability import interpret_mode, kernel_can_run, triton_available
+from torchembed.kernels.availability import triton_disabled as _triton_disabled
 from torchembed.kernels.rope_launches import LAUNCHES, RopeArgs, key_of
 
 __all__ = ["rotary_fused", "rotary_tables_", "triton_available", "interpret_mode", "kernel_can_run"]
-
-
-# ------------------------------------------------------------------------------------------
-# Availability switches (re-exported by torchembed.kernels).  Triton is imported lazily.
-# ------------------------------------------------------------------------------------------
-
-_TRITON_OK: Optional[bool] = None
-
-
-def _env_flag(name: str, value: str = "1") -> Callable[[], bool]:
-    """A reader of ``os.environ.get(name) == value`` for switches read on every call.
-
-    ``os.environ.get`` pays for a KeyError on a missing name (about 1 us); CPython's ``os.environ``
-    keeps its entries in a dict of encoded names and values, read here directly (the same dict,
-    so changes show at once)."""
-    environ = os.environ
-    data = getattr(environ, "_data", None)
-    try:
-        key, expected = environ.encodekey(name), environ.encodevalue(value)
-    except AttributeError:
-        data = None
-    if not isinstance(data, dict):
-        return lambda: environ.get(name) == value
-    return lambda: data.get(key) == expected
-
-
-_triton_disabled = _env_flag("TORCHEMBED_DISABLE_TRITON")
-_interpreting = _env_flag("TRITON_INTERPRET")
-
-
-def triton_available() -> bool:
-    """Whether Triton is importable (imported on the first call only; the answer is cached)."""
-    global _TRITON_OK
-    if _TRITON_OK is None:
-        try:
-            import triton  # noqa: F401
-            import triton.language  # noqa: F401
-
-            _TRITON_OK = True
-        except Exception:  # ImportError, or a broken install failing on import
-            _TRITON_OK = False
-    return _TRITON_OK
-
-
-def interpret_mode() -> bool:
-    """``TRITON_INTERPRET=1``: Triton kernels run (slowly) on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def kernel_can_run(t: Tensor) -> bool:
-    """Whether the fused kernel can run on ``t``: Triton available and ``t`` on CUDA (or CPU
-    under ``TRITON_INTERPRET=1``).  ``TORCHEMBED_DISABLE_TRITON=1`` forces False.  The
-    environment is read on every call (well under 1 us), so switches take effect immediately."""
-    if _triton_disabled() or not (_TRITON_OK or triton_available()):
-        return False
-    return t.is_cuda or (_interpreting() and t.device.type == "cpu")
 
 
 _triton = None
