@@ -1,9 +1,11 @@
 """Host time per call of the public fused RoPE entry points at decode shapes.
 
-q ``(B, 32, 1, 128)``, k ``(B, 8, 1, 128)``, bf16, B in {1, 32}; every position form of
-``RotaryEmbedding(use_fused=True).forward`` and ``kernels.rotary_fused``, plus the patched-HF hot
-path ``kernels.rotary_tables_`` (in place, per-token tables) for reference. Prints the median over repeats of the mean time of
-``--calls`` calls and the best repeat, in microseconds (the cases interleaved within each repeat).
+q ``(B, 32, 1, 128)``, k ``(B, 8, 1, 128)`` in HF's layout (``(B, S, H, D)`` memory viewed as
+``(B, H, S, D)``), bf16, B in {1, 32}; every position form of ``RotaryEmbedding(fused=None).forward`` and
+``kernels.rotary_fused``, the patched HF helper (torchembed's replacement of LLaMA's
+``apply_rotary_pos_emb``, called as HF's attention calls it: in place on the kernel) and upstream's
+helper itself. Prints the median over repeats of the mean time of ``--calls`` calls and the best
+repeat, in microseconds (the cases interleaved within each repeat).
 
 On a CUDA machine the kernel really launches (the time is the host's: calls are not synchronised).
 Elsewhere the script runs on CPU under ``TRITON_INTERPRET=1`` with the Triton launch replaced by a
@@ -36,6 +38,7 @@ if not os.environ.get("PYTHONPATH"):  # this checkout's package unless told othe
 
 from torchembed import RotaryEmbedding, kernels
 from torchembed.kernels import rope_triton
+from torchembed.patches.rotation import RotaryHelper, recognize
 
 
 class _NoLaunch:
@@ -74,15 +77,23 @@ def _time_all(cases: dict[str, Callable[[], object]], calls: int, repeats: int) 
 
 
 def _cases(batch: int, device: torch.device) -> dict[str, Callable[[], object]]:
-    q = torch.randn(batch, 32, 1, 128, device=device, dtype=torch.bfloat16)
-    k = torch.randn(batch, 8, 1, 128, device=device, dtype=torch.bfloat16)
-    rope = RotaryEmbedding(128, use_fused=True, device=device)
+    from transformers.models.llama import modeling_llama
+
+    def hf_layout(heads: int) -> torch.Tensor:  # (B, S, H, D) memory viewed as (B, H, S, D)
+        return torch.randn(batch, 1, heads, 128, device=device, dtype=torch.bfloat16).transpose(1, 2)
+
+    q, k = hf_layout(32), hf_layout(8)
+    rope = RotaryEmbedding(128, fused=None, device=device)
     inv_freq = rope.inv_freq
     offsets = torch.full((batch,), 1000, device=device, dtype=torch.long)
     ids_s = torch.full((1,), 1000, device=device, dtype=torch.long)
     ids_bs = torch.full((batch, 1), 1000, device=device, dtype=torch.long)
     cos = torch.randn(1, 1, 64, device=device)
     sin = torch.randn(1, 1, 64, device=device)
+    upstream = modeling_llama.apply_rotary_pos_emb
+    helper = RotaryHelper.get(recognize(upstream), upstream, None)
+    cos_hf = torch.cat((cos, cos), -1).to(torch.bfloat16)  # HF's (1, s, D) tables in the activation dtype
+    sin_hf = torch.cat((sin, sin), -1).to(torch.bfloat16)
     return {
         "RotaryEmbedding offset=int": lambda: rope(q, k, offset=1000),
         "RotaryEmbedding offset=(b,)": lambda: rope(q, k, offset=offsets),
@@ -92,7 +103,8 @@ def _cases(batch: int, device: torch.device) -> dict[str, Callable[[], object]]:
         "rotary_fused inv_freq positions=int": lambda: kernels.rotary_fused(q, k, inv_freq=inv_freq, positions=1000),
         "rotary_fused inv_freq positions=(b,)": lambda: kernels.rotary_fused(q, k, inv_freq=inv_freq, positions=offsets),
         "rotary_fused inv_freq positions=(b,s)": lambda: kernels.rotary_fused(q, k, inv_freq=inv_freq, positions=ids_bs),
-        "rotary_tables_ (1,s,r/2) [patched HF path]": lambda: kernels.rotary_tables_(q, k, cos, sin),
+        "patched HF helper (q, k, cos, sin) [in place]": lambda: helper(q, k, cos_hf, sin_hf),
+        "upstream HF apply_rotary_pos_emb": lambda: upstream(q, k, cos_hf, sin_hf),
     }
 
 
@@ -104,7 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if CUDA else "cpu")
     if not CUDA:
-        rope_triton._rope_kernel = _NoLaunch()
+        rope_triton.rope_kernel = _NoLaunch()
     mode = torch.cuda.get_device_name() if CUDA else "CPU, TRITON_INTERPRET=1, launch stubbed"
     print(f"host us/call ({mode}; median and best of {args.repeats} x {args.calls} calls, cases interleaved)")
     results = {batch: _time_all(_cases(batch, device), args.calls, args.repeats) for batch in (1, 32)}

@@ -1,30 +1,33 @@
 """Rotation helpers: recognise upstream's by what they compute, and torchembed's replacement.
 
-HF attention code rotates q and k with a module-level helper (``apply_rotary_pos_emb`` and
-relatives) fed with ``cos``/``sin`` tables that the model's rotary module (or the attention
-itself) builds. Families differ in how the tables are laid out and which features are paired;
-a release may rename, wrap or restructure the helper. Instead of a list of names, torchembed
-*probes* each candidate helper once: it calls it in float64 on random inputs built for each known
-way of rotating and keeps the one whose result matches to 1e-12:
+HF attention code rotates queries and keys with a module-level helper (``apply_rotary_pos_emb``,
+``apply_rotary_emb``, ``apply_rotary_pos_emb_vision`` ...) fed with tables that the model's rotary
+module builds. Helpers differ in their parameters, in how the tables are laid out, in which
+features they pair, and in how the tables broadcast against q and k. Instead of a list of names,
+torchembed *probes* each candidate helper once (:func:`recognize`): it calls it on random float32
+inputs built for every known way of rotating and keeps the one whose result matches a float64
+rotation to 1e-5:
 
-======================  ==========================================  ==========================
-table layout            width ``w`` of cos/sin for ``r`` rotated     families
-======================  ==========================================  ==========================
-``cat``                 ``r``: ``(θ_0..θ_{r/2-1}, θ_0..θ_{r/2-1})``  LLaMA and most others, GLM
-``repeat``              ``r``: ``(θ_0, θ_0, θ_1, θ_1, ...)``         Cohere
-``half``                ``r/2``: ``(θ_0..θ_{r/2-1})``                GPT-J, CodeGen
-======================  ==========================================  ==========================
+* parameters, by name: the rotated tensors come first (``q, k``; ``x``; ``q, k, v`` ...; a rotated
+  tensor whose default is None is optional), then the tables: ``cos, sin`` (either order) or one
+  complex ``freqs*`` tensor (``cos + i sin``, Llama 4 and DeepSeek-V2), then extras that must have
+  defaults: ``unsqueeze_dim`` (the tables are unsqueezed there) and ``position_ids`` (only where the
+  probe shows the result does not depend on it);
+* broadcast: tables ``(b, s, w)`` or ``(s, w)`` against ``(..., h, s, d)`` (``"hs"``: HF's usual,
+  after the heads transpose) or ``(..., s, h, d)`` (``"sh"``: GPT-J, Llama 4, vision towers), or
+  as the ``unsqueeze_dim`` argument says (``"param"``);
+* table layout: ``cat`` (``(θ_0..θ_{r/2-1}, θ_0..θ_{r/2-1})``, LLaMA and most), ``repeat``
+  (``(θ_0, θ_0, θ_1, ...)``, Cohere), ``half`` (``r/2`` entries, GPT-J) or ``complex``;
+* pairing: ``half`` ``(x_i, x_{i+r/2})``, ``interleaved`` ``(x_{2i}, x_{2i+1})`` in place, or
+  ``deinterleave`` (``(x_{2i}, x_{2i+1})`` written in half-split order, DeepSeek-V3); by ``-θ``
+  where a helper rotates the other way; ``partial``: only the leading (or trailing) ``r`` features
+  of a wider input.
 
-pairing: ``half`` rotates ``(x_i, x_{i+r/2})`` (GPT-NeoX/LLaMA), ``interleaved`` rotates
-``(x_{2i}, x_{2i+1})`` in place (GPT-J, Cohere, GLM), ``deinterleave`` rotates ``(x_{2i}, x_{2i+1})``
-and writes the results in half-split order (DeepSeek-V3's ``apply_rotary_pos_emb_interleave``).
-A helper that also rotates only the first ``r`` features of a wider q (GLM, partial rotary inside
-the helper) is recorded as ``partial``. Calling conventions are read from the parameter names:
-``(q, k, cos, sin, ...)`` returning ``(q, k)``, ``(tensor, sin, cos)`` or ``(x, cos, sin, ...)``
-returning one tensor. Anything else is not recognised, and the model is not patched.
-
-The replacement (:class:`RotaryHelper`) rotates with the fused Triton kernel where it can run and
-the float32 PyTorch reference elsewhere; both compute in float32 and round once.
+The replacement (:class:`RotaryHelper`) accepts every way upstream's signature can be called
+(positional or keyword arguments, an optional tensor left out) and rotates with
+:func:`torchembed.kernels.rotary_fused` where the kernel can run and ``fused`` allows it, and with
+the float32 PyTorch reference elsewhere; both compute in float32 and round once. It never calls
+upstream's helper.
 """
 
 from __future__ import annotations
@@ -40,20 +43,16 @@ from torch import Tensor
 
 from torchembed import kernels
 from torchembed.functional.rope import apply_rotary
+from torchembed.kernels.availability import use_kernel
 
 __all__ = ["Rotation", "RotaryHelper", "explain", "recognize", "is_rotation_name"]
 
 LAYOUTS = ("cat", "repeat", "half")
 PAIRINGS = ("half", "interleaved", "deinterleave")
-_CONVENTIONS = {  # leading parameter names -> convention
-    ("q", "k", "cos", "sin"): "qk",
-    ("tensor", "sin", "cos"): "x_sin_cos",
-    ("x", "sin", "cos"): "x_sin_cos",
-    ("x", "cos", "sin"): "x_cos_sin",
-    ("tensor", "cos", "sin"): "x_cos_sin",
-}
-# parameters a helper may have after the leading ones (all with defaults): upstream's own
-_KNOWN_EXTRA = {"unsqueeze_dim", "position_ids"}
+_TABLE_NAMES = ("cos", "sin")
+_ROTATED_LIMIT = 3  # q, k and v at most
+_UNSQUEEZE = "unsqueeze_dim"
+_POSITION_IDS = "position_ids"
 
 
 def is_rotation_name(name: str) -> bool:
@@ -66,19 +65,26 @@ def is_rotation_name(name: str) -> bool:
 class Rotation:
     """How an upstream helper rotates, as found by :func:`recognize`."""
 
-    convention: str  # "qk" | "x_sin_cos" | "x_cos_sin"
-    layout: str  # one of LAYOUTS
+    params: tuple[str, ...]  # the helper's positional-or-keyword parameters
+    rotated: tuple[str, ...]  # the tensors it rotates, in order
+    tables: tuple[str, ...]  # ("cos", "sin") or ("sin", "cos") in parameter order, or (freqs name,)
+    layout: str  # one of LAYOUTS, or "complex"
     pairing: str  # one of PAIRINGS
-    partial: bool  # rotates the first r features of a wider input, the rest pass through
-    params: tuple[str, ...]  # the helper's parameter names
-    conjugate: bool = False  # rotates by -theta (a rotate_half written the other way round)
-    trailing: bool = False  # with partial: rotates the last r features, the leading ones pass (DeepSeek-V4)
+    broadcast: str  # "hs" | "sh" | "param"
+    partial: bool = False  # rotates the leading r features of a wider input, the rest pass through
+    conjugate: bool = False  # rotates by -theta
+    trailing: bool = False  # with partial: the last r features rotate, the leading ones pass (DeepSeek-V4)
+    optional: tuple[str, ...] = ()  # rotated tensors that may be left out (default None)
+    single: bool = False  # returns a bare tensor when one tensor is rotated (else a tuple, None for left-out ones)
+    unsqueeze_default: int = 1  # with broadcast "param"
+    ignored: tuple[str, ...] = ()  # extra parameters the result does not depend on (position_ids)
 
-    def rotary_dim(self, table_width: int) -> int:
-        return 2 * table_width if self.layout == "half" else table_width
-
-    def half_tables(self, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """``(..., w)`` tables in this layout -> the ``(..., r/2)`` angles' cos and sin (views)."""
+    def half_tables(self, first: Tensor, second: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The helper's tables (``cos, sin`` or ``freqs``) -> cos and sin of the ``r/2`` angles."""
+        if self.layout == "complex":
+            pairs = torch.view_as_real(first)
+            return pairs[..., 0], pairs[..., 1]
+        cos, sin = (first, second) if self.tables[0] == "cos" else (second, first)
         if self.layout == "cat":
             half = cos.shape[-1] // 2
             return cos[..., :half], sin[..., :half]
@@ -89,45 +95,89 @@ class Rotation:
     def describe(self) -> str:
         part = (", partial (trailing features)" if self.trailing else ", partial") if self.partial else ""
         sign = ", by -theta" if self.conjugate else ""
-        return f"{self.layout} tables, {self.pairing} pairing{part}{sign}"
+        layout = "complex frequencies" if self.layout == "complex" else f"{self.layout} tables"
+        return f"{layout}, {self.pairing} pairing{part}{sign}"
 
 
 # -- recognition ---------------------------------------------------------------------------------
 
 
-def _parameters(helper: Any) -> tuple[str, ...] | None:
+def _signature(helper: Any) -> inspect.Signature | None:
     target = helper.forward if isinstance(helper, torch.nn.Module) else helper
     try:
-        params = inspect.signature(target).parameters.values()
+        return inspect.signature(target)
     except (TypeError, ValueError):
         return None
-    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
-def _convention(params: tuple[str, ...]) -> str | None:
-    for lead, convention in _CONVENTIONS.items():
-        if params[: len(lead)] == lead and set(params[len(lead):]) <= _KNOWN_EXTRA:
-            return convention
-    return None
+@dataclass(frozen=True)
+class _Parameters:
+    """A helper's parameters sorted into roles (:func:`_roles`), or why they cannot be."""
+
+    names: tuple[str, ...] = ()
+    rotated: tuple[str, ...] = ()
+    tables: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
+    extras: tuple[str, ...] = ()
+    defaults: tuple[tuple[str, Any], ...] = ()
+    why: str = ""
 
 
-def _tables(theta: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+def _roles(helper: Any) -> _Parameters:
+    signature = _signature(helper)
+    if signature is None:
+        return _Parameters(why="it has no inspectable signature")
+    params = list(signature.parameters.values())
+    variadic = [p.name for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or
+                (p.kind == p.KEYWORD_ONLY and p.default is p.empty)]
+    if variadic:
+        return _Parameters(why=f"it takes {', '.join(variadic)} ({signature}), arguments whose meaning torchembed "
+                           "cannot probe")
+    names = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    table_at = [i for i, name in enumerate(names) if name in _TABLE_NAMES or name.startswith("freqs")]
+    tables = tuple(names[i] for i in table_at)
+    if not (sorted(tables) == list(_TABLE_NAMES) or (len(tables) == 1 and tables[0].startswith("freqs"))):
+        return _Parameters(why=f"its parameters ({', '.join(names)}) name no cos/sin tables nor complex freqs")
+    first = table_at[0]
+    rotated = names[:first]
+    extras = tuple(n for n in names[first:] if n not in tables)
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    if not 1 <= len(rotated) <= _ROTATED_LIMIT or table_at != list(range(first, first + len(tables))):
+        return _Parameters(why=f"its parameters ({', '.join(names)}) are not tensors to rotate followed by the tables")
+    required = [n for n in extras if n not in defaults]
+    if required:
+        return _Parameters(why=f"it needs {', '.join(required)} ({', '.join(names)}), an input torchembed does not model "
+                           "(e.g. multimodal M-RoPE sections of transformers 4.x)")
+    optional = tuple(n for n in rotated if n in defaults and defaults[n] is None)
+    if rotated[0] in optional:
+        return _Parameters(why=f"its first rotated tensor {rotated[0]!r} is optional")
+    return _Parameters(names, rotated, tables, optional, extras, tuple(defaults.items()))
+
+
+# Probe shapes: (broadcast rule, x shape, table shape) for batch 2, 3 heads, 5 tokens. "flat": no
+# heads axis, the tables broadcast against x as they are.
+_PROBES = (("hs", (2, 3, 5), (2, 5)), ("sh", (2, 5, 3), (2, 5)), ("sh", (5, 3), (5,)), ("sh", (2, 5, 3), (5,)),
+           ("flat", (2, 5), (2, 5)))
+
+
+def _tables(theta: Tensor, layout: str) -> tuple[Tensor, ...]:
+    if layout == "complex":
+        return (torch.polar(torch.ones_like(theta), theta).to(torch.complex64),)
     if layout == "cat":
         theta = torch.cat((theta, theta), dim=-1)
     elif layout == "repeat":
         theta = theta.repeat_interleave(2, dim=-1)
-    return theta.cos(), theta.sin()
+    return theta.cos().float(), theta.sin().float()
 
 
 def reference_rotate(x: Tensor, cos: Tensor, sin: Tensor, pairing: str, conjugate: bool = False,
                      trailing: bool = False) -> Tensor:
-    """Float64-capable reference: rotate the first (``trailing``: last) ``r = 2 * cos.shape[-1]``
-    features of ``x`` ``(b, h, s, d)`` by half tables ``(b, 1, s, r/2)`` with ``pairing``."""
-    if trailing and x.shape[-1] > 2 * cos.shape[-1]:
-        rot = 2 * cos.shape[-1]
+    """Rotate the first (``trailing``: last) ``r = 2 * cos.shape[-1]`` features of ``x`` by half
+    tables broadcastable to ``x[..., :r/2]``, with ``pairing`` (float64 inputs: float64 math)."""
+    rot = 2 * cos.shape[-1]
+    if trailing and x.shape[-1] > rot:
         return torch.cat((x[..., :-rot], reference_rotate(x[..., -rot:], cos, sin, pairing, conjugate)), dim=-1)
     if pairing == "deinterleave":
-        rot = 2 * cos.shape[-1]
         x = torch.cat((_deinterleave(x[..., :rot]), x[..., rot:]), dim=-1)
         pairing = "half"
     return apply_rotary(x, cos, sin, interleaved=pairing == "interleaved", conjugate=conjugate)
@@ -138,61 +188,69 @@ def _deinterleave(x: Tensor) -> Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-def _call(helper: Callable, rotation_params: tuple[str, ...], convention: str, q: Tensor, k: Tensor, cos: Tensor,
-          sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Call an upstream helper on (b, h, s, d) q/k and (b, s, w) tables; its q/k results."""
-    if convention == "qk":
-        out = helper(q, k, cos, sin)
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError("not a (q, k) pair")
-        return out
-    tables = (sin, cos) if convention == "x_sin_cos" else (cos, sin)
-    if "unsqueeze_dim" in rotation_params:  # (b, h, s, d) against tables unsqueezed at dim 1
-        return helper(q, *tables), helper(k, *tables)
-    # GPT-J style: (b, s, h, d) against tables broadcast over the heads
-    return tuple(helper(x.transpose(1, 2), *tables).transpose(1, 2) for x in (q, k))  # type: ignore[return-value]
+def _broadcast(table: Tensor, rule: str, unsqueeze: int | None = None) -> Tensor:
+    """A half table ``(..., s, r/2)`` made to broadcast against rotated tensors (heads axis added)."""
+    if rule == "param":
+        return table.unsqueeze(unsqueeze)
+    if rule == "flat" or table.dim() < 2:
+        return table
+    return table.unsqueeze(-3 if rule == "hs" else -2)
 
 
-def _matches(helper: Callable, params: tuple[str, ...], convention: str, candidate: tuple[str, str, bool],
-             feature_dim: int, half: int, gen: torch.Generator, trailing: bool = False) -> bool:
-    """Whether ``helper`` computes ``candidate`` = (layout, pairing, conjugate) on fresh inputs.
-
-    Float32 inputs (helpers that cast to float32 inside are recognised too), compared with the
-    float64 rotation at 1e-5: a different way of rotating is off by O(1)."""
-    layout, pairing, conjugate = candidate
-    batch, heads, seq = 2, 3, 5
-    theta = torch.rand(batch, seq, half, generator=gen, dtype=torch.float64) * 6.0 - 3.0
-    cos, sin = (t.float() for t in _tables(theta, layout))
-    q = torch.randn(batch, heads, seq, feature_dim, generator=gen, dtype=torch.float32)
-    k = torch.randn(batch, 1 if convention == "qk" else heads, seq, feature_dim, generator=gen, dtype=torch.float32)
-    try:
-        with torch.no_grad():
-            got_q, got_k = _call(helper, params, convention, q, k, cos, sin)
-    except Exception:  # the helper rejects these inputs: not this way of rotating
-        return False
-    c, s = theta.cos()[:, None], theta.sin()[:, None]
-    want_q, want_k = (reference_rotate(x.double(), c, s, pairing, conjugate, trailing) for x in (q, k))
-    return all(
-        isinstance(got, Tensor) and got.shape == want.shape and got.is_floating_point()
-        and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
-        for got, want in ((got_q, want_q), (got_k, want_k))
-    )
+def _outputs(out: Any, count: int) -> tuple | None:
+    if count == 1:
+        out = out[0] if isinstance(out, tuple) and len(out) == 2 and out[1] is None else out
+        return (out,) if isinstance(out, Tensor) else None
+    return out if isinstance(out, tuple) and len(out) == count else None
 
 
-_RECOGNIZED: dict[int, tuple[Any, Rotation | None]] = {}
+def _close(got: tuple, want: list[Tensor]) -> bool:
+    return all(isinstance(g, Tensor) and g.shape == w.shape and g.is_floating_point()
+               and torch.allclose(g.double(), w, rtol=1e-5, atol=1e-5) for g, w in zip(got, want))
+
+
+def _match(helper: Callable, roles: _Parameters, layout: str, feature_dim: int, half: int, gen: torch.Generator,
+           keywords: dict | None = None, only: tuple | None = None) -> list[tuple]:
+    """Every (probe, pairing, conjugate, trailing) that ``helper`` computes on inputs of ``feature_dim``
+    features rotated by ``half`` angles, with tables in ``layout``; ``keywords`` passed through."""
+    found = []
+    for probe in _PROBES:
+        rule, x_lead, t_lead = probe
+        if only is not None and probe != only[0]:
+            continue
+        if keywords and _UNSQUEEZE in keywords:  # broadcast as the argument says
+            rule = "param"
+        theta = torch.rand(*t_lead, half, generator=gen, dtype=torch.float64) * 6.0 - 3.0
+        xs = [torch.randn(*x_lead, feature_dim, generator=gen) for _ in roles.rotated]
+        tables = _tables(theta, layout)
+        args = dict(zip(roles.rotated, xs), **dict(zip(roles.tables, tables if roles.tables[0] != "sin" else tables[::-1])))
+        try:
+            with torch.no_grad():
+                got = _outputs(helper(**args, **(keywords or {})), len(xs))
+        except Exception:  # the helper rejects these inputs: not this way of rotating
+            continue
+        if got is None:
+            continue
+        c, s = (_broadcast(t, rule, (keywords or {}).get(_UNSQUEEZE)) for t in (theta.cos(), theta.sin()))
+        for pairing, conjugate, trailing in itertools.product(PAIRINGS, (False, True), (False, True)):
+            if only is not None and (pairing, conjugate) != only[1]:
+                continue
+            if trailing and feature_dim == 2 * half:
+                continue
+            want = [reference_rotate(x.double(), c, s, pairing, conjugate, trailing) for x in xs]
+            if _close(got, want):
+                found.append((probe, (pairing, conjugate), trailing))
+    return found
+
+
+_RECOGNIZED: dict[int, tuple[Any, Rotation | None, str]] = {}
 
 
 def explain(helper: Any) -> str:
     """Why ``helper`` is not recognised, in a few words (for error messages and ``list --all``)."""
-    params = _parameters(helper)
+    recognize(helper)
     name = getattr(helper, "__qualname__", type(helper).__name__)
-    if params is None:
-        return f"{name} has no inspectable signature"
-    if any("freqs_cis" in p or "freqs" == p for p in params):
-        return f"{name}({', '.join(params)}) rotates by complex-valued frequencies, which torchembed does not handle"
-    if not _convention(params):
-        return f"{name}({', '.join(params)}) is not a calling convention torchembed knows (e.g. multimodal M-RoPE sections)"
-    return f"{name} computes none of the rotations torchembed knows"
+    return f"{name}: {_RECOGNIZED[id(helper)][2]}"
 
 
 def recognize(helper: Any) -> Rotation | None:
@@ -201,53 +259,101 @@ def recognize(helper: Any) -> Rotation | None:
     if hit is not None and hit[0] is helper:
         return hit[1]
     with torch.device("cpu"):  # also where a model is built under a meta (or CUDA) default device
-        rotation = _probe(helper)
-    _RECOGNIZED[id(helper)] = (helper, rotation)
+        rotation, why = _probe(helper)
+    _RECOGNIZED[id(helper)] = (helper, rotation, why)
     return rotation
 
 
-def _probe(helper: Any) -> Rotation | None:
+def _probe(helper: Any) -> tuple[Rotation | None, str]:
     if not callable(helper) or isinstance(helper, type):
-        return None
-    params = _parameters(helper)
-    convention = params and _convention(params)
-    if not convention:
-        return None
+        return None, "not a function"
+    roles = _roles(helper)
+    if roles.why:
+        return None, roles.why
     gen = torch.Generator().manual_seed(0)
     half = 4
-    found = [
-        candidate
-        for candidate in itertools.product(LAYOUTS, PAIRINGS, (False, True))
-        if _matches(helper, params, convention, candidate, 2 * half, half, gen)
-    ]
-    if len(found) != 1:  # none, or ambiguous (a helper that ignores its inputs)
-        return None
-    layout, pairing, conjugate = found[0]
-    leading = _matches(helper, params, convention, found[0], 4 * half, half, gen)
-    trailing = not leading and _matches(helper, params, convention, found[0], 4 * half, half, gen, trailing=True)
-    return Rotation(convention, layout, pairing, leading or trailing, params, conjugate, trailing)
+    complex_ = roles.tables[0].startswith("freqs")
+    param = _UNSQUEEZE in roles.extras
+    found = []
+    for layout in ("complex",) if complex_ else LAYOUTS:
+        if param:  # both unsqueeze values must do what the argument says
+            hs = _match(helper, roles, layout, 2 * half, half, gen, {_UNSQUEEZE: 1}, only=None)
+            sh = _match(helper, roles, layout, 2 * half, half, gen, {_UNSQUEEZE: 2}, only=None)
+            hs = [m for m in hs if m[0] == _PROBES[0]]
+            sh = [m for m in sh if m[0] == _PROBES[1]]
+            found += [(layout, m) for m in hs if any(n[1] == m[1] for n in sh)]
+        else:
+            found += [(layout, m) for m in _match(helper, roles, layout, 2 * half, half, gen)[:1]]
+    kinds = {(layout, m[1]) for layout, m in found}
+    if len(kinds) != 1:  # none, or ambiguous (a helper that ignores its inputs)
+        return None, "it computes none of the rotations torchembed knows" if not kinds else "its result is ambiguous"
+    layout, (probe, (pairing, conjugate), _) = found[0]
+    rule = "param" if param else probe[0]
+    wide = _match(helper, roles, layout, 4 * half, half, gen, {_UNSQUEEZE: 1} if param else None,
+                  only=(_PROBES[0] if param else probe, (pairing, conjugate)))
+    partial = bool(wide)
+    trailing = partial and all(m[2] for m in wide)
+    single = _single(helper, roles, layout, half, probe, gen)
+    ignored = tuple(n for n in roles.extras if n == _POSITION_IDS)
+    if ignored and not _ignores_positions(helper, roles, layout, half, gen):
+        return None, f"its result depends on {_POSITION_IDS}, which torchembed's rotation does not take"
+    unknown = [n for n in roles.extras if n not in (_UNSQUEEZE, _POSITION_IDS)]
+    if unknown:
+        return None, f"it takes {', '.join(unknown)}, which torchembed's rotation does not model"
+    defaults = dict(roles.defaults)
+    return Rotation(roles.names, roles.rotated, roles.tables, layout, pairing, rule, partial, conjugate, trailing,
+                    roles.optional, single, int(defaults.get(_UNSQUEEZE, 1)), ignored), ""
+
+
+def _single(helper: Any, roles: _Parameters, layout: str, half: int, probe: tuple, gen: torch.Generator) -> bool:
+    """Whether the helper returns a bare tensor when only its first tensor is given."""
+    if len(roles.rotated) == 1:
+        return True
+    if not roles.optional:
+        return False
+    _, x_lead, t_lead = probe if probe[0] != "param" else _PROBES[0]
+    theta = torch.rand(*t_lead, half, generator=gen, dtype=torch.float64)
+    tables = _tables(theta, layout)
+    args = {roles.rotated[0]: torch.randn(*x_lead, 2 * half, generator=gen),
+            **dict(zip(roles.tables, tables if roles.tables[0] != "sin" else tables[::-1]))}
+    try:
+        with torch.no_grad():
+            out = helper(**args)
+    except Exception:
+        return False
+    return isinstance(out, Tensor)
+
+
+def _ignores_positions(helper: Any, roles: _Parameters, layout: str, half: int, gen: torch.Generator) -> bool:
+    """The result with random ``position_ids`` equals the one without (upstream's deprecated argument)."""
+    _, x_lead, t_lead = _PROBES[0]
+    theta = torch.rand(*t_lead, half, generator=gen, dtype=torch.float64)
+    tables = _tables(theta, layout)
+    args = {**{n: torch.randn(*x_lead, 2 * half, generator=gen) for n in roles.rotated},
+            **dict(zip(roles.tables, tables if roles.tables[0] != "sin" else tables[::-1]))}
+    try:
+        with torch.no_grad():
+            plain = helper(**args)
+            moved = helper(**args, position_ids=torch.randint(0, 5, (2, 5), generator=gen))
+    except Exception:
+        return False
+    plain, moved = (o if isinstance(o, tuple) else (o,) for o in (plain, moved))
+    return all(torch.equal(a, b) for a, b in zip(plain, moved) if isinstance(a, Tensor))
 
 
 # -- replacement -----------------------------------------------------------------------------------
 
 
-def _unknown(kwargs: dict, known: tuple[str, ...]) -> bool:
-    """A keyword other than ``known`` (written so that dynamo traces it: torch 2.8 breaks the graph
-    on ``kwargs.keys() - {...}``)."""
-    return any(key not in known for key in kwargs)
-
-
 class RotaryHelper:
-    """torchembed's drop-in for one upstream rotation helper (same parameters, same results).
+    """torchembed's drop-in for one upstream rotation helper: the same parameters, the same results.
 
-    ``q``: ``(b, h, s, d)`` (or ``(b, s, h, d)`` with ``unsqueeze_dim=2``), ``k`` likewise with its
-    own head count; ``cos``/``sin``: upstream's ``(b, s, w)`` tables in the helper's layout. The
-    rotation runs in float32 and rounds once: on the fused Triton kernel (q and k in one launch)
-    where it can run and ``fused`` is not False, on :func:`~torchembed.functional.apply_rotary`
-    elsewhere. At inference on the kernel, HF's usual call rotates q and k in place (upstream binds
-    its names to the returned tensors, which are they). Inputs the helper was not recognised for
-    (other table ranks, tables that do not match q's batch and sequence, a feature dim the helper
-    would not rotate) go to ``upstream`` unchanged.
+    Called as upstream is (positional or keyword arguments, optional tensors left out); rotates in
+    float32 and rounds once: with :func:`torchembed.kernels.rotary_fused` (q and k in one launch;
+    at inference HF's usual ``helper(q, k, cos, sin)`` rotates in place: upstream binds its names to
+    the returned tensors, which are they) where the kernel can run and ``fused`` is not False, with
+    :func:`~torchembed.functional.apply_rotary` elsewhere (the CPU path of HF's usual call computes
+    ``x * cos + roll(x) * sin'``, upstream's float32 arithmetic in fewer operations). Inputs of
+    shapes the kernel does not take use the PyTorch path. Upstream's helper is never called.
 
     One instance per (rotation, upstream, fused) (:meth:`get`), so the rebound attention code is
     shared by every model patched the same way; it pickles as those three.
@@ -257,14 +363,16 @@ class RotaryHelper:
 
     def __init__(self, rotation: Rotation, upstream: Callable, fused: bool | None) -> None:
         self.rotation, self.upstream, self.fused = rotation, upstream, fused
-        self._unsqueeze_index = rotation.params.index("unsqueeze_dim") if "unsqueeze_dim" in rotation.params else None
         self.__name__ = self.__qualname__ = f"torchembed_{getattr(upstream, '__name__', 'rotary')}"
-        # The in-place kernel hot path serves HF's usual call, helper(q, k, cos, sin) on cat tables
-        # with half-split pairing; _views keeps the last tables' half views (every layer of a
-        # forward gets the same tables).
-        self._hot = (fused is not False and rotation.convention == "qk" and rotation.layout == "cat"
-                     and rotation.pairing == "half" and not rotation.conjugate)
-        self._views: tuple | None = None
+        self._index = {name: i for i, name in enumerate(rotation.params)}
+        self._defaults = dict(_roles(upstream).defaults)
+        # HF's usual call helper(q, k, cos, sin) on cat tables, half-split pairing, (..., h, s, d):
+        # served by _usual (in place on the kernel, or the fused CPU arithmetic).
+        self._usual = (len(rotation.rotated) == 2 and rotation.params[2:4] == ("cos", "sin")
+                       and rotation.layout == "cat" and rotation.pairing == "half" and not rotation.conjugate
+                       and not rotation.trailing and rotation.broadcast in ("hs", "param")
+                       and rotation.unsqueeze_default == 1)
+        self._tables: tuple | None = None  # the last tables and what was derived from them (one forward's)
 
     @classmethod
     def get(cls, rotation: Rotation, upstream: Callable, fused: bool | None) -> "RotaryHelper":
@@ -281,80 +389,170 @@ class RotaryHelper:
         return f"<torchembed rotation for {getattr(self.upstream, '__qualname__', self.upstream)}: {self.rotation.describe()}>"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._hot and len(args) == 4 and not kwargs:
-            out = self._in_place(*args)
+        if self._usual and len(args) == 4 and not kwargs:
+            out = self._usual_call(*args)
             if out is not None:
                 return out
-        rotation = self.rotation
-        if rotation.convention == "qk":
-            if len(args) < 4 or _unknown(kwargs, ("unsqueeze_dim", "position_ids")):
-                return self.upstream(*args, **kwargs)
-            q, k, cos, sin = args[:4]
-            unsqueeze = kwargs.get("unsqueeze_dim", 1)
-            if self._unsqueeze_index is not None and len(args) > self._unsqueeze_index:
-                unsqueeze = args[self._unsqueeze_index]
-            out = self.rotate(q, k, cos, sin, unsqueeze)
-            return self.upstream(*args, **kwargs) if out is None else out
-        # one tensor: x (b, h, s, d) with unsqueeze_dim (default 1), or (b, s, h, d) (GPT-J: no such parameter)
-        if len(args) < 3 or _unknown(kwargs, ("unsqueeze_dim",)):
-            return self.upstream(*args, **kwargs)
-        x, a, b = args[:3]
-        cos, sin = (b, a) if rotation.convention == "x_sin_cos" else (a, b)
-        unsqueeze = 2
-        if self._unsqueeze_index is not None:
-            unsqueeze = args[self._unsqueeze_index] if len(args) > self._unsqueeze_index else kwargs.get("unsqueeze_dim", 1)
-        out = self.rotate(x, None, cos, sin, unsqueeze)
-        return self.upstream(*args, **kwargs) if out is None else out[0]
+        return self._call(self._bind(args, kwargs))
 
-    def _in_place(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor] | None:
-        """Inference on the kernel: rotate upstream's fresh q/k projections in place (upstream binds
-        its names to the results), one lookup and one launch per layer; None where this does not
-        apply (gradients, compiling, another layout or device)."""
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
-            return None
-        views = self._views
-        if views is None or views[0] is not cos or views[1] is not sin:
-            if cos.dim() != 3 or sin.shape != cos.shape:
-                return None
-            half = cos.shape[-1] // 2
-            views = self._views = (cos, sin, cos[..., :half], sin[..., :half])
-        c, s = views[2], views[3]
-        if (q.dim() != 4 or k.dim() != 4 or q.shape[-1] != 2 * c.shape[-1] or k.shape[-1] != q.shape[-1]
-                or c.shape[1] != q.shape[2] or c.shape[0] not in (1, q.shape[0]) or k.shape[0] != q.shape[0]
-                or k.shape[2] != q.shape[2] or q.stride(-1) != 1 or k.stride(-1) != 1 or 0 in q.stride()
-                or 0 in k.stride() or not kernels.kernel_can_run(q)):
-            return None
-        return kernels.rotary_tables_(q, k, c, s)
+    def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """Upstream's parameter names -> the values of this call (defaults filled in); a TypeError
+        where upstream would raise one."""
+        params = self.rotation.params
+        if len(args) > len(params):
+            raise TypeError(f"{self.__name__}() takes {len(params)} positional arguments but {len(args)} were given")
+        values = dict(zip(params, args))
+        for name, value in kwargs.items():
+            if name not in self._index:
+                raise TypeError(f"{self.__name__}() got an unexpected keyword argument {name!r}")
+            if name in values:
+                raise TypeError(f"{self.__name__}() got multiple values for argument {name!r}")
+            values[name] = value
+        for name in params:
+            if name not in values:
+                if name not in self._defaults:
+                    raise TypeError(f"{self.__name__}() missing required argument {name!r}")
+                values[name] = self._defaults[name]
+        return values
 
-    def rotate(self, q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, unsqueeze_dim: int) -> tuple[Tensor, Tensor | None] | None:
-        """The rotation out of place, or None where upstream should run instead."""
+    def _call(self, values: dict[str, Any]) -> Any:
         rotation = self.rotation
-        if cos.dim() != 3 or q.dim() != 4 or unsqueeze_dim not in (1, 2) or sin.shape != cos.shape:
-            return None
-        rot = rotation.rotary_dim(cos.shape[-1])
-        if q.shape[-1] != rot and not (rotation.partial and q.shape[-1] > rot):
-            return None
-        seq_dim = 2 if unsqueeze_dim == 1 else 1  # the tables' (b, s) against q's batch and sequence dims
-        if cos.shape[1] != q.shape[seq_dim] or cos.shape[0] not in (1, q.shape[0]):
-            return None
-        if unsqueeze_dim == 2:  # (b, s, h, d): rotate the (b, h, s, d) view
-            q_out, k_out = self.rotate(q.transpose(1, 2), None if k is None else k.transpose(1, 2), cos, sin, 1)
-            return q_out.transpose(1, 2), None if k_out is None else k_out.transpose(1, 2)
-        if rotation.trailing and q.shape[-1] > rot:  # rotate the last rot features, pass the leading ones
-            q_out, k_out = self.rotate(q[..., -rot:], None if k is None else k[..., -rot:], cos, sin, 1)
-            return (torch.cat((q[..., :-rot], q_out), dim=-1),
-                    None if k is None else torch.cat((k[..., :-rot], k_out), dim=-1))
-        c, s = rotation.half_tables(cos, sin)
+        first, second = (values[name] for name in rotation.tables) if len(rotation.tables) == 2 else (values[rotation.tables[0]], None)
+        c, s = self._half(first, second)
+        u = values.get(_UNSQUEEZE, rotation.unsqueeze_default) if rotation.broadcast == "param" else None
+        xs = [values[name] for name in rotation.rotated]
+        given = [x for x in xs if x is not None]
+        rotated = iter(self.rotate(given, c, s, u))
+        out = tuple(None if x is None else next(rotated) for x in xs)
+        return out[0] if rotation.single and len(given) == 1 else out
+
+    def _half(self, first: Tensor, second: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The half tables of ``(first, second)``, kept while the same tables come (every layer of a
+        forward gets the same ones)."""
+        kept = self._tables
+        if kept is not None and kept[0] is first and kept[1] is second:
+            return kept[2], kept[3]
+        c, s = self.rotation.half_tables(first, second)
+        if self.rotation.layout == "complex":  # views of every other float: copied once per forward
+            c, s = c.contiguous(), s.contiguous()
+        if not torch.compiler.is_compiling():
+            self._tables = (first, second, c, s)
+        return c, s
+
+    def rotate(self, xs: list[Tensor], c: Tensor, s: Tensor, unsqueeze: int | None) -> list[Tensor]:
+        """``xs`` rotated by half tables ``c``/``s`` ``(..., s, r/2)``: on the kernel (one launch for
+        two tensors) where the layout allows and the kernel runs, else in PyTorch."""
+        rotation = self.rotation
+        rot = 2 * c.shape[-1]
+        for x in xs:
+            width = x.shape[-1]
+            if width < rot or (width > rot and not rotation.partial):
+                raise ValueError(f"{self.__name__}: a tensor of {width} features for tables of {rot} rotated features "
+                                 f"(upstream {rotation.describe()})")
+        if rotation.trailing:  # rotate the last rot features, the leading ones pass through
+            tails = self._rotate_leading([x[..., -rot:] for x in xs], c, s, unsqueeze)
+            return [torch.cat((x[..., :-rot], tail), dim=-1) for x, tail in zip(xs, tails)]
+        return self._rotate_leading(xs, c, s, unsqueeze)
+
+    def _rotate_leading(self, xs: list[Tensor], c: Tensor, s: Tensor, unsqueeze: int | None) -> list[Tensor]:
+        rotation = self.rotation
+        rot = 2 * c.shape[-1]
         pairing = rotation.pairing
         if pairing == "deinterleave":  # reorder once (a copy), then rotate half-split
-            q = torch.cat((_deinterleave(q[..., :rot]), q[..., rot:]), dim=-1)
-            k = None if k is None else torch.cat((_deinterleave(k[..., :rot]), k[..., rot:]), dim=-1)
+            xs = [torch.cat((_deinterleave(x[..., :rot]), x[..., rot:]), dim=-1) for x in xs]
             pairing = "half"
-        interleaved, conjugate = pairing == "interleaved", rotation.conjugate
+        interleaved = pairing == "interleaved"
+        views = self._kernel_views(xs, c, unsqueeze)
+        if views is not None and use_kernel(self.fused, xs[0], "the fused RoPE kernel"):
+            bhsd, tables_view = views
+            cb, sb = tables_view(c), tables_view(s)
+            outs, i = [], 0
+            while i < len(bhsd):  # two tensors per launch where they pair up
+                if i + 1 < len(bhsd) and _pairable(bhsd[i], bhsd[i + 1]):
+                    outs += kernels.rotary_fused(bhsd[i], bhsd[i + 1], cb, sb, interleaved=interleaved,
+                                                 conjugate=rotation.conjugate)
+                    i += 2
+                else:
+                    outs.append(kernels.rotary_fused(bhsd[i], bhsd[i][:, :0], cb, sb, interleaved=interleaved,
+                                                     conjugate=rotation.conjugate)[0])
+                    i += 1
+            return [_back(x, unsqueeze, rotation.broadcast)(o) for x, o in zip(xs, outs)]
+        cb, sb = (_broadcast(t, rotation.broadcast, unsqueeze) for t in (c, s))
+        return [apply_rotary(x, cb, sb, interleaved=interleaved, conjugate=rotation.conjugate) for x in xs]
+
+    def _kernel_views(self, xs: list[Tensor], c: Tensor, unsqueeze: int | None):
+        """``xs`` as the kernel's ``(B, H, S, D)`` views and a function making ``(B or 1, S, R/2)``
+        tables of the half tables; None for layouts the kernel does not take."""
+        rule = self.rotation.broadcast
+        if rule == "param":
+            rule = {1: "hs", 2: "sh"}.get(unsqueeze)
+        nd = xs[0].dim()
+        if rule == "flat":  # (b, s, d): one head
+            if nd != 3 or c.dim() != 3 or any(x.dim() != 3 for x in xs):
+                return None
+            xs, nd, rule = [x.unsqueeze(1) for x in xs], 4, "hs"
+        if rule is None or any(x.dim() != nd for x in xs) or c.dim() not in (nd - 1, nd - 2) or not 3 <= nd <= 4:
+            return None
+        seq = xs[0].shape[-2 if rule == "hs" else -3]
+        if c.shape[-2] != seq or (c.dim() == 3 and c.shape[0] not in (1, xs[0].shape[0])) or (nd == 3 and c.dim() != 2):
+            return None
+        if rule == "hs":
+            bhsd = [x if nd == 4 else x[None] for x in xs]
+        else:
+            bhsd = [x.transpose(-3, -2) if nd == 4 else x.transpose(0, 1)[None] for x in xs]
+        if any(x.stride(-1) != 1 or x.shape[-2] != seq for x in bhsd):
+            return None
+        return bhsd, (lambda t: t if t.dim() == 3 else t[None])
+
+    def _usual_call(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor] | None:
+        """HF's usual call. On the kernel at inference: in place, one cache lookup and one launch per
+        layer (a call the kernel does not take, shapes upstream would broadcast, goes the general way).
+        On the CPU: ``x * cos + roll(x, r/2) * sin'`` with ``sin' = cat(-sin, sin)`` made once per
+        forward -- upstream's float32 products and sums bit for bit, in fewer operations (float32 math
+        for other dtypes). None: the general way."""
+        if q.shape[-1] != cos.shape[-1]:
+            return None
         if self.fused is not False and kernels.kernel_can_run(q):
-            if k is None:
-                return kernels.rotary_fused(q, q[:, :0], c, s, interleaved=interleaved, conjugate=conjugate)[0], None
-            return kernels.rotary_fused(q, k, c, s, interleaved=interleaved, conjugate=conjugate)
-        c, s = c.unsqueeze(1), s.unsqueeze(1)  # (b, 1, s, r/2): broadcast over heads
-        rotated = (None if x is None else apply_rotary(x, c, s, interleaved=interleaved, conjugate=conjugate) for x in (q, k))
-        return tuple(rotated)  # type: ignore[return-value]
+            if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+                return None
+            c, s = self._half(cos, sin)
+            try:
+                return kernels.rotary_fused(q, k, c, s, inplace=True)
+            except ValueError:
+                return None
+        if (self.fused is True or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape
+                or cos.shape[1] != q.shape[2] or torch.compiler.is_compiling()):
+            return None
+        kept = self._tables
+        if kept is None or kept[0] is not cos or kept[1] is not sin or len(kept) < 6:
+            half = cos.shape[-1] // 2
+            compute = torch.promote_types(cos.dtype, torch.float32)
+            c4, s4 = cos.to(compute).unsqueeze(1), sin.to(compute).unsqueeze(1)
+            signed = torch.cat((-s4[..., :half], s4[..., half:]), dim=-1)
+            kept = self._tables = (cos, sin, cos[..., :half], sin[..., :half], c4, signed)
+        c4, signed = kept[4], kept[5]
+        half = cos.shape[-1] // 2
+        out = []
+        for x in (q, k):
+            xf = x if x.dtype == c4.dtype else x.to(c4.dtype)
+            y = xf * c4
+            y += torch.roll(xf, half, -1) * signed
+            out.append(y if y.dtype == x.dtype else y.to(x.dtype))
+        return out[0], out[1]
+
+
+def _pairable(q: Tensor, k: Tensor) -> bool:
+    """q and k the kernel rotates in one launch: one dtype, the same batch, tokens and features."""
+    return q.dtype == k.dtype and q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:]
+
+
+def _back(x: Tensor, unsqueeze: int | None, rule: str) -> Callable[[Tensor], Tensor]:
+    """The inverse of :meth:`RotaryHelper._kernel_views` for ``x``."""
+    if rule == "param":
+        rule = {1: "hs", 2: "sh"}[unsqueeze]
+    nd = x.dim()
+    if rule == "flat":
+        return lambda o: o[:, 0]
+    if rule == "hs":
+        return (lambda o: o) if nd == 4 else (lambda o: o[0])
+    return (lambda o: o.transpose(-3, -2)) if nd == 4 else (lambda o: o[0].transpose(0, 1))

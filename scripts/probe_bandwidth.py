@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from torchembed.functional.rope import rope_cos_sin
-from torchembed.kernels import rope_triton
-from torchembed.kernels.rope_op import rotary_fused
+from torchembed.kernels import rope, rope_triton
+from torchembed.kernels.rope import rotary_fused
 from torchembed.tools.bench import copy_bandwidth, graph_time
 
 SHAPES = [(4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (8, 2048, 64, 8, 128)]
@@ -95,17 +95,17 @@ def rope_persistent(q, k, cos, sin, programs: int, block_s: int, warps: int, sta
 
 @contextlib.contextmanager
 def library_settings(values: dict):
-    """Set ``rope_triton`` globals for one variant (launch caches cleared before and after)."""
-    saved = {name: getattr(rope_triton, name) for name in values}
-    rope_triton.clear_launch_caches()
+    """Set ``rope`` launch-configuration globals for one variant (kept launches cleared before and after)."""
+    saved = {name: getattr(rope, name) for name in values}
+    rope.clear_launches()
     try:
         for name, value in values.items():
-            setattr(rope_triton, name, value)
+            setattr(rope, name, value)
         yield
     finally:
         for name, value in saved.items():
-            setattr(rope_triton, name, value)
-        rope_triton.clear_launch_caches()
+            setattr(rope, name, value)
+        rope.clear_launches()
 
 
 def main() -> None:
@@ -137,7 +137,7 @@ def main() -> None:
         cos_b, sin_b = rope_cos_sin(inv, ids_b)
         cos_1, sin_1 = rope_cos_sin(inv, ids_1)
         variants = {"copy_ flat": lambda: flat_out.copy_(flat)}
-        settings: dict[str, dict] = {}  # rope_triton globals per variant (the library's defaults otherwise)
+        settings: dict[str, dict] = {}  # rope globals per variant (the library's defaults otherwise)
         if "copy" in args.groups:
             for block in (2048, 8192):
                 for warps in (4, 8):

@@ -24,30 +24,30 @@ import torch
 import triton
 
 from torchembed.functional.rope import rope_cos_sin
-from torchembed.kernels import rope_triton
-from torchembed.kernels.rope_op import rotary_fused
+from torchembed.kernels import rope
+from torchembed.kernels.rope import rotary_fused
 from torchembed.tools.bench import copy_bandwidth, graph_time
 
 SHAPES = [(1, 2048, 32, 8, 128), (4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (8, 2048, 64, 8, 128)]
 
 
 def _configure(tile: int, hpp: int, warps: int):
-    """``_make_config`` with this setting forced (heads grouped at every grid size)."""
-    original = rope_triton._make_config
+    """``rope._config`` with this setting forced (heads grouped at every grid size)."""
+    original = rope._config
 
     def config(*a):
-        rope_triton._TILE_PAIRS, rope_triton._HPP_MIN_PROGRAMS = tile, 0
-        rope_triton._HPP_CANDIDATES = (hpp,)
-        grid, meta, nqg, constexprs = original(*a)
-        return grid, dict(meta, num_warps=warps), nqg, constexprs
+        rope._TILE_PAIRS, rope._HPP_MIN_PROGRAMS = tile, 0
+        rope._HPP_CANDIDATES = (hpp,)
+        grid, meta, nqg = original(*a)
+        return grid, dict(meta, num_warps=warps), nqg
 
     return config
 
 
 def _reset(saved: dict) -> None:
     for name, value in saved.items():
-        setattr(rope_triton, name, value)
-    rope_triton.clear_launch_caches()
+        setattr(rope, name, value)
+    rope.clear_launches()
 
 
 def host_us(fn, calls: int = 50) -> float:
@@ -74,8 +74,7 @@ def main() -> None:
                         choices=["table", "table-bf16", "inv_freq", "inv_freq+ids"], help="angle sources to sweep")
     args = parser.parse_args()
     device = torch.device("cuda")
-    saved = {n: getattr(rope_triton, n) for n in
-             ("_make_config", "_TILE_PAIRS", "_HPP_MIN_PROGRAMS", "_HPP_CANDIDATES")}
+    saved = {n: getattr(rope, n) for n in ("_config", "_TILE_PAIRS", "_HPP_MIN_PROGRAMS", "_HPP_CANDIDATES")}
     bandwidth = copy_bandwidth(device)  # bytes/s, read + write
     print(f"copy bandwidth (1 GiB) {bandwidth / 1e9:.0f} GB/s", flush=True)
     out = {"copy_bandwidth_gbs": bandwidth / 1e9, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -133,8 +132,8 @@ def main() -> None:
         times: dict[tuple, list[float]] = {setting: [] for setting in space}
         for _ in range(args.repeats):  # interleaved: a slow spell of the GPU hits every setting alike
             for source, tile, hpp, warps in space:
-                rope_triton._make_config = _configure(tile, hpp, warps)
-                rope_triton.clear_launch_caches()
+                rope._config = _configure(tile, hpp, warps)
+                rope.clear_launches()
                 try:
                     times[source, tile, hpp, warps].append(triton.testing.do_bench(sources[source], return_mode="median"))
                 finally:

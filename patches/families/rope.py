@@ -84,7 +84,8 @@ def class_rotations(cls: type) -> ClassRotations:
                 recognized[name] = (helper, rotation)
         functions = list(chain(forward))
         calls_super = any("super" in global_names(f) and "forward" in attribute_names(f) for f in functions)
-        via_attribute = frozenset(name for f in functions for name in attribute_names(f) if _is_apply_like(name))
+        via_attribute = frozenset(name for f in functions for name in attribute_names(f)
+                                  if is_rotation_name(name) and "apply" in name)  # not self.rotary_pos_emb(...)
         result = ClassRotations(forward, recognized, unrecognized, calls_super, via_attribute)
     _CLASS_CACHE[cls] = result
     return result
@@ -190,6 +191,16 @@ class ReplaceRotationHelpers:
                 f"attention modules whose forward calls {' or '.join(self.expect.helpers)} as a module-level function",
                 found.reason_unsupported(),
             )
+        unserved = {name: why for name, why in found.unrecognized.items() if _is_apply_like(name)}
+        if unserved or found.via_attribute:  # some rotations recognised, others not: never half-patched
+            what = "; ".join(f"{name} ({why})" for name, why in sorted(unserved.items()))
+            if found.via_attribute:
+                what = "; ".join(filter(None, (what, f"{', '.join(sorted(found.via_attribute))} reached through an attribute")))
+            message = (f"torchembed cannot patch model_type {getattr(config, 'model_type', '?')!r} ({type(model).__name__}) "
+                       f"whole: it also rotates with {what}")
+            if self.expect is None:
+                raise UnsupportedModelError(message)
+            raise StructureError(family.name, type(model).__name__, "every rotation helper of the model recognised", what)
         if self.expect is None:
             return
         names = {name for _, _, rotations in found.attentions for name in rotations.recognized}

@@ -1,6 +1,6 @@
 """CUDA graph capture of the fused RoPE entry points.
 
-``RotaryEmbedding(use_fused=True)`` (int offset, per-sequence offsets, ``(s,)`` and ``(b, s)``
+``RotaryEmbedding(fused=None)`` (int offset, per-sequence offsets, ``(s,)`` and ``(b, s)``
 position ids) and ``rotary_fused`` (per-token tables, in-kernel angles from every position form)
 are captured at a decode shape; capture fails on a host sync or a host-to-device copy. Each graph
 is replayed with new values copied into its static inputs and must equal the eager call on them.
@@ -37,7 +37,7 @@ def _tables(gen: torch.Generator) -> list[torch.Tensor]:
 
 def _cases() -> dict:
     """Name -> (call on the static inputs, maker of those inputs from a generator)."""
-    rope = RotaryEmbedding(D, use_fused=True, device=DEV)
+    rope = RotaryEmbedding(D, fused=None, device=DEV)
     inv_freq = rope.inv_freq
     return {
         "module, int offset": (lambda q, k: rope(q, k, offset=1000), lambda gen: _qk(gen)),

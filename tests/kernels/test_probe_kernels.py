@@ -60,8 +60,8 @@ def test_persistent_rope_matches_the_library_kernel(programs):
 
 def test_library_settings_restores_the_kernel_module():
     probe = _load()
-    rope_triton = probe.rope_triton
-    before = rope_triton._TILE_PAIRS, rope_triton._HPP_CANDIDATES
+    rope = probe.rope
+    before = rope._TILE_PAIRS, rope._HPP_CANDIDATES
     with probe.library_settings({"_TILE_PAIRS": 512, "_HPP_CANDIDATES": (4,)}):
-        assert (rope_triton._TILE_PAIRS, rope_triton._HPP_CANDIDATES) == (512, (4,))
-    assert (rope_triton._TILE_PAIRS, rope_triton._HPP_CANDIDATES) == before
+        assert (rope._TILE_PAIRS, rope._HPP_CANDIDATES) == (512, (4,))
+    assert (rope._TILE_PAIRS, rope._HPP_CANDIDATES) == before

@@ -29,7 +29,8 @@ from torchembed.kernels import interpret_mode, kernel_can_run, rotary_fused, tri
 if not triton_available():
     pytest.skip("triton is not importable", allow_module_level=True)
 
-from torchembed.kernels import rope_launches, rope_op, rope_triton  # noqa: E402  (imports triton)
+from torchembed.kernels import rope, rope_triton  # noqa: E402  (imports triton)
+from torchembed.kernels.rope import RopeArgs  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and not interpret_mode():
@@ -174,11 +175,21 @@ def run_case(B=2, Hq=3, Hk=1, S=7, D=64, R=None, dtype=torch.float32, interleave
     return qo, ko
 
 
+def _config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleaved, conjugate, inplace):
+    """``rope._config`` of a call with these facts (meta tensors: only shapes and dtypes matter)."""
+    q, k = (torch.empty(B, H, S, D, dtype=dtype, device="meta") for H in (Hq, Hk))
+    table = torch.empty(half, device="meta") if use_inv_freq else torch.empty(1, S, half, device="meta")
+    positions = None if pos_mode == 0 else torch.empty((B,) if pos_mode == 1 else (B, S), dtype=torch.long, device="meta")
+    a = RopeArgs(q, k, None if use_inv_freq else table, None if use_inv_freq else table, table if use_inv_freq else None,
+                 positions, 0, 1.0, interleaved, conjugate)
+    return rope._config(a, inplace)
+
+
 @pytest.fixture(autouse=True)
 def _forget_kept_launches():
     """Kept launches carry the tuning knobs and stand-ins of the test that made them."""
     yield
-    rope_launches.clear()
+    rope.clear_launches()
 
 
 @pytest.fixture
@@ -187,7 +198,7 @@ def poisoned(monkeypatch):
     def alloc(x, **kw):
         return torch.empty_like(x, **kw).fill_(float("nan"))
 
-    monkeypatch.setattr(rope_op, "_empty_like", alloc)
+    monkeypatch.setattr(rope, "_empty_like", alloc)
 
 
 class LaunchCounter:
@@ -203,9 +214,9 @@ class LaunchCounter:
 
 @pytest.fixture
 def launches(monkeypatch):
-    counter = LaunchCounter(rope_triton._rope_kernel)
-    monkeypatch.setattr(rope_triton, "_rope_kernel", counter)
-    monkeypatch.setattr(rope_triton, "_DIRECT", False)  # count every launch through kernel[grid]
+    counter = LaunchCounter(rope_triton.rope_kernel)
+    monkeypatch.setattr(rope_triton, "rope_kernel", counter)
+    monkeypatch.setattr(rope, "_DIRECT", False)  # count every launch through kernel[grid]
     return counter
 
 
@@ -256,7 +267,7 @@ def test_partial_rotary(R, interleaved, inplace, poisoned):
 @pytest.mark.parametrize("Hq,Hk", [(3, 1), (5, 5), (4, 2), (1, 3)])
 @pytest.mark.parametrize("S", [1, 37])  # 37 > BLOCK_S (32 for D=64): several token blocks
 def test_heads_and_lengths(Hq, Hk, S, poisoned):
-    grid, meta, _, _ = rope_triton._make_config(2, Hq, Hk, S, 64, 32, torch.float32, 0, False, False, False, False)
+    grid, meta, _ = _config(2, Hq, Hk, S, 64, 32, torch.float32, 0, False, False, False, False)
     if S == 37:
         token_axis = 1 if meta["HEADS_FAST"] else 0
         assert grid[token_axis] > 1, "expected S to span several token blocks"
@@ -265,21 +276,21 @@ def test_heads_and_lengths(Hq, Hk, S, poisoned):
 
 @pytest.mark.parametrize("heads_fast", [False, True])
 def test_grid_orders(monkeypatch, poisoned, heads_fast):
-    monkeypatch.setattr(rope_triton, "_HEADS_FAST", heads_fast)
-    monkeypatch.setattr(rope_triton, "_HPP_CANDIDATES", (4, 2))
-    rope_launches.clear()  # kept launches carry the knobs of their first call
-    monkeypatch.setattr(rope_triton, "_HPP_MIN_PROGRAMS", 0)
+    monkeypatch.setattr(rope, "_HEADS_FAST", heads_fast)
+    monkeypatch.setattr(rope, "_HPP_CANDIDATES", (4, 2))
+    rope.clear_launches()  # kept launches carry the knobs of their first call
+    monkeypatch.setattr(rope, "_HPP_MIN_PROGRAMS", 0)
     run_case(B=2, Hq=4, Hk=2, S=37, D=64)
     run_case(B=1, Hq=3, Hk=1, S=1, D=128, pos_mode="ids")
 
 
 def test_heads_per_program_grouping(monkeypatch, poisoned):
     # Prefill-sized grids group several heads per program; force it at a small size.
-    monkeypatch.setattr(rope_triton, "_HPP_MIN_PROGRAMS", 0)
-    monkeypatch.setattr(rope_triton, "_HPP_CANDIDATES", (4, 2))
-    monkeypatch.setattr(rope_triton, "_HEADS_FAST", False)
-    rope_launches.clear()  # kept launches carry the knobs of their first call
-    grid, meta, nqg, _ = rope_triton._make_config(2, 4, 2, 9, 64, 32, torch.float32, 0, False, False, False, False)
+    monkeypatch.setattr(rope, "_HPP_MIN_PROGRAMS", 0)
+    monkeypatch.setattr(rope, "_HPP_CANDIDATES", (4, 2))
+    monkeypatch.setattr(rope, "_HEADS_FAST", False)
+    rope.clear_launches()  # kept launches carry the knobs of their first call
+    grid, meta, nqg = _config(2, 4, 2, 9, 64, 32, torch.float32, 0, False, False, False, False)
     assert meta["HPP"] == 2 and nqg == 2 and grid[1] == 3
     run_case(B=2, Hq=4, Hk=2, S=9, D=64)
     run_case(B=2, Hq=4, Hk=2, S=9, D=64, R=32, interleaved=True, inplace=True, pos_mode="ids")
@@ -289,14 +300,14 @@ def test_prefill_grids_group_two_heads_per_program(monkeypatch, poisoned):
     # Prefill-sized grids share the cos/sin work (in-kernel angles or table loads) between two
     # heads of a program (8 warps); decode-sized grids keep one head per program. The default
     # candidates, forced at a small size.
-    monkeypatch.setattr(rope_triton, "_HPP_MIN_PROGRAMS", 0)
-    rope_launches.clear()  # kept launches carry the knobs of their first call
+    monkeypatch.setattr(rope, "_HPP_MIN_PROGRAMS", 0)
+    rope.clear_launches()  # kept launches carry the knobs of their first call
     for use_inv_freq in (True, False):
-        grid, meta, nqg, _ = rope_triton._make_config(2, 4, 2, 9, 64, 32, torch.float32, 1, use_inv_freq, False,
+        grid, meta, nqg = _config(2, 4, 2, 9, 64, 32, torch.float32, 1, use_inv_freq, False,
                                                       False, False)
-        assert meta["HPP"] == 2 and nqg == 2 and meta["num_warps"] == rope_triton._WARPS_GROUPED
-    monkeypatch.setattr(rope_triton, "_HPP_MIN_PROGRAMS", 4096)
-    decode = rope_triton._make_config(32, 32, 8, 1, 128, 64, torch.bfloat16, 0, False, False, False, True)
+        assert meta["HPP"] == 2 and nqg == 2 and meta["num_warps"] == rope._WARPS_GROUPED
+    monkeypatch.setattr(rope, "_HPP_MIN_PROGRAMS", 4096)
+    decode = _config(32, 32, 8, 1, 128, 64, torch.bfloat16, 0, False, False, False, True)
     assert decode[1]["HPP"] == 1  # 32 x 40 programs: below the threshold
     run_case(B=2, Hq=4, Hk=2, S=9, D=64)  # tables, two heads per program
     run_case(B=2, Hq=4, Hk=2, S=9, D=64, source="inv_freq", pos_mode="batch")
@@ -430,9 +441,9 @@ def test_launch_is_kept(launches, monkeypatch):
     cos, sin = make_table(4, 32, (1,))
     want = oracle(q, k, cos, sin)
     rotary_fused(q, k, cos, sin)
-    assert rope_launches.key_of(q, k, cos, sin, None, None, 1.0, False, False, False) in rope_launches.LAUNCHES
+    assert rope._key(q, k, cos, sin, None, None, 1.0, False, False, False) in rope.LAUNCHES
     made = []
-    monkeypatch.setattr(rope_triton, "_make_config", lambda *args: made.append(args))
+    monkeypatch.setattr(rope, "_config", lambda *args: made.append(args))
     qo, ko = rotary_fused(q, k, cos, sin)
     assert not made and len(launches.grids) == 2
     assert_close(qo, want[0], torch.float32)
@@ -749,19 +760,19 @@ def test_hypothesis_random_cases(case):
     old = os.environ.get("TORCHEMBED_DISABLE_TRITON")
     if backend == "torch":
         os.environ["TORCHEMBED_DISABLE_TRITON"] = "1"
-    min_programs = rope_triton._HPP_MIN_PROGRAMS
-    rope_triton.clear_launch_caches()  # launch configs are kept per shape, not per threshold
+    min_programs = rope._HPP_MIN_PROGRAMS
+    rope.clear_launches()  # launch configs are kept per shape, not per threshold
     try:
         if grouped:
-            rope_triton._HPP_MIN_PROGRAMS = 0
+            rope._HPP_MIN_PROGRAMS = 0
             if backend == "triton":
-                grid, meta, _, _ = rope_triton._make_config(case["B"], case["Hq"], case["Hk"], case["S"], case["D"],
+                grid, meta, _ = _config(case["B"], case["Hq"], case["Hk"], case["S"], case["D"],
                                                             case["R"] // 2, case["dtype"], 0, False, False, False, False)
                 assert meta["HPP"] == 2
         run_case(gen=torch.Generator().manual_seed(seed), **case)
     finally:
-        rope_triton._HPP_MIN_PROGRAMS = min_programs
-        rope_triton.clear_launch_caches()
+        rope._HPP_MIN_PROGRAMS = min_programs
+        rope.clear_launches()
         if old is None:
             os.environ.pop("TORCHEMBED_DISABLE_TRITON", None)
         else:
@@ -770,11 +781,11 @@ def test_hypothesis_random_cases(case):
 
 def _triton_launch(monkeypatch, call):
     """``call()`` launched through ``kernel[grid]`` (Triton's own binding), nothing kept after."""
-    monkeypatch.setattr(rope_triton, "_DIRECT", False)
+    monkeypatch.setattr(rope, "_DIRECT", False)
     out = call()
     out = tuple(t.clone() for t in out)
-    monkeypatch.setattr(rope_triton, "_DIRECT", True)
-    rope_launches.clear()
+    monkeypatch.setattr(rope, "_DIRECT", True)
+    rope.clear_launches()
     return out
 
 
@@ -784,9 +795,9 @@ def test_direct_launch_replays_the_compiled_kernel(monkeypatch):
     cos, sin = make_table(7, 64, (2,))
     expected = _triton_launch(monkeypatch, lambda: rotary_fused(q, k, cos, sin))
     first = rotary_fused(q, k, cos, sin)  # compiles through kernel[grid] and keeps the launch
-    assert len(rope_launches.LAUNCHES) == 1
+    assert len(rope.LAUNCHES) == 1
     second = rotary_fused(q, k, cos, sin)  # the kept launch
-    assert rope_triton._DIRECT, "the direct launch failed and switched itself off"
+    assert rope._DIRECT, "the direct launch failed and switched itself off"
     for out in (first, second):
         assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
 
@@ -806,22 +817,20 @@ def test_direct_launch_keys_alignment_and_table_dtype(monkeypatch):
         for _ in range(2):  # the first call compiles and keeps the launch, the second uses it
             got = rotary_fused(q, k, cos, sin)
             assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), name
-        assert rope_triton._DIRECT, f"{name}: the direct launch failed and switched itself off"
-        assert len(rope_launches.LAUNCHES) == kept, name
-        rope_launches.clear()
+        assert rope._DIRECT, f"{name}: the direct launch failed and switched itself off"
+        assert len(rope.LAUNCHES) == kept, name
+        rope.clear_launches()
 
 
 def _tables_keys() -> int:
-    return sum(1 for key in rope_launches.LAUNCHES if key[0] == "tables_")
+    return sum(1 for key in rope.LAUNCHES if key[-2] is True)  # kept in-place launches
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the hot path replays compiled CUDA kernels")
 def test_hot_path_keeps_one_launch_per_layout_and_matches(monkeypatch):
-    """``rotary_tables_`` (the patched attention's in-place call) keeps one launch per (shapes,
+    """``rotary_fused(..., inplace=True)`` (the patched attention's call at inference) keeps one launch per (shapes,
     strides, dtypes) in the shared cache; a misaligned view gets none; each call matches Triton's own
     launch."""
-    from torchembed.kernels import rotary_tables_
-
     base_q, base_k = make_qk(2, 4, 2, 9, 64 + 1, torch.bfloat16, layout="hf")
     cases = {
         "hf layout": (make_qk(2, 4, 2, 9, 64, torch.bfloat16, layout="hf"), make_table(9, 32, (2,)), 1),
@@ -829,18 +838,18 @@ def test_hot_path_keeps_one_launch_per_layout_and_matches(monkeypatch):
         "misaligned": ((base_q[..., 1:], base_k[..., 1:]), make_table(9, 32, (2,)), 2),
         "bf16 tables": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (2,), torch.bfloat16), 3),
     }
-    monkeypatch.setattr(rope_triton, "_DIRECT", True)
+    monkeypatch.setattr(rope, "_DIRECT", True)
     for name, ((q, k), (cos, sin), entries) in cases.items():
-        monkeypatch.setattr(rope_triton, "_DIRECT", False)
+        monkeypatch.setattr(rope, "_DIRECT", False)
         expected = tuple(t.clone() for t in rotary_fused(q, k, cos, sin))
-        monkeypatch.setattr(rope_triton, "_DIRECT", True)
+        monkeypatch.setattr(rope, "_DIRECT", True)
         for call in range(3):  # the first call keeps the launch, the next ones use it
             # clone keeps dense strides; the misaligned view is cut again from a clone of its base
             q_in, k_in = (base_q.clone()[..., 1:], base_k.clone()[..., 1:]) if name == "misaligned" else (q.clone(), k.clone())
-            got = rotary_tables_(q_in, k_in, cos, sin)
+            got = rotary_fused(q_in, k_in, cos, sin, inplace=True)
             assert got[0] is q_in and got[1] is k_in
             assert torch.equal(q_in, expected[0]) and torch.equal(k_in, expected[1]), (name, call)
-        assert rope_triton._DIRECT, f"{name}: the direct launch failed and switched itself off"
+        assert rope._DIRECT, f"{name}: the direct launch failed and switched itself off"
         assert _tables_keys() == entries, name
 
 
@@ -874,7 +883,7 @@ def test_every_position_form_replays_exactly(monkeypatch):
                 for _ in range(3):
                     got = call()
                     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), (S, name, inplace)
-                assert rope_triton._DIRECT, (S, name, inplace)
+                assert rope._DIRECT, (S, name, inplace)
 
 
 class _FakeKernel:
@@ -919,15 +928,13 @@ def test_kept_launches_replay_what_was_launched(monkeypatch):
     key calls the launcher's entry point with this call's pointers (ints) and the kept arguments; a
     launch compiled for misaligned pointers is not kept; a launcher that raises switches the direct
     launch off, and Triton's own launch takes over."""
-    from torchembed.kernels import rotary_tables_
-
     kernel = _FakeKernel()
-    monkeypatch.setattr(rope_triton, "_rope_kernel", kernel)
-    monkeypatch.setattr(rope_triton, "_DIRECT", True)
-    monkeypatch.setattr(rope_triton, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(rope_triton, "_raw_stream", lambda index: "stream")
-    monkeypatch.setattr(rope_op, "kernel_can_run", lambda t: True)
-    rope_launches.clear()
+    monkeypatch.setattr(rope_triton, "rope_kernel", kernel)
+    monkeypatch.setattr(rope, "_DIRECT", True)
+    monkeypatch.setattr(rope, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(rope.direct_launch, "raw_stream", lambda index: "stream")
+    monkeypatch.setattr(rope, "kernel_can_run", lambda t: True)
+    rope.clear_launches()
     q, k = make_qk(1, 4, 2, 3, 16, torch.float32, layout="hf")
     cos, sin = make_table(3, 8, (1,))
 
@@ -936,11 +943,11 @@ def test_kept_launches_replay_what_was_launched(monkeypatch):
         got = kernel.entries[-1]
         assert got[:13] == (*grid, "stream", "function", "coop", "pdl", None, None, "metadata", None, None, None)
         assert got[13:21] == tuple(t.data_ptr() for t in pointers)
-        assert got[21:] == tuple(args[8:]) + tuple(meta[name] for name in rope_triton._CONSTEXPR_NAMES)
+        assert got[21:] == tuple(args[8:]) + tuple(meta[name] for name in rope._CONSTEXPR_NAMES)
 
-    rotary_tables_(q, k, cos, sin)  # miss: kernel[grid], kept
+    rotary_fused(q, k, cos, sin, inplace=True)  # miss: kernel[grid], kept
     assert len(kernel.launches) == 1 and not kernel.entries and _tables_keys() == 1
-    rotary_tables_(q, k, cos, sin)  # hit: the launcher's entry point, no kernel[grid]
+    rotary_fused(q, k, cos, sin, inplace=True)  # hit: the launcher's entry point, no kernel[grid]
     assert len(kernel.launches) == 1 and len(kernel.entries) == 1
     expect_entry((q, k, q, k, cos, sin, q, q))  # unused positions / inv_freq: q, as the first launch
 
@@ -953,36 +960,34 @@ def test_kept_launches_replay_what_was_launched(monkeypatch):
 
     base = torch.empty(2 * 3 * 8 + 1, device=DEV)
     for _ in range(2):  # cos misaligned: launched by Triton each time, never kept
-        rotary_tables_(q, k, base[1:25].view(1, 3, 8), sin)
+        rotary_fused(q, k, base[1:25].view(1, 3, 8), sin, inplace=True)
     assert len(kernel.launches) == 4 and _tables_keys() == 1
-    rotary_tables_(q, k, cos, sin)  # aligned again: the launch kept before
+    rotary_fused(q, k, cos, sin, inplace=True)  # aligned again: the launch kept before
     assert len(kernel.launches) == 4 and len(kernel.entries) == 3
 
     kernel.fail = True
-    rotary_tables_(q, k, cos, sin)  # the launcher raises: direct launch off, Triton's launch instead
-    assert not rope_triton._DIRECT and len(kernel.launches) == 5
-    rotary_tables_(q, k, cos, sin)  # kept again, as a kernel[grid] launch
+    rotary_fused(q, k, cos, sin, inplace=True)  # the launcher raises: direct launch off, Triton's launch instead
+    assert not rope._DIRECT and len(kernel.launches) == 5
+    rotary_fused(q, k, cos, sin, inplace=True)  # kept again, as a kernel[grid] launch
     assert len(kernel.launches) == 6 and len(kernel.entries) == 3
 
 
 def test_kept_launch_calls_the_python_wrapper_of_a_packed_launcher(monkeypatch):
     """Where the launcher's C entry takes its arguments packed (a later Triton), the kept launch
     calls the launcher's Python wrapper, with the arguments Triton's own launch passes it."""
-    from torchembed.kernels import rotary_tables_
-
     kernel = _FakeKernel(packed=True)
-    monkeypatch.setattr(rope_triton, "_rope_kernel", kernel)
-    monkeypatch.setattr(rope_triton, "_DIRECT", True)
-    monkeypatch.setattr(rope_triton, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(rope_triton, "_raw_stream", lambda index: "stream")
-    rope_launches.clear()
+    monkeypatch.setattr(rope_triton, "rope_kernel", kernel)
+    monkeypatch.setattr(rope, "_DIRECT", True)
+    monkeypatch.setattr(rope, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(rope.direct_launch, "raw_stream", lambda index: "stream")
+    rope.clear_launches()
     q, k = make_qk(1, 4, 2, 3, 16, torch.float32, layout="hf")
     cos, sin = make_table(3, 8, (1,))
-    rotary_tables_(q, k, cos, sin)
-    rotary_tables_(q, k, cos, sin)
+    rotary_fused(q, k, cos, sin, inplace=True)
+    rotary_fused(q, k, cos, sin, inplace=True)
     grid, args, meta = kernel.launches[-1]
     got = kernel.entries[-1]
     assert len(kernel.launches) == 1 and got[0] == "wrapper"
     assert got[1:10] == (*grid, "stream", "function", "metadata", None, None, None)
     assert got[10:18] == tuple(t.data_ptr() for t in (q, k, q, k, cos, sin, q, q))
-    assert got[18:] == tuple(args[8:]) + tuple(meta[name] for name in rope_triton._CONSTEXPR_NAMES)
+    assert got[18:] == tuple(args[8:]) + tuple(meta[name] for name in rope._CONSTEXPR_NAMES)

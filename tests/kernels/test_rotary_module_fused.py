@@ -1,4 +1,4 @@
-"""``RotaryEmbedding(use_fused=True)`` on the kernel path: every way of giving positions, partial and
+"""``RotaryEmbedding(fused=None)`` on the kernel path: every way of giving positions, partial and
 interleaved rotary, frequency scaling, agrees with the module's PyTorch path (fresh random inputs).
 
 Tolerances: both paths compute in float32; the kernel rounds once on store, the PyTorch path rounds
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torchembed import kernels
-from torchembed.kernels import rope_launches
+from torchembed.kernels import rope
 from torchembed.positional import RotaryEmbedding
 
 if not kernels.triton_available():
@@ -38,7 +38,7 @@ CONFIGS = {
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("call", list(CALLS))
 def test_fused_module_matches_its_pytorch_path(call, config, dtype, monkeypatch):
-    fused = RotaryEmbedding(**CONFIGS[config], use_fused=True, device=DEV)
+    fused = RotaryEmbedding(**CONFIGS[config], fused=None, device=DEV)
     reference = RotaryEmbedding(**CONFIGS[config], device=DEV)
     q = torch.randn(2, 4, S, 32, device=DEV).to(dtype)
     k = torch.randn(2, 2, S, 32, device=DEV).to(dtype)
@@ -46,13 +46,13 @@ def test_fused_module_matches_its_pytorch_path(call, config, dtype, monkeypatch)
     launches = []
     original = kernels.rotary_fused
     monkeypatch.setattr(kernels, "rotary_fused", lambda *a, **kw: launches.append(kw) or original(*a, **kw))
-    rope_launches.clear()
+    rope.clear_launches()
     got = fused(q, k, **kwargs)  # checked, then the kernel: its launch is kept
     assert len(launches) == 1 and launches[0]["inv_freq"] is fused.inv_freq  # angles computed in the kernel
+    assert len(rope.LAUNCHES) == 1
     q2, k2 = torch.randn_like(q), torch.randn_like(k)
-    got_kept = fused(q2, k2, **kwargs)  # a call like it: the kept launch (CPU position tensors: checked again)
-    checked_again = not q.is_cuda and any(isinstance(v, torch.Tensor) for v in kwargs.values())
-    assert len(launches) == (2 if checked_again else 1)
+    got_kept = fused(q2, k2, **kwargs)  # a call like it: the same key, the kept launch
+    assert len(launches) == 2 and len(rope.LAUNCHES) == 1
     monkeypatch.setattr(kernels, "rotary_fused", original)
     for out, (qi, ki) in ((got, (q, k)), (got_kept, (q2, k2))):
         want = reference(qi.float(), ki.float(), **kwargs)
@@ -63,7 +63,7 @@ def test_fused_module_matches_its_pytorch_path(call, config, dtype, monkeypatch)
 
 def test_fused_module_with_sequence_first_layout_and_gradients():
     """``(s, b, h, d)`` inputs (``seq_dim=0``) and autograd: gradients as the PyTorch path's."""
-    fused = RotaryEmbedding(dim=16, use_fused=True, device=DEV)
+    fused = RotaryEmbedding(dim=16, fused=None, device=DEV)
     reference = RotaryEmbedding(dim=16, device=DEV)
     q = torch.randn(S, 2, 3, 16, device=DEV, requires_grad=True)
     k = torch.randn(S, 2, 1, 16, device=DEV, requires_grad=True)
@@ -78,28 +78,38 @@ def test_fused_module_with_sequence_first_layout_and_gradients():
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
-def test_position_ids_of_one_dim_keep_the_launch_of_their_batch_view():
-    """``(s,)`` position ids go to the kernel as the ``(1, s)`` view; that launch is kept also under
-    the key of the ``(s,)`` tensor itself, tagged apart from ``(b,)`` offsets (which a 1-D tensor is to
-    ``rotary_fused``), so the next such call replays without making the view. With ``b == s`` the two
-    forms have tensors alike; each keeps its own meaning, replayed (on CUDA) or not."""
-    import torchembed.positional.rotary as rotary
-
-    fused = RotaryEmbedding(dim=32, use_fused=True, device=DEV)
+def test_position_ids_of_one_dim_and_offsets_keep_their_own_meanings():
+    """``(s,)`` position ids and ``(b,)`` offsets are alike tensors when ``b == s``; the module hands the
+    ids to the kernel as ``(1, s)``, so each form keeps its own launch and meaning."""
+    fused = RotaryEmbedding(dim=32, fused=None, device=DEV)
     reference = RotaryEmbedding(dim=32, device=DEV)
     q, k = torch.randn(S, 4, S, 32, device=DEV), torch.randn(S, 2, S, 32, device=DEV)
     ids = torch.randperm(50)[:S].to(DEV)
     offsets = torch.randint(0, 100, (S,)).to(DEV)
-    rope_launches.clear()
+    rope.clear_launches()
     with torch.no_grad():
-        for _ in range(2):  # checked and kept, then (on CUDA) replayed
+        for _ in range(2):  # checked and kept, then the kept launches
             for kwargs in (dict(position_ids=ids), dict(offset=offsets)):
                 got, want = fused(q, k, **kwargs), reference(q, k, **kwargs)
                 for g, w in zip(got, want):
                     torch.testing.assert_close(g, w, **TOL[torch.float32])
-    args = (q, k, None, None, fused.inv_freq)
-    as_view = rope_launches.key_of(*args, ids[None], fused.attention_scaling, False, False, False)
-    as_is = rope_launches.key_of(*args, ids, fused.attention_scaling, False, False, False)
-    assert as_is == rope_launches.key_of(*args, offsets, fused.attention_scaling, False, False, False)
-    assert rope_launches.LAUNCHES[(rotary._IDS_1D, as_is)] is rope_launches.LAUNCHES[as_view]
-    assert rope_launches.LAUNCHES[as_is] is not rope_launches.LAUNCHES[as_view]  # the offsets' own launch
+    assert len(rope.LAUNCHES) == 2
+
+
+def test_pairs_of_other_batch_sizes_or_dtypes_rotate_one_launch_each(monkeypatch):
+    """Shared positions allow q and k of different batch sizes or dtypes; the kernel rotates them one
+    launch each, as the PyTorch path does."""
+    calls = []
+    original = kernels.rotary_fused
+    monkeypatch.setattr(kernels, "rotary_fused", lambda *a, **kw: calls.append(a) or original(*a, **kw))
+    fused, reference = RotaryEmbedding(dim=8, fused=None, device=DEV), RotaryEmbedding(dim=8, device=DEV)
+    for q, k in (
+        (torch.randn(2, 3, 8, device=DEV), torch.randn(1, 3, 8, device=DEV)),
+        (torch.randn(2, 3, 8, device=DEV), torch.randn(2, 3, 8, dtype=torch.float64, device=DEV)),
+    ):
+        calls.clear()
+        got, want = fused(q, k, offset=2), reference(q, k, offset=2)
+        assert len(calls) == 2 and all(a[1].shape[1] == 0 for a in calls)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype
+            torch.testing.assert_close(g, w, **TOL[torch.float32])

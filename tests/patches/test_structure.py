@@ -227,8 +227,8 @@ class Model(nn.Module):
 
 
 def _spy_rotations(monkeypatch) -> list:
-    calls, original = [], RotaryHelper.rotate
-    monkeypatch.setattr(RotaryHelper, "rotate", lambda self, *a: calls.append(1) or original(self, *a))
+    calls, original = [], RotaryHelper.__call__
+    monkeypatch.setattr(RotaryHelper, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     return calls
 
 

@@ -111,17 +111,35 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda a, b: rope(a, b, offset=2), (q, k))
 
 
-def test_use_fused_on_cpu_falls_back_to_reference():
+def test_fused_option_on_cpu(monkeypatch):
+    """``fused=None`` on CPU tensors (no interpreter): the PyTorch path, no kernel call; ``fused=True``:
+    FusedUnavailableError naming the fix; ``use_fused`` is the deprecated spelling of None / False."""
     from torchembed import kernels
+    from torchembed.kernels import FusedUnavailableError
 
-    if not kernels.triton_available():
-        with pytest.raises(ImportError, match=r"torchembed\[triton\]"):
-            RotaryEmbedding(dim=16, use_fused=True)
-        return
-    rope = RotaryEmbedding(dim=16, use_fused=True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    calls = []
+    original = kernels.rotary_fused
+    monkeypatch.setattr(kernels, "rotary_fused", lambda *a, **kw: calls.append(a) or original(*a, **kw))
     q = torch.randn(1, 2, 5, 16)
-    qo, _ = rope(q, q)
-    torch.testing.assert_close(qo.double(), rope_oracle(q, torch.arange(5), rope.inv_freq), **TOL[torch.float32])
+    qo, _ = RotaryEmbedding(dim=16, fused=None)(q, q)
+    torch.testing.assert_close(qo.double(), rope_oracle(q, torch.arange(5), RotaryEmbedding(16).inv_freq),
+                               **TOL[torch.float32])
+    assert not calls
+    if kernels.triton_available():
+        with pytest.raises(FusedUnavailableError, match="CUDA"):
+            RotaryEmbedding(dim=16, fused=True)(q, q)
+    else:
+        with pytest.raises(FusedUnavailableError, match="pip install triton"):
+            RotaryEmbedding(dim=16, fused=True)
+    with pytest.warns(DeprecationWarning, match="fused=None"):
+        assert RotaryEmbedding(dim=16, use_fused=True).fused is None
+    with pytest.warns(DeprecationWarning, match="fused=False"):
+        assert RotaryEmbedding(dim=16, use_fused=False).fused is False
+    with pytest.raises(TypeError, match="fused"):
+        RotaryEmbedding(dim=16, fused="yes")
+    with pytest.raises(TypeError, match="fused= only"):
+        RotaryEmbedding(dim=16, fused=True, use_fused=True)
 
 
 @pytest.mark.parametrize(
@@ -321,23 +339,3 @@ def test_forward_argument_types(call, exc, match):
         rope(q, q, **call)
 
 
-def test_fused_path_only_for_pairs_the_kernel_takes(monkeypatch):
-    """use_fused: q and k of different batch sizes or dtypes (allowed with shared positions) take
-    the PyTorch path (the kernel would reject them), so CPU and GPU accept the same inputs."""
-    from torchembed import kernels
-
-    calls = []
-    monkeypatch.setattr(kernels, "triton_available", lambda: True)
-    monkeypatch.setattr(kernels, "kernel_can_run", lambda t: True)
-    monkeypatch.setattr(kernels, "rotary_fused", lambda *a, **kw: calls.append(a) or (a[0], a[1]))
-    fused, reference = RotaryEmbedding(dim=8, use_fused=True), RotaryEmbedding(dim=8)
-    for q, k in (
-        (torch.randn(2, 3, 8), torch.randn(1, 3, 8)),
-        (torch.randn(2, 3, 8), torch.randn(2, 3, 8, dtype=torch.float64)),
-    ):
-        got, want = fused(q, k, offset=2), reference(q, k, offset=2)
-        for g, w in zip(got, want):
-            assert torch.equal(g, w)
-    assert calls == []
-    fused(torch.randn(2, 3, 8), torch.randn(2, 3, 8), offset=2)
-    assert len(calls) == 1

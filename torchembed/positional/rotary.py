@@ -5,6 +5,7 @@ Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", arXi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,8 +13,6 @@ import torch
 from torch import Tensor, nn
 
 from torchembed import kernels
-from torchembed.kernels import rope_launches
-from torchembed.kernels.rope_op import needs_grad, replay_kept
 from torchembed.functional.rope import (
     _check_base,
     _check_nonnegative,
@@ -23,10 +22,11 @@ from torchembed.functional.rope import (
     rope_inv_freq,
     rope_positions,
 )
+from torchembed.kernels.availability import FusedUnavailableError, check_fused, triton_available, use_kernel
 
 __all__ = ["RotaryEmbedding"]
 
-_IDS_1D = "ids (s,)"  # tags the launch-cache key of (s,) position ids (see RotaryEmbedding._replay)
+_UNSET = object()
 
 
 class RotaryEmbedding(nn.Module):
@@ -40,13 +40,16 @@ class RotaryEmbedding(nn.Module):
         dim: head dim ``d`` (even); the rotary dim unless ``rotary_dim`` is given.
         max_seq_len: positions to precompute; longer sequences extend the cache.
         base: ``theta`` of the frequency progression (LLaMA 3 uses 500000).
-        use_fused: rotate with the fused Triton kernel (q and k in one launch) for tensors it can
-            run on (CUDA, or any device under ``TRITON_INTERPRET=1``); the PyTorch path elsewhere.
-            Needs Triton (``pip install triton``).
+        fused: the fused Triton kernel (q and k in one launch): ``None`` where it can run (CUDA
+            tensors, Triton installed; CPU tensors under ``TRITON_INTERPRET=1``) and the PyTorch path
+            elsewhere; ``True`` always (``FusedUnavailableError`` where it cannot run); ``False`` (the
+            default) never. Both paths compute in float32 and round once.
         device: where to build the buffers.
         rotary_dim: rotate only the first ``rotary_dim`` features (partial rotary); default ``dim``.
         interleaved: pair features ``(2i, 2i+1)`` (GPT-J) instead of ``(i, i + r/2)`` (LLaMA).
         rope_parameters: HF-style frequency scaling, e.g. ``{"rope_type": "llama3", "factor": 8, ...}``.
+        use_fused: deprecated spelling: ``use_fused=True`` is ``fused=None``, ``use_fused=False`` is
+            ``fused=False`` (a DeprecationWarning says so).
 
     Shapes:
         ``q``: ``(..., s, d)``, ``k``: ``(..., s, d)``, the same rank, device and sequence length;
@@ -59,8 +62,10 @@ class RotaryEmbedding(nn.Module):
     Raises:
         ValueError: odd/non-positive ``dim``, bad ``rotary_dim``/``max_seq_len``, ``base`` not a
             finite number > 0.
-        TypeError: ``base`` not a real number.
-        ImportError: ``use_fused=True`` without Triton installed.
+        TypeError: ``base`` not a real number, ``fused`` not None/True/False, ``fused`` and
+            ``use_fused`` both given.
+        FusedUnavailableError: ``fused=True`` without Triton (at construction) or on tensors the
+            kernel cannot run on (at the call).
     """
 
     def __init__(
@@ -68,12 +73,13 @@ class RotaryEmbedding(nn.Module):
         dim: int,
         max_seq_len: int = 2048,
         base: int = 10000,
-        use_fused: bool = False,
+        fused: bool | None = False,
         device: torch.device | str | None = None,
         *,
         rotary_dim: int | None = None,
         interleaved: bool = False,
         rope_parameters: Mapping[str, Any] | None = None,
+        use_fused: Any = _UNSET,
     ) -> None:
         super().__init__()
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0 or dim % 2:
@@ -84,13 +90,21 @@ class RotaryEmbedding(nn.Module):
         if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
         _check_base(base, "RotaryEmbedding base")
-        if use_fused and not kernels.triton_available():
-            raise ImportError(
-                "RotaryEmbedding(use_fused=True) needs Triton: pip install triton "
-                "(or pass use_fused=False for the PyTorch path)"
-            )
+        if use_fused is not _UNSET:
+            if fused is not False:
+                raise TypeError("RotaryEmbedding: pass fused= only (use_fused is its deprecated spelling)")
+            fused = None if use_fused else False
+            warnings.warn(f"RotaryEmbedding(use_fused={use_fused!r}) is deprecated: pass fused={fused!r} (None: the "
+                          "kernel where it can run; True: the kernel required; False: never)",
+                          DeprecationWarning, stacklevel=2)
+        check_fused(fused, "RotaryEmbedding fused")
+        if fused and not triton_available():
+            raise FusedUnavailableError("RotaryEmbedding(fused=True) needs Triton: pip install triton "
+                                        "(or pass fused=None for the kernel where it can run)")
+        if not isinstance(interleaved, bool):
+            raise TypeError(f"interleaved must be a bool, got {interleaved!r}")
         self.dim, self.rotary_dim, self.base = dim, rotary_dim, base
-        self.max_seq_len, self.use_fused, self.interleaved = max_seq_len, use_fused, interleaved
+        self.max_seq_len, self.fused, self.interleaved = max_seq_len, fused, interleaved
         inv_freq, self.attention_scaling = rope_inv_freq(
             rotary_dim, float(base), rope_parameters, max_position_embeddings=max_seq_len, device=device
         )
@@ -140,10 +154,24 @@ class RotaryEmbedding(nn.Module):
             ValueError: shapes, devices or positions that do not fit (see the class docstring),
                 each naming what was expected and what was given.
         """
-        if self.use_fused:
-            out = self._replay(q, k, seq_dim, offset, position_ids)
-            if out is not None:
-                return out
+        if self.fused is not False and type(q) is Tensor and q.dim() == 4 and q.shape[-1] == self.dim and (
+                seq_dim == -2 or seq_dim == 2):
+            # (b, h, s, d) on the kernel: rotary_fused checks what this call's shapes must satisfy (once
+            # per layout: a call like one it ran before is its kept launch); any ValueError from it means
+            # the call needs the module's own checks below, which name the problem in its terms.
+            if position_ids is None:
+                positions = offset
+            elif type(offset) is int and offset == 0 and type(position_ids) is Tensor:
+                positions = position_ids[None] if position_ids.dim() == 1 else position_ids
+            else:
+                positions = None
+            if (type(positions) is int or (type(positions) is Tensor and positions.is_cuda)) and use_kernel(
+                    self.fused, q, "RotaryEmbedding's fused kernel"):
+                try:
+                    return kernels.rotary_fused(q, k, inv_freq=self._buffers["inv_freq"], scale=self.attention_scaling,
+                                                positions=positions, interleaved=self.interleaved)
+                except ValueError:
+                    pass
         inv_freq = self.inv_freq
         seq_len = self._check(q, k, seq_dim, inv_freq)
         nd = q.dim()
@@ -151,9 +179,7 @@ class RotaryEmbedding(nn.Module):
         if moved:
             q, k = q.movedim(seq_dim, -2), k.movedim(seq_dim, -2)
         offset, position_ids = self._positions(q, k, seq_len, offset, position_ids)
-        # The kernel rotates q and k of one batch size and dtype together; other pairs (shared
-        # positions, which allow them) take the PyTorch path.
-        if self.use_fused and q.shape[0] == k.shape[0] and q.dtype == k.dtype and kernels.kernel_can_run(q):
+        if self.fused is not False and use_kernel(self.fused, q, "RotaryEmbedding's fused kernel"):
             q_out, k_out = self._fused(q, k, offset, position_ids, inv_freq)
         else:
             q_out, k_out = self._reference(q, k, offset, position_ids)
@@ -161,32 +187,10 @@ class RotaryEmbedding(nn.Module):
             return q_out.movedim(-2, seq_dim), k_out.movedim(-2, seq_dim)
         return q_out, k_out
 
-    def _replay(
-        self, q: Tensor, k: Tensor, seq_dim: int, offset: int | Tensor, position_ids: Tensor | None
-    ) -> tuple[Tensor, Tensor] | None:
-        """The fused path at once for a call like one it served before: 4-D q/k with the sequence
-        at dim 2, positions on the GPU, nothing to differentiate. Its launch key implies every check of
-        ``forward`` (the positions' shape included: a kept launch had them checked) but those made
-        here (head dim, offsets per sequence), so none is repeated; None: the checked way."""
-        if type(q) is not Tensor or q.dim() != 4 or q.shape[-1] != self.dim or (seq_dim != -2 and seq_dim != 2):
-            return None
-        if torch.compiler.is_compiling() or needs_grad(q, k):
-            return None
-        inv_freq, scale = self._buffers["inv_freq"], self.attention_scaling  # (not Module.__getattr__: 1 us)
-        if position_ids is None:
-            if type(offset) is Tensor and offset.shape[:1] != q.shape[:1]:  # ((1,) offsets: rotary_fused's broadcast)
-                return None
-            positions = offset
-        elif type(offset) is int and offset == 0:
-            positions = position_ids
-        else:
-            return None
-        if type(positions) is Tensor and not positions.is_cuda:  # CPU positions: range-checked on the host
-            return None
-        key = rope_launches.key_of(q, k, None, None, inv_freq, positions, scale, self.interleaved, False, False)
-        if key is not None and position_ids is not None and position_ids.dim() == 1:
-            key = (_IDS_1D, key)  # (s,) ids: not the (b,) offsets a 1-D tensor is to the kernel
-        return None if key is None else replay_kept(key, q, k, None, None, inv_freq, positions, scale, False)
+    @property
+    def use_fused(self) -> bool:
+        """Deprecated: whether the kernel may be used (``fused`` is not False)."""
+        return self.fused is not False
 
     def _check(self, q: Tensor, k: Tensor, seq_dim: int, inv_freq: Tensor) -> int:
         """The sequence length of valid ``q``/``k``; else the TypeError/ValueError ``forward`` names."""
@@ -307,44 +311,29 @@ class RotaryEmbedding(nn.Module):
     def _fused(
         self, q: Tensor, k: Tensor, offset: int | Tensor, position_ids: Tensor | None, inv_freq: Tensor
     ) -> tuple[Tensor, Tensor]:
-        # The kernel computes the angles from inv_freq (no table bytes read): 96-99 % of the copy
-        # bandwidth at large shapes on an H200, against 94-96 % with float32 tables. Offsets go
-        # to the kernel as they are ((b,): pos = offset[b] + s), position ids as (1 or b, s).
+        # The kernel computes the angles from inv_freq (no table bytes read). Offsets go to it as they
+        # are ((b,): pos = offset[b] + s), position ids as (1 or b, s).
         if position_ids is None:
             positions = offset
         else:
             positions = position_ids[None] if position_ids.dim() == 1 else position_ids
         if isinstance(positions, Tensor) and positions.device != q.device:
             positions = positions.to(q.device)
+        qb, kb = _as_bhsd(q), _as_bhsd(k)
+        kwargs = dict(inv_freq=inv_freq, scale=self.attention_scaling, positions=positions, interleaved=self.interleaved)
+        if qb.shape[0] == kb.shape[0] and q.dtype == k.dtype:
+            q_out, k_out = kernels.rotary_fused(qb, kb, **kwargs)
+        else:  # shared positions allow q and k of different batch sizes or dtypes: one launch each
+            q_out = kernels.rotary_fused(qb, qb[:, :0], **kwargs)[0]
+            k_out = kernels.rotary_fused(kb, kb[:, :0], **kwargs)[0]
         if q.dim() == 4:
-            out = kernels.rotary_fused(
-                q, k, inv_freq=inv_freq, scale=self.attention_scaling, positions=positions, interleaved=self.interleaved
-            )
-            if position_ids is not None and position_ids.dim() == 1:  # kept for _replay, which passes (s,) as is
-                self._keep_ids_1d(q, k, position_ids, positions, inv_freq)
-            return out
-        q_out, k_out = kernels.rotary_fused(
-            _as_bhsd(q), _as_bhsd(k), inv_freq=inv_freq, scale=self.attention_scaling, positions=positions,
-            interleaved=self.interleaved,
-        )
+            return q_out, k_out
         return q_out.reshape(q.shape), k_out.reshape(k.shape)
-
-    def _keep_ids_1d(self, q: Tensor, k: Tensor, ids: Tensor, ids_2d: Tensor, inv_freq: Tensor) -> None:
-        """Keep the launch made for ``(1, s)`` ids also under the key of the ``(s,)`` tensor they view
-        (same pointer and strides), tagged: :meth:`_replay` then needs no view op per call."""
-        if needs_grad(q, k) or torch.compiler.is_compiling() or ids.device != q.device:
-            return
-        args = (None, None, inv_freq)
-        made = rope_launches.key_of(q, k, *args, ids_2d, self.attention_scaling, self.interleaved, False, False)
-        launch = None if made is None else rope_launches.LAUNCHES.get(made)
-        key = rope_launches.key_of(q, k, *args, ids, self.attention_scaling, self.interleaved, False, False)
-        if launch is not None and key is not None:
-            rope_launches.store((_IDS_1D, key), launch)
 
     def extra_repr(self) -> str:
         return (
             f"dim={self.dim}, rotary_dim={self.rotary_dim}, max_seq_len={self.max_seq_len}, base={self.base}, "
-            f"interleaved={self.interleaved}, use_fused={self.use_fused}"
+            f"interleaved={self.interleaved}, fused={self.fused}"
         )
 
 

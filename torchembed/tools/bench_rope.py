@@ -7,10 +7,10 @@ Providers (each builds ``f(q, k) -> (q_rot, k_rot)`` for one shape; tables built
   ``torchembed.functional.apply_rotary`` runs instead and the results say so (``impl``).
 * ``torchembed-angles``: ``rotary_fused`` with ``inv_freq`` and the ``(B, S)`` position ids: the
   kernel computes cos/sin itself (no table bytes to read).
-* ``torchembed-module``: ``RotaryEmbedding(D, use_fused=True)(q, k, position_ids=...)``, the public
+* ``torchembed-module``: ``RotaryEmbedding(D, fused=None)(q, k, position_ids=...)``, the public
   module on the same position ids (angles in the kernel; its kept launch after the first call).
 * ``torchembed-hf``: what a patched LLaMA computes per layer: upstream's ``(B, S, D)`` tables
-  through the rebound ``apply_rotary_pos_emb`` (in place without grad: ``rotary_tables_``).
+  through the rebound ``apply_rotary_pos_emb`` (in place without grad: ``rotary_fused(..., inplace=True)``).
 * ``hf``: transformers' LLaMA ``apply_rotary_pos_emb`` with ``(B, S, D)`` tables in the
   activation dtype, as HF does.
 * ``compile``: ``torch.compile`` of that function (static shapes, fresh per shape and mode;
@@ -130,7 +130,7 @@ def build(provider: str, t: Tables, device: torch.device) -> tuple[Fn, str]:
         # module's own checks (first call) or its kept launch (later calls).
         from torchembed import RotaryEmbedding, kernels
 
-        rope = RotaryEmbedding(2 * t.inv_freq.shape[0], use_fused=True, device=device)
+        rope = RotaryEmbedding(2 * t.inv_freq.shape[0], fused=None, device=device)
         probe = torch.empty(0, device=device)
         impl = "triton" if kernels.kernel_can_run(probe) else "reference (RotaryEmbedding without the kernel)"
         positions = t.positions
@@ -279,9 +279,9 @@ def host_overhead(providers: list[str], args: argparse.Namespace, device: torch.
             record = {"shape": shape._asdict(), "shape_label": shape.label, "section": "host", "provider": provider,
                       "impl": impl, "us_per_call": ms * 1e3}
             if impl == "triton" and device.type == "cuda":  # still replaying compiled kernels directly?
-                from torchembed.kernels import rope_triton
+                from torchembed.kernels import rope
 
-                record["direct_launch"] = rope_triton._DIRECT
+                record["direct_launch"] = rope._DIRECT
             records.append(record)
     return records
 

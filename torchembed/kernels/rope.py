@@ -1,0 +1,595 @@
+"""``rotary_fused``: the one entry into the fused RoPE kernel (host side).
+
+Rotary embedding: Su et al., "RoFormer", arXiv:2104.09864. The Triton code is in
+:mod:`torchembed.kernels.rope_triton` (imported on the first launch); this module owns everything
+around it: validation, the launch configuration, the launch cache, the PyTorch fallback, the custom
+ops and the autograd. Every caller -- the public function, its backward, ``RotaryEmbedding`` and the
+patched HF attention -- calls :func:`rotary_fused`.
+
+Positions, one meaning per form (``B`` batch, ``S`` tokens, ``R`` rotated features):
+
+=====================  ========================================  ===========================
+``positions``          position of token ``s`` of sequence ``b``  angles from
+=====================  ========================================  ===========================
+None                   (given by the tables' rows)                per-token ``cos``/``sin``
+                                                                  ``(B or 1, S, R/2)``
+int ``o``              ``o + s``                                  cache ``(T, R/2)`` or inv_freq
+``(B,)`` tensor        ``positions[b] + s`` (per-sequence offsets) cache or inv_freq
+``(B or 1, S)`` tensor ``positions[b, s]`` (position ids)         cache or inv_freq
+=====================  ========================================  ===========================
+
+A call is keyed by what its tensors are -- shapes, strides, dtypes, devices, position form, flags,
+never their values (:func:`_key`). The first call of a key is validated and launched through Triton;
+the launch is then kept (:data:`LAUNCHES`) and a later call of the same key repeats it with its own
+pointers, offset and scale, skipping validation (the key implies it) and Triton's per-call binding
+(:mod:`torchembed.kernels.direct_launch`): a decode step costs little more than the launch itself.
+
+Routes: eager without gradients -> :func:`_rotate`; eager with autograd -> :class:`_Rotary`;
+``torch.compile`` -> the custom ops ``torchembed::rotary`` (out of place, same autograd) and
+``torchembed::rotary_`` (in place, no autograd), whose arguments are :class:`RopeArgs` in order.
+Where the kernel cannot run (:func:`~torchembed.kernels.availability.kernel_can_run`) the same
+float32 math runs in PyTorch (:func:`torchembed.functional.rope.apply_rotary`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import NamedTuple, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from torchembed.functional.rope import apply_rotary
+from torchembed.kernels import direct_launch
+from torchembed.kernels.availability import kernel_can_run, triton_disabled
+
+__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused"]
+
+
+class RopeArgs(NamedTuple):
+    """The arguments of one rotation, validated (the custom ops' schema, in order).
+
+    ``q (B, Hq, S, D)``, ``k (B, Hk, S, D)``; ``cos``/``sin`` tables or ``inv_freq (R/2,)``;
+    ``positions`` a tensor (see the module docstring) or None, with ``offset`` the int offset (0 for
+    tensor positions and per-token tables); ``scale`` multiplies cos and sin; ``interleaved`` pairs
+    features ``(2j, 2j + 1)`` instead of ``(j, j + R/2)``; ``conjugate`` rotates by ``-theta``.
+    """
+
+    q: Tensor
+    k: Tensor
+    cos: Optional[Tensor]
+    sin: Optional[Tensor]
+    inv_freq: Optional[Tensor]
+    positions: Optional[Tensor]
+    offset: int
+    scale: float
+    interleaved: bool
+    conjugate: bool
+
+
+# ------------------------------------------------------------------------------------------
+# Launch configuration. Measured on an H200 (benchmarks/results/rope.md, scripts/tune_rope.py).
+# ------------------------------------------------------------------------------------------
+
+_TILE_PAIRS = 1024  # (token, pair) lanes per program: 4 KB of bf16 per operand
+# Heads per program: several heads share one cos/sin load (or angle computation), but only on
+# prefill-sized grids (at least _HPP_MIN_PROGRAMS programs with one head each); decode keeps one
+# head per program for parallelism. _HPP_CANDIDATES: largest first that divides both head counts.
+_HPP_MIN_PROGRAMS = 4096
+_HPP_CANDIDATES: tuple[int, ...] = (2,)
+_WARPS_GROUPED = 8  # warps of a program that rotates several heads
+# Head groups fastest on the grid: the programs running together cover whole tokens, contiguous
+# (H, D) rows in HF's (B, S, H, D) memory.
+_HEADS_FAST = True
+_CONSTEXPR_NAMES = ("HALF", "D", "BLOCK_D", "BLOCK_P", "BLOCK_S", "HPP", "POS_MODE", "USE_INV_FREQ", "INTERLEAVED",
+                    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def _config(a: RopeArgs, inplace: bool) -> tuple[tuple[int, int, int], dict, int]:
+    """(grid, meta-parameters, number of q head groups) of the launch for ``a``."""
+    B, Hq, S, D = a.q.shape
+    Hk = a.k.shape[1]
+    half = (a.inv_freq if a.cos is None else a.cos).shape[-1]
+    block_d = _next_pow2(half)
+    block_s = min(_next_pow2(S), max(1, _TILE_PAIRS // block_d))
+    n_s = -(-S // block_s)
+    hpp = 1
+    if n_s * B * (Hq + Hk) >= _HPP_MIN_PROGRAMS:
+        hpp = next((c for c in _HPP_CANDIDATES if Hq % c == 0 and Hk % c == 0), 1)
+    has_pass = not inplace and 2 * half < D
+    lanes = block_s * block_d
+    heads_fast = _HEADS_FAST and n_s < 65536  # grid axis 1 holds at most 65535
+    meta = dict(
+        HALF=half, D=D, BLOCK_D=block_d, BLOCK_P=_next_pow2(D - 2 * half) if has_pass else 1, BLOCK_S=block_s,
+        HPP=hpp, POS_MODE=0 if a.positions is None else a.positions.dim(), USE_INV_FREQ=a.cos is None,
+        INTERLEAVED=a.interleaved, CONJUGATE=a.conjugate, HAS_PASS=has_pass, CDT="fp64" if a.q.dtype == torch.float64 else "fp32",
+        # The interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest even.
+        EMULATE_RTNE=not a.q.is_cuda and a.q.dtype == torch.bfloat16, HEADS_FAST=heads_fast,
+        num_warps=_WARPS_GROUPED if hpp > 1 else 1 if lanes <= 128 else 2 if lanes <= 512 else 4,
+    )
+    n_h = Hq // hpp + Hk // hpp
+    return ((n_h, n_s, B) if heads_fast else (n_s, n_h, B)), meta, Hq // hpp
+
+
+# ------------------------------------------------------------------------------------------
+# The launch cache
+# ------------------------------------------------------------------------------------------
+
+# launch(q, k, q_out, k_out, cos, sin, inv_freq, positions, offset, scale) -> launched? False where
+# the kept launch does not apply to these tensors (a pointer not 16-byte aligned, the direct launch
+# switched off): the call then goes the validated way.
+Launch = Callable[..., bool]
+LAUNCHES: dict[Hashable, Launch] = {}
+_MAX_LAUNCHES = 4096  # prefill at many lengths: cleared when full
+_I32 = 2**31
+
+
+def clear_launches() -> None:
+    """Forget every kept launch (after changing a launch-configuration knob)."""
+    LAUNCHES.clear()
+
+
+def _tensor_key(t: Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate) -> Optional[tuple]:
+    """What a call with these arguments is, for the launch cache; None for calls never kept (tensor
+    subclasses, flags that are not bools, a scale that is not a Python number, a negative int offset
+    or one past the end of a cache table, tensor positions indexing a CPU table: range-checked on
+    every call). An int offset enters as the facts Triton specialises on, not as its value."""
+    if type(q) is not Tensor or type(k) is not Tensor or q.dim() != 4:
+        return None
+    if type(interleaved) is not bool or type(inplace) is not bool or type(conjugate) is not bool:
+        return None
+    if type(scale) is not float and type(scale) is not int:
+        return None
+    if positions is None:
+        pos = None
+    elif type(positions) is int:
+        if positions < 0 or (type(cos) is Tensor and positions + q.shape[2] > cos.shape[0]):
+            return None
+        pos = (positions == 1, positions % 16 == 0, positions < _I32)
+    elif type(positions) is Tensor:
+        if cos is not None and not q.is_cuda:
+            return None
+        pos = _tensor_key(positions)
+    else:
+        return None
+    if inv_freq is not None:
+        if cos is not None or sin is not None or type(inv_freq) is not Tensor:
+            return None
+        angles = _tensor_key(inv_freq)
+    elif type(cos) is Tensor and type(sin) is Tensor:
+        angles = (_tensor_key(cos), sin.shape, sin.stride(), sin.dtype)
+    else:
+        return None
+    return (q.shape, k.shape, q.stride(), k.stride(), q.dtype, k.dtype, q.device, k.device, angles, pos,
+            interleaved, inplace, conjugate)
+
+
+def _key_of(a: RopeArgs, inplace: bool) -> Optional[tuple]:
+    """:func:`_key` of the call ``a`` was validated from (its position form as given)."""
+    positions = a.positions if a.positions is not None else None if a.cos is not None and a.cos.dim() == 3 else a.offset
+    return _key(a.q, a.k, a.cos, a.sin, a.inv_freq, positions, a.scale, a.interleaved, inplace, a.conjugate)
+
+
+_triton = None  # rope_triton, imported with Triton on the first launch
+
+
+def _launch(a: RopeArgs, qo: Tensor, ko: Tensor, key: Optional[tuple]) -> None:
+    """Rotate ``a`` into ``qo``/``ko`` through Triton (compiling on a specialisation's first call) and
+    keep the launch under ``key``."""
+    global _triton
+    if _triton is None:
+        from torchembed.kernels import rope_triton
+
+        _triton = rope_triton
+    q, k, cos, sin, inv_freq, positions = a.q, a.k, a.cos, a.sin, a.inv_freq, a.positions
+    grid, meta, nqg = _config(a, qo is q)
+    meta["CDT"] = _triton.COMPUTE_DTYPES[meta["CDT"]]  # float32 math (float64 for float64 inputs)
+    if cos is None:
+        cos = sin = inv_freq  # dummies for the unused table pointers
+        sc_b = sc_s = 0
+    elif cos.dim() == 3:  # per-token (Bc, S, R/2), Bc in {1, B}
+        sc_b, sc_s = (cos.stride(0) if cos.shape[0] != 1 else 0), cos.stride(1)
+    else:  # cache (T, R/2), indexed by positions or by offset + s
+        sc_b, sc_s = 0, cos.stride(0)
+    if positions is None:
+        sp_b = sp_s = 0
+    else:
+        sp_b = positions.stride(0) if positions.shape[0] != 1 else 0
+        sp_s = positions.stride(1) if positions.dim() == 2 else 0
+    sq, sk, sqo, sko = q.stride(), k.stride(), qo.stride(), ko.stride()
+    pointers = (q, k, qo, ko, cos, sin, q if positions is None else positions, q if inv_freq is None else inv_freq)
+    fixed = (q.shape[2], nqg, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
+             sc_b, sc_s, sp_b, sp_s)
+    compiled = _triton.rope_kernel[grid](*pointers, *fixed, a.offset, a.scale, **meta)
+    if key is not None:
+        kept = _keep(compiled, grid, meta, fixed, pointers, a.cos is not None)
+        if kept is not None:
+            if len(LAUNCHES) >= _MAX_LAUNCHES:
+                LAUNCHES.clear()
+            LAUNCHES[key] = kept
+
+
+_DIRECT = direct_launch.ENABLED  # switched off for good when the installed Triton's launcher fails
+
+
+def _on_gpu(t: Tensor) -> bool:  # (a function, so that tests can stand in a GPU)
+    return t.is_cuda
+
+
+def _keep(compiled, grid, meta, fixed, pointers, tables: bool) -> Optional[Launch]:
+    """A :data:`Launch` repeating this launch with other pointers: through the compiled kernel's own
+    launcher (raw pointers; the key fixes everything Triton specialised on) on CUDA, else through
+    ``kernel[grid]`` with the kept configuration; None where it cannot be kept."""
+    g0, g1, g2 = grid
+    q = pointers[0]
+    found = direct_launch.entry_of(compiled)
+    if not (_DIRECT and _on_gpu(q) and found is not None):
+        kernel = _triton.rope_kernel
+
+        def relaunch(q, k, qo, ko, cos, sin, inv_freq, positions, offset, scale) -> bool:
+            if _DIRECT and _on_gpu(q):  # the direct launch came back on: _launch keeps one
+                return False
+            if not tables:
+                cos = sin = inv_freq
+            kernel[grid](q, k, qo, ko, cos, sin, q if positions is None else positions, q if inv_freq is None else inv_freq,
+                         *fixed, offset, scale, **meta)
+            return True
+
+        return relaunch
+    if any(t.data_ptr() & 15 for t in pointers):  # compiled for unaligned pointers: not kept
+        return None
+    index, (entry, head) = q.device.index, found
+    constexprs = tuple(meta[name] for name in _CONSTEXPR_NAMES)
+    raw_stream = direct_launch.raw_stream
+
+    def replay(q, k, qo, ko, cos, sin, inv_freq, positions, offset, scale) -> bool:
+        if not _DIRECT:
+            return False
+        qp, kp = q.data_ptr(), k.data_ptr()
+        qop = qp if qo is q else qo.data_ptr()
+        kop = kp if ko is k else ko.data_ptr()
+        if tables:
+            cp, sp, ip = cos.data_ptr(), sin.data_ptr(), qp
+        else:
+            cp = sp = ip = inv_freq.data_ptr()
+        pp = qp if positions is None else positions.data_ptr()
+        if (qp | kp | qop | kop | cp | sp | pp | ip) & 15:
+            return False
+        try:
+            entry(g0, g1, g2, raw_stream(index), *head, qp, kp, qop, kop, cp, sp, pp, ip, *fixed, offset, scale, *constexprs)
+        except Exception:  # the installed Triton launches differently: kernel[grid] from now on
+            _switch_direct_off()
+            return False
+        return True
+
+    return replay
+
+
+def _switch_direct_off() -> None:
+    global _DIRECT
+    _DIRECT = False
+    LAUNCHES.clear()
+
+
+# ------------------------------------------------------------------------------------------
+# Validation (attribute reads and int compares; no tensor ops, no host syncs on accelerators)
+# ------------------------------------------------------------------------------------------
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fail(msg: str):
+    raise ValueError(f"rotary_fused: {msg}")
+
+
+def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate) -> RopeArgs:
+    """The arguments of ``rotary_fused`` as the kernel takes them, or a ValueError naming what is wrong.
+
+    Tensor positions indexing cos/sin cache tables are range-checked on the host for CPU tensors
+    only; on accelerators they are not (that would be a host sync)."""
+    if not isinstance(q, Tensor) or not isinstance(k, Tensor):
+        _fail(f"expected q and k to be tensors, got {type(q).__name__} and {type(k).__name__}")
+    qs, ks = q.shape, k.shape
+    if len(qs) != 4 or len(ks) != 4:
+        _fail(f"expected 4-D q and k (B, H, S, D), got q {tuple(qs)} and k {tuple(ks)}")
+    if q.dtype not in _KERNEL_DTYPES or k.dtype != q.dtype:
+        _fail(f"expected q and k of one floating dtype in {_KERNEL_DTYPES}, got {q.dtype} and {k.dtype}")
+    dev = q.device
+    if k.device != dev:
+        _fail(f"expected k on q's device {dev}, got {k.device}")
+    B, _, S, D = qs
+    if ks[0] != B or ks[2] != S or ks[3] != D:
+        _fail(f"expected q and k with the same B, S, D, got q {tuple(qs)} and k {tuple(ks)}")
+
+    pos_t, offset = None, 0
+    if isinstance(positions, Tensor):
+        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+            _fail(f"expected integer positions, got dtype {positions.dtype}")
+        if positions.device != dev:
+            _fail(f"expected positions on q's device {dev}, got {positions.device}")
+        ps = positions.shape
+        if not (ps[:1] in ((1,), (B,)) and (len(ps) == 1 or (len(ps) == 2 and ps[1] == S))):
+            _fail(f"expected positions of shape ({B},) (per-sequence offsets) or ({B} or 1, {S}) (position ids), "
+                  f"got {tuple(ps)}")
+        pos_t = positions
+    elif isinstance(positions, int) and not isinstance(positions, bool):
+        if positions < 0:
+            _fail(f"expected a non-negative int offset, got {positions}")
+        offset = positions
+    elif positions is not None:
+        _fail(f"expected positions None, an int offset or an integer tensor, got {type(positions).__name__}")
+
+    if (cos is not None or sin is not None) == (inv_freq is not None):
+        _fail("expected either cos and sin tables or inv_freq=, got " + ("both" if inv_freq is not None else "neither"))
+    if inv_freq is None:
+        if not isinstance(cos, Tensor) or not isinstance(sin, Tensor):
+            _fail(f"expected cos and sin tensors together, got cos={type(cos).__name__} sin={type(sin).__name__}")
+        if not cos.is_floating_point() or not sin.is_floating_point():
+            _fail(f"expected floating cos/sin, got {cos.dtype} and {sin.dtype}")
+        if cos.device != dev or sin.device != dev:
+            _fail(f"expected cos/sin on q's device {dev}, got {cos.device} and {sin.device}")
+        if cos.shape != sin.shape:
+            _fail(f"expected cos and sin of the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        cs = cos.shape
+        half = cs[-1] if cs else 0
+        if positions is None:
+            if len(cs) != 3 or cs[0] not in (1, B) or cs[1] != S:
+                _fail(f"expected per-token cos/sin of shape ({B} or 1, {S}, R/2) when positions is None, got {tuple(cs)}")
+        elif len(cs) != 2:
+            _fail(f"expected cos/sin cache tables of shape (T, R/2) when positions is given, got {tuple(cs)}")
+        elif pos_t is None and offset + S > cs[0]:
+            _fail(f"expected offset + S <= table length, got {offset} + {S} > {cs[0]}")
+        elif pos_t is not None and dev.type == "cpu" and pos_t.numel() and S and not torch.compiler.is_compiling():
+            # Tensor positions index the table: an index past either end would wrap or fail deep in the
+            # fallback, or read out of bounds in the interpreted kernel.
+            low, high = int(pos_t.min()), int(pos_t.max()) + (S - 1 if pos_t.dim() == 1 else 0)
+            if low < 0 or high >= cs[0]:
+                _fail(f"expected tensor positions in [0, table length {cs[0]}), got positions {low}..{high}")
+        # The kernel needs a unit last stride and one stride for both tables; tables are small, so a
+        # copy here is cheap (q and k are never copied for this).
+        st = cos.stride()
+        if st != sin.stride() or (st and st[-1] != 1):
+            cos, sin = cos.contiguous(), sin.contiguous()
+    else:
+        if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or not inv_freq.is_floating_point():
+            _fail(f"expected inv_freq a 1-D floating tensor (R/2,), got {getattr(inv_freq, 'shape', inv_freq)}")
+        if inv_freq.device != dev:
+            _fail(f"expected inv_freq on q's device {dev}, got {inv_freq.device}")
+        if positions is None:
+            _fail("expected positions (int, (B,) or (B, S) tensor) with inv_freq=, got None")
+        half = inv_freq.shape[0]
+        if inv_freq.stride(0) != 1:
+            inv_freq = inv_freq.contiguous()
+    if half < 1:
+        _fail(f"expected a positive even rotary dim R = 2 * cos.shape[-1], got R = {2 * half}")
+    if 2 * half > D:
+        hint = ""
+        if cos is not None and 2 * D >= 2 * half:  # HF's (and Liger's) full-width tables
+            first = "[..., ::2]" if interleaved else f"[..., :{half // 2}]"
+            hint = (f"; cos/sin with {half} entries per row look like HF's full tables "
+                    f"({'repeat_interleave' if interleaved else 'cat'}(freqs, freqs)): rotary_fused takes half "
+                    f"tables (R/2 entries), e.g. cos{first}, sin{first}")
+        _fail(f"expected rotary dim R = 2 * {half} = {2 * half} <= head dim D = {D}{hint}")
+    if isinstance(scale, (Tensor, bool)) or not isinstance(scale, (int, float)):
+        _fail(f"expected a Python number scale, got {type(scale).__name__}")
+    if not isinstance(interleaved, bool) or not isinstance(conjugate, bool):
+        _fail(f"expected bool interleaved and conjugate, got {interleaved!r} and {conjugate!r}")
+    return RopeArgs(q, k, cos, sin, inv_freq, pos_t, offset, float(scale), interleaved, conjugate)
+
+
+# ------------------------------------------------------------------------------------------
+# The rotation: the kernel where it runs, the PyTorch reference elsewhere
+# ------------------------------------------------------------------------------------------
+
+_empty_like = torch.empty_like  # module-level so tests can poison fresh outputs
+
+
+def _alloc_like(x: Tensor) -> Tensor:
+    """Output buffer: ``empty_like`` keeps a dense input's strides (HF's (B, H, S, D) view over
+    (B, S, H, D) memory gets an output in the same memory order); otherwise a contiguous tensor.
+    The fake impl uses the same rule, so compiled and eager agree."""
+    if x.stride(-1) == 1:
+        return _empty_like(x)
+    return _empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _reference_tables(a: RopeArgs) -> Tuple[Tensor, Tensor]:
+    """``(Bc, 1, S, R/2)`` cos/sin with the kernel's semantics, for the PyTorch path."""
+    if a.inv_freq is None and a.cos.dim() == 3:
+        c, s = a.cos, a.sin
+    else:
+        ar = torch.arange(a.q.shape[2], device=a.q.device)
+        pos = (ar + a.offset)[None] if a.positions is None else a.positions.long()
+        if pos.dim() == 1:
+            pos = pos[:, None] + ar
+        if a.inv_freq is not None:
+            angle = pos.float()[..., None] * a.inv_freq.float()  # the float32 angle, as the kernel computes it
+            angle = angle.double() if a.q.dtype == torch.float64 else angle
+            c, s = angle.cos(), angle.sin()
+        else:
+            c, s = a.cos[pos], a.sin[pos]
+    if a.scale != 1.0:
+        c, s = c.float() * a.scale, s.float() * a.scale
+    return c[:, None], s[:, None]
+
+
+def _run(a: RopeArgs, qo: Tensor, ko: Tensor) -> None:
+    """Rotate ``a.q``/``a.k`` into ``qo``/``ko`` (which may be they); all have a unit last stride."""
+    q, k = a.q, a.k
+    if kernel_can_run(q):
+        key = _key_of(a, qo is q)
+        kept = None if key is None else LAUNCHES.get(key)
+        if kept is None or not kept(q, k, qo, ko, a.cos, a.sin, a.inv_freq, a.positions, a.offset, a.scale):
+            _launch(a, qo, ko, key)
+        return
+    c, s = _reference_tables(a)
+    for x, out in ((q, qo), (k, ko)):
+        out.copy_(apply_rotary(x, c, s, interleaved=a.interleaved, conjugate=a.conjugate))
+
+
+def _rotate(a: RopeArgs) -> Tuple[Tensor, Tensor]:
+    """Out of place. A q or k whose last dim is not unit-stride (HF never makes one) is copied first;
+    its output is then contiguous, as :func:`_alloc_like` (the fake impl's rule) says."""
+    if a.q.stride(-1) != 1 or a.k.stride(-1) != 1:
+        a = a._replace(q=a.q if a.q.stride(-1) == 1 else a.q.contiguous(),
+                       k=a.k if a.k.stride(-1) == 1 else a.k.contiguous())
+    qo, ko = _empty_like(a.q), _empty_like(a.k)
+    _run(a, qo, ko)
+    return qo, ko
+
+
+def _rotate_(a: RopeArgs) -> None:
+    """In place (a non-unit last-dim stride: out of place, then copied back)."""
+    if a.q.stride(-1) != 1 or a.k.stride(-1) != 1:
+        qo, ko = _rotate(a)
+        a.q.copy_(qo)
+        a.k.copy_(ko)
+    else:
+        _run(a, a.q, a.k)
+
+
+# ------------------------------------------------------------------------------------------
+# Custom ops (what torch.compile sees) and the one autograd definition
+# ------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("torchembed::rotary", mutates_args=())
+def _rotary_op(q: Tensor, k: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], inv_freq: Optional[Tensor],
+               positions: Optional[Tensor], pos_offset: int, scale: float, interleaved: bool,
+               conjugate: bool) -> Tuple[Tensor, Tensor]:
+    return _rotate(RopeArgs(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate))
+
+
+@_rotary_op.register_fake
+def _rotary_fake(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
+    return _alloc_like(q), _alloc_like(k)
+
+
+@torch.library.custom_op("torchembed::rotary_", mutates_args=("q", "k"))
+def _rotary_inplace_op(q: Tensor, k: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], inv_freq: Optional[Tensor],
+                       positions: Optional[Tensor], pos_offset: int, scale: float, interleaved: bool,
+                       conjugate: bool) -> None:
+    _rotate_(RopeArgs(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate))
+
+
+@_rotary_inplace_op.register_fake
+def _rotary_inplace_fake(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
+    return None
+
+
+class _Rotary(torch.autograd.Function):
+    """The autograd of the out-of-place rotation, once: eager calls apply this Function (no custom-op
+    dispatch, whose Python cost is several times a decode-sized kernel); ``torchembed::rotary``
+    registers the same ``setup_context`` and ``backward`` for torch.compile.
+
+    The rotation is orthogonal (times ``scale``): the gradient of q/k is the conjugate rotation of
+    the incoming gradient. cos/sin/inv_freq/positions get none (constants). Under
+    ``create_graph=True`` the backward is itself differentiable.
+    """
+
+    @staticmethod
+    def forward(*args):
+        return _rotate(RopeArgs(*args))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a = RopeArgs(*inputs)
+        ctx.save_for_backward(a.cos, a.sin, a.inv_freq, a.positions)
+        ctx.consts = (a.offset, a.scale, a.interleaved, a.conjugate)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin, inv_freq, positions = ctx.saved_tensors
+        offset, scale, interleaved, conjugate = ctx.consts
+        a = RopeArgs(grad_q, grad_k, cos, sin, inv_freq, positions, offset, scale, interleaved, not conjugate)
+        if type(grad_q) is not Tensor or type(grad_k) is not Tensor or torch.compiler.is_compiling():
+            dq, dk = torch.ops.torchembed.rotary(*a)  # traced (compile) or a tensor subclass: the op
+        elif torch.is_grad_enabled():  # create_graph=True: stay differentiable
+            dq, dk = _Rotary.apply(*a)
+        else:
+            dq, dk = _rotate(a)
+        return dq, dk, None, None, None, None, None, None, None, None
+
+
+_rotary_op.register_autograd(_Rotary.backward, setup_context=_Rotary.setup_context)
+
+
+# ------------------------------------------------------------------------------------------
+# The entry point
+# ------------------------------------------------------------------------------------------
+
+
+def rotary_fused(
+    q: Tensor,
+    k: Tensor,
+    cos: Optional[Tensor] = None,
+    sin: Optional[Tensor] = None,
+    *,
+    inv_freq: Optional[Tensor] = None,
+    scale: float = 1.0,
+    positions: Union[None, int, Tensor] = None,
+    interleaved: bool = False,
+    inplace: bool = False,
+    conjugate: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """Rotate q and k by their positions' angles with one fused kernel launch.
+
+    Args:
+        q: ``(B, Hq, S, D)``, any strides with a unit last stride (HF's transposed ``(B, S, H, D)``
+            memory works without a copy; another last stride costs one copy).
+        k: ``(B, Hk, S, D)``, q's dtype, device, B, S and D; ``Hk`` may differ (GQA).
+        cos, sin: tables of ``R/2`` entries per row (``R <= D`` rotated features; ``[R, D)`` pass
+            through): per-token ``(B or 1, S, R/2)`` with ``positions=None``, else a cache ``(T, R/2)``
+            indexed by position.
+        inv_freq: ``(R/2,)`` instead of tables (needs positions): angle = position * inv_freq in float32.
+        scale: multiplies cos and sin (e.g. HF's ``attention_scaling``).
+        positions: None, an int offset, ``(B,)`` per-sequence offsets or ``(B or 1, S)`` position ids
+            (the module docstring's table). Tensor positions are not range-checked on accelerators.
+        interleaved: GPT-J pairing ``(2j, 2j + 1)`` instead of ``(j, j + R/2)``.
+        inplace: write into q and k and return them; else new tensors (``empty_like`` layout).
+        conjugate: rotate by ``-theta`` (the inverse rotation).
+
+    Returns:
+        ``(q_rot, k_rot)``, the input shapes and dtype; float32 math (float64 for float64 inputs),
+        rounded once. Gradients flow to q and k (none to the tables or positions).
+
+    Raises:
+        ValueError: a shape, dtype, device or position that does not fit, naming expected and given.
+    """
+    compiling = torch.compiler.is_compiling()
+    recorded = torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False))
+    if not compiling and not recorded:  # a call like one launched before: that launch again, at once
+        key = _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate)
+        kept = None if key is None else LAUNCHES.get(key)
+        if kept is not None and not triton_disabled():
+            qo, ko = (q, k) if inplace else (_empty_like(q), _empty_like(k))
+            pos, offset = (None, positions) if type(positions) is int else (positions, 0)
+            if kept(q, k, qo, ko, cos, sin, inv_freq, pos, offset, scale):
+                return qo, ko
+    a = _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate)
+    if not isinstance(inplace, bool):
+        _fail(f"expected a bool inplace, got {inplace!r}")
+    if not recorded:
+        if compiling:
+            if inplace:
+                torch.ops.torchembed.rotary_(*a)
+                return q, k
+            return torch.ops.torchembed.rotary(*a)
+        if inplace:
+            _rotate_(a)
+            return q, k
+        return _rotate(a)
+    qo, ko = (torch.ops.torchembed.rotary if compiling else _Rotary.apply)(*a)
+    if inplace:  # a mutating op has no autograd formula: out of place, then copy_ (which autograd tracks)
+        q.copy_(qo)
+        k.copy_(ko)
+        return q, k
+    return qo, ko
