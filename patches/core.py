@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from torchembed import kernels
+from torchembed.kernels.availability import check_fused, why_not
 from torchembed.patches import families  # noqa: F401  (registers the adapters)
 from torchembed.patches.actions import Component
 from torchembed.patches.errors import FusedUnavailableError, StructureError, UnsupportedModelError
@@ -80,22 +81,18 @@ def _family_of(model: nn.Module) -> Family:
 
 
 def _check_fused(model: nn.Module, family: Family, fused: bool | None) -> None:
-    if fused not in (None, True, False):
-        raise TypeError(f"fused must be None, True or False, got {fused!r}")
-    if not fused:
+    """``fused`` is None, True or False; True only where the family has a kernel that can run on the
+    model's device (FusedUnavailableError naming the fix otherwise)."""
+    if not check_fused(fused, "fused"):
         return
     if family.encoding != "rope":
         raise FusedUnavailableError(
             f"fused=True: {family.name} uses {family.encoding} positions, which have no fused kernel; use fused=None"
         )
-    if not kernels.triton_available():
-        raise FusedUnavailableError("fused=True needs Triton: pip install triton (or pass fused=None)")
     param = next(model.parameters(), None)
-    if param is not None and not kernels.kernel_can_run(param):
-        raise FusedUnavailableError(
-            f"fused=True needs the model on a CUDA device (it is on {param.device}); move it with "
-            "model.to('cuda') first, or pass fused=None to use the kernel only where it can run"
-        )
+    if not kernels.triton_available() or (param is not None and not kernels.kernel_can_run(param)):
+        raise FusedUnavailableError(f"fused=True: the fused kernel cannot run: {why_not(param)} (move the model with "
+                                    "model.to('cuda') first), or pass fused=None to use it only where it can run")
 
 
 def _plan(model: nn.Module, family: Family, fused: bool | None) -> list[Any]:

@@ -210,11 +210,12 @@ def _close(got: tuple, want: list[Tensor]) -> bool:
 
 
 def _match(helper: Callable, roles: _Parameters, layout: str, feature_dim: int, half: int, gen: torch.Generator,
-           keywords: dict | None = None, only: tuple | None = None) -> list[tuple]:
+           keywords: dict | None = None, only: tuple | None = None, probes: tuple = _PROBES) -> list[tuple]:
     """Every (probe, pairing, conjugate, trailing) that ``helper`` computes on inputs of ``feature_dim``
-    features rotated by ``half`` angles, with tables in ``layout``; ``keywords`` passed through."""
+    features rotated by ``half`` angles, with tables in ``layout``, among ``probes`` (``only``: one probe
+    and one (pairing, conjugate)); ``keywords`` passed through."""
     found = []
-    for probe in _PROBES:
+    for probe in probes:
         rule, x_lead, t_lead = probe
         if only is not None and probe != only[0]:
             continue
@@ -277,10 +278,8 @@ def _probe(helper: Any) -> tuple[Rotation | None, str]:
     found = []
     for layout in ("complex",) if complex_ else LAYOUTS:
         if param:  # both unsqueeze values must do what the argument says
-            hs = _match(helper, roles, layout, 2 * half, half, gen, {_UNSQUEEZE: 1}, only=None)
-            sh = _match(helper, roles, layout, 2 * half, half, gen, {_UNSQUEEZE: 2}, only=None)
-            hs = [m for m in hs if m[0] == _PROBES[0]]
-            sh = [m for m in sh if m[0] == _PROBES[1]]
+            hs = _match(helper, roles, layout, 2 * half, half, gen, {_UNSQUEEZE: 1}, probes=_PROBES[:1])
+            sh = _match(helper, roles, layout, 2 * half, half, gen, {_UNSQUEEZE: 2}, probes=_PROBES[1:2])
             found += [(layout, m) for m in hs if any(n[1] == m[1] for n in sh)]
         else:
             found += [(layout, m) for m in _match(helper, roles, layout, 2 * half, half, gen)[:1]]
@@ -533,11 +532,13 @@ class RotaryHelper:
         c4, signed = kept[4], kept[5]
         half = cos.shape[-1] // 2
         out = []
-        for x in (q, k):
-            xf = x if x.dtype == c4.dtype else x.to(c4.dtype)
-            y = xf * c4
-            y += torch.roll(xf, half, -1) * signed
-            out.append(y if y.dtype == x.dtype else y.to(x.dtype))
+        for x in (q, k):  # a bf16 or fp16 x promotes to float32 inside each product (no copy of it)
+            y = x * c4
+            if y.dtype == x.dtype:  # products and sum as upstream's, bit for bit
+                y += torch.roll(x, half, -1) * signed
+                out.append(y)
+            else:  # float32 math, rounded once into the output
+                out.append(torch.addcmul(y, torch.roll(x, half, -1), signed, out=torch.empty_like(x)))
         return out[0], out[1]
 
 

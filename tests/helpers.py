@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import inspect
+import sys
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -55,3 +59,29 @@ def assert_no_new_graph_breaks(patched: collections.Counter, upstream: collectio
     Falcon on torch 2.8 with transformers 5.24)."""
     new = set(patched) - set(upstream)
     assert not new, f"graph breaks upstream does not have: {new}"
+
+
+@contextlib.contextmanager
+def counting_calls(functions) -> Iterator[collections.Counter]:
+    """Counts the calls of ``functions`` (their code, whatever route reaches them: a module global, a
+    reference kept elsewhere, a fallback) while the block runs, keyed by function name."""
+    codes = {inspect.unwrap(f).__code__: f.__qualname__ for f in functions}
+    counts: collections.Counter = collections.Counter()
+    previous = sys.getprofile()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            counts[codes[frame.f_code]] += 1
+
+    sys.setprofile(profile)
+    try:
+        yield counts
+    finally:
+        sys.setprofile(previous)
+
+
+def upstream_rotation_helpers(model) -> set:
+    """The upstream rotation helpers the attentions of (unpatched) ``model`` call."""
+    from torchembed.patches.families.rope import discover
+
+    return {helper for _, _, rotations in discover(model).attentions for helper, _ in rotations.recognized.values()}

@@ -65,10 +65,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def setup(args: argparse.Namespace) -> torch.device:
-    """Seed, pick the device (CUDA; CPU for ``--smoke``); without CUDA a full run becomes ``--smoke``."""
+def setup(args: argparse.Namespace, device: str = "cuda") -> torch.device:
+    """Seed, pick the device (CUDA; CPU for ``--smoke`` or ``device="cpu"``); without CUDA a full CUDA
+    run becomes ``--smoke``."""
     torch.manual_seed(args.seed)
     args.torch_dtype = _DTYPES[args.dtype]
+    if device == "cpu":
+        return torch.device("cpu")
     if not args.smoke and not torch.cuda.is_available():
         print("no CUDA device: running --smoke instead (tiny shapes on CPU)", file=sys.stderr)
         args.smoke = True

@@ -1,6 +1,7 @@
 """``torchembed bench e2e``: whole ~1B-parameter models, upstream vs torchembed-patched vs liger.
 
-Random-weight LLaMA-, Mistral- and Falcon-style configs in bf16 on CUDA. Variants share weights:
+Random-weight LLaMA-, Mistral- and Falcon-style configs in bf16 on CUDA (``--device cpu``: on the CPU,
+``--threads`` intra-op threads each; ``smollm2`` is SmolLM2-135M's LLaMA shape). Variants share weights:
 ``upstream``, ``patched`` (``copy.deepcopy`` + ``torchembed.patch``) and ``liger`` (a copy whose
 attention instances call liger-kernel's ``liger_rotary_pos_emb``; skipped when not installed).
 Phases, each repeated in interleaved order (A/B/C/A/B/C...) after one warm-up per variant and
@@ -35,7 +36,7 @@ from torch import nn
 
 from torchembed.tools import bench
 
-MODELS = ("llama", "mistral", "falcon", "qwen3", "gemma3_text", "phi3")
+MODELS = ("llama", "mistral", "falcon", "qwen3", "gemma3_text", "phi3", "smollm2")
 VARIANTS = ("upstream", "patched", "liger")
 PHASES = ("prefill", "decode", "compiled")
 ATTENTION = {"llama": ("LlamaAttention",), "mistral": ("MistralAttention",),
@@ -55,6 +56,12 @@ def make_config(name: str, smoke: bool, max_positions: int) -> Any:
                   vocab_size=vocab)
     if name == "llama":
         return transformers.LlamaConfig(**llama, max_position_embeddings=max_positions)
+    if name == "smollm2":  # SmolLM2-135M: 30 layers, hidden 576, 9 / 3 heads of 64
+        shape = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                     intermediate_size=1536, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True)
+        if smoke:
+            shape.update(num_hidden_layers=2, vocab_size=128)
+        return transformers.LlamaConfig(**shape, max_position_embeddings=max_positions)
     if name == "mistral":
         return transformers.MistralConfig(**llama, max_position_embeddings=max_positions, sliding_window=None)
     if name == "falcon":
@@ -219,17 +226,25 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="torchembed bench e2e", description=__doc__.split("\n\n")[0].replace("``", ""))
     bench.add_common_args(parser)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--models", nargs="+", default=None, choices=MODELS,
+                        help="default: all but smollm2 on CUDA, smollm2 on the CPU")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: full-size runs on the CPU (prefill and eager decode)")
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="CPU intra-op thread counts, each a run of its own (default: torch's)")
+    parser.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
+                        help="default: all (on the CPU: upstream patched)")
     parser.add_argument("--phases", nargs="+", default=None, choices=PHASES, help="default: all (--smoke: prefill decode)")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="default 1 8 (--smoke: 1 2)")
     parser.add_argument("--prompt-lens", nargs="+", type=int, default=None, help="default 2048 (--smoke: 16)")
     parser.add_argument("--new-tokens", type=int, default=None, help="decode steps, >= 2 (default 128; --smoke: 4)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5; --smoke: 2)")
     args = parser.parse_args(argv)
-    device = bench.setup(args)
+    device = bench.setup(args, args.device)
     smoke = args.smoke
-    args.phases = args.phases or (["prefill", "decode"] if smoke else list(PHASES))
+    args.variants = args.variants or (["upstream", "patched"] if device.type == "cpu" else list(VARIANTS))
+    args.models = args.models or (["smollm2"] if device.type == "cpu" and not smoke else [m for m in MODELS if m != "smollm2"])
+    args.phases = args.phases or (["prefill", "decode"] if smoke or device.type == "cpu" else list(PHASES))
     args.batch_sizes = args.batch_sizes or ([1, 2] if smoke else [1, 8])
     args.prompt_lens = args.prompt_lens or ([16] if smoke else [2048])
     args.new_tokens = args.new_tokens or (4 if smoke else 128)
@@ -238,7 +253,8 @@ def main(argv: list[str]) -> int:
         raise ValueError("--new-tokens must be >= 2, --repeats >= 1, batch sizes and prompt lengths >= 1")
     if smoke and args.dtype == "bfloat16":
         args.torch_dtype = torch.float32  # CPU smoke: float32 (bf16 matmuls are slow on many CPUs)
-    name = "-".join(["e2e", *(args.models if args.models != list(MODELS) else []),
+    name = "-".join(["e2e", *(["cpu"] if device.type == "cpu" and not smoke else []),
+                     *(args.models if args.models != [m for m in MODELS if m != "smollm2"] else []),
                      *(args.phases if args.phases != list(PHASES) and not smoke else [])])
     env, skipped, records = bench.environment(device), {}, []
     budget = bench.Budget(args.max_seconds)
@@ -251,18 +267,28 @@ def main(argv: list[str]) -> int:
 
     limits = {("recompile_limit", "cache_size_limit"): 64,
               ("accumulated_recompile_limit", "accumulated_cache_size_limit"): 1024}
+    threads = args.threads or [torch.get_num_threads()]
     with bench.no_interpreter(device), bench.dynamo_config(limits):  # every variant and batch size is its own graph
-        for model_name in args.models:
-            if budget.exhausted():
-                skipped[model_name] = "time budget (--max-seconds)"
-                continue
-            models = build_variants(model_name, args, device, skipped)
-            for batch in args.batch_sizes:
-                for prompt in args.prompt_lens:
-                    records += run_case(model_name, models, batch, prompt, args, device, budget)
-                    save(quiet=True)  # partial results survive an interrupted run
-            del models
-            bench.free_memory(device)
+        for n_threads in threads:
+            if device.type == "cpu":
+                torch.set_num_threads(n_threads)
+                env["threads"] = threads
+            for model_name in args.models:
+                if budget.exhausted():
+                    skipped[model_name] = "time budget (--max-seconds)"
+                    continue
+                models = build_variants(model_name, args, device, skipped)
+                for batch in args.batch_sizes:
+                    for prompt in args.prompt_lens:
+                        case = run_case(model_name, models, batch, prompt, args, device, budget)
+                        if device.type == "cpu":
+                            for record in case:
+                                record["threads"] = n_threads
+                                record["model"] = f"{model_name} ({n_threads} thread{'s' if n_threads > 1 else ''})"
+                        records += case
+                        save(quiet=True)  # partial results survive an interrupted run
+                del models
+                bench.free_memory(device)
     print(save(quiet=False))
     return 0
 

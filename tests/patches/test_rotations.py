@@ -1,0 +1,278 @@
+"""Rotations beyond HF's usual helper: complex frequencies (Llama 4, DeepSeek-V2), vision towers and
+M-RoPE (Qwen2.5-VL), keyword calls and left-out keys (Qwen4-Exp's helper), and models torchembed
+refuses whole rather than half-patch.
+
+Each patched model: float32 logits within 1e-5 of upstream, zero calls of upstream's rotation helper
+during the patched forward (counted on the helper's code, whatever route calls it; upstream's own
+forward makes them, so the count can fail), greedy generation with the cache identical, unpatch bit
+for bit. The models are initialised with std 0.5 (HF's default 0.02 leaves tiny models' logits
+nearly flat): a 1e-4 rotation error then moves the logits past the check, which
+``test_a_small_rotation_error_fails_the_check`` shows by injecting one.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+import torchembed
+from torchembed.patches.rotation import RotaryHelper, recognize
+from tests.helpers import counting_calls, upstream_rotation_helpers
+
+transformers = pytest.importorskip("transformers")
+V5 = int(transformers.__version__.split(".")[0]) >= 5
+INIT = 0.5
+
+
+def _llama4_text():
+    config = transformers.Llama4TextConfig(
+        hidden_size=64, intermediate_size=64, intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=128, num_local_experts=2, num_experts_per_tok=1,
+        max_position_embeddings=128, initializer_range=INIT, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        use_qk_norm=False)  # an L2 norm of q and k after the rotation flattens the scores of a tiny model
+    return transformers.Llama4ForCausalLM(config)
+
+
+def _deepseek_v2():
+    config = transformers.DeepseekV2Config(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, head_dim=8,
+        vocab_size=128, max_position_embeddings=128, n_group=1, topk_group=1, initializer_range=INIT)
+    return transformers.DeepseekV2ForCausalLM(config)
+
+
+QWEN_VL_IMAGE = dict(pixel_values=torch.randn(16, 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(3)),
+                     image_grid_thw=torch.tensor([[1, 4, 4]]))  # 4 x 4 patches -> 4 merged image tokens
+
+
+def _qwen2_5_vl():
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=160, max_position_embeddings=256, initializer_range=INIT)
+    rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    text.update(rope_parameters=rope) if V5 else text.update(rope_scaling=rope)
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1],
+                           in_channels=3, initializer_range=INIT),
+        image_token_id=150, video_token_id=151, vision_start_token_id=152, vision_end_token_id=153, vocab_size=160,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return transformers.Qwen2_5_VLForConditionalGeneration(config)
+
+
+MODELS = {"llama4_text": _llama4_text, "deepseek_v2": _deepseek_v2, "qwen2_5_vl": _qwen2_5_vl}
+
+
+def _build(name: str) -> nn.Module:
+    if not hasattr(transformers, {"llama4_text": "Llama4TextConfig", "deepseek_v2": "DeepseekV2Config",
+                                  "qwen2_5_vl": "Qwen2_5_VLConfig"}[name]):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    for module in model.modules():  # std INIT everywhere (some classes keep their own small init)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=INIT)
+    return model
+
+
+def _inputs(name: str) -> dict:
+    if name == "qwen2_5_vl":
+        return dict(input_ids=torch.tensor([[1, 7, 152, 150, 150, 150, 150, 153, 5, 6, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]),
+                    pixel_values=QWEN_VL_IMAGE["pixel_values"], image_grid_thw=QWEN_VL_IMAGE["image_grid_thw"])
+    return dict(input_ids=torch.randint(3, 128, (2, 11), generator=torch.Generator().manual_seed(0)))
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    return torch.allclose(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_patched_matches_upstream_and_never_calls_its_helper(name):
+    upstream = _build(name)
+    if name == "qwen2_5_vl" and not V5:  # 4.x applies M-RoPE sections inside the helper
+        with pytest.raises(torchembed.UnsupportedModelError, match="mrope_section"):
+            torchembed.patch(copy.deepcopy(upstream))
+        return
+    helpers = upstream_rotation_helpers(upstream)
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    paths = [c.path for c in torchembed.find_positional_components(patched)]
+    if name == "qwen2_5_vl":  # the vision tower's rotation and the language model's
+        assert any(".visual." in f".{p}." for p in paths) and any("language_model" in p for p in paths), paths
+    inputs = _inputs(name)
+    with torch.no_grad(), counting_calls(helpers) as upstream_calls:
+        ref = upstream(**inputs).logits
+    assert sum(upstream_calls.values()) > 0  # the counter sees upstream's calls
+    with torch.no_grad(), counting_calls(helpers) as calls:
+        out = patched(**inputs).logits
+    assert not calls, calls
+    assert _close(out, ref), (out - ref).abs().max()
+
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    prompt = {key: value[:1] if key == "input_ids" else value for key, value in inputs.items()}
+    with torch.no_grad():
+        gen_ref, gen_out = upstream.generate(**prompt, **kwargs), patched.generate(**prompt, **kwargs)
+    assert torch.equal(gen_out.sequences, gen_ref.sequences)
+    assert all(_close(a, b) for a, b in zip(gen_out.logits, gen_ref.logits))
+
+    torchembed.unpatch(patched)
+    with torch.no_grad():
+        assert torch.equal(patched(**inputs).logits, ref)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_small_rotation_error_fails_the_check(name, monkeypatch):
+    """Patched helpers fed a sin table 1e-4 off (relative; for complex frequencies their imaginary part)
+    move the logits past the 1e-5 check: the check can see a wrong rotation. (An error of the same
+    angle in q and k would cancel: RoPE scores depend on angle differences only.)"""
+    upstream = _build(name)
+    if name == "qwen2_5_vl" and not V5:
+        pytest.skip("refused on transformers 4.x (M-RoPE sections inside the helper)")
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    inputs = _inputs(name)
+    call = RotaryHelper.__call__
+
+    def sin_off_by_1e4(self, *args, **kwargs):
+        bound = inspect.signature(self.upstream).bind(*args, **kwargs)
+        name = "sin" if "sin" in bound.arguments else self.rotation.tables[0]
+        table = bound.arguments[name]
+        bound.arguments[name] = (torch.complex(table.real, table.imag * (1 + 1e-4)) if table.is_complex()
+                                 else table * (1 + 1e-4))
+        return call(self, *bound.args, **bound.kwargs)
+
+    monkeypatch.setattr(RotaryHelper, "__call__", sin_off_by_1e4)
+    with torch.no_grad():
+        ref, out = upstream(**inputs).logits, patched(**inputs).logits
+    assert not _close(out, ref), f"{name}: a 1e-4 rotation error went unseen ({(out - ref).abs().max():.2e})"
+
+
+# -- every way a helper is called -------------------------------------------------------------------
+
+
+def _partial_helper_with_optional_k(q, k=None, cos=None, sin=None, unsqueeze_dim=1):
+    """Qwen4-Exp's shape of helper: partial rotary, k may be left out (then q alone comes back)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    rot = cos.shape[-1]
+
+    def one(x):
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2:]
+        return torch.cat((x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin, x_pass), dim=-1)
+
+    return one(q) if k is None else (one(q), one(k))
+
+
+def test_keyword_calls_and_a_left_out_key_are_served_never_handed_back():
+    upstream = _partial_helper_with_optional_k
+    rotation = recognize(upstream)
+    assert rotation is not None and rotation.optional == ("k",) and rotation.single and rotation.partial
+    helper = RotaryHelper.get(rotation, upstream, None)
+    g = torch.Generator().manual_seed(0)
+    theta = torch.rand(2, 5, 4, generator=g) * 6 - 3
+    cos, sin = torch.cat((theta, theta), -1).cos(), torch.cat((theta, theta), -1).sin()
+    q_bhsd, k_bhsd = torch.randn(2, 3, 5, 16, generator=g), torch.randn(2, 1, 5, 16, generator=g)
+    q_bshd = torch.randn(2, 5, 3, 16, generator=g)
+    calls = [
+        ((q_bhsd, k_bhsd, cos, sin), {}),
+        ((q_bhsd,), dict(k=k_bhsd, cos=cos, sin=sin)),
+        ((), dict(q=q_bhsd, k=k_bhsd, sin=sin, cos=cos)),
+        ((q_bshd,), dict(cos=cos, sin=sin, unsqueeze_dim=2)),  # k left out: q alone comes back
+        ((q_bhsd, None, cos, sin, 1), {}),
+    ]
+    with counting_calls([upstream]) as upstream_calls:
+        got = [helper(*args, **kwargs) for args, kwargs in calls]
+    assert not upstream_calls
+    for (args, kwargs), out in zip(calls, got):
+        want = upstream(*args, **kwargs)
+        assert type(out) is type(want)
+        for o, w in zip(*((x,) if isinstance(x, torch.Tensor) else x for x in (out, want))):
+            torch.testing.assert_close(o, w, rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'position'"):
+        helper(q_bhsd, k_bhsd, cos, sin, position=3)
+    with pytest.raises(TypeError, match="multiple values for argument 'k'"):
+        helper(q_bhsd, k_bhsd, cos, sin, k=k_bhsd)
+    with pytest.raises(TypeError, match="takes 5 positional arguments but 6"):
+        helper(q_bhsd, k_bhsd, cos, sin, 1, 2)
+
+
+def test_helpers_whose_inputs_cannot_be_modelled_are_not_recognised_and_say_why():
+    from torchembed.patches.rotation import explain
+
+    def needs_sections(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+        return q, k
+
+    def takes_kwargs(q, k, cos, sin, **kwargs):
+        return q, k
+
+    def depends_on_positions(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+        return (q, k) if position_ids is None else (q.roll(1, -2), k)
+
+    for helper, why in ((needs_sections, "needs mrope_section"), (takes_kwargs, "takes kwargs"),
+                        (depends_on_positions, "depends on position_ids")):
+        assert recognize(helper) is None
+        assert why in explain(helper)
+
+
+def _rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # HF's helper, as a module global of this file
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def apply_rotary_pos_emb_2d(q, k, cos, sin, grid):  # a rotation torchembed does not model
+    return q, k
+
+
+class _TextAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x, cos, sin):
+        q = k = self.proj(x).unflatten(-1, (2, 8)).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return (q + k).transpose(1, 2).flatten(-2)
+
+
+class _VisionAttention(_TextAttention):
+    def forward(self, x, cos, sin):
+        q = k = self.proj(x).unflatten(-1, (2, 8)).transpose(1, 2)
+        q, k = apply_rotary_pos_emb_2d(q, k, cos, sin, None)
+        return (q + k).transpose(1, 2).flatten(-2)
+
+
+class _TwoTowers(nn.Module):
+    """A text attention with HF's helper and a vision attention with an unmodelled one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = transformers.PretrainedConfig()
+        self.config.model_type = "two_towers_test"
+        self.text, self.vision = _TextAttention(), _VisionAttention()
+
+
+def test_a_model_with_an_unrecognised_rotation_beside_recognised_ones_is_refused_whole():
+    model = _TwoTowers()
+    forwards = {name: m.forward for name, m in model.named_modules()}
+    with pytest.raises(torchembed.UnsupportedModelError, match="apply_rotary_pos_emb_2d"):
+        torchembed.patch(model)
+    assert not torchembed.is_patched(model) and {name: m.forward for name, m in model.named_modules()} == forwards
+
+
+def test_the_call_counter_sees_a_helper_that_hands_back_to_upstream(monkeypatch):
+    upstream = _build("deepseek_v2")
+    helpers = upstream_rotation_helpers(upstream)
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    monkeypatch.setattr(RotaryHelper, "__call__", lambda self, *args, **kwargs: self.upstream(*args, **kwargs))
+    with torch.no_grad(), counting_calls(helpers) as calls:
+        patched(**_inputs("deepseek_v2"))
+    assert sum(calls.values()) == upstream.config.num_hidden_layers
