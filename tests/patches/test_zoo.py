@@ -45,7 +45,7 @@ def test_unsupported_model_types_say_why():
         if model_type in available:
             status = status_of(model_type)
             assert not status.supported and status.how, model_type
-    for model_type in ("llama4_text", "deepseek_v2"):  # complex-valued rotations
+    for model_type in ("llama4_text",):  # complex-valued rotations (DeepSeek-V2: tests/patches/test_rotations.py)
         if model_type in available:
             assert status_of(model_type).supported, status_of(model_type).how
 
