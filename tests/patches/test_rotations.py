@@ -14,18 +14,21 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 
 import pytest
 import torch
 from torch import nn
 
 import torchembed
+from torchembed import kernels
 from torchembed.patches.rotation import RotaryHelper, recognize
 from tests.helpers import counting_calls, upstream_rotation_helpers
 
 transformers = pytest.importorskip("transformers")
 V5 = int(transformers.__version__.split(".")[0]) >= 5
 INIT = 0.5
+DEVICE = os.environ.get("TORCHEMBED_TEST_DEVICE", "cpu")  # "cuda": every rotation on the fused kernel
 
 
 def _llama4_text():
@@ -77,10 +80,14 @@ def _build(name: str) -> nn.Module:
     for module in model.modules():  # std INIT everywhere (some classes keep their own small init)
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=INIT)
-    return model
+    return model.to(DEVICE)
 
 
 def _inputs(name: str) -> dict:
+    return {key: value.to(DEVICE) for key, value in _cpu_inputs(name).items()}
+
+
+def _cpu_inputs(name: str) -> dict:
     if name == "qwen2_5_vl":
         return dict(input_ids=torch.tensor([[1, 7, 152, 150, 150, 150, 150, 153, 5, 6, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]),
                     pixel_values=QWEN_VL_IMAGE["pixel_values"], image_grid_thw=QWEN_VL_IMAGE["image_grid_thw"])
@@ -107,10 +114,16 @@ def test_patched_matches_upstream_and_never_calls_its_helper(name):
     with torch.no_grad(), counting_calls(helpers) as upstream_calls:
         ref = upstream(**inputs).logits
     assert sum(upstream_calls.values()) > 0  # the counter sees upstream's calls
-    with torch.no_grad(), counting_calls(helpers) as calls:
+    launches, rotary_fused = [], kernels.rotary_fused
+    with torch.no_grad(), counting_calls(helpers) as calls, pytest.MonkeyPatch.context() as m:
+        m.setattr(kernels, "rotary_fused", lambda *a, **kw: launches.append(1) or rotary_fused(*a, **kw))
         out = patched(**inputs).logits
     assert not calls, calls
     assert _close(out, ref), (out - ref).abs().max()
+    if kernels.kernel_can_run(out):  # every rotation on the kernel: at least one launch per rotating layer
+        assert len(launches) >= len(paths), (len(launches), len(paths))
+    else:
+        assert not launches
 
     kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     prompt = {key: value[:1] if key == "input_ids" else value for key, value in inputs.items()}
