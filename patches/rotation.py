@@ -43,7 +43,7 @@ from torch import Tensor
 
 from torchembed import kernels
 from torchembed.functional.rope import apply_rotary
-from torchembed.kernels.availability import use_kernel
+from torchembed.kernels.availability import FusedUnavailableError, use_kernel
 
 __all__ = ["Rotation", "RotaryHelper", "explain", "recognize", "is_rotation_name"]
 
@@ -145,9 +145,13 @@ def _roles(helper: Any) -> _Parameters:
     if not 1 <= len(rotated) <= _ROTATED_LIMIT or table_at != list(range(first, first + len(tables))):
         return _Parameters(why=f"its parameters ({', '.join(names)}) are not tensors to rotate followed by the tables")
     required = [n for n in extras if n not in defaults]
+    if "mrope_section" in required:
+        return _Parameters(why=f"it needs mrope_section ({', '.join(names)}): multimodal M-RoPE sections applied "
+                           "inside the helper (transformers 4.x; from 5.0 the rotary module merges them and torchembed "
+                           "patches the helper)")
     if required:
-        return _Parameters(why=f"it needs {', '.join(required)} ({', '.join(names)}), an input torchembed does not model "
-                           "(e.g. multimodal M-RoPE sections of transformers 4.x)")
+        return _Parameters(why=f"it needs {', '.join(required)} ({', '.join(names)}), an input whose meaning torchembed "
+                           "does not model")
     optional = tuple(n for n in rotated if n in defaults and defaults[n] is None)
     if rotated[0] in optional:
         return _Parameters(why=f"its first rotated tensor {rotated[0]!r} is optional")
@@ -371,7 +375,8 @@ class RotaryHelper:
                        and rotation.layout == "cat" and rotation.pairing == "half" and not rotation.conjugate
                        and not rotation.trailing and rotation.broadcast in ("hs", "param")
                        and rotation.unsqueeze_default == 1)
-        self._tables: tuple | None = None  # the last tables and what was derived from them (one forward's)
+        self._tables: tuple | None = None  # the last tables and their half tables (one forward's)
+        self._full: tuple | None = None  # the last half tables and the PyTorch path's full-width ones
 
     @classmethod
     def get(cls, rotation: Rotation, upstream: Callable, fused: bool | None) -> "RotaryHelper":
@@ -461,8 +466,12 @@ class RotaryHelper:
             xs = [torch.cat((_deinterleave(x[..., :rot]), x[..., rot:]), dim=-1) for x in xs]
             pairing = "half"
         interleaved = pairing == "interleaved"
-        views = self._kernel_views(xs, c, unsqueeze)
-        if views is not None and use_kernel(self.fused, xs[0], "the fused RoPE kernel"):
+        views = self._kernel_views(xs, c, unsqueeze) if use_kernel(self.fused, xs[0], "the fused RoPE kernel") else None
+        if views is None and self.fused:
+            raise FusedUnavailableError(f"fused=True: {self.__name__} was called with tensors of shapes "
+                                        f"{[tuple(x.shape) for x in xs]} and tables {tuple(c.shape)}, a layout the fused "
+                                        "kernel does not take; patch with fused=None")
+        if views is not None:
             bhsd, tables_view = views
             cb, sb = tables_view(c), tables_view(s)
             outs, i = [], 0
@@ -476,8 +485,39 @@ class RotaryHelper:
                                                      conjugate=rotation.conjugate)[0])
                     i += 1
             return [_back(x, unsqueeze, rotation.broadcast)(o) for x, o in zip(xs, outs)]
-        cb, sb = (_broadcast(t, rotation.broadcast, unsqueeze) for t in (c, s))
-        return [apply_rotary(x, cb, sb, interleaved=interleaved, conjugate=rotation.conjugate) for x in xs]
+        return self._arithmetic(xs, c, s, unsqueeze, interleaved)
+
+    def _arithmetic(self, xs: list[Tensor], c: Tensor, s: Tensor, unsqueeze: int | None, interleaved: bool) -> list[Tensor]:
+        """The PyTorch path: ``x * cos + partner(x) * sin'`` over the rotated features, where
+        ``partner`` swaps each feature with its pair (a roll by ``r/2``, or a flip of adjacent features)
+        and ``sin'`` carries the rotation's signs -- upstream's float32 products and sum, bit for bit,
+        in four operations (bf16/fp16 inputs: float32 math, rounded once into the output). The
+        full-width tables are made once per forward."""
+        rot = 2 * c.shape[-1]
+        kept = self._full
+        if kept is None or kept[0] is not c or kept[1] is not s or kept[2] != unsqueeze:
+            compute = torch.promote_types(c.dtype, torch.float32)
+            cf, sf = c.to(compute), s.to(compute)
+            sf = -sf if self.rotation.conjugate else sf
+            if interleaved:
+                full_c, signed = cf.repeat_interleave(2, dim=-1), torch.stack((-sf, sf), dim=-1).flatten(-2)
+            else:
+                full_c, signed = torch.cat((cf, cf), dim=-1), torch.cat((-sf, sf), dim=-1)
+            kept = (c, s, unsqueeze, *(_broadcast(t, self.rotation.broadcast, unsqueeze) for t in (full_c, signed)))
+            if not torch.compiler.is_compiling():
+                self._full = kept
+        full_c, signed = kept[3], kept[4]
+        out = []
+        for x in xs:  # a bf16 or fp16 x promotes to float32 inside each product (no copy of it)
+            xr = x if x.shape[-1] == rot else x[..., :rot]
+            partner = xr.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) if interleaved else torch.roll(xr, rot // 2, -1)
+            y = xr * full_c
+            if y.dtype == x.dtype:
+                y += partner * signed
+            else:
+                y = torch.addcmul(y, partner, signed, out=torch.empty_like(xr))
+            out.append(y if xr is x else torch.cat((y, x[..., rot:]), dim=-1))
+        return out
 
     def _kernel_views(self, xs: list[Tensor], c: Tensor, unsqueeze: int | None):
         """``xs`` as the kernel's ``(B, H, S, D)`` views and a function making ``(B or 1, S, R/2)``
@@ -504,11 +544,9 @@ class RotaryHelper:
         return bhsd, (lambda t: t if t.dim() == 3 else t[None])
 
     def _usual_call(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor] | None:
-        """HF's usual call. On the kernel at inference: in place, one cache lookup and one launch per
-        layer (a call the kernel does not take, shapes upstream would broadcast, goes the general way).
-        On the CPU: ``x * cos + roll(x, r/2) * sin'`` with ``sin' = cat(-sin, sin)`` made once per
-        forward -- upstream's float32 products and sums bit for bit, in fewer operations (float32 math
-        for other dtypes). None: the general way."""
+        """HF's usual call, with less Python around it: on the kernel at inference in place (one cache
+        lookup and one launch per layer; a call the kernel does not take goes the general way), else
+        :meth:`_arithmetic`. None: the general way."""
         if q.shape[-1] != cos.shape[-1]:
             return None
         if self.fused is not False and kernels.kernel_can_run(q):
@@ -519,27 +557,11 @@ class RotaryHelper:
                 return kernels.rotary_fused(q, k, c, s, inplace=True)
             except ValueError:
                 return None
-        if (self.fused is True or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape
-                or cos.shape[1] != q.shape[2] or torch.compiler.is_compiling()):
+        if self.fused is True:
             return None
-        kept = self._tables
-        if kept is None or kept[0] is not cos or kept[1] is not sin or len(kept) < 6:
-            half = cos.shape[-1] // 2
-            compute = torch.promote_types(cos.dtype, torch.float32)
-            c4, s4 = cos.to(compute).unsqueeze(1), sin.to(compute).unsqueeze(1)
-            signed = torch.cat((-s4[..., :half], s4[..., half:]), dim=-1)
-            kept = self._tables = (cos, sin, cos[..., :half], sin[..., :half], c4, signed)
-        c4, signed = kept[4], kept[5]
-        half = cos.shape[-1] // 2
-        out = []
-        for x in (q, k):  # a bf16 or fp16 x promotes to float32 inside each product (no copy of it)
-            y = x * c4
-            if y.dtype == x.dtype:  # products and sum as upstream's, bit for bit
-                y += torch.roll(x, half, -1) * signed
-                out.append(y)
-            else:  # float32 math, rounded once into the output
-                out.append(torch.addcmul(y, torch.roll(x, half, -1), signed, out=torch.empty_like(x)))
-        return out[0], out[1]
+        c, s = self._half(cos, sin)
+        q, k = self._arithmetic([q, k], c, s, 1, False)
+        return q, k
 
 
 def _pairable(q: Tensor, k: Tensor) -> bool:
