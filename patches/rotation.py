@@ -550,11 +550,11 @@ class RotaryHelper:
         if q.shape[-1] != cos.shape[-1]:
             return None
         if self.fused is not False and kernels.kernel_can_run(q):
-            if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
-                return None
             c, s = self._half(cos, sin)
+            # In place at inference; out of place where autograd records or torch.compile traces.
+            inplace = not (torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
             try:
-                return kernels.rotary_fused(q, k, c, s, inplace=True)
+                return kernels.rotary_fused(q, k, c, s, inplace=inplace)
             except ValueError:
                 return None
         if self.fused is True:

@@ -165,7 +165,7 @@ def _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conju
             return None
         angles = _tensor_key(inv_freq)
     elif type(cos) is Tensor and type(sin) is Tensor:
-        angles = (_tensor_key(cos), sin.shape, sin.stride(), sin.dtype)
+        angles = (cos.shape, cos.stride(), cos.dtype, cos.device, sin.shape, sin.stride(), sin.dtype, sin.device)
     else:
         return None
     return (q.shape, k.shape, q.stride(), k.stride(), q.dtype, k.dtype, q.device, k.device, angles, pos,
