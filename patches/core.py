@@ -33,7 +33,6 @@ class PatchRecord:
     """What ``patch`` did to a model, in order; ``unpatch`` undoes it in reverse."""
 
     family: Family
-    fused: bool | None
     actions: list[Any] = field(default_factory=list)
 
     @property
@@ -160,7 +159,7 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True) -> M:
     except (UnsupportedModelError, StructureError) as err:
         return _unpatched(wrapper, err, strict)
     inner = _take_over_inner_patches(model)
-    record = PatchRecord(family, fused)
+    record = PatchRecord(family)
     try:
         actions = _plan(model, family, fused)
         for action in actions:

@@ -354,9 +354,8 @@ class RotaryHelper:
     float32 and rounds once: with :func:`torchembed.kernels.rotary_fused` (q and k in one launch;
     at inference HF's usual ``helper(q, k, cos, sin)`` rotates in place: upstream binds its names to
     the returned tensors, which are they) where the kernel can run and ``fused`` is not False, with
-    :func:`~torchembed.functional.apply_rotary` elsewhere (the CPU path of HF's usual call computes
-    ``x * cos + roll(x) * sin'``, upstream's float32 arithmetic in fewer operations). Inputs of
-    shapes the kernel does not take use the PyTorch path. Upstream's helper is never called.
+    PyTorch operations elsewhere (:meth:`_arithmetic`: upstream's float32 arithmetic in fewer
+    operations). Upstream's helper is never called.
 
     One instance per (rotation, upstream, fused) (:meth:`get`), so the rebound attention code is
     shared by every model patched the same way; it pickles as those three.
@@ -367,7 +366,7 @@ class RotaryHelper:
     def __init__(self, rotation: Rotation, upstream: Callable, fused: bool | None) -> None:
         self.rotation, self.upstream, self.fused = rotation, upstream, fused
         self.__name__ = self.__qualname__ = f"torchembed_{getattr(upstream, '__name__', 'rotary')}"
-        self._index = {name: i for i, name in enumerate(rotation.params)}
+        self._names = frozenset(rotation.params)
         self._defaults = dict(_roles(upstream).defaults)
         # HF's usual call helper(q, k, cos, sin) on cat tables, half-split pairing, (..., h, s, d):
         # served by _usual (in place on the kernel, or the fused CPU arithmetic).
@@ -397,7 +396,7 @@ class RotaryHelper:
             out = self._usual_call(*args)
             if out is not None:
                 return out
-        return self._call(self._bind(args, kwargs))
+        return self._serve(self._bind(args, kwargs))
 
     def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """Upstream's parameter names -> the values of this call (defaults filled in); a TypeError
@@ -407,7 +406,7 @@ class RotaryHelper:
             raise TypeError(f"{self.__name__}() takes {len(params)} positional arguments but {len(args)} were given")
         values = dict(zip(params, args))
         for name, value in kwargs.items():
-            if name not in self._index:
+            if name not in self._names:
                 raise TypeError(f"{self.__name__}() got an unexpected keyword argument {name!r}")
             if name in values:
                 raise TypeError(f"{self.__name__}() got multiple values for argument {name!r}")
@@ -419,7 +418,8 @@ class RotaryHelper:
                 values[name] = self._defaults[name]
         return values
 
-    def _call(self, values: dict[str, Any]) -> Any:
+    def _serve(self, values: dict[str, Any]) -> Any:
+        """The rotation of one bound call, returned as upstream returns it."""
         rotation = self.rotation
         first, second = (values[name] for name in rotation.tables) if len(rotation.tables) == 2 else (values[rotation.tables[0]], None)
         c, s = self._half(first, second)
@@ -444,8 +444,15 @@ class RotaryHelper:
         return c, s
 
     def rotate(self, xs: list[Tensor], c: Tensor, s: Tensor, unsqueeze: int | None) -> list[Tensor]:
-        """``xs`` rotated by half tables ``c``/``s`` ``(..., s, r/2)``: on the kernel (one launch for
-        two tensors) where the layout allows and the kernel runs, else in PyTorch."""
+        """``xs`` rotated by half tables ``c``/``s`` ``(..., s, r/2)`` (broadcast as the helper does,
+        ``unsqueeze``: its unsqueeze_dim argument): on the kernel (one launch for two tensors) where
+        the layout allows and the kernel runs, else in PyTorch.
+
+        Raises:
+            ValueError: a tensor narrower than the rotated features, or wider for a helper that
+                rotates them all.
+            FusedUnavailableError: ``fused=True`` where the kernel cannot take the call.
+        """
         rotation = self.rotation
         rot = 2 * c.shape[-1]
         for x in xs:
