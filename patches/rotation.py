@@ -78,6 +78,7 @@ class Rotation:
     single: bool = False  # returns a bare tensor when one tensor is rotated (else a tuple, None for left-out ones)
     unsqueeze_default: int = 1  # with broadcast "param"
     ignored: tuple[str, ...] = ()  # extra parameters the result does not depend on (position_ids)
+    sections: str = ""  # the parameter whose last dim counts the feature sections (multidimensional RoPE)
 
     def half_tables(self, first: Tensor, second: Tensor | None) -> tuple[Tensor, Tensor]:
         """The helper's tables (``cos, sin`` or ``freqs``) -> cos and sin of the ``r/2`` angles."""
@@ -93,6 +94,8 @@ class Rotation:
         return cos, sin
 
     def describe(self) -> str:
+        if self.sections:
+            return f"{self.layout} tables, {self.pairing} pairing per feature section ({self.sections}.shape[-1] sections)"
         part = (", partial (trailing features)" if self.trailing else ", partial") if self.partial else ""
         sign = ", by -theta" if self.conjugate else ""
         layout = "complex frequencies" if self.layout == "complex" else f"{self.layout} tables"
@@ -144,7 +147,7 @@ def _roles(helper: Any) -> _Parameters:
     defaults = {p.name: p.default for p in params if p.default is not p.empty}
     if not 1 <= len(rotated) <= _ROTATED_LIMIT or table_at != list(range(first, first + len(tables))):
         return _Parameters(why=f"its parameters ({', '.join(names)}) are not tensors to rotate followed by the tables")
-    required = [n for n in extras if n not in defaults]
+    required = [n for n in extras if n not in defaults and not (n == _POSITION_IDS and len(rotated) == 1)]
     if "mrope_section" in required:
         return _Parameters(why=f"it needs mrope_section ({', '.join(names)}): multimodal M-RoPE sections applied "
                            "inside the helper (transformers 4.x; from 5.0 the rotary module merges them and torchembed "
@@ -276,6 +279,8 @@ def _probe(helper: Any) -> tuple[Rotation | None, str]:
     if roles.why:
         return None, roles.why
     gen = torch.Generator().manual_seed(0)
+    if _POSITION_IDS in roles.extras and _POSITION_IDS not in dict(roles.defaults):
+        return _probe_sections(helper, roles, gen)
     half = 4
     complex_ = roles.tables[0].startswith("freqs")
     param = _UNSQUEEZE in roles.extras
@@ -306,6 +311,35 @@ def _probe(helper: Any) -> tuple[Rotation | None, str]:
     defaults = dict(roles.defaults)
     return Rotation(roles.names, roles.rotated, roles.tables, layout, pairing, rule, partial, conjugate, trailing,
                     roles.optional, single, int(defaults.get(_UNSQUEEZE, 1)), ignored), ""
+
+
+def _probe_sections(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple[Rotation | None, str]:
+    """Multidimensional RoPE (Gemma 4's vision tower): ``helper(x, cos, sin, position_ids, ...)`` splits
+    the features into ``position_ids.shape[-1]`` equal sections and rotates each half-split by its own
+    slice of the (per-section ``cat``) tables."""
+    defaults = dict(roles.defaults)
+    unsqueeze = int(defaults.get(_UNSQUEEZE, 1))
+    extras = [n for n in roles.extras if n not in (_UNSQUEEZE, _POSITION_IDS)]
+    if extras or len(roles.rotated) != 1 or unsqueeze not in (1, 2):
+        return None, f"it takes {_POSITION_IDS} ({', '.join(roles.names)}) in a way torchembed does not model"
+    sections, width = 2, 8
+    lead, t_lead = ((2, 3, 5), (2, 5)) if unsqueeze == 1 else ((2, 5, 3), (2, 5))
+    theta = torch.rand(*t_lead, sections, width // 2, generator=gen, dtype=torch.float64) * 6.0 - 3.0
+    full = torch.cat((theta, theta), dim=-1).flatten(-2)  # per section: cat(θ, θ)
+    x = torch.randn(*lead, sections * width, generator=gen)
+    tables = {"cos": full.cos().float(), "sin": full.sin().float()}
+    try:
+        with torch.no_grad():
+            got = helper(x, **tables, position_ids=torch.zeros(*t_lead, sections, dtype=torch.long))
+    except Exception:
+        return None, f"it takes {_POSITION_IDS} ({', '.join(roles.names)}) in a way torchembed does not model"
+    c, s = (t.unsqueeze(unsqueeze) for t in (theta.cos(), theta.sin()))
+    want = apply_rotary(x.double().unflatten(-1, (sections, width)), c, s).flatten(-2)
+    if not (isinstance(got, Tensor) and _close((got,), [want])):
+        return None, "it computes none of the rotations torchembed knows"
+    return Rotation(roles.names, roles.rotated, roles.tables, "cat", "half", "param" if _UNSQUEEZE in roles.extras
+                    else ("hs" if unsqueeze == 1 else "sh"), single=True, unsqueeze_default=unsqueeze,
+                    sections=_POSITION_IDS), ""
 
 
 def _single(helper: Any, roles: _Parameters, layout: str, half: int, probe: tuple, gen: torch.Generator) -> bool:
@@ -425,10 +459,27 @@ class RotaryHelper:
         c, s = self._half(first, second)
         u = values.get(_UNSQUEEZE, rotation.unsqueeze_default) if rotation.broadcast == "param" else None
         xs = [values[name] for name in rotation.rotated]
+        if rotation.sections:
+            return self._rotate_sections(xs[0], first, second, values[rotation.sections].shape[-1],
+                                         rotation.unsqueeze_default if u is None else u)
         given = [x for x in xs if x is not None]
         rotated = iter(self.rotate(given, c, s, u))
         out = tuple(None if x is None else next(rotated) for x in xs)
         return out[0] if rotation.single and len(given) == 1 else out
+
+    def _rotate_sections(self, x: Tensor, first: Tensor, second: Tensor, sections: int, unsqueeze: int) -> Tensor:
+        """Multidimensional RoPE: ``x (..., d)`` as ``sections`` equal feature sections, each rotated
+        half-split by its slice of the tables (PyTorch operations; the kernel takes one table per token)."""
+        if use_kernel(self.fused, x, "the fused RoPE kernel") and self.fused:
+            raise FusedUnavailableError(f"fused=True: {self.__name__} rotates per feature section, which the fused "
+                                        "kernel does not; patch with fused=None")
+        width = 2 * (x.shape[-1] // (2 * sections)) if sections > 0 else 0
+        if width == 0 or width * sections != x.shape[-1]:
+            raise ValueError(f"{self.__name__}: {x.shape[-1]} features do not split into {sections} rotated sections")
+        cos, sin = (first, second) if self.rotation.tables[0] == "cos" else (second, first)
+        at = unsqueeze if unsqueeze >= 0 else unsqueeze - 1  # the sections' axis comes last
+        c, s = (t.unflatten(-1, (sections, width))[..., : width // 2].unsqueeze(at) for t in (cos, sin))
+        return apply_rotary(x.unflatten(-1, (sections, width)), c, s).flatten(-2)
 
     def _half(self, first: Tensor, second: Tensor | None) -> tuple[Tensor, Tensor]:
         """The half tables of ``(first, second)``, kept while the same tables come (every layer of a

@@ -34,7 +34,7 @@ from torch import nn
 
 from torchembed.patches.actions import Component, InstanceMethod, OverrideAttribute
 from torchembed.patches.adapters import qualname
-from torchembed.patches.errors import StructureError, UnsupportedModelError
+from torchembed.patches.errors import FusedUnavailableError, StructureError, UnsupportedModelError
 from torchembed.patches.rebind import attribute_names, chain, find_globals, global_names
 from torchembed.patches.registry import Family, PatchOptions, register, set_fallback
 from torchembed.patches.rotation import RotaryHelper, Rotation, explain, is_rotation_name, recognize
@@ -154,6 +154,11 @@ class ReplaceRotationHelpers:
     def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[OverrideAttribute]:
         found = discover(model)
         self._check(found, model, config, family)
+        if options.fused:
+            sectioned = sorted({name for _, _, r in found.attentions for name, (_, rot) in r.recognized.items() if rot.sections})
+            if sectioned:
+                raise FusedUnavailableError(f"fused=True: {', '.join(sectioned)} rotates per feature section "
+                                            "(multidimensional RoPE), which the fused kernel does not; use fused=None")
         actions = []
         for path, module, rotations in found.attentions:
             replacements = {name: RotaryHelper.get(rotation, helper, options.fused)

@@ -289,3 +289,30 @@ def test_the_call_counter_sees_a_helper_that_hands_back_to_upstream(monkeypatch)
     with torch.no_grad(), counting_calls(helpers) as calls:
         patched(**_inputs("deepseek_v2"))
     assert sum(calls.values()) == upstream.config.num_hidden_layers
+
+
+def _multidimensional(x, cos, sin, position_ids, unsqueeze_dim=2):
+    """Gemma 4's vision rotation: ``position_ids.shape[-1]`` feature sections, each rotated half-split."""
+    sections = position_ids.shape[-1]
+    width = 2 * (x.shape[-1] // (2 * sections))
+    parts = zip(x.split(width, -1), cos.split(width, -1), sin.split(width, -1))
+    return torch.cat([p * c.unsqueeze(unsqueeze_dim) + _rotate_half(p) * s.unsqueeze(unsqueeze_dim) for p, c, s in parts], -1)
+
+
+@pytest.mark.parametrize("sections", [1, 2, 3])
+def test_multidimensional_rope_rotates_each_feature_section(sections):
+    rotation = recognize(_multidimensional)
+    assert rotation is not None and rotation.sections == "position_ids"
+    helper = RotaryHelper.get(rotation, _multidimensional, None)
+    g = torch.Generator().manual_seed(sections)
+    theta = torch.rand(2, 7, sections, 4, generator=g) * 6 - 3
+    full = torch.cat((theta, theta), -1).flatten(-2)
+    x = torch.randn(2, 7, 3, 8 * sections, generator=g)
+    positions = torch.randint(0, 9, (2, 7, sections), generator=g)
+    with counting_calls([_multidimensional]) as calls:
+        got = helper(x, full.cos(), full.sin(), positions)
+    assert not calls
+    torch.testing.assert_close(got, _multidimensional(x, full.cos(), full.sin(), positions), rtol=1e-6, atol=1e-6)
+    if sections > 1:  # features that do not split into equal sections: upstream's split fails too
+        with pytest.raises(ValueError, match="do not split"):
+            helper(x[..., :-2], full.cos()[..., :-2], full.sin()[..., :-2], positions)
