@@ -53,6 +53,7 @@ _TABLE_NAMES = ("cos", "sin")
 _ROTATED_LIMIT = 3  # q, k and v at most
 _UNSQUEEZE = "unsqueeze_dim"
 _POSITION_IDS = "position_ids"
+_MROPE = "mrope_section"
 
 
 def is_rotation_name(name: str) -> bool:
@@ -79,6 +80,8 @@ class Rotation:
     unsqueeze_default: int = 1  # with broadcast "param"
     ignored: tuple[str, ...] = ()  # extra parameters the result does not depend on (position_ids)
     sections: str = ""  # the parameter whose last dim counts the feature sections (multidimensional RoPE)
+    mrope: str = ""  # the parameter of M-RoPE sections: tables (3, ..., w), one axis per section (transformers 4.x)
+    indexed: str = ""  # the parameter of position ids that index (T, w) tables (older transformers)
 
     def half_tables(self, first: Tensor, second: Tensor | None) -> tuple[Tensor, Tensor]:
         """The helper's tables (``cos, sin`` or ``freqs``) -> cos and sin of the ``r/2`` angles."""
@@ -97,6 +100,8 @@ class Rotation:
         if self.sections:
             return f"{self.layout} tables, {self.pairing} pairing per feature section ({self.sections}.shape[-1] sections)"
         part = (", partial (trailing features)" if self.trailing else ", partial") if self.partial else ""
+        part += f", M-RoPE sections merged from ({self.mrope})" if self.mrope else ""
+        part += f", tables indexed by {self.indexed}" if self.indexed else ""
         sign = ", by -theta" if self.conjugate else ""
         layout = "complex frequencies" if self.layout == "complex" else f"{self.layout} tables"
         return f"{layout}, {self.pairing} pairing{part}{sign}"
@@ -147,11 +152,7 @@ def _roles(helper: Any) -> _Parameters:
     defaults = {p.name: p.default for p in params if p.default is not p.empty}
     if not 1 <= len(rotated) <= _ROTATED_LIMIT or table_at != list(range(first, first + len(tables))):
         return _Parameters(why=f"its parameters ({', '.join(names)}) are not tensors to rotate followed by the tables")
-    required = [n for n in extras if n not in defaults and not (n == _POSITION_IDS and len(rotated) == 1)]
-    if "mrope_section" in required:
-        return _Parameters(why=f"it needs mrope_section ({', '.join(names)}): multimodal M-RoPE sections applied "
-                           "inside the helper (transformers 4.x; from 5.0 the rotary module merges them and torchembed "
-                           "patches the helper)")
+    required = [n for n in extras if n not in defaults and n not in (_POSITION_IDS, _MROPE)]
     if required:
         return _Parameters(why=f"it needs {', '.join(required)} ({', '.join(names)}), an input whose meaning torchembed "
                            "does not model")
@@ -280,7 +281,13 @@ def _probe(helper: Any) -> tuple[Rotation | None, str]:
         return None, roles.why
     gen = torch.Generator().manual_seed(0)
     if _POSITION_IDS in roles.extras and _POSITION_IDS not in dict(roles.defaults):
-        return _probe_sections(helper, roles, gen)
+        return _probe_sections(helper, roles, gen) if len(roles.rotated) == 1 else _probe_indexed(helper, roles, gen)
+    if _MROPE in roles.extras:
+        return _probe_mrope(helper, roles, gen)
+    return _probe_plain(helper, roles, gen)
+
+
+def _probe_plain(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple[Rotation | None, str]:
     half = 4
     complex_ = roles.tables[0].startswith("freqs")
     param = _UNSQUEEZE in roles.extras
@@ -311,6 +318,77 @@ def _probe(helper: Any) -> tuple[Rotation | None, str]:
     defaults = dict(roles.defaults)
     return Rotation(roles.names, roles.rotated, roles.tables, layout, pairing, rule, partial, conjugate, trailing,
                     roles.optional, single, int(defaults.get(_UNSQUEEZE, 1)), ignored), ""
+
+
+def merge_mrope(table: Tensor, sections: Any) -> Tensor:
+    """M-RoPE tables ``(3, ..., w)`` (temporal, height, width positions) -> ``(..., w)``: feature
+    section ``i`` (sections given for one half, repeated for the other) from axis ``i % 3``."""
+    parts = table.split([int(n) for n in sections] * 2, dim=-1)
+    return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
+
+
+def _probe_mrope(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple[Rotation | None, str]:
+    """transformers 4.x's M-RoPE helpers ``(q, k, cos, sin, mrope_section, unsqueeze_dim=1)``: recognised
+    as the rotation they compute on merged tables, then checked with three different position axes."""
+    sections = (1, 1, 2)
+
+    def on_merged(**args):  # the helper fed tables that merge into the given ones
+        for name in roles.tables:
+            args[name] = args[name].expand(3, *args[name].shape)
+        return helper(**args, **{_MROPE: list(sections)})
+
+    plain = _Parameters(roles.names, roles.rotated, roles.tables, roles.optional,
+                        tuple(n for n in roles.extras if n != _MROPE), roles.defaults)
+    rotation, why = _probe_plain(on_merged, plain, gen)
+    if rotation is None:
+        return None, why
+    theta = torch.rand(3, 2, 5, 4, generator=gen, dtype=torch.float64) * 6.0 - 3.0  # three position axes
+    cos, sin = _tables(theta, rotation.layout)
+    q, k = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(2))
+    try:
+        with torch.no_grad():
+            got = helper(q, k, cos, sin, list(sections))
+    except Exception:
+        return None, f"it takes {_MROPE} in a way torchembed does not model"
+    if rotation.layout != "cat":
+        return None, f"its {_MROPE} tables are not laid out cat(freqs, freqs)"
+    full = torch.cat((theta, theta), dim=-1)
+    c, s = (merge_mrope(t, sections)[..., :4].unsqueeze(1) for t in (full.cos(), full.sin()))
+    if not _close(_outputs(got, 2) or (), [reference_rotate(x.double(), c, s, rotation.pairing) for x in (q, k)]):
+        return None, f"its {_MROPE} does not select one position axis per feature section"
+    return Rotation(**{**rotation.__dict__, "params": roles.names, "mrope": _MROPE}), ""
+
+
+def _probe_indexed(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple[Rotation | None, str]:
+    """Helpers ``(q, k, cos, sin, position_ids, ...)`` that rotate by ``cos[position_ids]`` (tables of
+    every position): recognised as the rotation they compute on the gathered tables, then checked with
+    shuffled positions."""
+
+    def on_gathered(**args):  # the helper fed (T, w) tables and the ids that gather the given ones
+        lead = args[roles.tables[0]].shape[:-1]
+        for name in roles.tables:
+            args[name] = args[name].reshape(-1, args[name].shape[-1])
+        return helper(**args, **{_POSITION_IDS: torch.arange(lead.numel()).view(lead)})
+
+    plain = _Parameters(roles.names, roles.rotated, roles.tables, roles.optional,
+                        tuple(n for n in roles.extras if n != _POSITION_IDS), roles.defaults)
+    rotation, why = _probe_plain(on_gathered, plain, gen)
+    if rotation is None or rotation.broadcast != "param":
+        return None, why or f"it takes {_POSITION_IDS} in a way torchembed does not model"
+    theta = torch.rand(9, 4, generator=gen, dtype=torch.float64) * 6.0 - 3.0  # a table of 9 positions
+    tables = _tables(theta, rotation.layout)
+    ids = torch.randint(0, 9, (2, 5), generator=gen)
+    xs = [torch.randn(2, 3, 5, 8, generator=gen) for _ in roles.rotated]
+    try:
+        with torch.no_grad():
+            got = helper(*xs, *(tables if roles.tables[0] != "sin" else tables[::-1]), ids)
+    except Exception:
+        return None, f"it takes {_POSITION_IDS} in a way torchembed does not model"
+    c, s = (t[ids].unsqueeze(1) for t in (theta.cos(), theta.sin()))
+    if not _close(_outputs(got, len(xs)) or (), [reference_rotate(x.double(), c, s, rotation.pairing, rotation.conjugate)
+                                                 for x in xs]):
+        return None, f"its result depends on {_POSITION_IDS} otherwise than by indexing the tables"
+    return Rotation(**{**rotation.__dict__, "params": roles.names, "indexed": _POSITION_IDS}), ""
 
 
 def _probe_sections(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple[Rotation | None, str]:
@@ -407,9 +485,10 @@ class RotaryHelper:
         self._usual = (len(rotation.rotated) == 2 and rotation.params[2:4] == ("cos", "sin")
                        and rotation.layout == "cat" and rotation.pairing == "half" and not rotation.conjugate
                        and not rotation.trailing and rotation.broadcast in ("hs", "param")
-                       and rotation.unsqueeze_default == 1)
+                       and rotation.unsqueeze_default == 1 and not rotation.mrope and not rotation.indexed)
         self._tables: tuple | None = None  # the last tables and their half tables (one forward's)
         self._full: tuple | None = None  # the last half tables and the PyTorch path's full-width ones
+        self._mrope: tuple | None = None  # the last M-RoPE tables and their merged ones
 
     @classmethod
     def get(cls, rotation: Rotation, upstream: Callable, fused: bool | None) -> "RotaryHelper":
@@ -456,6 +535,11 @@ class RotaryHelper:
         """The rotation of one bound call, returned as upstream returns it."""
         rotation = self.rotation
         first, second = (values[name] for name in rotation.tables) if len(rotation.tables) == 2 else (values[rotation.tables[0]], None)
+        if rotation.mrope:
+            first, second = self._merged(first, second, values[rotation.mrope])
+        elif rotation.indexed:  # (T, w) tables of every position: this call's rows
+            ids = values[rotation.indexed]
+            first, second = first[ids], second[ids]
         c, s = self._half(first, second)
         u = values.get(_UNSQUEEZE, rotation.unsqueeze_default) if rotation.broadcast == "param" else None
         xs = [values[name] for name in rotation.rotated]
@@ -466,6 +550,16 @@ class RotaryHelper:
         rotated = iter(self.rotate(given, c, s, u))
         out = tuple(None if x is None else next(rotated) for x in xs)
         return out[0] if rotation.single and len(given) == 1 else out
+
+    def _merged(self, first: Tensor, second: Tensor, sections: Any) -> tuple[Tensor, Tensor]:
+        """M-RoPE tables merged (:func:`merge_mrope`), once per forward."""
+        kept = self._mrope
+        if kept is not None and kept[0] is first and kept[1] is second and kept[2] == list(sections):
+            return kept[3], kept[4]
+        merged = merge_mrope(first, sections), merge_mrope(second, sections)
+        if not torch.compiler.is_compiling():
+            self._mrope = (first, second, list(sections), *merged)
+        return merged
 
     def _rotate_sections(self, x: Tensor, first: Tensor, second: Tensor, sections: int, unsqueeze: int) -> Tensor:
         """Multidimensional RoPE: ``x (..., d)`` as ``sections`` equal feature sections, each rotated

@@ -1,6 +1,7 @@
 """Rotations beyond HF's usual helper: complex frequencies (Llama 4, DeepSeek-V2), vision towers and
-M-RoPE (Qwen2.5-VL), keyword calls and left-out keys (Qwen4-Exp's helper), and models torchembed
-refuses whole rather than half-patch.
+M-RoPE (Qwen2.5-VL; transformers 4.x merges its sections inside the helper, 5.x in the rotary
+module), multidimensional RoPE (Gemma 4's vision tower), keyword calls and left-out keys (Qwen4-Exp's
+helper), and models torchembed refuses whole rather than half-patch.
 
 Each patched model: float32 logits within 1e-5 of upstream, zero calls of upstream's rotation helper
 during the patched forward (counted on the helper's code, whatever route calls it; upstream's own
@@ -101,10 +102,6 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_patched_matches_upstream_and_never_calls_its_helper(name):
     upstream = _build(name)
-    if name == "qwen2_5_vl" and not V5:  # 4.x applies M-RoPE sections inside the helper
-        with pytest.raises(torchembed.UnsupportedModelError, match="mrope_section"):
-            torchembed.patch(copy.deepcopy(upstream))
-        return
     helpers = upstream_rotation_helpers(upstream)
     patched = torchembed.patch(copy.deepcopy(upstream))
     paths = [c.path for c in torchembed.find_positional_components(patched)]
@@ -143,8 +140,6 @@ def test_a_small_rotation_error_fails_the_check(name, monkeypatch):
     move the logits past the 1e-5 check: the check can see a wrong rotation. (An error of the same
     angle in q and k would cancel: RoPE scores depend on angle differences only.)"""
     upstream = _build(name)
-    if name == "qwen2_5_vl" and not V5:
-        pytest.skip("refused on transformers 4.x (M-RoPE sections inside the helper)")
     patched = torchembed.patch(copy.deepcopy(upstream))
     inputs = _inputs(name)
     call = RotaryHelper.__call__
@@ -215,8 +210,11 @@ def test_keyword_calls_and_a_left_out_key_are_served_never_handed_back():
 def test_helpers_whose_inputs_cannot_be_modelled_are_not_recognised_and_say_why():
     from torchembed.patches.rotation import explain
 
-    def needs_sections(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    def needs_grid(q, k, cos, sin, grid, unsqueeze_dim=1):
         return q, k
+
+    def mrope_ignoring_its_sections(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+        return apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim)
 
     def takes_kwargs(q, k, cos, sin, **kwargs):
         return q, k
@@ -225,7 +223,8 @@ def test_helpers_whose_inputs_cannot_be_modelled_are_not_recognised_and_say_why(
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
         return (q, k) if position_ids is None else (q.roll(1, -2), k)
 
-    for helper, why in ((needs_sections, "needs mrope_section"), (takes_kwargs, "takes kwargs"),
+    for helper, why in ((needs_grid, "needs grid"), (takes_kwargs, "takes kwargs"),
+                        (mrope_ignoring_its_sections, "does not select one position axis per feature section"),
                         (depends_on_positions, "depends on position_ids")):
         assert recognize(helper) is None
         assert why in explain(helper)
@@ -316,3 +315,24 @@ def test_multidimensional_rope_rotates_each_feature_section(sections):
     if sections > 1:  # features that do not split into equal sections: upstream's split fails too
         with pytest.raises(ValueError, match="do not split"):
             helper(x[..., :-2], full.cos()[..., :-2], full.sin()[..., :-2], positions)
+
+
+def _indexed(q, k, cos, sin, position_ids, unsqueeze_dim=1):
+    """The older helpers' form: tables of every position, gathered by ``position_ids``."""
+    return apply_rotary_pos_emb(q, k, cos[position_ids], sin[position_ids], unsqueeze_dim)
+
+
+def test_tables_indexed_by_position_ids():
+    rotation = recognize(_indexed)
+    assert rotation is not None and rotation.indexed == "position_ids"
+    helper = RotaryHelper.get(rotation, _indexed, None)
+    g = torch.Generator().manual_seed(0)
+    theta = torch.rand(40, 8, generator=g) * 6 - 3
+    cos, sin = torch.cat((theta, theta), -1).cos(), torch.cat((theta, theta), -1).sin()
+    q, k = torch.randn(2, 4, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)
+    ids = torch.randint(0, 40, (2, 5), generator=g)
+    with counting_calls([_indexed]) as calls:
+        got = helper(q, k, cos, sin, ids)
+    assert not calls
+    for g_, w in zip(got, _indexed(q, k, cos, sin, ids)):
+        torch.testing.assert_close(g_, w, rtol=1e-6, atol=1e-6)
