@@ -105,23 +105,31 @@ def _row_ranges(Rows, rows_base, offs_m, row_ok, M, N, MASK: tl.constexpr):
 
 
 @triton.jit
-def _row_bias(Bias, bias_base, sbn, c, c0, slope2, row_ok, BIAS: tl.constexpr):
+def _bias_at(Bias, bias_base, sbn, c0, BIAS: tl.constexpr):
+    """The key bias at position ``c0`` (key-bias mode; 0 otherwise)."""
+    if BIAS == 0:
+        return 0.0
+    else:
+        return tl.load(Bias + bias_base + c0.to(tl.int64) * sbn)
+
+
+@triton.jit
+def _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS: tl.constexpr):
     """``rvec[i]``: the row part of the base-2 bias relative to position ``c0``."""
     if BIAS == 0:
         return slope2 * (c0 - c).to(tl.float32)
     else:
-        kb0 = tl.load(Bias + bias_base + c0.to(tl.int64) * sbn)
         kbc = tl.load(Bias + bias_base + c.to(tl.int64) * sbn, mask=row_ok, other=0.0)
         return (kb0 - kbc) * 1.4426950408889634
 
 
 @triton.jit
-def _key_bias(Bias, bias_base, sbn, offs_n, c0, slope2, N, BIAS: tl.constexpr, BOUNDED: tl.constexpr):
-    """``kvec[j]``: the key part of the base-2 bias relative to position ``c0``."""
+def _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS: tl.constexpr, BOUNDED: tl.constexpr):
+    """``kvec[j]``: the key part of the base-2 bias relative to position ``c0`` (``kb0``: the key
+    bias there, :func:`_bias_at`)."""
     if BIAS == 0:
         return slope2 * (offs_n - c0).to(tl.float32)
     else:
-        kb0 = tl.load(Bias + bias_base + c0.to(tl.int64) * sbn)
         ptr = Bias + bias_base + offs_n.to(tl.int64) * sbn
         if BOUNDED:
             kb = tl.load(ptr, mask=offs_n < N, other=0.0)
@@ -137,6 +145,17 @@ def _head_slope(Bias, h, sbh, BIAS: tl.constexpr):
         return tl.load(Bias + h * sbh) * 1.4426950408889634
     else:
         return 0.0
+
+
+@triton.jit
+def _dot_acc(a, b, acc, PREC: tl.constexpr):
+    """``acc + a @ b`` (see :func:`_dot`)."""
+    if PREC == 0:
+        return tl.dot(a, b, acc)
+    elif PREC == 1:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -158,50 +177,77 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m, row_ok, c0, slope2,
-               start, stop, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
-               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BIAS: tl.constexpr,
-               MASKED: tl.constexpr, IRREGULAR: tl.constexpr, PREC: tl.constexpr):
+def _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m, row_ok, c0, kb0,
+              slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BIAS: tl.constexpr,
+              MASKED: tl.constexpr, HOLES: tl.constexpr, PREC: tl.constexpr):
+    """One key tile of the online softmax. ``MASKED``: the tile straddles some row's ``lo`` or ``hi``
+    (or the end of the keys); ``HOLES``: it reads ``keep`` as well."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    offs_j = tl.arange(0, BLOCK_N)
-    kt_ptrs = k_base + (start + offs_j).to(tl.int64)[None, :] * skn + offs_d[:, None] * skd
-    v_ptrs = v_base + (start + offs_j).to(tl.int64)[:, None] * svn + offs_d[None, :] * svd
-    for start_n in range(start, stop, BLOCK_N):
-        offs_n = start_n + offs_j
-        if MASKED:
-            n_ok = offs_n < N
-            kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        elif HEAD_DIM == BLOCK_D:
-            kt = tl.load(kt_ptrs)
-        else:
-            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
-        qk = _dot(q, kt, PREC)
-        kvec = _key_bias(Bias, bias_base, sbn, offs_n, c0, slope2, N, BIAS, MASKED)
-        s = qk * qk_scale + (kvec[None, :] + rvec[:, None])
-        if MASKED:
-            keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
-            if IRREGULAR:
-                t = tl.load(keep_base + offs_m.to(tl.int64)[:, None] * smm + offs_n.to(tl.int64)[None, :] * smn,
-                            mask=row_ok[:, None] & n_ok[None, :], other=0)
-                keep = keep & (t != 0)
-            s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        elif HEAD_DIM == BLOCK_D:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        acc += _dot(p.to(v.dtype), v, PREC)
-        m_i = m_new
-        kt_ptrs += BLOCK_N * skn
-        v_ptrs += BLOCK_N * svn
-    return acc, l_i, m_i
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n64 = offs_n.to(tl.int64)
+    # addresses made afresh for each tile (a loop-carried tile of 64-bit pointers costs registers
+    # that the scores need)
+    kt_ptrs = k_base + n64[None, :] * skn + offs_d[:, None] * skd
+    v_ptrs = v_base + n64[:, None] * svn + offs_d[None, :] * svd
+    if MASKED:
+        n_ok = offs_n < N
+        kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        kt = tl.load(kt_ptrs)
+    else:
+        kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+    qk = _dot(q, kt, PREC)
+    kvec = _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS, MASKED)
+    s = qk * qk_scale + (kvec[None, :] + rvec[:, None])
+    if MASKED:
+        keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+        if HOLES:
+            t = tl.load(keep_base + offs_m.to(tl.int64)[:, None] * smm + n64[None, :] * smn,
+                        mask=row_ok[:, None] & n_ok[None, :], other=0)
+            keep = keep & (t != 0)
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    acc = _dot_acc(p.to(v.dtype), v, acc, PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _key_ranges(lo, hi, irregular, row_ok, N, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
+    """The key tiles a query block visits: ``[full_lo, full_hi)`` where every row sees every key,
+    then ``n_a`` masked tiles from ``first`` and ``n_b`` from ``full_hi`` (up to ``hi_max``);
+    ``holes``: some row has holes in its range (then ``full_lo = full_hi = first``, ``n_a = 0``: every
+    tile masked, reading ``keep``)."""
+    lo_min = tl.min(tl.where(row_ok, lo, N), 0)
+    lo_max = tl.max(lo, 0)
+    hi_min = tl.min(tl.where(row_ok, hi, N), 0)
+    hi_max = tl.max(hi, 0)
+    if MASK == 0:  # causal: every row starts at key 0
+        holes = False
+        first = 0
+        full_lo = 0
+        full_hi = hi_min // BLOCK_N * BLOCK_N
+    else:
+        holes = tl.max(irregular, 0) != 0
+        first = lo_min // BLOCK_N * BLOCK_N
+        full_lo = tl.minimum(tl.cdiv(lo_max, BLOCK_N) * BLOCK_N, hi_max)
+        full_hi = tl.maximum(tl.minimum(hi_min // BLOCK_N * BLOCK_N, hi_max), full_lo)
+        full_lo = tl.where(holes, first, full_lo)
+        full_hi = tl.where(holes, first, full_hi)
+    n_a = tl.cdiv(full_lo - first, BLOCK_N)
+    n_b = tl.cdiv(hi_max - full_hi, BLOCK_N)
+    return first, full_lo, full_hi, n_a, n_b, hi_max, holes
 
 
 @triton.jit
@@ -226,15 +272,13 @@ def _fwd_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     lo, hi, irregular = _row_ranges(Rows, b * srb, offs_m, row_ok, M, N, MASK)
-    lo_min = tl.min(tl.where(row_ok, lo, N), 0)
-    lo_max = tl.max(lo, 0)
-    hi_min = tl.min(tl.where(row_ok, hi, N), 0)
-    hi_max = tl.max(hi, 0)
+    first, full_lo, full_hi, n_a, n_b, hi_max, holes = _key_ranges(lo, hi, irregular, row_ok, N, BLOCK_N, MASK)
     c = tl.maximum(hi - 1, 0)
     c0 = tl.maximum(hi_max - 1, 0)
     bias_base = b * sbb + h * sbh
     slope2 = _head_slope(Bias, h, sbh, BIAS)
-    rvec = _row_bias(Bias, bias_base, sbn, c, c0, slope2, row_ok, BIAS)
+    kb0 = _bias_at(Bias, bias_base, sbn, c0, BIAS)
+    rvec = _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -242,29 +286,22 @@ def _fwd_kernel(
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     keep_base = Keep + b * smb
-    first = lo_min // BLOCK_N * BLOCK_N
-    if MASK != 0:
-        holes = tl.max(irregular, 0) != 0
+    if holes:  # (rows mode only) some row has holes in its range: every tile masked, reading keep
+        for t in range(0, n_b):  # (from full_hi = first)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base,
+                                      offs_m, row_ok, c0, kb0, slope2, full_hi + t * BLOCK_N, N, skn, skd, svn, svd, sbn,
+                                      smm, smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, True, PREC)
     else:
-        holes = False
-    if holes:  # a row with holes in its range: every tile reads keep
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
-                                   row_ok, c0, slope2, first, hi_max, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
-                                   HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, True, PREC)
-    else:
-        # [first, full_lo): some row starts inside; [full_lo, full_hi): every row sees every key;
-        # [full_hi, hi_max): some row ends inside
-        full_lo = tl.minimum(tl.cdiv(lo_max, BLOCK_N) * BLOCK_N, hi_max)
-        full_hi = tl.maximum(tl.minimum(hi_min // BLOCK_N * BLOCK_N, hi_max), full_lo)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
-                                   row_ok, c0, slope2, first, full_lo, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
-                                   HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
-                                   row_ok, c0, slope2, full_lo, full_hi, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
-                                   HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False, False, PREC)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
-                                   row_ok, c0, slope2, full_hi, hi_max, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
-                                   HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
+        for start_n in range(full_lo, full_hi, BLOCK_N):  # the bulk: no mask arithmetic
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base,
+                                      offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn,
+                                      qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False, False, PREC)
+        for t in range(0, n_a + n_b):  # the tiles some row starts or ends inside (causal: the diagonal)
+            start_n = tl.where(t < n_a, first + t * BLOCK_N, full_hi + (t - n_a) * BLOCK_N)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base,
+                                      offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn,
+                                      qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -436,7 +473,8 @@ def _bwd_kv_block(dk, dv, k, v, Q, DO, Lse, Delta, Bias, Rows, Keep, q_base, do_
     """dk, dv of one key block from the query blocks ``[start_m, stop_m)`` of head ``h``."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    kvec = _key_bias(Bias, bias_base, sbn, offs_n, kvec_c0, slope2, N, BIAS, True)
+    kb0 = _bias_at(Bias, bias_base, sbn, kvec_c0, BIAS)
+    kvec = _key_bias(Bias, bias_base, sbn, offs_n, kvec_c0, kb0, slope2, N, BIAS, True)
     j0 = tl.min(offs_n, 0)
     j_end = j0 + BLOCK_N
     for start in range(start_m, stop_m, BLOCK_M):
@@ -455,7 +493,7 @@ def _bwd_kv_block(dk, dv, k, v, Q, DO, Lse, Delta, Bias, Rows, Keep, q_base, do_
             lse = tl.load(Lse + bh * M + offs_m, mask=row_ok, other=float("inf"))
             delta = tl.load(Delta + bh * M + offs_m, mask=row_ok, other=0.0)
             c = tl.maximum(hi - 1, 0)
-            rvec = _row_bias(Bias, bias_base, sbn, c, kvec_c0, slope2, row_ok, BIAS)
+            rvec = _row_bias(Bias, bias_base, sbn, c, kvec_c0, kb0, slope2, row_ok, BIAS)
             st = _dot(k, tl.trans(q), PREC) * qk_scale + (kvec[:, None] + rvec[None, :])  # (BLOCK_N, BLOCK_M)
             if MASKED:
                 keep = (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
@@ -466,10 +504,10 @@ def _bwd_kv_block(dk, dv, k, v, Q, DO, Lse, Delta, Bias, Rows, Keep, q_base, do_
                         keep = keep & (t != 0)
                 st = tl.where(keep, st, float("-inf"))
             pt = tl.math.exp2(st - lse[None, :])
-            dv += _dot(pt.to(do.dtype), do, PREC)
+            dv = _dot_acc(pt.to(do.dtype), do, dv, PREC)
             dpt = _dot(v, tl.trans(do), PREC)
             dst = pt * (dpt - delta[None, :])
-            dk += _dot(dst.to(q.dtype), q, PREC)
+            dk = _dot_acc(dst.to(q.dtype), q, dk, PREC)
     return dk, dv
 
 
@@ -536,43 +574,39 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
-def _bwd_q_inner(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m, row_ok, c0,
-                 slope2, start, stop, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BIAS: tl.constexpr,
-                 MASKED: tl.constexpr, IRREGULAR: tl.constexpr, PREC: tl.constexpr):
+def _bwd_q_tile(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m, row_ok, c0,
+                kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BIAS: tl.constexpr,
+                MASKED: tl.constexpr, HOLES: tl.constexpr, PREC: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    offs_j = tl.arange(0, BLOCK_N)
-    k_ptrs = k_base + (start + offs_j).to(tl.int64)[:, None] * skn + offs_d[None, :] * skd
-    v_ptrs = v_base + (start + offs_j).to(tl.int64)[:, None] * svn + offs_d[None, :] * svd
-    for start_n in range(start, stop, BLOCK_N):
-        offs_n = start_n + offs_j
-        if MASKED:
-            n_ok = offs_n < N
-            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        elif HEAD_DIM == BLOCK_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        kvec = _key_bias(Bias, bias_base, sbn, offs_n, c0, slope2, N, BIAS, MASKED)
-        s = _dot(q, tl.trans(k), PREC) * qk_scale + (kvec[None, :] + rvec[:, None])
-        if MASKED:
-            keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
-            if IRREGULAR:
-                t = tl.load(keep_base + offs_m.to(tl.int64)[:, None] * smm + offs_n.to(tl.int64)[None, :] * smn,
-                            mask=row_ok[:, None] & n_ok[None, :], other=0)
-                keep = keep & (t != 0)
-            s = tl.where(keep, s, float("-inf"))
-        p = tl.math.exp2(s - lse[:, None])
-        dp = _dot(do, tl.trans(v), PREC)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, PREC)
-        k_ptrs += BLOCK_N * skn
-        v_ptrs += BLOCK_N * svn
-    return dq
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n64 = offs_n.to(tl.int64)
+    k_ptrs = k_base + n64[:, None] * skn + offs_d[None, :] * skd
+    v_ptrs = v_base + n64[:, None] * svn + offs_d[None, :] * svd
+    if MASKED:
+        n_ok = offs_n < N
+        k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    kvec = _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS, MASKED)
+    s = _dot(q, tl.trans(k), PREC) * qk_scale + (kvec[None, :] + rvec[:, None])
+    if MASKED:
+        keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+        if HOLES:
+            t = tl.load(keep_base + offs_m.to(tl.int64)[:, None] * smm + n64[None, :] * smn,
+                        mask=row_ok[:, None] & n_ok[None, :], other=0)
+            keep = keep & (t != 0)
+        s = tl.where(keep, s, float("-inf"))
+    p = tl.math.exp2(s - lse[:, None])
+    dp = _dot(do, tl.trans(v), PREC)
+    ds = p * (dp - delta[:, None])
+    return _dot_acc(ds.to(k.dtype), k, dq, PREC)
 
 
 @triton.jit
@@ -601,40 +635,33 @@ def _bwd_dq_kernel(
     delta = tl.load(Delta + bh * M + offs_m, mask=row_ok, other=0.0)
 
     lo, hi, irregular = _row_ranges(Rows, b * srb, offs_m, row_ok, M, N, MASK)
-    lo_min = tl.min(tl.where(row_ok, lo, N), 0)
-    lo_max = tl.max(lo, 0)
-    hi_min = tl.min(tl.where(row_ok, hi, N), 0)
-    hi_max = tl.max(hi, 0)
+    first, full_lo, full_hi, n_a, n_b, hi_max, holes = _key_ranges(lo, hi, irregular, row_ok, N, BLOCK_N, MASK)
     c = tl.maximum(hi - 1, 0)
     c0 = tl.maximum(hi_max - 1, 0)
     bias_base = b * sbb + h * sbh
     slope2 = _head_slope(Bias, h, sbh, BIAS)
-    rvec = _row_bias(Bias, bias_base, sbn, c, c0, slope2, row_ok, BIAS)
+    kb0 = _bias_at(Bias, bias_base, sbn, c0, BIAS)
+    rvec = _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     keep_base = Keep + b * smb
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    first = lo_min // BLOCK_N * BLOCK_N
-    if MASK != 0:
-        holes = tl.max(irregular, 0) != 0
-    else:
-        holes = False
     if holes:
-        dq = _bwd_q_inner(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
-                          row_ok, c0, slope2, first, hi_max, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
-                          HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, True, PREC)
+        for t in range(0, n_b):  # (from full_hi = first)
+            dq = _bwd_q_tile(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
+                             row_ok, c0, kb0, slope2, full_hi + t * BLOCK_N, N, skn, skd, svn, svd, sbn, smm, smn,
+                             qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, True, PREC)
     else:
-        full_lo = tl.minimum(tl.cdiv(lo_max, BLOCK_N) * BLOCK_N, hi_max)
-        full_hi = tl.maximum(tl.minimum(hi_min // BLOCK_N * BLOCK_N, hi_max), full_lo)
-        dq = _bwd_q_inner(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
-                          row_ok, c0, slope2, first, full_lo, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
-                          HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
-        dq = _bwd_q_inner(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
-                          row_ok, c0, slope2, full_lo, full_hi, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
-                          HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False, False, PREC)
-        dq = _bwd_q_inner(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
-                          row_ok, c0, slope2, full_hi, hi_max, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
-                          HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
+        for start_n in range(full_lo, full_hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            dq = _bwd_q_tile(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
+                             row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
+                             HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False, False, PREC)
+        for t in range(0, n_a + n_b):
+            start_n = tl.where(t < n_a, first + t * BLOCK_N, full_hi + (t - n_a) * BLOCK_N)
+            dq = _bwd_q_tile(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
+                             row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
+                             HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
     tl.store(DQ + b * sdqb + h * sdqh + offs_m.to(tl.int64)[:, None] * sdqm + offs_d[None, :] * sdqd,
              (dq * scale).to(DQ.dtype.element_ty), mask=m2)
 
