@@ -49,6 +49,9 @@ from torch import Tensor, nn
 from torchembed.functional.alibi import alibi_decode_bias, alibi_key_bias, alibi_slopes
 from torchembed.kernels.alibi_attention import MaskCache, alibi_attention, causal_keep, dense_prefill
 from torchembed.kernels.alibi_bias import prefill_bias
+from torchembed.kernels import alibi_attention as kernel_paths
+from torchembed.kernels.alibi_flash import flash_unsupported
+from torchembed.kernels.availability import use_kernel
 from torchembed.patches.actions import AddForwardPreHook, Component, InstanceMethod, OverrideAttribute
 from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
 from torchembed.patches.devices import ShareDeviceCopies
@@ -176,8 +179,10 @@ def _upstream(module: nn.Module, args: tuple, kwargs: dict, **changed: Any) -> A
     return type(module).forward(module, **{**_arguments(module, args, kwargs), **changed})
 
 
-def bloom_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-    """``BloomAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs).
+def bloom_attention_forward(self: nn.Module, *args: Any, fused: bool | None = None,
+                            **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """``BloomAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs; ``fused``:
+    the patch's choice, see :func:`_attention`).
 
     Upstream's forward runs instead for ``output_attentions``, a ``head_mask`` (4.x) and the
     ``slow_but_exact`` tensor-parallel emulation, with the bias in the model dtype it expects.
@@ -201,14 +206,16 @@ def bloom_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple
     dropout = self.attention_dropout.p if self.training else 0.0
     context = _attention(q, k, v, attention_mask, _bloom_keep, alibi, alibi, "bloom",
                          lambda: alibi.view(batch, heads, -1),  # (b*h,1,k) -> (b,h,k)
-                         scale=self.inv_norm_factor, dropout_p=dropout)
+                         scale=self.inv_norm_factor, dropout_p=dropout, fused=fused)
     context = context.transpose(1, 2).reshape(batch, q_len, self.hidden_size)  # (b, s, h*d)
     output = F.dropout(self.dense(context), p=self.hidden_dropout, training=self.training) + residual
     return output, None
 
 
-def falcon_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-    """``FalconAttention.forward`` for ALiBi models with torchembed's ALiBi attention.
+def falcon_attention_forward(self: nn.Module, *args: Any, fused: bool | None = None,
+                             **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """``FalconAttention.forward`` for ALiBi models with torchembed's ALiBi attention (``fused``: the
+    patch's choice, see :func:`_attention`).
 
     Computes upstream's sdpa path, ``softmax(q k^T / sqrt(d) + alibi / sqrt(d) | mask) v``.
 
@@ -249,7 +256,7 @@ def falcon_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tupl
     dropout = self.attention_dropout.p if self.training else 0.0
     context = _attention(q, k, v, attention_mask, _falcon_keep, alibi, alibi, ("falcon", scale),
                          lambda: alibi.view(batch, heads, k_len).to(torch.float32) * scale,  # upstream: alibi / sqrt(d)
-                         scale=scale, dropout_p=dropout)
+                         scale=scale, dropout_p=dropout, fused=fused)
     context = context.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)  # (b, q, h*d)
     return self.dense(context), None
 
@@ -299,8 +306,10 @@ def _additive_mask(attention_mask: Tensor | None, hidden_states: Tensor, k_len: 
     return torch.where(keep, zero, torch.finfo(hidden_states.dtype).min)
 
 
-def mpt_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-    """``MptAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs).
+def mpt_attention_forward(self: nn.Module, *args: Any, fused: bool | None = None,
+                          **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """``MptAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs; ``fused``:
+    the patch's choice, see :func:`_attention`).
 
     Upstream's ``MptAttention`` always returns its attention weights; ``MptBlock`` does not pass
     ``output_attentions`` down. :class:`AttentionWeightsRequest` (a pre-hook on each block) records
@@ -337,7 +346,7 @@ def mpt_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[T
     # MPT's mask is True where masked. It carries the forward's masks: the ALiBi table outlives the
     # forward (a constant), so it cannot.
     context = _attention(q, k, v, attention_mask, torch.logical_not, attention_mask, position_bias, ("mpt", k_len),
-                         key_bias, scale=self.softmax_scale, dropout_p=dropout)
+                         key_bias, scale=self.softmax_scale, dropout_p=dropout, fused=fused)
     context = context.transpose(1, 2).reshape(batch, q_len, -1)  # (b, s, h*d)
     return self.out_proj(context), None
 
@@ -397,15 +406,17 @@ _FORWARD_MASKS = "_torchembed_forward_masks"
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, to_keep: Any, carrier: Tensor | None,
-               source: Tensor | None, tag: Any, key_bias: Any, *, scale: float, dropout_p: float) -> Tensor:
+               source: Tensor | None, tag: Any, key_bias: Any, *, scale: float, dropout_p: float,
+               fused: bool | None) -> Tensor:
     """ALiBi attention of one patched layer, ``(b, h, q, d)``; ``k``, ``v`` may have fewer heads.
 
     ``key_bias()`` builds the ``(b or 1, h, k)`` float32 bias from ``source``, the bias tensor every
     layer receives (``tag`` names the family's derivation); ``to_keep`` makes HF's mask a keep mask.
-    Decode steps (no dropout) and small prefills (:func:`dense_prefill`) are bound by host time: they
-    attend with one SDPA mask per forward, which the first layer derives and keeps on ``carrier`` and
-    the others find with one lookup. Other prefills go to :func:`alibi_attention` (fused kernels),
-    with what they derive from the mask kept once per forward in its :class:`MaskCache`.
+    Where the fused kernel runs (``fused`` not False; :func:`alibi_attention`) every step takes it,
+    with the key bias and the mask's row summary derived once per forward (its :class:`MaskCache`).
+    Elsewhere decode steps (no dropout) and small prefills (:func:`dense_prefill`) are bound by host
+    time: they attend with one SDPA mask per forward, which the first layer derives and keeps on
+    ``carrier`` and the others find with one lookup; ``fused=False`` builds it with PyTorch operations.
     """
     q_len, k_len = q.shape[-2], k.shape[-2]
     keeping = carrier is not None and not torch.compiler.is_compiling()  # (no id() of a traced tensor)
@@ -415,16 +426,29 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, t
         kept = getattr(carrier, _FORWARD_MASKS, None)
         hit = None if kept is None else kept.get(slot)
         if hit is not None and hit[0] is owner:
+            if hit[1] is None:  # the fused kernel, with this forward's bias and mask summary
+                return alibi_attention(q, k, v, hit[2], hit[3], scale=scale, cache=hit[4], fused=fused)
             return _masked_sdpa(q, k, v, hit[1], scale, dropout_p)
     keep, cache = _keep_mask(attention_mask, to_keep, carrier)
+    if (fused is not False and dropout_p == 0.0 and (fused or kernel_paths.prefill_path_is_auto())
+            and flash_unsupported(q, k, v, keep) is None and use_kernel(fused, q)):
+        bias = _per_forward(cache, source, tag, key_bias)
+        if keeping:
+            if kept is None:
+                kept = {}
+                setattr(carrier, _FORWARD_MASKS, kept)
+            kept[slot] = (owner, None, bias, keep, cache)
+        return alibi_attention(q, k, v, bias, keep, scale=scale, cache=cache, fused=fused)
+    if fused:  # the kernel cannot take these inputs: alibi_attention raises, naming why
+        return alibi_attention(q, k, v, key_bias(), keep, scale=scale, dropout_p=dropout_p, fused=True)
     if q_len == 1 and dropout_p == 0.0:
         mask = alibi_decode_bias(key_bias(), keep, q.dtype)
-    elif dense_prefill(q, k):
+    elif fused is None and dense_prefill(q, k):
         mask = prefill_bias(key_bias(), keep if keep is not None else causal_keep(q_len, k_len, q.device), q.dtype)
     else:
         heads = q.shape[1]
         return alibi_attention(q, _repeat_kv(k, heads), _repeat_kv(v, heads), _per_forward(cache, source, tag, key_bias),
-                               keep, scale=scale, dropout_p=dropout_p, cache=cache)
+                               keep, scale=scale, dropout_p=dropout_p, cache=cache, fused=fused)
     if keeping:
         if kept is None:
             kept = {}
@@ -512,6 +536,36 @@ def _parameter_names(fn: Any) -> tuple[str, ...]:
         return ()
 
 
+class AlibiForward:
+    """A family's patched attention forward with the patch's ``fused`` choice bound: called as
+    ``forward(module, *args, **kwargs)``; picklable and deep-copyable (rebuilt from the module-level
+    function and the choice), named as the function."""
+
+    def __init__(self, forward: Any, fused: bool | None) -> None:
+        self.forward, self.fused = forward, fused
+        self.__module__, self.__qualname__, self.__name__ = forward.__module__, forward.__qualname__, forward.__name__
+        self.__doc__ = forward.__doc__
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(module, *args, fused=self.fused, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return (AlibiForward, (self.forward, self.fused))
+
+    def __repr__(self) -> str:
+        return f"<{self.__qualname__} fused={self.fused}>"
+
+
+class ReplaceAlibiForward(ReplaceForward):
+    """:class:`ReplaceForward` whose forward gets the patch's ``fused`` (``PatchOptions.fused``):
+    False keeps the attention to PyTorch operations, True requires the fused kernel."""
+
+    def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[Any]:
+        bound = ReplaceForward(self.class_name, AlibiForward(self.forward, options.fused), self.requires,
+                               self.cache_any_of, self.kind)
+        return bound.plan(model, config, options, family)
+
+
 _ATTENTION_NEEDS = {  # what the replaced forwards read from upstream's arguments
     "bloom": ("hidden_states", "residual", "alibi", "attention_mask"),
     "mpt": ("hidden_states", "position_bias", "attention_mask"),
@@ -532,7 +586,7 @@ register(
         adapters=(
             OverrideMethod("BloomModel", "build_alibi_tensor", bloom_alibi_tensor, ("attention_mask", "num_heads", "dtype")),
             ReplaceGlobals("BloomModel", required={}, optional={"_get_alibi_slopes": alibi_slopes}),  # same signature
-            ReplaceForward("BloomAttention", bloom_attention_forward, _ATTENTION_NEEDS["bloom"], _CACHE_ANY),
+            ReplaceAlibiForward("BloomAttention", bloom_attention_forward, _ATTENTION_NEEDS["bloom"], _CACHE_ANY),
             ShareDeviceCopies(),
         ),
         description="build_alibi_tensor / slopes -> torchembed ALiBi; attention -> fused ALiBi attention",
@@ -545,7 +599,7 @@ register(
         adapters=(
             OverrideMethod("MptModel", "build_mpt_alibi_tensor", mpt_alibi_tensor,
                            ("num_heads", "sequence_length", "alibi_bias_max", "device")),
-            ReplaceForward("MptAttention", mpt_attention_forward, _ATTENTION_NEEDS["mpt"], _CACHE_ANY),
+            ReplaceAlibiForward("MptAttention", mpt_attention_forward, _ATTENTION_NEEDS["mpt"], _CACHE_ANY),
             RequestAttentionWeights("MptBlock"),
             ShareDeviceCopies(),
         ),
@@ -560,7 +614,7 @@ register(
         applies=_falcon_alibi,
         adapters=(
             UnfoldFalconMask(),
-            ReplaceForward("FalconAttention", falcon_attention_forward, _ATTENTION_NEEDS["falcon"], _CACHE_ANY),
+            ReplaceAlibiForward("FalconAttention", falcon_attention_forward, _ATTENTION_NEEDS["falcon"], _CACHE_ANY),
             ShareDeviceCopies(),
         ),
         description=(

@@ -35,6 +35,8 @@ from torch import Tensor
 
 from torchembed.functional.alibi import alibi_attention_reference, alibi_decode_bias
 from torchembed.kernels.alibi_bias import prefill_bias
+from torchembed.kernels.alibi_flash import alibi_flash, flash_unsupported, mask_rows
+from torchembed.kernels.availability import FusedUnavailableError, use_kernel
 
 __all__ = ["alibi_attention", "flex_available", "alibi_score_mod", "bias_columns", "causal_keep", "dense_prefill", "prefill_path",
            "MaskCache"]
@@ -105,6 +107,11 @@ def prefill_path(path: str):
         yield
     finally:
         _PREFILL = previous
+
+
+def prefill_path_is_auto() -> bool:
+    """No :func:`prefill_path` other than ``"auto"`` is in force."""
+    return _PREFILL == "auto"
 
 
 @contextlib.contextmanager
@@ -202,30 +209,92 @@ def alibi_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    key_bias: Tensor,
+    key_bias: Tensor | None = None,
     keep: Tensor | None = None,
     *,
     scale: float,
     dropout_p: float = 0.0,
     cache: MaskCache | None = None,
+    fused: bool | None = None,
+    slopes: Tensor | None = None,
 ) -> Tensor:
-    """Attention with a key-only ALiBi bias: ``softmax(scale * q k^T + key_bias | keep) v``.
+    """Attention with ALiBi: ``softmax(scale * q k^T + bias | keep) v``.
+
+    The bias is ``key_bias[b, h, j]`` (a key-only form, as the HF ALiBi models build it) or, given
+    ``slopes``, ``slope_h * (j - i)``; either up to a constant per query row, which softmax ignores.
 
     Args:
-        q: ``(b, h, q, d)``; k, v: ``(b, h, k, d)``.
-        key_bias: ``(b or 1, h, k)``, any float dtype (used in float32).
+        q: ``(b, h, q, d)``; k, v: ``(b, hk, k, d)``, ``h`` a multiple of ``hk`` (GQA/MQA).
+        key_bias: ``(b or 1, h, k)``, any float dtype (used in float32); or None with ``slopes``.
         keep: ``(b or 1, 1, q, k)`` bool, True where a query may attend (HF's causal + padding
             mask, static-cache slots included). None: causal, queries at the last positions.
         scale: multiplies ``q k^T``.
-        dropout_p: attention dropout (the SDPA paths implement it; FlexAttention does not and
-            is skipped when it is set).
-        cache: where what is derived from ``keep`` and ``key_bias`` (block mask, bias columns,
-            decode mask; pass the same ``key_bias`` tensor to every layer, e.g. via
-            ``cache.memo``) is kept across the layers of one forward.
+        dropout_p: attention dropout (the fused kernel has none: it runs the PyTorch path).
+        cache: where what is derived from ``keep`` and ``key_bias`` (the kernel's row summary of the
+            mask, ...) is kept across the layers of one forward; pass the same ``key_bias`` tensor
+            to every layer, e.g. via ``cache.memo``.
+        fused: None: the fused kernel (:func:`torchembed.kernels.alibi_flash.alibi_flash`) where it
+            runs, PyTorch elsewhere; True: the kernel or :class:`FusedUnavailableError`; False:
+            PyTorch operations only (SDPA with the materialised bias).
+        slopes: ``(h,)`` per-head slopes, instead of ``key_bias``.
 
     Returns:
-        ``(b, h, q, d)`` in ``q.dtype``.
+        ``(b, h, q, d)`` in ``q.dtype``. A query row that keeps no key: 0 from the kernel, the mean of
+        ``v`` (upstream's eager behaviour) from the PyTorch path.
+
+    Raises:
+        FusedUnavailableError: ``fused=True`` where the kernel cannot run, naming why.
+        ValueError: neither ``key_bias`` nor ``slopes``.
     """
+    if key_bias is None and slopes is None:
+        raise ValueError("alibi_attention needs key_bias (b or 1, h, k) or slopes (h,)")
+    if fused is not False and (fused or _PREFILL == "auto"):  # (prefill_path("flex"/"dense"): those paths)
+        why = "it has no dropout (dropout_p > 0)" if dropout_p else flash_unsupported(q, k, v, keep)
+        if why is None and use_kernel(fused, q, "the fused ALiBi attention kernel"):
+            return _flash(q, k, v, key_bias, slopes, keep, scale, cache)
+        if fused:
+            raise FusedUnavailableError(f"fused=True: the fused ALiBi attention kernel cannot take these inputs: {why}; "
+                                        "pass fused=None to run PyTorch's attention there")
+    if key_bias is None:  # slope * (j - (k - 1)): zero at the newest key, small near it
+        positions = torch.arange(1 - k.shape[-2], 1, device=q.device, dtype=torch.float32)
+        key_bias = slopes.to(q.device, torch.float32)[None, :, None] * positions
+    heads = q.shape[1]
+    k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    if fused is False:  # PyTorch operations only
+        if keep is None and q.shape[-2] > 1:
+            keep = causal_keep(q.shape[-2], k.shape[-2], q.device)
+        return alibi_attention_reference(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p)
+    return _unfused(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p, cache=cache)
+
+
+def _flash(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None, slopes: Tensor | None, keep: Tensor | None,
+           scale: float, cache: MaskCache | None) -> Tensor:
+    """The fused kernel; the mask's row summary derived once per mask tensor (``cache``)."""
+    rows = None
+    if keep is not None:
+        rows = mask_rows(keep) if cache is None else cache.memo(keep, "rows", lambda: mask_rows(keep))
+    if slopes is not None:
+        return alibi_flash(q, k, v, slopes, scale=scale, keep=keep, rows=rows)
+    return alibi_flash(q, k, v, key_bias, scale=scale, key_bias=True, keep=keep, rows=rows)
+
+
+def _repeat_kv(x: Tensor, heads: int) -> Tensor:
+    """``(b, hk, s, d) -> (b, heads, s, d)`` for the paths that need one kv head per query head (a
+    stride-0 view for one kv head)."""
+    batch, kv, length, dim = x.shape
+    if kv == heads:
+        return x
+    if kv == 1:
+        return x.expand(batch, heads, length, dim)
+    if heads % kv:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv} key/value heads")
+    return x[:, :, None].expand(batch, kv, heads // kv, length, dim).reshape(batch, heads, length, dim)
+
+
+def _unfused(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor, keep: Tensor | None, *, scale: float,
+             dropout_p: float, cache: MaskCache | None) -> Tensor:
+    """Where the fused kernel does not run: SDPA with the materialised bias, the bias columns or
+    FlexAttention on CUDA prefill, SDPA with a bias elsewhere."""
     q_len, k_len = q.shape[-2], k.shape[-2]
     if dense_prefill(q, k):
         if keep is None:
