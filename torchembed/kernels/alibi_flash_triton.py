@@ -670,29 +670,17 @@ def _bwd_dq_kernel(
 # Block shapes, launches
 # ----------------------------------------------------------------------------------------------
 
-# (kernel, BLOCK_D bucket, fp32?) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps, num_stages). Chosen from
-# the sweep of scripts/alibi_kernel.py on an H200 (benchmarks/results/alibi-kernel.md).
+# (kernel, BLOCK_D bucket, mask given?) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps, num_stages) for
+# float16/bfloat16, chosen by scripts/alibi_kernel_tune.py on an H200 (benchmarks/results/alibi-kernel.md).
 CONFIGS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
-    ("fwd", 16, False): (128, 128, 8, 3),
-    ("fwd", 32, False): (128, 128, 8, 3),
-    ("fwd", 64, False): (128, 128, 8, 3),
-    ("fwd", 128, False): (128, 64, 8, 3),
-    ("fwd", 256, False): (64, 64, 4, 2),
-    ("dq", 16, False): (128, 64, 8, 2),
-    ("dq", 32, False): (128, 64, 8, 2),
-    ("dq", 64, False): (128, 64, 8, 2),
-    ("dq", 128, False): (128, 64, 8, 2),
-    ("dq", 256, False): (64, 32, 4, 2),
-    ("dkdv", 16, False): (64, 128, 8, 2),
-    ("dkdv", 32, False): (64, 128, 8, 2),
-    ("dkdv", 64, False): (64, 128, 8, 2),
-    ("dkdv", 128, False): (64, 128, 8, 2),
-    ("dkdv", 256, False): (32, 64, 4, 2),
-    ("decode", 16, False): (16, 128, 4, 3),
-    ("decode", 32, False): (16, 128, 4, 3),
-    ("decode", 64, False): (16, 128, 4, 3),
-    ("decode", 128, False): (16, 64, 4, 3),
-    ("decode", 256, False): (16, 64, 4, 2),
+    **{("fwd", bd, m): (128, 64, 8, 3) for bd in (16, 32, 64, 128) for m in (False, True)},
+    **{("fwd", 256, m): (64, 64, 8, 2) for m in (False, True)},
+    **{("dq", bd, m): (128, 64, 8, 2) for bd in (16, 32, 64, 128) for m in (False, True)},
+    **{("dq", 256, m): (64, 32, 8, 2) for m in (False, True)},
+    **{("dkdv", bd, m): (64, 64, 8, 2) for bd in (16, 32, 64, 128) for m in (False, True)},
+    **{("dkdv", 256, m): (64, 32, 8, 2) for m in (False, True)},
+    **{("decode", bd, m): (16, 128, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
+    **{("decode", bd, m): (16, 64, 4, 3) for bd in (128, 256) for m in (False, True)},
 }
 _FP32_CONFIG = {"fwd": (64, 32, 4, 2), "dq": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "decode": (16, 32, 4, 2)}
 _INTERPRET_CONFIG = {"fwd": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "decode": (16, 16, 4, 1)}
@@ -704,13 +692,14 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def config_for(kind: str, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of one kernel at this head dim and dtype."""
+def config_for(kind: str, head_dim: int, dtype: torch.dtype, masked: bool) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of one kernel at this head dim and dtype, with a
+    mask (``masked``) or causal."""
     if _INTERPRET:
         return _INTERPRET_CONFIG[kind]
     if dtype == torch.float32:
         return _FP32_CONFIG[kind]
-    return CONFIGS[(kind, block_d(head_dim), False)]
+    return CONFIGS[(kind, block_d(head_dim), masked)]
 
 
 # Kept launches: key -> (entry, head, grid). The key holds everything Triton specialised on: the
@@ -812,7 +801,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None, 
     strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), sbb, sbh, sbn, srb, smb, smm, smn)
     qk_scale = float(scale) * LOG2E
     if group * q_len <= DECODE_ROWS and (q_len < 16 or k_len >= 8 * q_len):
-        block_r, block_n, warps, stages = config_for("decode", head_dim, q.dtype)
+        block_r, block_n, warps, stages = config_for("decode", head_dim, q.dtype, rows is not None)
         block_r = max(block_r, triton.next_power_of_2(group * q_len))
         programs = batch * kv_heads
         # enough programs for every multiprocessor twice over, each at least two key blocks long
@@ -832,7 +821,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None, 
                     (*_strides4(out), heads, group, q_len, splits), (),
                     {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_D": bd, "STORE_LSE": lse is not None}, 4, 1)
         return
-    block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype)
+    block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, rows is not None)
     grid = (triton.cdiv(q_len, block_m), batch * heads, 1)
     _launch(_fwd_kernel, grid, (q, k, v, out, lse_t, bias, rows_t, keep_t),
             (*strides, heads, group, q_len, k_len), (qk_scale,),
@@ -862,13 +851,13 @@ def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
             (*_strides4(out), *_strides4(grad), heads, q_len), (),
             {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd}, 4, 1)
     common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad))
-    block_m, block_n, warps, stages = config_for("dkdv", head_dim, q.dtype)
+    block_m, block_n, warps, stages = config_for("dkdv", head_dim, q.dtype, rows is not None)
     _launch(_bwd_dkdv_kernel, (triton.cdiv(k_len, block_n), batch * kv_heads, 1),
             (q, k, v, grad, lse, delta, dk, dv, bias, rows_t, keep_t),
             (*common, *_strides4(dk), *_strides4(dv), *tail, heads, group, q_len, k_len), (qk_scale, float(scale)),
             {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd, "BIAS": int(key_bias),
              "MASK": mask, "PREC": prec}, warps, stages)
-    block_m, block_n, warps, stages = config_for("dq", head_dim, q.dtype)
+    block_m, block_n, warps, stages = config_for("dq", head_dim, q.dtype, rows is not None)
     _launch(_bwd_dq_kernel, (triton.cdiv(q_len, block_m), batch * heads, 1),
             (q, k, v, grad, lse, delta, dq, bias, rows_t, keep_t),
             (*common, *_strides4(dq), *tail, heads, group, q_len, k_len), (qk_scale, float(scale)),

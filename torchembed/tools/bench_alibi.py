@@ -178,8 +178,20 @@ def markdown(records: list[dict[str, Any]], variants: list[str]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if "--kernel" in argv:  # one attention layer against its alternatives (bench_alibi_kernel)
+        from torchembed.tools import bench_alibi_kernel
+
+        parser = argparse.ArgumentParser(prog="torchembed bench alibi --kernel",
+                                         description=bench_alibi_kernel.__doc__.split("\n\n")[0].replace("``", ""))
+        bench.add_common_args(parser)
+        parser.add_argument("--kernel", action="store_true", help="the kernel-level table (this one)")
+        bench_alibi_kernel.add_args(parser)
+        return bench_alibi_kernel.run(parser.parse_args(argv))
     parser = argparse.ArgumentParser(prog="torchembed bench alibi", description=__doc__.split("\n\n")[0].replace("``", ""))
     bench.add_common_args(parser)
+    parser.add_argument("--kernel", action="store_true",
+                        help="instead: one ALiBi attention layer, torchembed vs SDPA without bias, FlexAttention, "
+                        "SDPA with the bias, flash-attn (torchembed bench alibi --kernel --help)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--variants", nargs="+", default=["upstream", "patched"], choices=VARIANTS,
                         help="default: upstream patched; patched-flex: FlexAttention for every prefill, "
