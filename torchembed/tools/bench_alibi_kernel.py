@@ -38,6 +38,9 @@ PREFILL = ((1, 16, 1024, 64), (4, 16, 2048, 64), (4, 16, 8192, 64), (4, 16, 1638
            (8, 32, 2048, 128))
 DECODE = ((1, 16, 4096, 64), (8, 32, 8192, 128))
 IMPLS = ("floor", "torchembed", "flex", "sdpa-bias", "flash-attn")
+# torchembed's earlier fused path (the ALiBi bias in extra head-dim columns of a cuDNN SDPA call),
+# measured with --paths; its materialised-bias path is sdpa-bias
+PATHS = ("columns",)
 _ROWS = 512  # query rows of the float32 reference
 _FULL_GRAD_SCORES = 2**28  # forward+backward errors where b * h * s * s is at most this
 
@@ -124,6 +127,16 @@ def _implementations(shape: tuple[int, int, int, int], q_len: int, dtype: torch.
     else:
         bias = _alibi_bias(slopes, q_len, s, dtype)
         impls["sdpa-bias"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    if getattr(_implementations, "paths", False):
+        if decode:
+            impls["columns"] = "prefill only"
+        else:  # the bias columns made once (per forward in a model), the two copies per layer timed
+            from torchembed.kernels import alibi_attention as paths
+
+            key_bias = slopes[None, :, None] * torch.arange(1 - s, 1, device=device, dtype=torch.float32)
+            q_cols, k_cols = (c.expand(b, -1, -1, -1) for c in paths.bias_columns(key_bias, s, scale, dtype))
+            impls["columns"] = lambda q, k, v: paths._sdpa_with_columns(q, k, v, q_cols, k_cols, scale=scale,
+                                                                         dropout_p=0.0)
     try:
         from flash_attn import flash_attn_func
     except ImportError:
@@ -132,6 +145,10 @@ def _implementations(shape: tuple[int, int, int, int], q_len: int, dtype: torch.
         impls["flash-attn"] = lambda q, k, v: flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                               causal=True, alibi_slopes=slopes).transpose(1, 2)
     return impls
+
+
+def _names() -> tuple[str, ...]:
+    return IMPLS + (PATHS if getattr(_implementations, "paths", False) else ())
 
 
 def _max_err(a: Tensor, b: Tensor) -> float:
@@ -153,7 +170,7 @@ def measure_shape(shape: tuple[int, int, int, int], q_len: int, args: argparse.N
     views = [_heads_view(x) for x in (q, k, v)]
     rows = _rows(q_len, device)
     ref = _reference(q, k, v, slopes, rows)
-    for name in IMPLS:
+    for name in _names():
         impl = impls[name]
         base = {"shape": list(shape), "q_len": q_len, "phase": "decode" if decode else "prefill", "pass": "forward",
                 "impl": name, "label": label}
@@ -192,7 +209,7 @@ def _backward_records(shape: tuple[int, int, int, int], impls: dict[str, Any], a
         truth = [x.grad for x in (qf, kf, vf)]
         del qf, kf, vf, bias, out
     records = []
-    for name in IMPLS:
+    for name in _names():
         impl = impls[name]
         base = {"shape": list(shape), "q_len": s, "phase": "prefill", "pass": "forward+backward", "impl": name,
                 "label": label}
@@ -231,21 +248,22 @@ def markdown(records: list[dict[str, Any]]) -> str:
         for label in labels:
             by = {r["impl"]: r for r in chosen if r["label"] == label}
             floor = by.get("floor", {}).get("ms")
+            names = _names()
             cells = []
-            for name in IMPLS:
+            for name in names:
                 ms = by.get(name, {}).get("ms")
                 if isinstance(ms, float) and isinstance(floor, float) and name != "floor":
                     cells.append(f"{ms:.3f} ({floor / ms:.2f}x)")
                 else:
                     cells.append(bench.fmt(ms))
             errs = [f"{by[name]['max_err']:.1e}" if isinstance(by.get(name, {}).get("max_err"), float) else "-"
-                    for name in IMPLS[1:]]
+                    for name in names[1:]]
             row = [label.split(" ", 1)[1], *cells, " / ".join(errs)]
             if phase == "decode":
                 row.append(" / ".join(bench.fmt(by.get(n, {}).get("host_ms"), 3) for n in ("floor", "torchembed",
                                                                                            "sdpa-bias")))
             rows.append(row)
-        headers = ["b, h, s, d", *(f"{n} (ms)" for n in IMPLS), "max error: " + " / ".join(IMPLS[1:])]
+        headers = ["b, h, s, d", *(f"{n} (ms)" for n in _names()), "max error: " + " / ".join(_names()[1:])]
         if phase == "decode":
             headers.append("host ms/call: floor / torchembed / sdpa-bias")
         out += [f"## {title}", "", bench.md_table(headers, rows), ""]
@@ -258,6 +276,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"],
                         help="forward only, or forward and forward+backward (default)")
+    parser.add_argument("--paths", action="store_true",
+                        help="also torchembed's earlier fused path: the bias in extra head-dim columns of cuDNN SDPA")
     parser.add_argument("--shapes", nargs="+", default=None,
                         help="prefill shapes b,h,s,d (default: the issue's and 4,16,16384,64); decode ones as "
                         "b,h,1xS,d")
@@ -272,6 +292,7 @@ def _parse(shape: str) -> tuple[tuple[int, int, int, int], bool]:
 def run(args: argparse.Namespace) -> int:
     """The kernel table (``args`` from ``torchembed bench alibi --kernel ...``)."""
     device = bench.setup(args)
+    _implementations.paths = args.paths
     if args.shapes:
         parsed = [_parse(x) for x in args.shapes]
         prefill = [s for s, dec in parsed if not dec]
