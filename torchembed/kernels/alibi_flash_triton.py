@@ -805,7 +805,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None, 
         block_r = max(block_r, triton.next_power_of_2(group * q_len))
         programs = batch * kv_heads
         # enough programs for every multiprocessor twice over, each at least two key blocks long
-        sms = 1 if not q.is_cuda else _sms(q.device)
+        sms = _sms(q.device) if q.is_cuda else 8  # (the interpreter: several splits at small shapes)
         splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(k_len, 2 * block_n)))
         chunk = triton.cdiv(triton.cdiv(k_len, splits), block_n) * block_n
         splits = triton.cdiv(k_len, chunk) if k_len else 1
