@@ -162,8 +162,11 @@ def _run_job(job: tuple) -> str:
         return _run_flex_job(job[1])
     kind, dim, cfg, shape, masked = job
     try:
+        from torchembed.kernels.alibi_flash import clear_plans
+
         K = _kernels()
         K.CONFIGS[(kind, K.block_d(dim), masked)] = cfg
+        clear_plans()
         q, k, v, bias, keep = _case(*shape, torch.bfloat16, _device(), masked=masked, key_bias=masked,
                                     grad=kind in ("dkdv", "dq"))
         if kind in ("fwd", "decode"):
@@ -335,24 +338,24 @@ def _check_graph_and_compile(device) -> bool:
 def _time_backward(q, k, v, bias, keep, key_bias, reps=True):
     from torchembed.kernels.alibi_flash import mask_rows
 
-    K = _kernels()
+    from torchembed.kernels.alibi_flash import _backward_kernel, _forward
+
     rows = None if keep is None else mask_rows(keep)
     scale = q.shape[-1] ** -0.5
     with torch.no_grad():
-        from torchembed.kernels.alibi_flash import _forward
-
         out, lse = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
     grad = torch.randn_like(out)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def step():
-        K.backward(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias, dq, dk, dv)
+        _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias)
 
     step()
     return _bench(step) if reps else None
 
 
 def sweep(args) -> dict:
+    from torchembed.kernels.alibi_flash import clear_plans
+
     K = _kernels()
     device = _device()
     chosen, table = {}, []
@@ -364,6 +367,7 @@ def sweep(args) -> dict:
         best = None
         for cfg in candidates:
             K.CONFIGS[key] = cfg
+            clear_plans()
             try:
                 ms = timer()
             except Exception as exc:
@@ -374,6 +378,7 @@ def sweep(args) -> dict:
                 best = (cfg, ms)
         if best is not None:
             K.CONFIGS[key] = best[0]
+            clear_plans()
             chosen[f"{kind},{K.block_d(dim)},{int(masked)}"] = list(best[0])
         return best
 
@@ -416,6 +421,9 @@ def sweep(args) -> dict:
 
 
 def apply(chosen: dict) -> None:
+    from torchembed.kernels.alibi_flash import clear_plans
+
+    clear_plans()
     K = _kernels()
     for key, cfg in chosen.items():
         kind, bd, masked = key.split(",")

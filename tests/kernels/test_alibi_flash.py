@@ -225,8 +225,9 @@ def test_compiles_into_one_graph():
         torch.testing.assert_close(got, x.grad)
 
 
-def test_no_grad_call_launches_without_the_op(monkeypatch):
-    """Inference calls launch the kernel directly (no custom-op dispatch); autograd goes through the op."""
+def test_eager_calls_skip_the_custom_op_dispatch(monkeypatch):
+    """Eager calls launch the kernel directly (inference) or through an autograd.Function (training):
+    the custom op's Python dispatch costs more host time than a small attention takes."""
     import torchembed.kernels.alibi_flash as module
 
     calls = []
@@ -235,6 +236,7 @@ def test_no_grad_call_launches_without_the_op(monkeypatch):
     q, k, v = _inputs(1, 2, 2, 8, 8, 16, torch.float32)
     with torch.no_grad():
         alibi_flash(q, k, v, alibi_slopes(2, DEV), scale=0.25)
-    assert not calls
-    alibi_flash(q, k, v, alibi_slopes(2, DEV), scale=0.25).sum().backward()
-    assert len(calls) == 1
+        alibi_flash(q, k, v, alibi_slopes(2, DEV), scale=0.25)  # the kept plan
+    out = alibi_flash(q, k, v, alibi_slopes(2, DEV), scale=0.25)
+    out.sum().backward()
+    assert not calls and "AlibiFlash" in type(out.grad_fn).__name__ and q.grad is not None

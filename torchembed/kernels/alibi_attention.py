@@ -35,7 +35,7 @@ from torch import Tensor
 
 from torchembed.functional.alibi import alibi_attention_reference, alibi_decode_bias
 from torchembed.kernels.alibi_bias import prefill_bias
-from torchembed.kernels.alibi_flash import alibi_flash, flash_unsupported, mask_rows
+from torchembed.kernels.alibi_flash import attempt, flash_unsupported, mask_rows
 from torchembed.kernels.availability import FusedUnavailableError, use_kernel
 
 __all__ = ["alibi_attention", "flex_available", "alibi_score_mod", "bias_columns", "causal_keep", "dense_prefill", "prefill_path",
@@ -249,9 +249,12 @@ def alibi_attention(
     if key_bias is None and slopes is None:
         raise ValueError("alibi_attention needs key_bias (b or 1, h, k) or slopes (h,)")
     if fused is not False and (fused or _PREFILL == "auto"):  # (prefill_path("flex"/"dense"): those paths)
-        why = "it has no dropout (dropout_p > 0)" if dropout_p else flash_unsupported(q, k, v, keep)
-        if why is None and use_kernel(fused, q, "the fused ALiBi attention kernel"):
-            return _flash(q, k, v, key_bias, slopes, keep, scale, cache)
+        why = "it has no dropout (dropout_p > 0)"
+        if not dropout_p and use_kernel(fused, q, "the fused ALiBi attention kernel"):
+            out = _flash(q, k, v, key_bias, slopes, keep, scale, cache)
+            if not isinstance(out, str):
+                return out
+            why = out
         if fused:
             raise FusedUnavailableError(f"fused=True: the fused ALiBi attention kernel cannot take these inputs: {why}; "
                                         "pass fused=None to run PyTorch's attention there")
@@ -268,14 +271,17 @@ def alibi_attention(
 
 
 def _flash(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None, slopes: Tensor | None, keep: Tensor | None,
-           scale: float, cache: MaskCache | None) -> Tensor:
-    """The fused kernel; the mask's row summary derived once per mask tensor (``cache``)."""
+           scale: float, cache: MaskCache | None) -> Tensor | str:
+    """The fused kernel, or why it does not take these inputs; the mask's row summary derived once
+    per mask tensor (``cache``)."""
     rows = None
     if keep is not None:
+        if flash_unsupported(q, k, v, keep) is not None:  # (before summarising a mask it cannot use)
+            return flash_unsupported(q, k, v, keep)
         rows = mask_rows(keep) if cache is None else cache.memo(keep, "rows", lambda: mask_rows(keep))
     if slopes is not None:
-        return alibi_flash(q, k, v, slopes, scale=scale, keep=keep, rows=rows)
-    return alibi_flash(q, k, v, key_bias, scale=scale, key_bias=True, keep=keep, rows=rows)
+        return attempt(q, k, v, slopes, scale=scale, keep=keep, rows=rows)
+    return attempt(q, k, v, key_bias, scale=scale, key_bias=True, keep=keep, rows=rows)
 
 
 def _repeat_kv(x: Tensor, heads: int) -> Tensor:

@@ -24,8 +24,9 @@ import torch
 from torch import Tensor
 
 from torchembed.kernels.availability import kernel_can_run
+from torchembed.kernels.availability import triton_disabled as _triton_disabled
 
-__all__ = ["alibi_flash", "flash_unsupported", "mask_rows", "DTYPES", "MAX_HEAD_DIM"]
+__all__ = ["alibi_flash", "attempt", "clear_plans", "flash_unsupported", "mask_rows", "DTYPES", "MAX_HEAD_DIM"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -178,18 +179,54 @@ def _mask_rows_reference(keep: Tensor) -> Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
+# Plans (``alibi_flash_triton.ForwardPlan`` / ``BackwardPlan``) by call signature: everything the
+# launches were derived from, so a hit needs no validation. Cleared when full (many prefill lengths).
+_PLANS: dict[tuple, object] = {}
+_MAX_PLANS = 1024
+
+
+def _signature(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Optional[Tensor], keep: Optional[Tensor],
+               scale: float, key_bias: bool, need_lse: bool) -> tuple:
+    mask = None if keep is None else (keep.shape, keep.stride(), keep.dtype, keep.device,
+                                      None if rows is None else (rows.shape, rows.stride()))
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, bias.shape, bias.stride(), bias.dtype, bias.device, key_bias, mask, scale, need_lse)
+
+
+def _store(key: tuple, plan: object) -> object:
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def clear_plans() -> None:
+    """Forget every kept plan (after changing the kernels' block shapes)."""
+    _PLANS.clear()
+
+
 def _forward(q, k, v, bias, rows, keep, scale, key_bias, need_lse) -> tuple[Tensor, Optional[Tensor]]:
     if not kernel_can_run(q):
         return _forward_reference(q, k, v, bias, rows, keep, scale, key_bias)
-    out = _out_like(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device) if need_lse else None
-    if q.shape[2] and q.shape[0] * q.shape[1]:
-        (_triton or _kernels()).forward(q, k, v, bias, rows, keep, scale, key_bias, out, lse)
-    elif lse is not None:
-        lse.fill_(float("inf"))
-    if q.shape[2] and k.shape[2] == 0:
-        out.zero_()
-    return out, lse
+    if q.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
+        lse = torch.full(q.shape[:3], float("inf"), device=q.device) if need_lse else None
+        return _out_like(q), lse
+    key = _signature(q, k, v, bias, rows, keep, scale, key_bias, need_lse)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _store(key, (_triton or _kernels()).forward_plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse))
+    return plan(q, k, v, bias, rows, keep)
+
+
+def _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias) -> tuple[Tensor, Tensor, Tensor]:
+    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    key = ("backward", grad.shape, grad.stride(), out.stride(), *_signature(q, k, v, bias, rows, keep, scale,
+                                                                           key_bias, True))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _store(key, (_triton or _kernels()).backward_plan(grad, q, k, v, out, bias, rows, keep, scale, key_bias))
+    return plan(grad, q, k, v, out, lse, bias, rows, keep)
 
 
 def _mask_rows(keep: Tensor) -> Tensor:
@@ -226,11 +263,7 @@ def _flash_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                        key_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     if not kernel_can_run(q):
         return _backward_reference(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    (_triton or _kernels()).backward(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias, dq, dk, dv)
-    return dq, dk, dv
+    return _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias)
 
 
 @_flash_backward_op.register_fake
@@ -254,6 +287,28 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 _flash_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _AlibiFlash(torch.autograd.Function):
+    """Eager autograd of :func:`alibi_flash` (no custom-op dispatch, whose Python cost exceeds a small
+    attention's); the op ``torchembed::alibi_flash`` registers the same backward for torch.compile."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, rows, keep, scale, key_bias):
+        out, lse = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
+        ctx.save_for_backward(q, k, v, out, lse, bias, rows, keep)
+        ctx.scale, ctx.key_bias = scale, key_bias
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, bias, rows, keep = ctx.saved_tensors
+        if not kernel_can_run(q):
+            dq, dk, dv = _backward_reference(grad_out, q, k, v, out, lse, bias, rows, keep, ctx.scale, ctx.key_bias)
+        else:
+            dq, dk, dv = _backward_kernel(grad_out, q, k, v, out, lse, bias, rows, keep, ctx.scale, ctx.key_bias)
+        return dq, dk, dv, None, None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -298,14 +353,34 @@ def alibi_flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float, 
         ValueError: inputs the kernel does not take (:func:`flash_unsupported` says why), a bias of
             the wrong shape or device.
     """
+    out = attempt(q, k, v, bias, scale=scale, key_bias=key_bias, keep=keep, rows=rows)
+    if isinstance(out, str):
+        raise ValueError(f"alibi_flash: {out}")
+    return out
+
+
+def attempt(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float, key_bias: bool = False,
+            keep: Optional[Tensor] = None, rows: Optional[Tensor] = None) -> Tensor | str:
+    """:func:`alibi_flash`, or the reason it does not take these inputs (:func:`flash_unsupported`)
+    instead of a ValueError: what a dispatcher calls, validating once."""
+    compiling = torch.compiler.is_compiling()
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if not compiling and not grad and (keep is None or rows is not None) and not _triton_disabled():
+        # a call like one made before: its plan, no validation (the signature implies it)
+        plan = _PLANS.get(_signature(q, k, v, bias, rows, keep, scale, key_bias, False))
+        if (plan is not None and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
+                and (q.is_cuda or kernel_can_run(q))):
+            return plan(q, k, v, bias, rows, keep)[0]
     why = flash_unsupported(q, k, v, keep)
     if why is not None:
-        raise ValueError(f"alibi_flash: {why}")
+        return why
     bias = _check_bias(bias, key_bias, q, k)
     if keep is not None and rows is None:
         rows = mask_rows(keep)
     scale = float(scale)
     key_bias = bool(key_bias)
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if compiling:
         return torch.ops.torchembed.alibi_flash(q, k, v, bias, rows, keep, scale, key_bias)[0]
+    if grad:
+        return _AlibiFlash.apply(q, k, v, bias, rows, keep, scale, key_bias)
     return _forward(q, k, v, bias, rows, keep, scale, key_bias, False)[0]

@@ -45,7 +45,8 @@ from torch import Tensor
 
 from torchembed.kernels import direct_launch
 
-__all__ = ["CONFIGS", "DECODE_ROWS", "LOG2E", "backward", "block_d", "config_for", "forward", "mask_rows"]
+__all__ = ["CONFIGS", "DECODE_ROWS", "LOG2E", "BackwardPlan", "ForwardPlan", "Launch", "backward_plan", "block_d",
+           "config_for", "forward_plan", "mask_rows"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # fixed when triton.jit decorates the kernels
 LOG2E = 1.4426950408889634
@@ -688,8 +689,17 @@ DECODE_ROWS = 64  # the split-key kernel takes calls of at most this many querie
 _SMS: dict[int, int] = {}
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, _pow2(head_dim))
 
 
 def config_for(kind: str, head_dim: int, dtype: torch.dtype, masked: bool) -> tuple[int, int, int, int]:
@@ -702,46 +712,53 @@ def config_for(kind: str, head_dim: int, dtype: torch.dtype, masked: bool) -> tu
     return CONFIGS[(kind, block_d(head_dim), masked)]
 
 
-# Kept launches: key -> (entry, head, grid). The key holds everything Triton specialised on: the
-# kernel, dtypes, 16-byte alignment of every pointer, the ints themselves, the constexprs, the device.
-_KEPT: dict[tuple, tuple] = {}
-_MAX_KEPT = 2048
 _DIRECT = direct_launch.ENABLED
 
 
-def _launch(kernel, grid: tuple[int, int, int], tensors: Sequence[Tensor], ints: tuple, floats: tuple,
-            constexprs: dict, num_warps: int, num_stages: int) -> None:
-    """``kernel[grid](*tensors, *ints, *floats, **constexprs)``; on CUDA the launch is kept and a later
-    call with the same key goes straight to the compiled kernel's launcher."""
-    global _DIRECT
-    device = tensors[0].device
-    direct = _DIRECT and device.type == "cuda"
-    if direct:
-        pointers = tuple(t.data_ptr() for t in tensors)
-        key = (kernel, tuple(t.dtype for t in tensors), tuple(p & 15 == 0 for p in pointers), ints,
-               tuple(constexprs.values()), grid, num_warps, num_stages, device)
-        kept = _KEPT.get(key)
-        if kept is not None:
-            entry, head, _ = kept
-            try:
-                entry(*grid, direct_launch.raw_stream(device.index), *head, *pointers, *ints, *floats,
-                      *constexprs.values())
-                return
-            except Exception:  # the installed Triton launches differently: kernel[grid] from now on
-                _DIRECT = False
-                _KEPT.clear()
-    compiled = kernel[grid](*tensors, *ints, *floats, **constexprs, num_warps=num_warps, num_stages=num_stages)
-    found = direct_launch.entry_of(compiled) if direct and _DIRECT else None
-    if found is not None:
-        if len(_KEPT) >= _MAX_KEPT:
-            _KEPT.clear()
-        _KEPT[key] = (*found, grid)
+class Launch:
+    """One kernel launch set up once: grid, ints, floats and constexprs fixed, the tensors given per
+    call. On CUDA the compiled kernel's launcher is kept after the first launch (:mod:`direct_launch`)
+    and called with the tensors' raw pointers while their 16-byte alignment is what Triton
+    specialised on; otherwise ``kernel[grid](...)`` (which compiles a variant when needed)."""
+
+    __slots__ = ("kernel", "grid", "ints", "floats", "kwargs", "tail", "entry", "head", "aligned", "index")
+
+    def __init__(self, kernel, grid: tuple[int, int, int], ints: tuple, floats: tuple, constexprs: dict,
+                 num_warps: int, num_stages: int) -> None:
+        self.kernel, self.grid, self.ints, self.floats = kernel, grid, ints, floats
+        self.kwargs = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
+        self.tail = (*ints, *floats, *constexprs.values())  # the launcher's arguments after the pointers
+        self.entry = self.head = self.aligned = self.index = None
+
+    def __call__(self, tensors: Sequence[Tensor]) -> None:
+        global _DIRECT
+        if self.entry is not None:
+            pointers = [t.data_ptr() for t in tensors]
+            if [p & 15 == 0 for p in pointers] == self.aligned:
+                try:
+                    self.entry(*self.grid, direct_launch.raw_stream(self.index), *self.head, *pointers, *self.tail)
+                    return
+                except Exception:  # the installed Triton launches differently: kernel[grid] from now on
+                    _DIRECT = False
+                    self.entry = None
+        compiled = self.kernel[self.grid](*tensors, *self.ints, *self.floats, **self.kwargs)
+        if self.entry is None and _DIRECT and tensors[0].is_cuda:
+            found = direct_launch.entry_of(compiled)
+            if found is not None:
+                self.entry, self.head = found
+                self.aligned = [t.data_ptr() & 15 == 0 for t in tensors]
+                self.index = tensors[0].device.index
 
 
 def _strides4(t: Tensor) -> tuple[int, int, int, int]:
     """Strides of a ``(B, heads, S, D)`` tensor, 0 along a batch of 1."""
     s = t.stride()
     return (0 if t.shape[0] == 1 else s[0], s[1], s[2], s[3])
+
+
+def _out_strides(batch: int, heads: int, q_len: int, dim: int) -> tuple[int, int, int, int]:
+    """``(B, H, M, D)`` strides over ``(B, M, H, D)`` memory (the output's layout)."""
+    return (q_len * heads * dim, dim, heads * dim, 1)
 
 
 def _bias_strides(bias: Tensor, key_bias: bool) -> tuple[int, int, int]:
@@ -758,18 +775,27 @@ def _mask_strides(rows: Tensor | None, keep: Tensor | None) -> tuple[int, int, i
     return (0 if rows.shape[0] == 1 else rows.stride(0), 0 if keep.shape[0] == 1 else s[0], s[2], s[3])
 
 
+_ROWS_LAUNCHES: dict[tuple, Launch] = {}
+
+
 def mask_rows(keep: Tensor) -> Tensor:
     """``rows (B or 1, 3, M)`` int32 of a bool ``keep (B or 1, 1, M, N)``: ``[lo, hi, irregular]``."""
     batch, _, q_len, k_len = keep.shape
     rows = torch.empty(batch, 3, q_len, dtype=torch.int32, device=keep.device)
     if q_len == 0:
         return rows
-    block_q, block_k = (16, 32) if _INTERPRET else (32, 256)
-    s = keep.stride()
-    grid = (triton.cdiv(q_len, block_q), batch, 1)
-    _launch(_rows_kernel, grid, (keep.view(torch.uint8), rows),
+    key = (keep.shape, keep.stride(), keep.device)
+    launch = _ROWS_LAUNCHES.get(key)
+    if launch is None:
+        block_q, block_k = (16, 32) if _INTERPRET else (32, 256)
+        s = keep.stride()
+        if len(_ROWS_LAUNCHES) >= 256:
+            _ROWS_LAUNCHES.clear()
+        launch = _ROWS_LAUNCHES[key] = Launch(
+            _rows_kernel, (_cdiv(q_len, block_q), batch, 1),
             (q_len, k_len, 0 if batch == 1 else s[0], s[2], s[3], rows.stride(0)), (),
             {"BLOCK_Q": block_q, "BLOCK_K": block_k}, 4, 1)
+    launch((keep.view(torch.uint8), rows))
     return rows
 
 
@@ -781,85 +807,132 @@ def _sms(device: torch.device) -> int:
     return count
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None, keep: Tensor | None, scale: float,
-            key_bias: bool, out: Tensor, lse: Tensor | None) -> None:
-    """Attention of ``q (B, H, M, D)`` over ``k, v (B, Hk, N, D)`` into ``out (B, H, M, D)`` and, if
-    given, ``lse (B, H, M)`` float32 (base 2). ``bias``: slopes ``(H,)`` or a key bias ``(B or 1, H, N)``
-    (``key_bias``), float32. ``rows``/``keep``: the mask summary and the mask, or None (causal,
-    queries last). Checked by the caller."""
+class ForwardPlan:
+    """The forward of one call signature (shapes, strides, dtypes, device, mask form, scale): its
+    launches (the prefill kernel, or the split-key decode kernel and its combine) and the buffers
+    each call allocates. ``plan(q, k, v, bias, rows, keep) -> (out, lse or None)``."""
+
+    __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "main", "combine")
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None,
+                 keep: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        out = torch.empty_strided(self.out_shape, self.out_stride, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.out_shape[:3], dtype=torch.float32, device=self.device) if self.need_lse else None
+        lse_t = out if lse is None else lse
+        rows_t = bias if rows is None else rows  # (unread without a mask: any pointer will do)
+        keep_t = bias if keep is None else keep.view(torch.uint8)
+        if self.combine is None and not self.part:
+            self.main((q, k, v, out, lse_t, bias, rows_t, keep_t))
+        else:
+            part = torch.empty(self.part, dtype=torch.float32, device=self.device) if self.part else out
+            self.main((q, k, v, out, lse_t, part, bias, rows_t, keep_t))
+            if self.combine is not None:
+                self.combine((out, lse_t, part))
+        return out, lse
+
+
+def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None, keep: Tensor | None,
+                 scale: float, key_bias: bool, need_lse: bool) -> ForwardPlan:
+    """The :class:`ForwardPlan` of attention of ``q (B, H, M, D)`` over ``k, v (B, Hk, N, D)``: output
+    ``(B, H, M, D)`` over ``(B, M, H, D)`` memory and, with ``need_lse``, ``lse (B, H, M)`` float32
+    (base 2). ``bias``: slopes ``(H,)`` or a key bias ``(B or 1, H, N)`` (``key_bias``), float32.
+    ``rows``/``keep``: the mask summary and the mask, or None (causal, queries last). Inputs checked
+    by the caller."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     group = heads // kv_heads
     bd = block_d(head_dim)
     prec = 1 if q.dtype == torch.float32 else (2 if _INTERPRET else 0)
-    mask = 0 if rows is None else 1
-    rows_t = bias if rows is None else rows  # (unread when MASK == 0: any pointer will do)
-    keep_t = bias if keep is None else keep.view(torch.uint8)
-    lse_t = out if lse is None else lse
+    masked = rows is not None
+    out_stride = _out_strides(batch, heads, q_len, head_dim)
     srb, smb, smm, smn = _mask_strides(rows, keep)
     sbb, sbh, sbn = _bias_strides(bias, key_bias)
-    strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out), sbb, sbh, sbn, srb, smb, smm, smn)
+    out4 = (0 if batch == 1 else out_stride[0], *out_stride[1:])
+    strides = (*_strides4(q), *_strides4(k), *_strides4(v), *out4, sbb, sbh, sbn, srb, smb, smm, smn)
     qk_scale = float(scale) * LOG2E
+    plan = ForwardPlan()
+    plan.out_shape, plan.out_stride, plan.dtype, plan.device = (batch, heads, q_len, head_dim), out_stride, q.dtype, q.device
+    plan.need_lse, plan.part, plan.combine = need_lse, 0, None
     if group * q_len <= DECODE_ROWS and (q_len < 16 or k_len >= 8 * q_len):
-        block_r, block_n, warps, stages = config_for("decode", head_dim, q.dtype, rows is not None)
-        block_r = max(block_r, triton.next_power_of_2(group * q_len))
+        block_r, block_n, warps, stages = config_for("decode", head_dim, q.dtype, masked)
+        block_r = max(block_r, _pow2(group * q_len))
         programs = batch * kv_heads
         # enough programs for every multiprocessor twice over, each at least two key blocks long
         sms = _sms(q.device) if q.is_cuda else 8  # (the interpreter: several splits at small shapes)
-        splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(k_len, 2 * block_n)))
-        chunk = triton.cdiv(triton.cdiv(k_len, splits), block_n) * block_n
-        splits = triton.cdiv(k_len, chunk) if k_len else 1
+        splits = max(1, min(_cdiv(2 * sms, programs), _cdiv(k_len, 2 * block_n)))
+        chunk = _cdiv(_cdiv(k_len, splits), block_n) * block_n
+        splits = _cdiv(k_len, chunk) if k_len else 1
         single = splits == 1
-        part = out if single else torch.empty(splits * programs * block_r * (bd + 2), dtype=torch.float32,
-                                              device=q.device)
-        _launch(_decode_kernel, (splits, programs, 1), (q, k, v, out, lse_t, part, bias, rows_t, keep_t),
-                (*strides, heads, group, q_len, k_len, chunk), (qk_scale,),
-                {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_D": bd, "BIAS": int(key_bias),
-                 "MASK": mask, "PREC": prec, "SINGLE": single, "STORE_LSE": lse is not None}, warps, stages)
+        plan.part = 0 if single else splits * programs * block_r * (bd + 2)
+        plan.main = Launch(_decode_kernel, (splits, programs, 1), (*strides, heads, group, q_len, k_len, chunk),
+                           (qk_scale,),
+                           {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_D": bd,
+                            "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "SINGLE": single,
+                            "STORE_LSE": need_lse}, warps, stages)
         if not single:
-            _launch(_combine_kernel, (programs, 1, 1), (out, lse_t, part),
-                    (*_strides4(out), heads, group, q_len, splits), (),
-                    {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_D": bd, "STORE_LSE": lse is not None}, 4, 1)
-        return
-    block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, rows is not None)
-    grid = (triton.cdiv(q_len, block_m), batch * heads, 1)
-    _launch(_fwd_kernel, grid, (q, k, v, out, lse_t, bias, rows_t, keep_t),
-            (*strides, heads, group, q_len, k_len), (qk_scale,),
-            {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd, "BIAS": int(key_bias),
-             "MASK": mask, "PREC": prec, "STORE_LSE": lse is not None}, warps, stages)
+            plan.combine = Launch(_combine_kernel, (programs, 1, 1), (*out4, heads, group, q_len, splits), (),
+                                  {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_D": bd, "STORE_LSE": need_lse}, 4, 1)
+        else:
+            plan.part = 0
+            # the decode kernel's signature has the workspace pointer: pass out in its place
+            main = plan.main
+            plan.main = lambda t, main=main: main((t[0], t[1], t[2], t[3], t[4], t[3], t[5], t[6], t[7]))
+        return plan
+    block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, masked)
+    plan.main = Launch(_fwd_kernel, (_cdiv(q_len, block_m), batch * heads, 1), (*strides, heads, group, q_len, k_len),
+                       (qk_scale,),
+                       {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
+                        "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "STORE_LSE": need_lse}, warps, stages)
+    return plan
 
 
-def backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bias: Tensor,
-             rows: Tensor | None, keep: Tensor | None, scale: float, key_bias: bool,
-             dq: Tensor, dk: Tensor, dv: Tensor) -> None:
-    """Gradients of :func:`forward` into ``dq``, ``dk``, ``dv`` (shapes of q, k, v). Checked by the caller."""
+class BackwardPlan:
+    """The backward of one call signature: ``delta = rowsum(dO * O)``, then the dk/dv and dq kernels.
+    ``plan(grad, q, k, v, out, lse, bias, rows, keep) -> (dq, dk, dv)``."""
+
+    __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq")
+
+    def __call__(self, grad, q, k, v, out, lse, bias, rows, keep) -> tuple[Tensor, Tensor, Tensor]:
+        delta = torch.empty(self.delta_shape, dtype=torch.float32, device=self.device)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        rows_t = bias if rows is None else rows
+        keep_t = bias if keep is None else keep.view(torch.uint8)
+        self.delta((out, grad, delta))
+        self.dkdv((q, k, v, grad, lse, delta, dk, dv, bias, rows_t, keep_t))
+        self.dq((q, k, v, grad, lse, delta, dq, bias, rows_t, keep_t))
+        return dq, dk, dv
+
+
+def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bias: Tensor, rows: Tensor | None,
+                  keep: Tensor | None, scale: float, key_bias: bool) -> BackwardPlan:
+    """The :class:`BackwardPlan` of :func:`forward_plan`'s attention (dq, dk, dv like q, k, v)."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     group = heads // kv_heads
     bd = block_d(head_dim)
     prec = 1 if q.dtype == torch.float32 else (2 if _INTERPRET else 0)
-    mask = 0 if rows is None else 1
-    rows_t = bias if rows is None else rows
-    keep_t = bias if keep is None else keep.view(torch.uint8)
+    masked = rows is not None
     srb, smb, smm, smn = _mask_strides(rows, keep)
     sbb, sbh, sbn = _bias_strides(bias, key_bias)
     tail = (sbb, sbh, sbn, srb, smb, smm, smn)
     qk_scale = float(scale) * LOG2E
-    delta = torch.empty(batch, heads, q_len, dtype=torch.float32, device=q.device)
+    like = lambda t: _strides4(torch.empty_like(t, device="meta"))  # noqa: E731  (empty_like's strides)
+    plan = BackwardPlan()
+    plan.delta_shape, plan.device = (batch, heads, q_len), q.device
     block = 16 if _INTERPRET else 64
-    _launch(_bwd_delta_kernel, (triton.cdiv(q_len, block), batch * heads, 1), (out, grad, delta),
-            (*_strides4(out), *_strides4(grad), heads, q_len), (),
-            {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd}, 4, 1)
+    plan.delta = Launch(_bwd_delta_kernel, (_cdiv(q_len, block), batch * heads, 1),
+                        (*_strides4(out), *_strides4(grad), heads, q_len), (),
+                        {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd}, 4, 1)
     common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad))
-    block_m, block_n, warps, stages = config_for("dkdv", head_dim, q.dtype, rows is not None)
-    _launch(_bwd_dkdv_kernel, (triton.cdiv(k_len, block_n), batch * kv_heads, 1),
-            (q, k, v, grad, lse, delta, dk, dv, bias, rows_t, keep_t),
-            (*common, *_strides4(dk), *_strides4(dv), *tail, heads, group, q_len, k_len), (qk_scale, float(scale)),
-            {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd, "BIAS": int(key_bias),
-             "MASK": mask, "PREC": prec}, warps, stages)
-    block_m, block_n, warps, stages = config_for("dq", head_dim, q.dtype, rows is not None)
-    _launch(_bwd_dq_kernel, (triton.cdiv(q_len, block_m), batch * heads, 1),
-            (q, k, v, grad, lse, delta, dq, bias, rows_t, keep_t),
-            (*common, *_strides4(dq), *tail, heads, group, q_len, k_len), (qk_scale, float(scale)),
-            {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd, "BIAS": int(key_bias),
-             "MASK": mask, "PREC": prec}, warps, stages)
+    consts = {"HEAD_DIM": head_dim, "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec}
+    block_m, block_n, warps, stages = config_for("dkdv", head_dim, q.dtype, masked)
+    plan.dkdv = Launch(_bwd_dkdv_kernel, (_cdiv(k_len, block_n), batch * kv_heads, 1),
+                       (*common, *like(k), *like(v), *tail, heads, group, q_len, k_len), (qk_scale, float(scale)),
+                       {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
+                        "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec}, warps, stages)
+    block_m, block_n, warps, stages = config_for("dq", head_dim, q.dtype, masked)
+    plan.dq = Launch(_bwd_dq_kernel, (_cdiv(q_len, block_m), batch * heads, 1),
+                     (*common, *like(q), *tail, heads, group, q_len, k_len), (qk_scale, float(scale)),
+                     {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
+                      "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec}, warps, stages)
+    return plan

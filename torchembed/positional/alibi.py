@@ -13,6 +13,9 @@ from torchembed.functional.alibi import alibi_slopes
 
 __all__ = ["ALiBiEmbedding"]
 
+# (heads, shapes, dtypes, devices) of q, k, v that passed ALiBiEmbedding._check_qkv: not re-checked
+_CHECKED: set[tuple] = set()
+
 
 class ALiBiEmbedding(nn.Module):
     """Add ``-slope_h * |i - j|`` to the attention logits of head ``h``.
@@ -126,7 +129,15 @@ class ALiBiEmbedding(nn.Module):
         from torchembed.kernels.availability import FusedUnavailableError, check_fused
 
         fused = check_fused(fused)
-        self._check_qkv(q, k, v)
+        checked = None
+        if type(q) is Tensor and type(k) is Tensor and type(v) is Tensor:
+            checked = (self.num_heads, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+        if checked is None or checked not in _CHECKED:
+            self._check_qkv(q, k, v)
+            if checked is not None:
+                if len(_CHECKED) >= 1024:
+                    _CHECKED.clear()
+                _CHECKED.add(checked)
         seq_q, seq_k = q.shape[-2], k.shape[-2]
         if seq_q > seq_k:
             raise ValueError(f"seq_q ({seq_q}) must not exceed seq_k ({seq_k}): queries are the last keys' positions")
