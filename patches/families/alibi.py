@@ -18,10 +18,14 @@ and round least in low precision.
 All three also get torchembed's attention (``BloomAttention``/``MptAttention``/``FalconAttention``
 forward, per instance): upstream's eager attention materialises the scores in the model dtype, a
 float32 softmax and the probabilities, and Falcon's model folds the bias into a ``(b, h, q, k)``
-mask in the model dtype that every layer reads; torchembed's runs ALiBi inside a fused kernel on
-CUDA prefill (SDPA's cuDNN kernel with the bias in extra head-dim columns when there is no padding,
-FlexAttention with a block mask otherwise; nothing quadratic materialised) and SDPA with a
-row-centred bias elsewhere (:func:`torchembed.kernels.alibi_attention.alibi_attention`).
+mask in the model dtype that every layer reads; torchembed's runs ALiBi inside one fused Triton
+kernel (:func:`torchembed.kernels.alibi_flash.alibi_flash`: the bias computed in the kernel, any
+padding mask summarised per row once per forward, multi-query and grouped kv heads read in place,
+forward and backward; nothing quadratic materialised) and, where that measured faster (small
+prefills, decode steps), SDPA with a row-centred bias built once per forward
+(:func:`torchembed.kernels.alibi_attention.alibi_attention`). The patch's ``fused`` reaches the
+attention: ``False`` builds the bias with PyTorch operations only, ``True`` takes the kernel for
+every call.
 ``output_attentions=True`` and BLOOM's ``slow_but_exact`` tensor-parallel emulation fall back to
 upstream's forward. On a model split over devices (accelerate ``device_map``), the layers of each
 device share one copy of the mask and bias (:mod:`torchembed.patches.devices`), so the masks
@@ -49,9 +53,6 @@ from torch import Tensor, nn
 from torchembed.functional.alibi import alibi_decode_bias, alibi_key_bias, alibi_slopes
 from torchembed.kernels.alibi_attention import MaskCache, alibi_attention, causal_keep, dense_prefill
 from torchembed.kernels.alibi_bias import prefill_bias
-from torchembed.kernels import alibi_attention as kernel_paths
-from torchembed.kernels.alibi_flash import flash_unsupported
-from torchembed.kernels.availability import use_kernel
 from torchembed.patches.actions import AddForwardPreHook, Component, InstanceMethod, OverrideAttribute
 from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
 from torchembed.patches.devices import ShareDeviceCopies
@@ -412,43 +413,30 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, t
 
     ``key_bias()`` builds the ``(b or 1, h, k)`` float32 bias from ``source``, the bias tensor every
     layer receives (``tag`` names the family's derivation); ``to_keep`` makes HF's mask a keep mask.
-    Where the fused kernel runs (``fused`` not False; :func:`alibi_attention`) every step takes it,
-    with the key bias and the mask's row summary derived once per forward (its :class:`MaskCache`).
-    Elsewhere decode steps (no dropout) and small prefills (:func:`dense_prefill`) are bound by host
-    time: they attend with one SDPA mask per forward, which the first layer derives and keeps on
-    ``carrier`` and the others find with one lookup; ``fused=False`` builds it with PyTorch operations.
+    With ``fused=None``, decode steps (no dropout) and small prefills (:func:`dense_prefill`) are bound
+    by host time: they attend with one SDPA mask per forward, which the first layer derives and keeps
+    on ``carrier`` and the others find with one lookup (``fused=False``: decode steps too, the mask
+    built by PyTorch operations). Other calls go to :func:`alibi_attention` (the fused kernel with
+    ``fused`` not False; ``fused=True`` always), with what they derive from the mask (the kernel's
+    row summary, the key bias) kept once per forward in its :class:`MaskCache`.
     """
     q_len, k_len = q.shape[-2], k.shape[-2]
     keeping = carrier is not None and not torch.compiler.is_compiling()  # (no id() of a traced tensor)
-    if keeping:
+    if keeping and not fused:
         owner = None if attention_mask is carrier else attention_mask  # (MPT: the mask is the carrier)
-        slot = (tag, q_len, k_len, q.dtype, id(owner))
+        slot = (tag, q_len, k_len, q.dtype, id(owner), fused)
         kept = getattr(carrier, _FORWARD_MASKS, None)
         hit = None if kept is None else kept.get(slot)
         if hit is not None and hit[0] is owner:
-            if hit[1] is None:  # the fused kernel, with this forward's bias and mask summary
-                return alibi_attention(q, k, v, hit[2], hit[3], scale=scale, cache=hit[4], fused=fused)
             return _masked_sdpa(q, k, v, hit[1], scale, dropout_p)
     keep, cache = _keep_mask(attention_mask, to_keep, carrier)
-    if (fused is not False and dropout_p == 0.0 and (fused or kernel_paths.prefill_path_is_auto())
-            and flash_unsupported(q, k, v, keep) is None and use_kernel(fused, q)):
-        bias = _per_forward(cache, source, tag, key_bias)
-        if keeping:
-            if kept is None:
-                kept = {}
-                setattr(carrier, _FORWARD_MASKS, kept)
-            kept[slot] = (owner, None, bias, keep, cache)
-        return alibi_attention(q, k, v, bias, keep, scale=scale, cache=cache, fused=fused)
-    if fused:  # the kernel cannot take these inputs: alibi_attention raises, naming why
-        return alibi_attention(q, k, v, key_bias(), keep, scale=scale, dropout_p=dropout_p, fused=True)
-    if q_len == 1 and dropout_p == 0.0:
+    if not fused and q_len == 1 and dropout_p == 0.0:
         mask = alibi_decode_bias(key_bias(), keep, q.dtype)
     elif fused is None and dense_prefill(q, k):
         mask = prefill_bias(key_bias(), keep if keep is not None else causal_keep(q_len, k_len, q.device), q.dtype)
     else:
-        heads = q.shape[1]
-        return alibi_attention(q, _repeat_kv(k, heads), _repeat_kv(v, heads), _per_forward(cache, source, tag, key_bias),
-                               keep, scale=scale, dropout_p=dropout_p, cache=cache, fused=fused)
+        return alibi_attention(q, k, v, _per_forward(cache, source, tag, key_bias), keep, scale=scale,
+                               dropout_p=dropout_p, cache=cache, fused=fused)
     if keeping:
         if kept is None:
             kept = {}

@@ -6,7 +6,9 @@ memory viewed as ``(b, h, s, d)``), in one run, ``triton.testing.do_bench`` medi
 * ``floor``: ``F.scaled_dot_product_attention(is_causal=True)`` with no bias (flash / cuDNN): what
   attention without ALiBi costs. Decode (one query over a KV cache): the same without ``is_causal``
   (the query sees every key).
-* ``torchembed``: ``ALiBiEmbedding.attention`` (the fused kernel, bias computed inside).
+* ``torchembed``: ``ALiBiEmbedding.attention`` as dispatched by default (``fused=None``: the fused
+  kernel, or SDPA with the materialised bias at the small sizes where that measured faster);
+* ``kernel``: ``ALiBiEmbedding.attention(fused=True)``: the fused kernel, bias computed inside.
 * ``flex``: ``flex_attention`` (compiled) with the ALiBi ``score_mod`` and a causal block mask
   made once outside the timing (prefill only).
 * ``sdpa-bias``: SDPA with the ``(1, h, q, k)`` ALiBi + causal bias materialised once, outside the
@@ -37,10 +39,7 @@ from torchembed.tools import bench
 PREFILL = ((1, 16, 1024, 64), (4, 16, 2048, 64), (4, 16, 8192, 64), (4, 16, 16384, 64), (1, 32, 4096, 128),
            (8, 32, 2048, 128))
 DECODE = ((1, 16, 4096, 64), (8, 32, 8192, 128))
-IMPLS = ("floor", "torchembed", "flex", "sdpa-bias", "flash-attn")
-# torchembed's earlier fused path (the ALiBi bias in extra head-dim columns of a cuDNN SDPA call),
-# measured with --paths; its materialised-bias path is sdpa-bias
-PATHS = ("columns",)
+IMPLS = ("floor", "torchembed", "kernel", "flex", "sdpa-bias", "flash-attn")
 _ROWS = 512  # query rows of the float32 reference
 _FULL_GRAD_SCORES = 2**28  # forward+backward errors where b * h * s * s is at most this
 
@@ -106,6 +105,8 @@ def _implementations(shape: tuple[int, int, int, int], q_len: int, dtype: torch.
     impls["floor"] = ((lambda q, k, v: F.scaled_dot_product_attention(q, k, v)) if decode else
                       (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
     impls["torchembed"] = lambda q, k, v: alibi.attention(q, k, v)
+    impls["kernel"] = ((lambda q, k, v: alibi.attention(q, k, v, fused=True)) if device.type == "cuda" else
+                       "the kernel is measured on CUDA")
     if decode:
         impls["flex"] = "not measured at decode"
     else:
@@ -127,16 +128,6 @@ def _implementations(shape: tuple[int, int, int, int], q_len: int, dtype: torch.
     else:
         bias = _alibi_bias(slopes, q_len, s, dtype)
         impls["sdpa-bias"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-    if getattr(_implementations, "paths", False):
-        if decode:
-            impls["columns"] = "prefill only"
-        else:  # the bias columns made once (per forward in a model), the two copies per layer timed
-            from torchembed.kernels import alibi_attention as paths
-
-            key_bias = slopes[None, :, None] * torch.arange(1 - s, 1, device=device, dtype=torch.float32)
-            q_cols, k_cols = (c.expand(b, -1, -1, -1) for c in paths.bias_columns(key_bias, s, scale, dtype))
-            impls["columns"] = lambda q, k, v: paths._sdpa_with_columns(q, k, v, q_cols, k_cols, scale=scale,
-                                                                         dropout_p=0.0)
     try:
         from flash_attn import flash_attn_func
     except ImportError:
@@ -148,7 +139,7 @@ def _implementations(shape: tuple[int, int, int, int], q_len: int, dtype: torch.
 
 
 def _names() -> tuple[str, ...]:
-    return IMPLS + (PATHS if getattr(_implementations, "paths", False) else ())
+    return IMPLS
 
 
 def _max_err(a: Tensor, b: Tensor) -> float:
@@ -276,8 +267,6 @@ def markdown(records: list[dict[str, Any]]) -> str:
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"],
                         help="forward only, or forward and forward+backward (default)")
-    parser.add_argument("--paths", action="store_true",
-                        help="also torchembed's earlier fused path: the bias in extra head-dim columns of cuDNN SDPA")
     parser.add_argument("--shapes", nargs="+", default=None,
                         help="prefill shapes b,h,s,d (default: the issue's and 4,16,16384,64); decode ones as "
                         "b,h,1xS,d")
@@ -292,7 +281,6 @@ def _parse(shape: str) -> tuple[tuple[int, int, int, int], bool]:
 def run(args: argparse.Namespace) -> int:
     """The kernel table (``args`` from ``torchembed bench alibi --kernel ...``)."""
     device = bench.setup(args)
-    _implementations.paths = args.paths
     if args.shapes:
         parsed = [_parse(x) for x in args.shapes]
         prefill = [s for s, dec in parsed if not dec]
