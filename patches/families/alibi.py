@@ -460,7 +460,7 @@ def _keep_mask(attention_mask: Tensor | None, to_keep: Any, anchor: Tensor | Non
     The cache is keyed by the mask tensor or, when there is none (sdpa masks are skipped for
     unpadded batches), by ``anchor``: a bias tensor built anew for each forward and handed to every
     layer (not one that outlives the forward: its cache would keep growing). So what is derived per
-    forward (key bias, bias columns, decode mask) is derived once, not per layer.
+    forward (key bias, the kernel's row summary of the mask, decode mask) is derived once, not per layer.
     """
     if torch.compiler.is_compiling():  # no Python-side caches in a graph (id() of a traced tensor breaks it)
         return (None if attention_mask is None else to_keep(attention_mask)), None

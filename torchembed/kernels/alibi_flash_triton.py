@@ -466,7 +466,7 @@ def _bwd_delta_kernel(Out, DO, Delta, sob, soh, som, sod, sgb, sgh, sgm, sgd, H,
 
 
 @triton.jit
-def _bwd_kv_block(dk, dv, k, v, Q, DO, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
+def _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
                   bias_base, slope2, kvec_c0, offs_n, n_ok, start_m, stop_m,
                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -555,16 +555,16 @@ def _bwd_dkdv_kernel(
             full_m = tl.cdiv(tl.maximum(j0 + BLOCK_N - 1 - off, 0), BLOCK_M) * BLOCK_M
             full_m = tl.where(j0 + BLOCK_N > N, M, full_m)  # a partial key block: masked throughout
             full_m = tl.minimum(tl.maximum(full_m, start_m), M)
-            dk, dv = _bwd_kv_block(dk, dv, k, v, Q, DO, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
+            dk, dv = _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
                                    bias_base, slope2, kvec_c0, offs_n, n_ok, start_m, full_m,
                                    sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
                                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, True, PREC)
-            dk, dv = _bwd_kv_block(dk, dv, k, v, Q, DO, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
+            dk, dv = _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
                                    bias_base, slope2, kvec_c0, offs_n, n_ok, full_m, M,
                                    sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
                                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, False, PREC)
         else:
-            dk, dv = _bwd_kv_block(dk, dv, k, v, Q, DO, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
+            dk, dv = _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
                                    bias_base, slope2, kvec_c0, offs_n, n_ok, 0, M,
                                    sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
                                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, True, PREC)
@@ -672,16 +672,22 @@ def _bwd_dq_kernel(
 # ----------------------------------------------------------------------------------------------
 
 # (kernel, BLOCK_D bucket, mask given?) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps, num_stages) for
-# float16/bfloat16, chosen by scripts/alibi_kernel_tune.py on an H200 (benchmarks/results/alibi-kernel.md).
+# float16/bfloat16: the fastest of scripts/alibi_kernel_tune.py's candidates on an H200 at head dims
+# 64 and 128 (benchmarks/results/alibi-kernel-tune.json; the masked backward and decode take the
+# causal winners, the masked forward at 128 the causal winner too); 16 and 32 take 64's, 256 the
+# largest tiles that compile without spilling much (not timed).
 CONFIGS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
-    **{("fwd", bd, m): (128, 64, 8, 3) for bd in (16, 32, 64, 128) for m in (False, True)},
+    **{("fwd", bd, m): (128, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
+    **{("fwd", 128, m): (64, 64, 4, 3) for m in (False, True)},
     **{("fwd", 256, m): (64, 64, 8, 2) for m in (False, True)},
-    **{("dq", bd, m): (128, 64, 8, 2) for bd in (16, 32, 64, 128) for m in (False, True)},
+    **{("dq", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
+    **{("dq", 128, m): (64, 32, 4, 3) for m in (False, True)},
     **{("dq", 256, m): (64, 32, 8, 2) for m in (False, True)},
-    **{("dkdv", bd, m): (64, 64, 8, 2) for bd in (16, 32, 64, 128) for m in (False, True)},
+    **{("dkdv", bd, m): (32, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
+    **{("dkdv", 128, m): (64, 64, 4, 2) for m in (False, True)},
     **{("dkdv", 256, m): (64, 32, 8, 2) for m in (False, True)},
-    **{("decode", bd, m): (16, 128, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
-    **{("decode", bd, m): (16, 64, 4, 3) for bd in (128, 256) for m in (False, True)},
+    **{("decode", bd, m): (16, 128, 8, 3) for bd in (16, 32, 64) for m in (False, True)},
+    **{("decode", bd, m): (16, 32, 4, 2) for bd in (128, 256) for m in (False, True)},
 }
 _FP32_CONFIG = {"fwd": (64, 32, 4, 2), "dq": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "decode": (16, 32, 4, 2)}
 _INTERPRET_CONFIG = {"fwd": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "decode": (16, 16, 4, 1)}

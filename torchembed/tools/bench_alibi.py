@@ -172,6 +172,9 @@ def markdown(records: list[dict[str, Any]], variants: list[str]) -> str:
         headers = ["model", f"batch x {ctx}", *variants, *(f"upstream / {v}" for v in ours), peak]
         out += [f"## {title}", "", bench.md_table(headers, rows), ""]
     out.append("median [min-max] over interleaved repeats")
+    if any(r["model"] == "bloom" for r in records):
+        out += ["", "BLOOM's remaining time in the patched model is largely its own Python tanh-GELU (a chain of "
+                "elementwise ops), not a positional component: torchembed leaves it as it is."]
     if any(r["model"] == "falcon" for r in records):
         out += ["", "upstream attention: Falcon `sdpa` (the function the patched model computes; its eager path adds"
                 " the bias twice), BLOOM and MPT eager (their only one)"]
