@@ -13,9 +13,11 @@ first call, and the kernel module (``rope_triton``) is imported only when a kern
 * ``rotary_tables_(q, k, cos, sin)``: the unchecked in-place call the patched HF attention
   makes at inference (per-token tables; no autograd).
 
-Every route to the RoPE kernel shares one launch cache (``rope_launches``). ALiBi: the prefill
-bias in one write (``alibi_bias.prefill_bias``, custom op ``torchembed::alibi_prefill_bias``) and
-the attention paths (``alibi_attention``).
+Every route to the RoPE kernel shares one launch cache (``rope_launches``). ALiBi: the fused
+attention kernel (``alibi_flash.alibi_flash``, custom ops ``torchembed::alibi_flash``,
+``torchembed::alibi_flash_backward``, ``torchembed::alibi_mask_rows``), the prefill bias in one write
+(``alibi_bias.prefill_bias``, custom op ``torchembed::alibi_prefill_bias``) and the dispatch between
+them (``alibi_attention``).
 """
 
 from torchembed.kernels.rope_op import (
