@@ -84,7 +84,7 @@ def _check_fused(model: nn.Module, family: Family, fused: bool | None) -> None:
     model's device (FusedUnavailableError naming the fix otherwise)."""
     if not check_fused(fused, "fused"):
         return
-    if family.encoding != "rope":
+    if family.encoding not in ("rope", "alibi"):
         raise FusedUnavailableError(
             f"fused=True: {family.name} uses {family.encoding} positions, which have no fused kernel; use fused=None"
         )

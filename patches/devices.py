@@ -3,7 +3,7 @@
 accelerate's ``device_map`` dispatch gives every layer an ``AlignDevicesHook`` that moves all of
 the layer's arguments to the layer's device on every call. With a model split over GPUs, each
 layer past the first device therefore receives a fresh copy of the attention mask and the ALiBi
-bias, and torchembed's ALiBi attention, which derives its masks (FlexAttention's block mask, the
+bias, and torchembed's ALiBi attention, which derives its masks (the fused kernel's row summary, the
 decode mask) once per mask *tensor*, would derive them once per layer there. The forward
 pre-hook below runs before accelerate's hook and moves just those keyword arguments itself,
 through a per-model cache keyed by (source tensor, its version, device): every layer on a device

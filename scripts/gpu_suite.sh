@@ -41,7 +41,8 @@ for step in $STEPS; do
              echo "=== compare: rc=$? (1 = a mismatch)" ;;
     tune)    run tune "${TUNE_LIMIT:-600}" "$PYTHON" scripts/tune_rope.py ;;
     rope)    run rope "${ROPE_LIMIT:-900}" "$PYTHON" -m torchembed bench rope --out "$RESULTS" ${ROPE_ARGS:-} ;;
-    alibi)   run alibi "${ALIBI_LIMIT:-900}" "$PYTHON" -m torchembed bench alibi --out "$RESULTS" ${ALIBI_ARGS:---variants upstream patched patched-flex} ;;
+    alibi)   run alibi "${ALIBI_LIMIT:-900}" "$PYTHON" -m torchembed bench alibi --out "$RESULTS" ${ALIBI_ARGS:---variants upstream patched patched-kernel} ;;
+    alibi-kernel) run alibi-kernel "${ALIBI_KERNEL_LIMIT:-600}" "$PYTHON" scripts/alibi_kernel_tune.py --out "$RESULTS" ${ALIBI_KERNEL_ARGS:-} ;;
     e2e)     run e2e "${E2E_LIMIT:-1200}" "$PYTHON" -m torchembed bench e2e --out "$RESULTS" ${E2E_ARGS:-} ;;
     *) echo "unknown step $step" ;;
   esac

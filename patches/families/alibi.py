@@ -18,10 +18,14 @@ and round least in low precision.
 All three also get torchembed's attention (``BloomAttention``/``MptAttention``/``FalconAttention``
 forward, per instance): upstream's eager attention materialises the scores in the model dtype, a
 float32 softmax and the probabilities, and Falcon's model folds the bias into a ``(b, h, q, k)``
-mask in the model dtype that every layer reads; torchembed's runs ALiBi inside a fused kernel on
-CUDA prefill (SDPA's cuDNN kernel with the bias in extra head-dim columns when there is no padding,
-FlexAttention with a block mask otherwise; nothing quadratic materialised) and SDPA with a
-row-centred bias elsewhere (:func:`torchembed.kernels.alibi_attention.alibi_attention`).
+mask in the model dtype that every layer reads; torchembed's runs ALiBi inside one fused Triton
+kernel (:func:`torchembed.kernels.alibi_flash.alibi_flash`: the bias computed in the kernel, any
+padding mask summarised per row once per forward, multi-query and grouped kv heads read in place,
+forward and backward; nothing quadratic materialised) and, where that measured faster (small
+prefills, decode steps), SDPA with a row-centred bias built once per forward
+(:func:`torchembed.kernels.alibi_attention.alibi_attention`). The patch's ``fused`` reaches the
+attention: ``False`` builds the bias with PyTorch operations only, ``True`` takes the kernel for
+every call.
 ``output_attentions=True`` and BLOOM's ``slow_but_exact`` tensor-parallel emulation fall back to
 upstream's forward. On a model split over devices (accelerate ``device_map``), the layers of each
 device share one copy of the mask and bias (:mod:`torchembed.patches.devices`), so the masks
@@ -176,8 +180,10 @@ def _upstream(module: nn.Module, args: tuple, kwargs: dict, **changed: Any) -> A
     return type(module).forward(module, **{**_arguments(module, args, kwargs), **changed})
 
 
-def bloom_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-    """``BloomAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs).
+def bloom_attention_forward(self: nn.Module, *args: Any, fused: bool | None = None,
+                            **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """``BloomAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs; ``fused``:
+    the patch's choice, see :func:`_attention`).
 
     Upstream's forward runs instead for ``output_attentions``, a ``head_mask`` (4.x) and the
     ``slow_but_exact`` tensor-parallel emulation, with the bias in the model dtype it expects.
@@ -201,14 +207,16 @@ def bloom_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple
     dropout = self.attention_dropout.p if self.training else 0.0
     context = _attention(q, k, v, attention_mask, _bloom_keep, alibi, alibi, "bloom",
                          lambda: alibi.view(batch, heads, -1),  # (b*h,1,k) -> (b,h,k)
-                         scale=self.inv_norm_factor, dropout_p=dropout)
+                         scale=self.inv_norm_factor, dropout_p=dropout, fused=fused)
     context = context.transpose(1, 2).reshape(batch, q_len, self.hidden_size)  # (b, s, h*d)
     output = F.dropout(self.dense(context), p=self.hidden_dropout, training=self.training) + residual
     return output, None
 
 
-def falcon_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-    """``FalconAttention.forward`` for ALiBi models with torchembed's ALiBi attention.
+def falcon_attention_forward(self: nn.Module, *args: Any, fused: bool | None = None,
+                             **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """``FalconAttention.forward`` for ALiBi models with torchembed's ALiBi attention (``fused``: the
+    patch's choice, see :func:`_attention`).
 
     Computes upstream's sdpa path, ``softmax(q k^T / sqrt(d) + alibi / sqrt(d) | mask) v``.
 
@@ -249,7 +257,7 @@ def falcon_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tupl
     dropout = self.attention_dropout.p if self.training else 0.0
     context = _attention(q, k, v, attention_mask, _falcon_keep, alibi, alibi, ("falcon", scale),
                          lambda: alibi.view(batch, heads, k_len).to(torch.float32) * scale,  # upstream: alibi / sqrt(d)
-                         scale=scale, dropout_p=dropout)
+                         scale=scale, dropout_p=dropout, fused=fused)
     context = context.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)  # (b, q, h*d)
     return self.dense(context), None
 
@@ -299,8 +307,10 @@ def _additive_mask(attention_mask: Tensor | None, hidden_states: Tensor, k_len: 
     return torch.where(keep, zero, torch.finfo(hidden_states.dtype).min)
 
 
-def mpt_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-    """``MptAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs).
+def mpt_attention_forward(self: nn.Module, *args: Any, fused: bool | None = None,
+                          **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+    """``MptAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs; ``fused``:
+    the patch's choice, see :func:`_attention`).
 
     Upstream's ``MptAttention`` always returns its attention weights; ``MptBlock`` does not pass
     ``output_attentions`` down. :class:`AttentionWeightsRequest` (a pre-hook on each block) records
@@ -337,7 +347,7 @@ def mpt_attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> tuple[T
     # MPT's mask is True where masked. It carries the forward's masks: the ALiBi table outlives the
     # forward (a constant), so it cannot.
     context = _attention(q, k, v, attention_mask, torch.logical_not, attention_mask, position_bias, ("mpt", k_len),
-                         key_bias, scale=self.softmax_scale, dropout_p=dropout)
+                         key_bias, scale=self.softmax_scale, dropout_p=dropout, fused=fused)
     context = context.transpose(1, 2).reshape(batch, q_len, -1)  # (b, s, h*d)
     return self.out_proj(context), None
 
@@ -397,34 +407,36 @@ _FORWARD_MASKS = "_torchembed_forward_masks"
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, to_keep: Any, carrier: Tensor | None,
-               source: Tensor | None, tag: Any, key_bias: Any, *, scale: float, dropout_p: float) -> Tensor:
+               source: Tensor | None, tag: Any, key_bias: Any, *, scale: float, dropout_p: float,
+               fused: bool | None) -> Tensor:
     """ALiBi attention of one patched layer, ``(b, h, q, d)``; ``k``, ``v`` may have fewer heads.
 
     ``key_bias()`` builds the ``(b or 1, h, k)`` float32 bias from ``source``, the bias tensor every
     layer receives (``tag`` names the family's derivation); ``to_keep`` makes HF's mask a keep mask.
-    Decode steps (no dropout) and small prefills (:func:`dense_prefill`) are bound by host time: they
-    attend with one SDPA mask per forward, which the first layer derives and keeps on ``carrier`` and
-    the others find with one lookup. Other prefills go to :func:`alibi_attention` (fused kernels),
-    with what they derive from the mask kept once per forward in its :class:`MaskCache`.
+    With ``fused=None``, decode steps (no dropout) and small prefills (:func:`dense_prefill`) are bound
+    by host time: they attend with one SDPA mask per forward, which the first layer derives and keeps
+    on ``carrier`` and the others find with one lookup (``fused=False``: decode steps too, the mask
+    built by PyTorch operations). Other calls go to :func:`alibi_attention` (the fused kernel with
+    ``fused`` not False; ``fused=True`` always), with what they derive from the mask (the kernel's
+    row summary, the key bias) kept once per forward in its :class:`MaskCache`.
     """
     q_len, k_len = q.shape[-2], k.shape[-2]
     keeping = carrier is not None and not torch.compiler.is_compiling()  # (no id() of a traced tensor)
-    if keeping:
+    if keeping and not fused:
         owner = None if attention_mask is carrier else attention_mask  # (MPT: the mask is the carrier)
-        slot = (tag, q_len, k_len, q.dtype, id(owner))
+        slot = (tag, q_len, k_len, q.dtype, id(owner), fused)
         kept = getattr(carrier, _FORWARD_MASKS, None)
         hit = None if kept is None else kept.get(slot)
         if hit is not None and hit[0] is owner:
             return _masked_sdpa(q, k, v, hit[1], scale, dropout_p)
     keep, cache = _keep_mask(attention_mask, to_keep, carrier)
-    if q_len == 1 and dropout_p == 0.0:
+    if not fused and q_len == 1 and dropout_p == 0.0:
         mask = alibi_decode_bias(key_bias(), keep, q.dtype)
-    elif dense_prefill(q, k):
+    elif fused is None and dense_prefill(q, k):
         mask = prefill_bias(key_bias(), keep if keep is not None else causal_keep(q_len, k_len, q.device), q.dtype)
     else:
-        heads = q.shape[1]
-        return alibi_attention(q, _repeat_kv(k, heads), _repeat_kv(v, heads), _per_forward(cache, source, tag, key_bias),
-                               keep, scale=scale, dropout_p=dropout_p, cache=cache)
+        return alibi_attention(q, k, v, _per_forward(cache, source, tag, key_bias), keep, scale=scale,
+                               dropout_p=dropout_p, cache=cache, fused=fused)
     if keeping:
         if kept is None:
             kept = {}
@@ -448,7 +460,7 @@ def _keep_mask(attention_mask: Tensor | None, to_keep: Any, anchor: Tensor | Non
     The cache is keyed by the mask tensor or, when there is none (sdpa masks are skipped for
     unpadded batches), by ``anchor``: a bias tensor built anew for each forward and handed to every
     layer (not one that outlives the forward: its cache would keep growing). So what is derived per
-    forward (key bias, bias columns, decode mask) is derived once, not per layer.
+    forward (key bias, the kernel's row summary of the mask, decode mask) is derived once, not per layer.
     """
     if torch.compiler.is_compiling():  # no Python-side caches in a graph (id() of a traced tensor breaks it)
         return (None if attention_mask is None else to_keep(attention_mask)), None
@@ -512,6 +524,36 @@ def _parameter_names(fn: Any) -> tuple[str, ...]:
         return ()
 
 
+class AlibiForward:
+    """A family's patched attention forward with the patch's ``fused`` choice bound: called as
+    ``forward(module, *args, **kwargs)``; picklable and deep-copyable (rebuilt from the module-level
+    function and the choice), named as the function."""
+
+    def __init__(self, forward: Any, fused: bool | None) -> None:
+        self.forward, self.fused = forward, fused
+        self.__module__, self.__qualname__, self.__name__ = forward.__module__, forward.__qualname__, forward.__name__
+        self.__doc__ = forward.__doc__
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(module, *args, fused=self.fused, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return (AlibiForward, (self.forward, self.fused))
+
+    def __repr__(self) -> str:
+        return f"<{self.__qualname__} fused={self.fused}>"
+
+
+class ReplaceAlibiForward(ReplaceForward):
+    """:class:`ReplaceForward` whose forward gets the patch's ``fused`` (``PatchOptions.fused``):
+    False keeps the attention to PyTorch operations, True requires the fused kernel."""
+
+    def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[Any]:
+        bound = ReplaceForward(self.class_name, AlibiForward(self.forward, options.fused), self.requires,
+                               self.cache_any_of, self.kind)
+        return bound.plan(model, config, options, family)
+
+
 _ATTENTION_NEEDS = {  # what the replaced forwards read from upstream's arguments
     "bloom": ("hidden_states", "residual", "alibi", "attention_mask"),
     "mpt": ("hidden_states", "position_bias", "attention_mask"),
@@ -532,7 +574,7 @@ register(
         adapters=(
             OverrideMethod("BloomModel", "build_alibi_tensor", bloom_alibi_tensor, ("attention_mask", "num_heads", "dtype")),
             ReplaceGlobals("BloomModel", required={}, optional={"_get_alibi_slopes": alibi_slopes}),  # same signature
-            ReplaceForward("BloomAttention", bloom_attention_forward, _ATTENTION_NEEDS["bloom"], _CACHE_ANY),
+            ReplaceAlibiForward("BloomAttention", bloom_attention_forward, _ATTENTION_NEEDS["bloom"], _CACHE_ANY),
             ShareDeviceCopies(),
         ),
         description="build_alibi_tensor / slopes -> torchembed ALiBi; attention -> fused ALiBi attention",
@@ -545,7 +587,7 @@ register(
         adapters=(
             OverrideMethod("MptModel", "build_mpt_alibi_tensor", mpt_alibi_tensor,
                            ("num_heads", "sequence_length", "alibi_bias_max", "device")),
-            ReplaceForward("MptAttention", mpt_attention_forward, _ATTENTION_NEEDS["mpt"], _CACHE_ANY),
+            ReplaceAlibiForward("MptAttention", mpt_attention_forward, _ATTENTION_NEEDS["mpt"], _CACHE_ANY),
             RequestAttentionWeights("MptBlock"),
             ShareDeviceCopies(),
         ),
@@ -560,7 +602,7 @@ register(
         applies=_falcon_alibi,
         adapters=(
             UnfoldFalconMask(),
-            ReplaceForward("FalconAttention", falcon_attention_forward, _ATTENTION_NEEDS["falcon"], _CACHE_ANY),
+            ReplaceAlibiForward("FalconAttention", falcon_attention_forward, _ATTENTION_NEEDS["falcon"], _CACHE_ANY),
             ShareDeviceCopies(),
         ),
         description=(

@@ -1,17 +1,26 @@
-"""The ALiBi attention paths (CUDA prefill: bias columns + SDPA or FlexAttention; SDPA elsewhere) against float64."""
+"""ALiBi attention's dispatch (the fused kernel, SDPA with the materialised bias, PyTorch) against
+float64, and what ``fused`` means for it."""
+
+import copy
+import pickle
 
 import pytest
 import torch
 
+import torchembed
 from torchembed.functional.alibi import alibi_key_bias, alibi_slopes
-from torchembed.kernels.alibi_attention import MaskCache, alibi_attention
+from torchembed.kernels import alibi_attention as module
+from torchembed.kernels.alibi_attention import MaskCache, alibi_attention, prefill_path
+from torchembed.kernels.availability import FusedUnavailableError
 
+pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _case(b, h, q_len, k_len, d, dtype, pad=2):
+def _case(b, h, q_len, k_len, d, dtype, pad=2, kv_heads=None):
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, h, n, d, generator=gen).to(DEV, dtype) for n in (q_len, k_len, k_len))
+    q = torch.randn(b, h, q_len, d, generator=gen).to(DEV, dtype)
+    k, v = (torch.randn(b, kv_heads or h, k_len, d, generator=gen).to(DEV, dtype) for _ in range(2))
     mask = torch.ones(b, k_len, dtype=torch.long, device=DEV)
     mask[0, :pad] = 0
     key_bias = alibi_key_bias(alibi_slopes(h, DEV), mask)
@@ -21,17 +30,26 @@ def _case(b, h, q_len, k_len, d, dtype, pad=2):
 
 
 def _truth(q, k, v, key_bias, keep, scale):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = (q.double() @ k.double().transpose(-1, -2)) * scale + key_bias.double()[:, :, None, :]
     return s.masked_fill(~keep, float("-inf")).softmax(-1) @ v.double()
 
 
+def _count(monkeypatch, target, name):
+    """Record the calls of ``target.name`` (still calling it)."""
+    calls, original = [], getattr(target, name)
+    monkeypatch.setattr(target, name, lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    return calls
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("q_len, k_len", [(64, 64), (1, 80), (16, 80)])
+@pytest.mark.parametrize("q_len, k_len", [(40, 40), (1, 50), (12, 50)])
 def test_matches_float64(dtype, tol, q_len, k_len):
     q, k, v, key_bias, keep = _case(2, 4, q_len, k_len, 32, dtype)
     cache = MaskCache().store(keep, keep)
     out = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache)
-    again = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache)  # cached block mask
+    again = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache)  # cached row summary / mask
     truth = _truth(q, k, v, key_bias, keep, 32**-0.5)
     rows = keep.expand(2, 4, q_len, k_len).any(-1)
     assert out.dtype == dtype and out.shape == q.shape
@@ -40,11 +58,31 @@ def test_matches_float64(dtype, tol, q_len, k_len):
 
 
 def test_causal_default_equals_explicit_mask():
-    q, k, v, key_bias, _ = _case(1, 2, 8, 8, 16, torch.float32, pad=0)
+    q, k, v, key_bias, _ = _case(1, 2, 20, 20, 16, torch.float32, pad=0)
     torch.testing.assert_close(
         alibi_attention(q, k, v, key_bias, scale=0.25),
-        alibi_attention(q, k, v, key_bias, torch.ones(8, 8, dtype=torch.bool, device=DEV).tril()[None, None], scale=0.25),
+        alibi_attention(q, k, v, key_bias, torch.ones(20, 20, dtype=torch.bool, device=DEV).tril()[None, None], scale=0.25),
     )
+
+
+def test_grouped_kv_heads_on_every_path():
+    """kv heads dividing the query heads: the kernel reads them in place, the SDPA paths repeat them."""
+    q, k, v, key_bias, keep = _case(2, 4, 24, 24, 16, torch.float32, kv_heads=2)
+    truth = _truth(q, k, v, key_bias, keep, 0.25)
+    rows = keep.expand(2, 4, 24, 24).any(-1)
+    for fused in (None, False):
+        out = alibi_attention(q, k, v, key_bias, keep, scale=0.25, fused=fused)
+        torch.testing.assert_close(out.double()[rows], truth[rows], atol=2e-5, rtol=2e-5)
+
+
+def test_slopes_form_matches_the_key_bias_form():
+    q, k, v, key_bias, _ = _case(2, 4, 30, 30, 16, torch.float32, pad=0)
+    slopes = alibi_slopes(4, DEV)
+    for fused in (None, False):
+        torch.testing.assert_close(alibi_attention(q, k, v, None, scale=0.25, slopes=slopes, fused=fused),
+                                   alibi_attention(q, k, v, key_bias, scale=0.25, fused=fused), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="key_bias .* or slopes"):
+        alibi_attention(q, k, v, None, scale=0.25)
 
 
 def test_mask_cache_memo_is_per_source_and_dies_with_the_mask():
@@ -69,222 +107,38 @@ def test_mask_cache_memo_is_per_source_and_dies_with_the_mask():
     assert len(calls) == 4, "a new mask must not see the previous forward's entries"
 
 
-def test_decode_mask_is_built_once_per_forward_and_matches_per_layer(monkeypatch):
-    """At decode every layer gets the same key bias and mask: the SDPA mask is derived once
-    (cached on the mask) and gives the same result as deriving it per call."""
-    import torchembed.kernels.alibi_attention as module
+def test_the_mask_summary_is_derived_once_per_forward(monkeypatch):
+    """Every layer of a forward gets the same mask: the kernel's row summary is derived once."""
+    built = _count(monkeypatch, module, "mask_rows")
+    q, k, v, key_bias, keep = _case(2, 4, 24, 24, 16, torch.float32)
+    cache = MaskCache().store(keep, keep)
+    outs = [alibi_attention(q, k, v, key_bias, keep, scale=0.25, cache=cache) for _ in range(3)]
+    assert len(built) == 1
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
+
+def test_decode_mask_is_built_once_per_forward_and_matches_per_layer(monkeypatch):
+    """At decode every layer gets the same key bias and mask: with a cache (a model's forward) the SDPA
+    mask is derived once and gives the kernel's result (without a cache)."""
     q, k, v, key_bias, keep = _case(2, 4, 1, 80, 32, torch.float32)
-    built = []
-    original = module.alibi_decode_bias
-    monkeypatch.setattr(module, "alibi_decode_bias", lambda *a: built.append(1) or original(*a))
+    built = _count(monkeypatch, module, "alibi_decode_bias")
     cache = MaskCache().store(keep, keep)
     outs = [alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache) for _ in range(3)]
     uncached = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5)
     assert len(built) == 1
     for out in outs:
-        torch.testing.assert_close(out, uncached, atol=0, rtol=0)
-
-
-def test_flex_path_keeps_compiling_past_dynamo_recompile_limit(monkeypatch):
-    """The FlexAttention path (forced on CPU with dynamo's eager backend) matches float64 for
-    several dtypes, batch sizes and lengths in one process, and keeps compiling past dynamo's
-    per-function recompile limit rather than falling back to unfused flex_attention, which
-    materialises the scores (seen on the GPU: a third ALiBi model ran prefill 10x slower)."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    import torchembed.kernels.alibi_attention as module
-
-    compiled = torch.compile(flex_attention, backend="eager")
-    monkeypatch.setattr(module, "_FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # the fused paths at any size
-    monkeypatch.setattr(module, "_compiled", lambda: (compiled, lambda *a, _compile=True, **kw: create_block_mask(*a, **kw)))
-    # config.patch, not monkeypatch: on torch 2.8 monkeypatch's undo deleted the option
-    with torch._dynamo.config.patch(recompile_limit=2):
-        torch._dynamo.reset()
-
-        def limit_hits():
-            return sum(n for reason, n in counters["unimplemented"].items() if "recompile limit" in reason.lower())
-
-        before, hits = counters["frames"]["ok"], limit_hits()
-        gen = torch.Generator().manual_seed(0)
-        cases = [(torch.float32, 1, 32), (torch.float64, 2, 48), (torch.bfloat16, 2, 32), (torch.float16, 1, 64)]
-        for dtype, b, n in cases:  # a dtype is always a new graph: 4 graphs > the limit of 2
-            q, k, v = (torch.randn(b, 2, n, 16, generator=gen).to(dtype) for _ in range(3))
-            mask = torch.ones(b, n, dtype=torch.long)
-            mask[0, :3] = 0
-            key_bias = alibi_key_bias(alibi_slopes(2), mask)
-            positions = torch.arange(n)
-            keep = (positions[None, :] <= positions[:, None])[None, None] & mask.bool()[:, None, None, :]
-            out = alibi_attention(q, k, v, key_bias, keep, scale=0.25, cache=MaskCache().store(keep, keep))
-            truth = _truth(q, k, v, key_bias, keep, 0.25)
-            tol = 2e-5 if dtype in (torch.float32, torch.float64) else 2e-2
-            rows = keep.expand(b, 2, n, n).any(-1)  # padded queries attend to nothing: no truth
-            torch.testing.assert_close(out.double()[rows], truth[rows], atol=tol, rtol=tol)
-        assert limit_hits() == hits, "dynamo hit its recompile limit and ran flex_attention unfused"
-        assert counters["frames"]["ok"] - before >= len(cases), "dynamo stopped compiling flex_attention"
-        assert torch._dynamo.config.recompile_limit == 2, "the limit must be restored after each call"
-
-
-def test_bias_columns_carry_the_bias_to_float32_accuracy():
-    """``scale * q_cols[i] . k_cols[j] = key_bias[j] - key_bias[i]``: the bf16 columns (3 + 2
-    parts) reproduce the float32 bias difference to ~1e-6 of its size, at 16k positions."""
-    from torchembed.kernels.alibi_attention import bias_columns
-
-    h, k_len, q_len, scale = 12, 16384, 64, 80**-0.5  # non-power-of-2 heads: inexact slopes
-    mask = torch.ones(2, k_len, dtype=torch.long)
-    mask[1, :100] = 0
-    key_bias = alibi_key_bias(alibi_slopes(h), mask)
-    q_cols, k_cols = bias_columns(key_bias, q_len, scale, torch.bfloat16)
-    assert q_cols.dtype == k_cols.dtype == torch.bfloat16
-    assert q_cols.shape == (2, h, q_len, 8) and k_cols.shape == (2, h, k_len, 8)
-    carried = scale * (q_cols.double() @ k_cols.double().transpose(-1, -2))
-    kb = key_bias.double()
-    truth = kb[:, :, None, :] - kb[:, :, k_len - q_len :, None]
-    assert (carried - truth).abs().max() <= 1e-6 * kb.abs().max()
-
-
-def _causal_case(b, h, n, d, dtype, bias_batch):
-    gen = torch.Generator().manual_seed(n + h)
-    q, k, v = (torch.randn(b, h, n, d, generator=gen).to(DEV, dtype) for _ in range(3))
-    key_bias = alibi_key_bias(alibi_slopes(h, DEV), torch.ones(bias_batch, n, dtype=torch.long, device=DEV))
-    keep = torch.ones(n, n, dtype=torch.bool, device=DEV).tril()[None, None].expand(b, 1, n, n).clone()  # HF's (b, 1, q, k)
-    return q, k, v, key_bias, keep
-
-
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("b, h, n, d, bias_batch", [(2, 4, 64, 32, 2), (1, 5, 200, 64, 1), (3, 3, 33, 16, 1)])
-def test_bias_columns_path_matches_float64(monkeypatch, dtype, tol, b, h, n, d, bias_batch):
-    """Causal prefill without padding takes the bias-columns + SDPA path (forced on CPU), once per
-    mask its causality is checked, and the result matches float64 (non-power-of-2 heads, a
-    per-batch or shared bias, HF's materialised causal mask or none)."""
-    import torchembed.kernels.alibi_attention as module
-
-    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
-
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # the fused paths at any size
-    taken, flex = [], []
-    original = module._sdpa_with_columns
-    monkeypatch.setattr(module, "_sdpa_with_columns", lambda *a, **kw: taken.append(1) or original(*a, **kw))
-    monkeypatch.setattr(module, "_flex_attention", lambda *a, **kw: flex.append(1))
-    q, k, v, key_bias, keep = _causal_case(b, h, n, d, dtype, bias_batch)
-    cache = MaskCache().store(keep, keep)
-    truth = _truth(q, k, v, key_bias, keep, d**-0.5)
-    for mask, c in ((keep, cache), (keep, cache), (None, None)):
-        out = alibi_attention(q, k, v, key_bias, mask, scale=d**-0.5, cache=c)
-        assert out.dtype == dtype and out.shape == q.shape
-        torch.testing.assert_close(out.double(), truth, atol=tol, rtol=tol)
-    assert len(taken) == 3 and not flex
-    assert len([key for key in cache._memo if key[1] == "plain-causal"]) == 1
-
-
-def test_padded_or_cached_prefill_does_not_take_the_bias_columns(monkeypatch):
-    """Masks other than the plain causal one (left padding), a KV cache (``q < k``) and float16
-    go to FlexAttention, never to the causal-only columns path."""
-    import torchembed.kernels.alibi_attention as module
-
-    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
-
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # the fused paths at any size
-    monkeypatch.setattr(module, "_sdpa_with_columns", lambda *a, **kw: pytest.fail("bias columns taken"))
-    flex = []
-    monkeypatch.setattr(module, "_flex_attention", lambda q, *a, **kw: flex.append(1) or q)
-    q, k, v, key_bias, keep = _case(2, 4, 64, 64, 32, torch.float32)  # batch 0 left-padded
-    alibi_attention(q, k, v, key_bias, keep, scale=0.2, cache=MaskCache().store(keep, keep))
-    q, k, v, key_bias, keep = _case(2, 4, 16, 80, 32, torch.float32, pad=0)  # queries after a cache
-    alibi_attention(q, k, v, key_bias, keep, scale=0.2)
-    q, k, v, key_bias, keep = _causal_case(1, 2, 32, 16, torch.float16, 1)
-    alibi_attention(q, k, v, key_bias, keep, scale=0.2)
-    assert len(flex) == 3
-
-
-def test_bias_columns_path_backward_matches_float64(monkeypatch):
-    """Gradients through the columns path (training) equal float64 autograd of the definition."""
-    import torchembed.kernels.alibi_attention as module
-
-    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
-
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # the fused paths at any size
-    q, k, v, key_bias, keep = _causal_case(2, 3, 40, 16, torch.float32, 1)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
-    grad = torch.randn_like(q)
-    alibi_attention(*leaves, key_bias, keep, scale=0.25).backward(grad)
-    _truth(*leaves64, key_bias, keep, 0.25).backward(grad.double())
-    for got, want in zip(leaves, leaves64):
-        torch.testing.assert_close(got.grad.double(), want.grad, atol=2e-5, rtol=2e-5)
-
-
-def test_prefill_path_flex_turns_the_bias_columns_off(monkeypatch):
-    """``prefill_path("flex")`` sends a plain causal prefill to FlexAttention for the block only;
-    unknown paths are refused."""
-    import torchembed.kernels.alibi_attention as module
-    from torchembed.kernels.alibi_attention import prefill_path
-
-    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
-
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # the fused paths at any size
-    taken = []
-    monkeypatch.setattr(module, "_sdpa_with_columns", lambda q, *a, **kw: taken.append("columns") or q)
-    monkeypatch.setattr(module, "_flex_attention", lambda q, *a, **kw: taken.append("flex") or q)
-    q, k, v, key_bias, keep = _causal_case(1, 2, 32, 16, torch.float32, 1)
-    with prefill_path("flex"):
-        alibi_attention(q, k, v, key_bias, keep, scale=0.25)
-    alibi_attention(q, k, v, key_bias, keep, scale=0.25)
-    assert taken == ["flex", "columns"]
-    with pytest.raises(ValueError, match="prefill path"):
-        with prefill_path("cudnn"):
-            pass
-
-
-@pytest.mark.parametrize("where", ["none", "first-row", "middle", "last-row", "above-diagonal"])
-def test_plain_causal_check_in_row_blocks(monkeypatch, where):
-    """The plain-causal check compares the mask block by block (here 3 rows per block, so a
-    difference in any block, the last partial one included, must be found)."""
-    import torchembed.kernels.alibi_attention as module
-
-    monkeypatch.setattr(module, "_CHECK_ELEMENTS", 3 * 20)
-    monkeypatch.setattr(module, "_CACHED_CAUSAL_ELEMENTS", 0)  # (the cached comparison: the test below)
-    q_len, k_len = 11, 20
-    positions = torch.arange(k_len, device=DEV)
-    keep = (positions[None, :] <= positions[k_len - q_len :, None])[None, None].expand(2, 1, q_len, k_len).clone()
-    row, col = {"none": (None, None), "first-row": (0, 0), "middle": (5, 3), "last-row": (10, 19),
-                "above-diagonal": (4, 15)}[where]
-    if row is not None:
-        keep[1, 0, row, col] = not keep[1, 0, row, col]
-    assert module._plain_causal(keep, None) is (where == "none")
-    assert module._plain_causal(None, None)
-
-
-@pytest.mark.parametrize("where", ["none", "first-row", "last-row", "above-diagonal"])
-def test_plain_causal_check_against_the_cached_mask(where):
-    """Short masks are compared with the cached causal mask in one go."""
-    import torchembed.kernels.alibi_attention as module
-
-    q_len = k_len = 12
-    keep = torch.ones(q_len, k_len, dtype=torch.bool, device=DEV).tril()[None, None].expand(3, 1, q_len, k_len).clone()
-    row, col = {"none": (None, None), "first-row": (0, 0), "last-row": (11, 5), "above-diagonal": (2, 9)}[where]
-    if row is not None:
-        keep[2, 0, row, col] = not keep[2, 0, row, col]
-    assert module._plain_causal(keep, None) is (where == "none")
+        torch.testing.assert_close(out, uncached, atol=2e-6, rtol=2e-6)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("pad", [0, 3])
 def test_small_prefill_materialises_the_bias_once_per_forward(monkeypatch, dtype, tol, pad):
-    """Prefills of at most ``DENSE_MAX_ELEMENTS`` bias elements (``b * h * q * k``) take SDPA with the
-    bias materialised, once per forward for all layers (where the H200 measured it faster than the
-    fused paths); larger ones the fused paths. Plain causal and left-padded batches match float64."""
-    import torchembed.kernels.alibi_attention as module
-
+    """CUDA prefills of at most ``DENSE_MAX_ELEMENTS`` bias elements (``b * h * q * k``) take SDPA with
+    the bias materialised, once per forward for all layers (where the H200 measured it faster than
+    the kernel); larger ones the kernel. Plain causal and left-padded batches match float64."""
     monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
-    built, fused = [], []
-    original = module.prefill_bias
-    monkeypatch.setattr(module, "prefill_bias", lambda *a: built.append(1) or original(*a))
-    monkeypatch.setattr(module, "_sdpa_with_columns", lambda q, *a, **kw: fused.append("columns") or q)
-    monkeypatch.setattr(module, "_flex_attention", lambda q, *a, **kw: fused.append("flex") or q)
+    built, kernel = _count(monkeypatch, module, "prefill_bias"), _count(monkeypatch, module, "attempt")
     b, h, n, d = 2, 3, 40, 16
     q, k, v, key_bias, keep = _case(b, h, n, n, d, dtype, pad=pad)
     truth = _truth(q, k, v, key_bias, keep, d**-0.5)
@@ -295,23 +149,164 @@ def test_small_prefill_materialises_the_bias_once_per_forward(monkeypatch, dtype
         out = alibi_attention(q, k, v, key_bias, keep, scale=d**-0.5, cache=cache)
         assert out.dtype == dtype and out.shape == q.shape
         torch.testing.assert_close(out.double()[rows], truth[rows], atol=tol, rtol=tol)
-    assert len(built) == 1 and not fused
-    if not pad:  # no mask at all (causal): built without a cache, on each call
-        torch.testing.assert_close(alibi_attention(q, k, v, key_bias, scale=d**-0.5).double(), truth, atol=tol, rtol=tol)
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", b * h * n * n - 1)  # one element more: the fused paths
-    alibi_attention(q, k, v, key_bias, keep, scale=d**-0.5, cache=MaskCache().store(keep, keep))
-    assert fused == (["flex"] if pad else ["columns"])
+    assert len(built) == 1 and not kernel
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", b * h * n * n - 1)  # one element more: the kernel
+    out = alibi_attention(q, k, v, key_bias, keep, scale=d**-0.5, cache=MaskCache().store(keep, keep))
+    torch.testing.assert_close(out.double()[rows], truth[rows], atol=tol, rtol=tol)
+    assert len(kernel) == 1
 
 
-def test_prefill_path_dense_materialises_at_any_size(monkeypatch):
-    """``prefill_path("dense")`` takes the materialised bias whatever the size (to measure it)."""
-    import torchembed.kernels.alibi_attention as module
-    from torchembed.kernels.alibi_attention import prefill_path
-
+def test_gradients_keep_the_materialised_bias_longer(monkeypatch):
+    """With gradients recorded the bound is ``DENSE_GRAD_MAX_ELEMENTS`` (the kernel's backward measured
+    slower there), and the gradients match float64."""
     monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
+    q, k, v, key_bias, keep = _case(1, 2, 16, 16, 16, torch.float32, pad=0)
     monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)
-    monkeypatch.setattr(module, "_sdpa_with_columns", lambda *a, **kw: pytest.fail("bias columns taken"))
-    q, k, v, key_bias, keep = _causal_case(1, 2, 32, 16, torch.float32, 1)
-    with prefill_path("dense"):
+    monkeypatch.setattr(module, "DENSE_GRAD_MAX_ELEMENTS", 2 * 16 * 16)
+    assert not module.dense_prefill(q, k)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    assert module.dense_prefill(*leaves[:2])
+    kernel = _count(monkeypatch, module, "attempt")
+    grad = torch.randn_like(q)
+    alibi_attention(*leaves, key_bias, keep, scale=0.25).backward(grad)
+    assert not kernel
+    ref = [x.double().requires_grad_() for x in (q, k, v)]
+    _truth(*ref, key_bias, keep, 0.25).backward(grad.double())
+    for got, want in zip(leaves, ref):
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("path", ["dense", "kernel"])
+def test_prefill_path_forces_one_path(monkeypatch, path):
+    """``prefill_path("dense")`` takes the materialised bias, ``"kernel"`` the kernel, whatever the size."""
+    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0 if path == "dense" else 2**40)
+    built, kernel = _count(monkeypatch, module, "prefill_bias"), _count(monkeypatch, module, "attempt")
+    q, k, v, key_bias, keep = _case(1, 2, 32, 32, 16, torch.float32, pad=0)
+    with prefill_path(path):
         out = alibi_attention(q, k, v, key_bias, keep, scale=0.25)
     torch.testing.assert_close(out.double(), _truth(q, k, v, key_bias, keep, 0.25), atol=2e-5, rtol=2e-5)
+    assert (len(built), len(kernel)) == ((1, 0) if path == "dense" else (0, 1))
+    with pytest.raises(ValueError, match="prefill path must be one of"):
+        with prefill_path("flex"):
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# fused: False = PyTorch operations only, None = the kernel where it runs, True = the kernel or an error
+# ---------------------------------------------------------------------------------------------
+
+
+def _kernel_launches(monkeypatch):
+    """Count the fused kernel's forward launches."""
+    from torchembed.kernels import alibi_flash_triton
+
+    calls = []
+    original = alibi_flash_triton.ForwardPlan.__call__
+    monkeypatch.setattr(alibi_flash_triton.ForwardPlan, "__call__", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+def test_fused_false_never_calls_a_kernel(monkeypatch):
+    launches = _kernel_launches(monkeypatch)
+    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))  # (the dense path is a Triton write too)
+    bias_kernel = _count(monkeypatch, module, "prefill_bias")
+    q, k, v, key_bias, keep = _case(2, 4, 24, 24, 16, torch.float32)
+    out = alibi_attention(q, k, v, key_bias, keep, scale=0.25, fused=False)
+    decode = alibi_attention(q[:, :, -1:], k, v, key_bias, keep[:, :, -1:], scale=0.25, fused=False,
+                             cache=MaskCache().store(keep, keep))
+    assert not launches and not bias_kernel
+    rows = keep.expand(2, 4, 24, 24).any(-1)
+    torch.testing.assert_close(out.double()[rows], _truth(q, k, v, key_bias, keep, 0.25)[rows], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(decode, out[:, :, -1:], atol=2e-6, rtol=2e-6)
+
+
+def test_fused_none_takes_the_kernel_where_it_runs(monkeypatch):
+    launches = _kernel_launches(monkeypatch)
+    q, k, v, key_bias, keep = _case(2, 4, 24, 24, 16, torch.float32)
+    alibi_attention(q, k, v, key_bias, keep, scale=0.25)
+    assert len(launches) == 1
+
+
+def test_fused_true_without_a_kernel_is_a_clear_error(monkeypatch):
+    q, k, v, key_bias, keep = _case(1, 2, 8, 8, 16, torch.float32)
+    with pytest.raises(FusedUnavailableError, match="dropout"):
+        alibi_attention(q, k, v, key_bias, keep, scale=0.25, dropout_p=0.1, fused=True)
+    with pytest.raises(FusedUnavailableError, match="float16/bfloat16/float32"):
+        alibi_attention(q.double(), k.double(), v.double(), key_bias, keep, scale=0.25, fused=True)
+    monkeypatch.setenv("TORCHEMBED_DISABLE_TRITON", "1")
+    with pytest.raises(FusedUnavailableError, match="TORCHEMBED_DISABLE_TRITON"):
+        alibi_attention(q, k, v, key_bias, keep, scale=0.25, fused=True)
+    out = alibi_attention(q, k, v, key_bias, keep, scale=0.25)  # None: PyTorch there, quietly
+    assert out.shape == q.shape
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="CPU tensors: the kernel runs on CPU only under TRITON_INTERPRET=1")
+def test_fused_true_on_cpu_without_the_interpreter_names_the_fix(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, key_bias, keep = _case(1, 2, 8, 8, 16, torch.float32)
+    with pytest.raises(FusedUnavailableError, match=r"CUDA tensors .*\.to\('cuda'\)"):
+        alibi_attention(q, k, v, key_bias, keep, scale=0.25, fused=True)
+    launches = _kernel_launches(monkeypatch)
+    alibi_attention(q, k, v, key_bias, keep, scale=0.25)
+    assert not launches
+
+
+def test_alibi_embedding_attention_fused_argument(monkeypatch):
+    from torchembed.positional import ALiBiEmbedding
+
+    alibi = ALiBiEmbedding(4).to(DEV)
+    q, k, v, _, _ = _case(1, 4, 20, 20, 16, torch.float32)
+    launches = _kernel_launches(monkeypatch)
+    ours = alibi.attention(q, k, v)
+    assert len(launches) == 1
+    torch.testing.assert_close(alibi.attention(q, k, v, fused=False), ours, atol=2e-5, rtol=2e-5)
+    assert len(launches) == 1
+    with pytest.raises(FusedUnavailableError, match="causal"):
+        alibi.attention(q, k, v, causal=False, fused=True)
+    with pytest.raises(TypeError, match="fused must be None"):
+        alibi.attention(q, k, v, fused="yes")
+
+
+def _tiny(name):
+    from torchembed.tools.checkpoints import tiny_config
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(name)).to(DEV).eval()
+
+
+@pytest.mark.parametrize("fused", [None, False])
+@pytest.mark.parametrize("name", ["bloom", "falcon-alibi-gqa"])
+def test_patched_models_honour_fused(name, fused, monkeypatch):
+    """``patch(model, fused=False)`` keeps the attention on PyTorch operations (no kernel launch, no
+    Triton bias write); ``fused=None`` takes the kernel for the prefill (forced past the small-prefill
+    bound); both match upstream."""
+    import torchembed.kernels.alibi_bias as bias_module
+
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)
+    launches, bias_writes = _kernel_launches(monkeypatch), _count(monkeypatch, bias_module, "kernel_can_run")
+    upstream = _tiny(name)
+    patched = torchembed.patch(copy.deepcopy(upstream), fused=fused)
+    forwards = [m.forward for m in patched.modules() if "Attention" in type(m).__name__]
+    assert forwards and all(f.function.fused is fused for f in forwards)
+    ids = torch.randint(0, upstream.config.vocab_size, (2, 20), device=DEV)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    with torch.no_grad():
+        ref = upstream(ids, attention_mask=mask).logits[mask.bool()]
+        out = patched(ids, attention_mask=mask).logits[mask.bool()]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    if fused is False:
+        assert not launches and not bias_writes
+    else:
+        assert len(launches) == upstream.config.num_hidden_layers
+
+
+def test_the_bound_forward_pickles_and_copies():
+    from torchembed.patches.families.alibi import AlibiForward, bloom_attention_forward
+
+    bound = AlibiForward(bloom_attention_forward, False)
+    for twin in (pickle.loads(pickle.dumps(bound)), copy.deepcopy(bound)):
+        assert twin.forward is bloom_attention_forward and twin.fused is False
+    assert bound.__qualname__ == bloom_attention_forward.__qualname__

@@ -60,20 +60,20 @@ def test_patched_model_on_the_kernel_matches_upstream(name, monkeypatch):
 @pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi", "falcon-alibi-mha", "falcon-alibi-gqa"])
 def test_patched_alibi_attention_matches_upstream(name, padded, monkeypatch):
-    """On CUDA the prefill runs ALiBi inside FlexAttention (left-padded batch) or SDPA with the
-    bias columns (no padding; forced on CPU too, and checked to be taken), the decode steps SDPA.
+    """The prefill runs ALiBi inside the fused kernel (forced past the small-prefill bound, where SDPA
+    with the materialised bias is taken), with HF's mask summarised per row (left-padded or not),
+    multi-query and grouped kv heads read in place; the decode steps SDPA with the per-forward mask.
 
     Falcon's upstream is its sdpa attention (``from_config``'s default), the function the patched
-    model computes; multi-query keys reach the fused kernels repeated over the heads.
+    model computes.
     """
     import torchembed.kernels.alibi_attention as attention
+    from torchembed.kernels import alibi_flash_triton
 
-    columns = []
-    if not padded:
-        monkeypatch.setattr(attention, "_FUSED_DEVICES", (torch.device(DEV).type,))
-        monkeypatch.setattr(attention, "DENSE_MAX_ELEMENTS", 0)  # the fused paths at any size
-        original = attention._sdpa_with_columns
-        monkeypatch.setattr(attention, "_sdpa_with_columns", lambda *a, **kw: columns.append(1) or original(*a, **kw))
+    monkeypatch.setattr(attention, "DENSE_MAX_ELEMENTS", 0)
+    launched = []
+    original = alibi_flash_triton.ForwardPlan.__call__
+    monkeypatch.setattr(alibi_flash_triton.ForwardPlan, "__call__", lambda *a: launched.append(1) or original(*a))
     upstream = _tiny(name)
     assert upstream.config.model_type != "falcon" or upstream.config._attn_implementation == "sdpa"
     patched = torchembed.patch(copy.deepcopy(upstream))
@@ -92,9 +92,8 @@ def test_patched_alibi_attention_matches_upstream(name, padded, monkeypatch):
     torch.testing.assert_close(prefill_out, prefill_ref, rtol=1e-5, atol=1e-5 * scale)
     for a, b in zip(out.logits, ref.logits):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * scale)
-    if not padded:
-        # every layer of generate's prefill and of the forward (MPT without a cache: of every step)
-        assert len(columns) >= 2 * upstream.config.num_hidden_layers
+    # every layer of generate's prefill and of the forward (MPT without a cache: of every step)
+    assert len(launched) >= 2 * upstream.config.num_hidden_layers
 
 
 @pytest.mark.skipif(DEV != "cuda" and not kernels.interpret_mode(), reason="bf16 training with the fused kernel needs CUDA or TRITON_INTERPRET=1 (CPU parity: tests/patches/test_training.py)")

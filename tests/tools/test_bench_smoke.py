@@ -92,15 +92,28 @@ def test_paired_ratio() -> None:
 def test_alibi_smoke(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     data, md = _run("alibi", tmp_path, "--seq-lens", "16", "--batch-sizes", "1", "2",
-                    "--variants", "upstream", "patched", "patched-flex")
+                    "--variants", "upstream", "patched", "patched-kernel")
     records = data["results"]
     for model in ("bloom", "mpt", "falcon"):
-        for variant in ("upstream", "patched", "patched-flex"):
+        for variant in ("upstream", "patched", "patched-kernel"):
             for batch in (1, 2):
                 assert _finite(_one(records, model=model, phase="prefill", batch=batch, seq_len=16, variant=variant)["ms"])
                 assert _finite(_one(records, model=model, phase="decode", batch=batch, variant=variant)["ms"])
     assert "prefill latency" in md and "Falcon `sdpa`" in md
-    assert "upstream / patched |" in md and "upstream / patched-flex |" in md
+    assert "upstream / patched |" in md and "upstream / patched-kernel |" in md
+    assert "tanh-GELU" in md  # BLOOM's own activation is named as what is left
+
+
+def test_alibi_kernel_smoke(tmp_path: Path) -> None:
+    assert bench.main(["alibi", "--kernel", "--smoke", "--out", str(tmp_path), "--passes", "forward"]) == 0
+    data = json.loads((tmp_path / "alibi-kernel-smoke.json").read_text())
+    md = (tmp_path / "alibi-kernel-smoke.md").read_text()
+    by = {(r["label"], r["impl"]): r for r in data["results"]}
+    for label in ("prefill 1,2,64,16", "decode 1,2,1x64,16"):
+        for impl in ("floor", "torchembed", "sdpa-bias"):
+            assert _finite(by[(label, impl)]["ms"]), (label, impl)
+        assert by[(label, "torchembed")]["max_err"] < 1e-5
+    assert "## prefill, forward" in md and "## decode" in md and "not installed" in md
 
 
 def test_dispatch_and_validation(tmp_path: Path) -> None:

@@ -160,12 +160,12 @@ def test_fused_unavailable_is_reported_in_cli_spelling(capsys, monkeypatch) -> N
     from torchembed.tools import compare
 
     def refuse(*args, **kwargs):
-        raise FusedUnavailableError("fused=True: bloom uses alibi positions, which have no fused kernel; use fused=None")
+        raise FusedUnavailableError("fused=True: gpt2 uses learned positions, which have no fused kernel; use fused=None")
 
     monkeypatch.setattr(compare, "compare", refuse)
     code, _, err = run(capsys, "compare")
     assert code == 2
-    assert one_line_error(err) == ("torchembed compare: error: --fused on: bloom uses alibi positions, which have no "
+    assert one_line_error(err) == ("torchembed compare: error: --fused on: gpt2 uses learned positions, which have no "
                                    "fused kernel; use --fused auto")
 
 

@@ -9,8 +9,10 @@ call, and a kernel module is imported only when its kernel launches.
 * ``rotary_fused(q, k, cos, sin, *, inv_freq, scale, positions, interleaved, inplace, conjugate)``:
   RoPE on q and k in one launch (:mod:`~torchembed.kernels.rope`; custom ops ``torchembed::rotary`` /
   ``torchembed::rotary_``), the one route into the RoPE kernel.
-* ALiBi: the prefill bias in one write (``alibi_bias.prefill_bias``, custom op
-  ``torchembed::alibi_prefill_bias``) and the attention paths (``alibi_attention``).
+* ALiBi: the fused attention kernel (``alibi_flash.alibi_flash``, custom ops ``torchembed::alibi_flash``,
+  ``torchembed::alibi_flash_backward``, ``torchembed::alibi_mask_rows``), the prefill bias in one write
+  (``alibi_bias.prefill_bias``, custom op ``torchembed::alibi_prefill_bias``) and the dispatch between
+  them (``alibi_attention``).
 """
 
 from torchembed.kernels.availability import (

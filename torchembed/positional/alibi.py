@@ -13,6 +13,9 @@ from torchembed.functional.alibi import alibi_slopes
 
 __all__ = ["ALiBiEmbedding"]
 
+# (heads, shapes, dtypes, devices) of q, k, v that passed ALiBiEmbedding._check_qkv: not re-checked
+_CHECKED: set[tuple] = set()
+
 
 class ALiBiEmbedding(nn.Module):
     """Add ``-slope_h * |i - j|`` to the attention logits of head ``h``.
@@ -86,15 +89,15 @@ class ALiBiEmbedding(nn.Module):
         key_padding_mask: Tensor | None = None,
         scale: float | None = None,
         dropout_p: float = 0.0,
+        fused: bool | None = None,
     ) -> Tensor:
         """Attention with this ALiBi bias fused in: ``softmax(q k^T * scale + bias) v``.
 
-        Causal attention on CUDA runs ALiBi inside a fused kernel, no ``(b, h, q, k)`` tensor
-        materialised: SDPA's cuDNN kernel with the bias carried by extra head-dim columns
-        (``seq_q == seq_k``, no padding; :func:`torchembed.kernels.alibi_attention.bias_columns`),
-        FlexAttention otherwise (padding, KV cache); elsewhere SDPA with a row-centred bias.
-        Non-causal attention uses SDPA with :meth:`bias`. Queries are the last ``seq_q``
-        positions (KV cache).
+        Causal attention runs in one fused Triton kernel that computes the bias from the slopes
+        (:func:`torchembed.kernels.alibi_flash.alibi_flash`; no ``(b, h, q, k)`` tensor of any kind)
+        where it can run: CUDA tensors, float16/bfloat16/float32, head dim <= 256, no dropout.
+        Elsewhere, and for non-causal attention, SDPA with the bias materialised (:meth:`bias`,
+        row-centred). Queries are the last ``seq_q`` positions (KV cache).
 
         Args:
             q: ``(b, h, seq_q, d)``; k, v: ``(b, h, seq_k, d)``: floating-point, one dtype, one
@@ -102,15 +105,20 @@ class ALiBiEmbedding(nn.Module):
             key_padding_mask: ``(b, seq_k)`` bool, True for real tokens (left padding).
             scale: default ``d ** -0.5``.
             dropout_p: in ``[0, 1]``.
+            fused: None: the fused kernel where it runs, PyTorch elsewhere; True: the kernel or
+                :class:`~torchembed.kernels.availability.FusedUnavailableError`; False: PyTorch only.
 
         Returns:
             ``(b, h, seq_q, d)`` (``v``'s last dim). ``seq_q = 0`` gives an empty
-            ``(b, h, 0, d)`` result (also with ``seq_k = 0``).
+            ``(b, h, 0, d)`` result (also with ``seq_k = 0``). A query that keeps no key (all
+            padding) gets 0 from the kernel, the mean of ``v`` from SDPA.
 
         Raises:
-            TypeError: q, k, v not floating-point tensors of one dtype.
+            TypeError: q, k, v not floating-point tensors of one dtype; ``fused`` not None/True/False.
             ValueError: shapes, devices, ``key_padding_mask`` or ``dropout_p`` that do not fit,
                 naming what was expected and what was given.
+            FusedUnavailableError: ``fused=True`` where the kernel cannot run (CPU tensors,
+                ``causal=False``, dropout, ...), naming why.
 
         Example::
 
@@ -118,8 +126,18 @@ class ALiBiEmbedding(nn.Module):
             out = alibi.attention(q, k, v)      # == softmax(alibi(q @ k^T / sqrt(d)) + causal mask) @ v
         """
         from torchembed.kernels.alibi_attention import alibi_attention
+        from torchembed.kernels.availability import FusedUnavailableError, check_fused
 
-        self._check_qkv(q, k, v)
+        fused = check_fused(fused)
+        checked = None
+        if type(q) is Tensor and type(k) is Tensor and type(v) is Tensor:
+            checked = (self.num_heads, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+        if checked is None or checked not in _CHECKED:
+            self._check_qkv(q, k, v)
+            if checked is not None:
+                if len(_CHECKED) >= 1024:
+                    _CHECKED.clear()
+                _CHECKED.add(checked)
         seq_q, seq_k = q.shape[-2], k.shape[-2]
         if seq_q > seq_k:
             raise ValueError(f"seq_q ({seq_q}) must not exceed seq_k ({seq_k}): queries are the last keys' positions")
@@ -141,12 +159,14 @@ class ALiBiEmbedding(nn.Module):
             return (q @ k.transpose(-2, -1))[..., :0] @ v[..., :0, :]
         slopes = self.slopes.to(q.device)
         if causal:
-            # Key-only form slope * (j - (seq_k - 1)): equal to -slope * (i - j) up to a per-row constant.
-            key_bias = slopes[None, :, None] * torch.arange(1 - seq_k, 1, device=q.device, dtype=torch.float32)
             if keep is not None:
                 positions = torch.arange(seq_k, device=q.device)
                 keep = keep & (positions[None, :] <= positions[seq_k - seq_q :, None])[None, None]
-            return alibi_attention(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p)
+            # the bias slope * (j - i), computed from the slopes in the kernel (up to a per-row constant)
+            return alibi_attention(q, k, v, None, keep, scale=scale, dropout_p=dropout_p, fused=fused, slopes=slopes)
+        if fused:
+            raise FusedUnavailableError("fused=True: the fused ALiBi attention kernel is causal; causal=False runs "
+                                        "SDPA with the materialised bias: pass fused=None")
         bias = self.bias(seq_q, seq_k).to(q.device)[None]  # (1, h, q, k), exact near the diagonal
         if keep is not None:
             bias = bias.masked_fill(~keep, torch.finfo(q.dtype).min)

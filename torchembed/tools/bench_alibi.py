@@ -5,10 +5,11 @@ layout: ``alibi=True``, multi-head, sequential attention and MLP, biases) in bf1
 patched variant is ``copy.deepcopy`` + ``torchembed.patch`` (same weights). Upstream BLOOM and MPT
 run their eager attention (the only one they have); upstream Falcon runs
 ``attn_implementation="sdpa"``, the function the patched model computes (Falcon's eager path adds
-the bias twice), with the bias folded into a ``(b, h, q, k)`` mask. ``--variants ... patched-flex``
-adds the patched model with FlexAttention for every CUDA prefill (instead of SDPA with the bias
-columns where there is no padding), to compare the two fused paths. Measured, with the variants
-interleaved over ``--repeats`` after one warm-up each (median [min-max]):
+the bias twice), with the bias folded into a ``(b, h, q, k)`` mask. ``--variants ... patched-kernel``
+adds the patched model with the fused kernel for every CUDA prefill (also where the materialised
+bias is taken by default), ``patched-dense`` with the materialised bias for every one, to compare
+the paths. ``--kernel``: one attention layer instead (:mod:`torchembed.tools.bench_alibi_kernel`).
+Measured, with the variants interleaved over ``--repeats`` after one warm-up each (median [min-max]):
 
 * prefill latency (ms) of one forward (no KV cache, last logits only) and its peak memory above
   what was allocated before it (weights excluded, GB), per batch size and sequence length.
@@ -32,9 +33,9 @@ from torch import nn
 from torchembed.tools import bench
 
 MODELS = ("bloom", "mpt", "falcon")
-# "patched-flex": the patched model with FlexAttention for every CUDA prefill (no bias columns);
-# "patched-dense": with the materialised bias for every CUDA prefill
-VARIANTS = ("upstream", "patched", "patched-flex", "patched-dense")
+# "patched-kernel": the patched model with the fused kernel for every CUDA prefill; "patched-dense":
+# with the materialised bias for every CUDA prefill
+VARIANTS = ("upstream", "patched", "patched-kernel", "patched-dense")
 
 
 def make_config(name: str, smoke: bool, max_len: int) -> Any:
@@ -65,7 +66,7 @@ def build_variants(name: str, args: argparse.Namespace, device: torch.device) ->
     if asked and upstream.config._attn_implementation != asked:
         raise RuntimeError(f"{name}: upstream runs {upstream.config._attn_implementation!r} attention, not {asked!r}")
     patched = torchembed.patch(copy.deepcopy(upstream)) if set(args.variants) - {"upstream"} else None
-    models = {"upstream": upstream, "patched": patched, "patched-flex": PrefillPath(patched, "flex"),
+    models = {"upstream": upstream, "patched": patched, "patched-kernel": PrefillPath(patched, "kernel"),
               "patched-dense": PrefillPath(patched, "dense")}
     return {v: models[v] for v in args.variants}
 
@@ -171,6 +172,9 @@ def markdown(records: list[dict[str, Any]], variants: list[str]) -> str:
         headers = ["model", f"batch x {ctx}", *variants, *(f"upstream / {v}" for v in ours), peak]
         out += [f"## {title}", "", bench.md_table(headers, rows), ""]
     out.append("median [min-max] over interleaved repeats")
+    if any(r["model"] == "bloom" for r in records):
+        out += ["", "BLOOM's remaining time in the patched model is largely its own Python tanh-GELU (a chain of "
+                "elementwise ops), not a positional component: torchembed leaves it as it is."]
     if any(r["model"] == "falcon" for r in records):
         out += ["", "upstream attention: Falcon `sdpa` (the function the patched model computes; its eager path adds"
                 " the bias twice), BLOOM and MPT eager (their only one)"]
@@ -178,11 +182,23 @@ def markdown(records: list[dict[str, Any]], variants: list[str]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if "--kernel" in argv:  # one attention layer against its alternatives (bench_alibi_kernel)
+        from torchembed.tools import bench_alibi_kernel
+
+        parser = argparse.ArgumentParser(prog="torchembed bench alibi --kernel",
+                                         description=bench_alibi_kernel.__doc__.split("\n\n")[0].replace("``", ""))
+        bench.add_common_args(parser)
+        parser.add_argument("--kernel", action="store_true", help="the kernel-level table (this one)")
+        bench_alibi_kernel.add_args(parser)
+        return bench_alibi_kernel.run(parser.parse_args(argv))
     parser = argparse.ArgumentParser(prog="torchembed bench alibi", description=__doc__.split("\n\n")[0].replace("``", ""))
     bench.add_common_args(parser)
+    parser.add_argument("--kernel", action="store_true",
+                        help="instead: one ALiBi attention layer, torchembed vs SDPA without bias, FlexAttention, "
+                        "SDPA with the bias, flash-attn (torchembed bench alibi --kernel --help)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--variants", nargs="+", default=["upstream", "patched"], choices=VARIANTS,
-                        help="default: upstream patched; patched-flex: FlexAttention for every prefill, "
+                        help="default: upstream patched; patched-kernel: the fused kernel for every prefill, "
                         "patched-dense: the materialised bias for every prefill (compare the paths)")
     parser.add_argument("--phases", nargs="+", default=["prefill", "decode"], choices=["prefill", "decode"])
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="default 1 4 (--smoke: 1 2)")

@@ -1,0 +1,242 @@
+"""The fused ALiBi attention kernel (``alibi_flash``) against a float64 oracle: forward and backward.
+
+On CPU the kernels run under TRITON_INTERPRET=1 (this directory's conftest) with 16 x 16 tiles, so
+the small shapes here still cross several query and key blocks, their diagonal and their ragged
+ends. Tolerances: ``tests.helpers.TOL`` of the dtype, scaled by the largest magnitude of the
+compared tensor (the kernel rounds its inputs' products, the probabilities and the result once
+each, in the input dtype; the accumulation is float32).
+"""
+
+import pytest
+import torch
+
+from tests.helpers import TOL
+from torchembed.functional.alibi import alibi_slopes
+from torchembed.kernels.alibi_flash import alibi_flash, flash_unsupported, mask_rows
+
+pytest.importorskip("triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(b, h, hk, m, n, d, dtype, *, layout="bshd", seed=0, grad=True):
+    """q (b, h, m, d), k, v (b, hk, n, d); ``bshd``: HF's (b, s, h, d) memory viewed as (b, h, s, d)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def make(s, heads):
+        x = torch.randn(b, s, heads, d, generator=gen).to(DEV, dtype)
+        x = x.transpose(1, 2) if layout == "bshd" else x.transpose(1, 2).contiguous()
+        return x.detach().requires_grad_(grad)
+
+    return make(m, h), make(n, hk), make(n, hk)
+
+
+def _oracle(q, k, v, bias, keep, key_bias, scale):
+    """float64 attention; ``bias`` slopes (slope * (j - i)) or a key bias; rows that keep nothing: 0."""
+    group = q.shape[1] // k.shape[1]
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    m, n = q.shape[2], k.shape[2]
+    s = qd @ kd.repeat_interleave(group, 1).transpose(-1, -2) * scale
+    if key_bias:
+        s = s + bias.double()[:, :, None, :]
+    else:
+        positions = torch.arange(n, device=q.device).double()
+        s = s + bias.double()[None, :, None, None] * (positions[None, :] - positions[n - m:, None])
+    if keep is None:
+        keep = (torch.arange(n, device=q.device)[None, :] <= torch.arange(n - m, n, device=q.device)[:, None])[None, None]
+    out = s.masked_fill(~keep, float("-inf")).softmax(-1).nan_to_num(0.0) @ vd.repeat_interleave(group, 1)
+    return out, (qd, kd, vd)
+
+
+def _close(got, want, dtype):
+    tol = TOL[dtype]
+    scale = max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got.double(), want, atol=tol["atol"] * scale, rtol=tol["rtol"])
+
+
+def _check(q, k, v, bias, *, keep=None, key_bias=False, backward=True):
+    dtype, scale = q.dtype, q.shape[-1] ** -0.5
+    out = alibi_flash(q, k, v, bias, scale=scale, key_bias=key_bias, keep=keep)
+    truth, leaves = _oracle(q, k, v, bias, keep, key_bias, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    _close(out, truth.detach(), dtype)
+    if backward:
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        truth.backward(grad.double())
+        for got, leaf in zip((q, k, v), leaves):
+            assert got.grad.shape == got.shape and torch.isfinite(got.grad).all()
+            _close(got.grad, leaf.grad, dtype)
+    return out
+
+
+def _left_padded_keep(b, m, n, pads):
+    positions = torch.arange(n, device=DEV)
+    valid = positions[None, :] >= torch.tensor(pads, device=DEV)[:, None]
+    causal = positions[None, :] <= positions[n - m:, None]
+    return causal[None, None] & valid[:, None, None, :]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_causal_prefill_forward_and_backward(dtype):
+    q, k, v = _inputs(2, 3, 3, 37, 37, 32, dtype, seed=1)  # 37: not a multiple of the tile
+    _check(q, k, v, alibi_slopes(3, DEV))
+
+
+@pytest.mark.parametrize("m, n", [(24, 70), (17, 17), (5, 90)])
+def test_queries_at_the_last_key_positions(m, n):
+    """Chunked prefill over a cache (q < k): the queries are the last ``m`` of ``n`` positions."""
+    q, k, v = _inputs(1, 2, 2, m, n, 32, torch.float32, seed=m)
+    _check(q, k, v, alibi_slopes(2, DEV))
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 1)])
+def test_grouped_and_multi_query_heads_read_each_kv_head_in_place(heads, kv_heads):
+    q, k, v = _inputs(2, heads, kv_heads, 33, 40, 16, torch.float32, seed=heads)
+    _check(q, k, v, alibi_slopes(heads, DEV))
+
+
+@pytest.mark.parametrize("dim", [80, 64])
+def test_head_dims_padded_inside(dim):
+    q, k, v = _inputs(1, 2, 2, 20, 20, dim, torch.bfloat16, seed=dim, layout="bhsd")
+    _check(q, k, v, alibi_slopes(2, DEV))
+
+
+def test_key_bias_form_equals_slopes_form():
+    """The ``(b, h, k)`` key bias ``slope * (j - (k - 1))`` gives the slopes' attention."""
+    q, k, v = _inputs(2, 4, 2, 30, 30, 32, torch.float32, seed=5)
+    slopes = alibi_slopes(4, DEV)
+    key_bias = (slopes[None, :, None] * torch.arange(-29, 1, device=DEV).float()).expand(2, -1, -1)
+    out = _check(q, k, v, key_bias, key_bias=True)
+    with torch.no_grad():
+        torch.testing.assert_close(out, alibi_flash(q, k, v, slopes, scale=32**-0.5), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("key_bias", [False, True])
+def test_left_padding_and_rows_that_keep_nothing(key_bias):
+    """Left padding as HF's 4-D mask: padded query rows keep no key and give 0 (gradients 0 too)."""
+    b, m, n, h = 3, 26, 26, 2
+    keep = _left_padded_keep(b, m, n, [0, 5, 19])
+    q, k, v = _inputs(b, h, h, m, n, 32, torch.float32, seed=7)
+    slopes = alibi_slopes(h, DEV)
+    bias = (slopes[None, :, None] * torch.arange(n, device=DEV).float()).expand(b, -1, -1) if key_bias else slopes
+    out = _check(q, k, v, bias, keep=keep, key_bias=key_bias)
+    assert torch.equal(out[2, :, :19], torch.zeros_like(out[2, :, :19]))
+
+
+def test_mask_with_holes_reads_the_mask():
+    """A row that skips keys inside its range (a hole) is masked exactly (the tile reads ``keep``)."""
+    b, m, n, h = 2, 30, 45, 2
+    keep = _left_padded_keep(b, m, n, [0, 3]).clone()
+    keep[1, 0, 10:, 20:23] = False
+    keep[0, 0, 4, 16] = False
+    rows = mask_rows(keep)
+    assert rows[1, 2, 10:].tolist() == [1] * 20 and rows[1, 2, :10].tolist() == [0] * 10
+    q, k, v = _inputs(b, h, h, m, n, 32, torch.float32, seed=9)
+    _check(q, k, v, alibi_slopes(h, DEV), keep=keep)
+
+
+def test_mask_rows_summary():
+    keep = torch.zeros(2, 1, 4, 9, dtype=torch.bool, device=DEV)
+    keep[0, 0, 0, 2:5] = True  # a range
+    keep[0, 0, 1, [1, 3]] = True  # a hole
+    keep[1, 0, 3, 8] = True  # the last key only; rows 0-2 of batch 1 keep nothing
+    rows = mask_rows(keep).cpu()
+    assert rows.dtype == torch.int32 and rows.shape == (2, 3, 4)
+    assert rows[0, :, 0].tolist() == [2, 5, 0]
+    assert rows[0, :, 1].tolist() == [1, 4, 1]
+    assert rows[1, :, 0].tolist() == [0, 0, 0] and rows[1, :, 3].tolist() == [8, 9, 0]
+
+
+@pytest.mark.parametrize("keys, heads, kv_heads", [(200, 4, 4), (150, 8, 2), (20, 2, 1)])
+def test_decode_splits_the_keys(keys, heads, kv_heads):
+    """One query over a long cache: the keys are split over programs and the parts combined (150,
+    200 keys); a short cache takes one program (20)."""
+    q, k, v = _inputs(2, heads, kv_heads, 1, keys, 32, torch.float32, seed=keys)
+    _check(q, k, v, alibi_slopes(heads, DEV))
+
+
+def test_decode_with_padding_and_a_few_queries():
+    keep = _left_padded_keep(2, 3, 120, [0, 50])
+    q, k, v = _inputs(2, 4, 2, 3, 120, 32, torch.bfloat16, seed=11)
+    _check(q, k, v, alibi_slopes(4, DEV), keep=keep)
+
+
+def test_strided_views_are_read_in_place():
+    """HF's (b, s, h, d) memory viewed as (b, h, s, d), and a v narrowed from a wider tensor."""
+    q, k, _ = _inputs(2, 2, 2, 19, 19, 16, torch.float32, seed=13)
+    wide = torch.randn(2, 19, 2, 48, device=DEV)
+    v = wide[..., 8:24].transpose(1, 2).detach().requires_grad_()
+    assert not v.is_contiguous()
+    _check(q, k, v, alibi_slopes(2, DEV))
+
+
+def test_output_memory_is_batch_seq_heads():
+    """The result is a view of (b, q, h, d) memory: the caller's transpose + reshape is free."""
+    q, k, v = _inputs(1, 2, 2, 8, 8, 16, torch.float32, grad=False)
+    out = alibi_flash(q, k, v, alibi_slopes(2, DEV), scale=0.25)
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_unsupported_inputs_are_clear_errors():
+    q, k, v = _inputs(1, 3, 2, 4, 4, 16, torch.float32, grad=False)
+    assert "multiple" in flash_unsupported(q, k, v)
+    q, k, v = _inputs(1, 2, 2, 5, 4, 16, torch.float32, grad=False)
+    with pytest.raises(ValueError, match="seq_q <= seq_k"):
+        alibi_flash(q, k, v, alibi_slopes(2, DEV), scale=1.0)
+    q, k, v = _inputs(1, 2, 2, 4, 4, 16, torch.float32, grad=False)
+    with pytest.raises(ValueError, match=r"slopes must be \(2,\)"):
+        alibi_flash(q, k, v, alibi_slopes(3, DEV), scale=1.0)
+    with pytest.raises(ValueError, match="key_bias must be"):
+        alibi_flash(q, k, v, torch.zeros(1, 2, 5, device=DEV), scale=1.0, key_bias=True)
+    assert "float16/bfloat16/float32" in flash_unsupported(q.double(), k.double(), v.double())
+    assert "head dims" in flash_unsupported(*(torch.zeros(1, 1, 2, 300, device=DEV) for _ in range(3)))
+
+
+def test_custom_ops_pass_opcheck():
+    from torchembed.kernels.alibi_flash import _flash_op, _mask_rows_op
+
+    q, k, v = _inputs(1, 2, 1, 20, 20, 16, torch.float32, seed=3)
+    keep = _left_padded_keep(1, 20, 20, [4])
+    rows = mask_rows(keep)
+    torch.library.opcheck(_flash_op, (q, k, v, alibi_slopes(2, DEV), None, None, 0.25, False))
+    torch.library.opcheck(_flash_op, (q, k, v, alibi_slopes(2, DEV), rows, keep, 0.25, False))
+    torch.library.opcheck(_mask_rows_op, (keep,))
+
+
+def test_compiles_into_one_graph():
+    """``torch.compile(fullgraph=True)`` traces the ops (fake implementations), forward and backward."""
+    q, k, v = _inputs(1, 2, 2, 18, 18, 16, torch.float32, seed=4)
+    slopes = alibi_slopes(2, DEV)
+    keep = _left_padded_keep(1, 18, 18, [3])
+
+    def f(q, k, v):
+        return alibi_flash(q, k, v, slopes, scale=0.25, keep=keep).square().sum()
+
+    torch._dynamo.reset()
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    loss.backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    eager = f(q, k, v)
+    eager.backward()
+    torch.testing.assert_close(loss, eager)
+    for got, x in zip(grads, (q, k, v)):
+        torch.testing.assert_close(got, x.grad)
+
+
+def test_eager_calls_skip_the_custom_op_dispatch(monkeypatch):
+    """Eager calls launch the kernel directly (inference) or through an autograd.Function (training):
+    the custom op's Python dispatch costs more host time than a small attention takes."""
+    import torchembed.kernels.alibi_flash as module
+
+    calls = []
+    original = module._flash_op
+    monkeypatch.setattr(torch.ops.torchembed, "alibi_flash", lambda *a: calls.append(1) or original(*a), raising=False)
+    q, k, v = _inputs(1, 2, 2, 8, 8, 16, torch.float32)
+    with torch.no_grad():
+        alibi_flash(q, k, v, alibi_slopes(2, DEV), scale=0.25)
+        alibi_flash(q, k, v, alibi_slopes(2, DEV), scale=0.25)  # the kept plan
+    out = alibi_flash(q, k, v, alibi_slopes(2, DEV), scale=0.25)
+    out.sum().backward()
+    assert not calls and "AlibiFlash" in type(out.grad_fn).__name__ and q.grad is not None

@@ -1,0 +1,944 @@
+"""Triton kernels: flash attention with the ALiBi bias computed inside, forward and backward.
+
+Press et al., "Train Short, Test Long", arXiv:2108.12409 (the bias); Dao, "FlashAttention-2",
+arXiv:2307.08691 (the tiling, the online softmax, the backward that recomputes the probabilities
+from the saved log-sum-exp). Shape legend: ``B`` batch, ``H`` query heads, ``Hk`` key/value heads
+(``GROUP = H / Hk`` query heads share one; no copy of k or v), ``M`` queries, ``N`` keys, ``D`` head
+dim (padded to a power of two ``BLOCK_D`` inside, masked).
+
+Scores are kept in base-2 units: ``s2 = log2(e) * (scale * q.k + bias)``, so each probability is one
+``exp2``. The bias of query row ``i`` and key ``j`` is ``slope_h * (j - c_i)`` (``BIAS == 0``, from the
+``(H,)`` slopes) or ``key_bias[b, h, j] - key_bias[b, h, c_i]`` (``BIAS == 1``, from a ``(B or 1, H, N)``
+float32 key bias). ``c_i`` is the row's last kept key; a per-row constant does not change softmax, and
+this one makes the bias exactly 0 at the row's newest key and small near it, where the weight is, so
+it rounds least there. Each tile adds it as ``kvec[j] + rvec[i]`` (two vectors, one add per score).
+
+Which keys a row sees (``MASK``):
+
+* ``0``: causal with the queries at the last ``M`` of the ``N`` key positions (a prefill after any
+  KV cache, ``M <= N``): row ``i`` sees keys ``[0, i + N - M]``;
+* ``1``: a boolean ``keep (B or 1, 1, M, N)`` summarised once per forward by :func:`_rows_kernel` into
+  ``rows (B or 1, 3, M)`` int32: the first kept key ``lo``, one past the last ``hi`` and whether the row
+  keeps every key in between (left or right padding, static-cache slots and KV caches all give such
+  rows). Only tiles that straddle ``lo`` or ``hi`` are masked; a row with holes in its range
+  (``irregular``) makes its tiles read ``keep`` itself. A row that keeps no key gives 0.
+
+Every key block a row cannot see is skipped: a query block visits ``[min lo, max hi)`` only, in up to
+three loops (masked, unmasked, masked), so the bulk of a causal prefill runs with no mask arithmetic.
+Every index is int64 before it meets a stride; all tensors take any strides. Matrix products take
+the input dtype (float32: full-precision products) and accumulate in float32; the softmax statistics
+are float32.
+
+Launches on CUDA are kept (:mod:`direct_launch`): the second call with the same shapes, strides and
+dtypes goes straight to the compiled kernel's launcher. This module imports Triton.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from torchembed.kernels import direct_launch
+
+__all__ = ["CONFIGS", "DECODE_ROWS", "LOG2E", "BackwardPlan", "ForwardPlan", "Launch", "backward_plan", "block_d",
+           "config_for", "forward_plan", "mask_rows"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # fixed when triton.jit decorates the kernels
+LOG2E = 1.4426950408889634
+_NEG = -1.0e30  # the running maximum starts here (finite: a fully masked tile then gives exp2(-inf) = 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mask summary: keep (B or 1, 1, M, N) -> rows (B or 1, 3, M) = [lo, hi, irregular]
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rows_kernel(Keep, Rows, M, N, smb, smm, smn, srb, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    b = tl.program_id(1).to(tl.int64)
+    offs_m = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    row_ok = offs_m < M
+    base = Keep + b * smb + offs_m.to(tl.int64)[:, None] * smm
+    first = tl.full([BLOCK_Q], 2147483647, tl.int32)
+    last = tl.full([BLOCK_Q], -1, tl.int32)
+    count = tl.zeros([BLOCK_Q], tl.int32)
+    for start in range(0, N, BLOCK_K):
+        offs_n = start + tl.arange(0, BLOCK_K)
+        t = tl.load(base + offs_n.to(tl.int64)[None, :] * smn, mask=row_ok[:, None] & (offs_n < N)[None, :], other=0)
+        kept = t != 0
+        first = tl.minimum(first, tl.min(tl.where(kept, offs_n[None, :], 2147483647), 1))
+        last = tl.maximum(last, tl.max(tl.where(kept, offs_n[None, :], -1), 1))
+        count += tl.sum(kept.to(tl.int32), 1)
+    empty = count == 0
+    lo = tl.where(empty, 0, first)
+    hi = tl.where(empty, 0, last + 1)
+    irregular = (count != hi - lo).to(tl.int32)
+    out = Rows + b * srb + offs_m
+    tl.store(out, lo, mask=row_ok)
+    tl.store(out + M, hi, mask=row_ok)
+    tl.store(out + 2 * M, irregular, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared pieces
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_ranges(Rows, rows_base, offs_m, row_ok, M, N, MASK: tl.constexpr):
+    """Per query row: first key ``lo``, one past the last ``hi`` (0, 0: none), ``irregular``; rows past
+    ``M`` see nothing."""
+    if MASK == 0:
+        hi = tl.where(row_ok, offs_m + (N - M) + 1, 0)
+        lo = tl.zeros_like(hi)
+        irregular = tl.zeros_like(hi)
+    else:
+        ptr = Rows + rows_base + offs_m
+        lo = tl.load(ptr, mask=row_ok, other=0)
+        hi = tl.load(ptr + M, mask=row_ok, other=0)
+        irregular = tl.load(ptr + 2 * M, mask=row_ok, other=0)
+    return lo, hi, irregular
+
+
+@triton.jit
+def _bias_at(Bias, bias_base, sbn, c0, BIAS: tl.constexpr):
+    """The key bias at position ``c0`` (key-bias mode; 0 otherwise)."""
+    if BIAS == 0:
+        return 0.0
+    else:
+        return tl.load(Bias + bias_base + c0.to(tl.int64) * sbn)
+
+
+@triton.jit
+def _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS: tl.constexpr):
+    """``rvec[i]``: the row part of the base-2 bias relative to position ``c0``."""
+    if BIAS == 0:
+        return slope2 * (c0 - c).to(tl.float32)
+    else:
+        kbc = tl.load(Bias + bias_base + c.to(tl.int64) * sbn, mask=row_ok, other=0.0)
+        return (kb0 - kbc) * 1.4426950408889634
+
+
+@triton.jit
+def _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS: tl.constexpr, BOUNDED: tl.constexpr):
+    """``kvec[j]``: the key part of the base-2 bias relative to position ``c0`` (``kb0``: the key
+    bias there, :func:`_bias_at`)."""
+    if BIAS == 0:
+        return slope2 * (offs_n - c0).to(tl.float32)
+    else:
+        ptr = Bias + bias_base + offs_n.to(tl.int64) * sbn
+        if BOUNDED:
+            kb = tl.load(ptr, mask=offs_n < N, other=0.0)
+        else:
+            kb = tl.load(ptr)
+        return (kb - kb0) * 1.4426950408889634
+
+
+@triton.jit
+def _head_slope(Bias, h, sbh, BIAS: tl.constexpr):
+    """The head's slope in base-2 units (0 in key-bias mode, where the bias is read per key)."""
+    if BIAS == 0:
+        return tl.load(Bias + h * sbh) * 1.4426950408889634
+    else:
+        return 0.0
+
+
+@triton.jit
+def _dot_acc(a, b, acc, PREC: tl.constexpr):
+    """``acc + a @ b`` (see :func:`_dot`)."""
+    if PREC == 0:
+        return tl.dot(a, b, acc)
+    elif PREC == 1:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """``a @ b`` accumulated in float32. ``PREC``: 0 the operands' own (half) precision, 1 float32
+    operands at full precision (not tf32), 2 half operands upcast first (the interpreter's half dot is
+    wrong)."""
+    if PREC == 0:
+        return tl.dot(a, b)
+    elif PREC == 1:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward (prefill): one program per (query block, batch x head)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m, row_ok, c0, kb0,
+              slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BIAS: tl.constexpr,
+              MASKED: tl.constexpr, HOLES: tl.constexpr, PREC: tl.constexpr):
+    """One key tile of the online softmax. ``MASKED``: the tile straddles some row's ``lo`` or ``hi``
+    (or the end of the keys); ``HOLES``: it reads ``keep`` as well."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n64 = offs_n.to(tl.int64)
+    # addresses made afresh for each tile (a loop-carried tile of 64-bit pointers costs registers
+    # that the scores need)
+    kt_ptrs = k_base + n64[None, :] * skn + offs_d[:, None] * skd
+    v_ptrs = v_base + n64[:, None] * svn + offs_d[None, :] * svd
+    if MASKED:
+        n_ok = offs_n < N
+        kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        kt = tl.load(kt_ptrs)
+    else:
+        kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+    qk = _dot(q, kt, PREC)
+    kvec = _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS, MASKED)
+    s = qk * qk_scale + (kvec[None, :] + rvec[:, None])
+    if MASKED:
+        keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+        if HOLES:
+            t = tl.load(keep_base + offs_m.to(tl.int64)[:, None] * smm + n64[None, :] * smn,
+                        mask=row_ok[:, None] & n_ok[None, :], other=0)
+            keep = keep & (t != 0)
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if MASKED:
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    acc = _dot_acc(p.to(v.dtype), v, acc, PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _key_ranges(lo, hi, irregular, row_ok, N, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
+    """The key tiles a query block visits: ``[full_lo, full_hi)`` where every row sees every key,
+    then ``n_a`` masked tiles from ``first`` and ``n_b`` from ``full_hi`` (up to ``hi_max``);
+    ``holes``: some row has holes in its range (then ``full_lo = full_hi = first``, ``n_a = 0``: every
+    tile masked, reading ``keep``)."""
+    lo_min = tl.min(tl.where(row_ok, lo, N), 0)
+    lo_max = tl.max(lo, 0)
+    hi_min = tl.min(tl.where(row_ok, hi, N), 0)
+    hi_max = tl.max(hi, 0)
+    if MASK == 0:  # causal: every row starts at key 0
+        holes = False
+        first = 0
+        full_lo = 0
+        full_hi = hi_min // BLOCK_N * BLOCK_N
+    else:
+        holes = tl.max(irregular, 0) != 0
+        first = lo_min // BLOCK_N * BLOCK_N
+        full_lo = tl.minimum(tl.cdiv(lo_max, BLOCK_N) * BLOCK_N, hi_max)
+        full_hi = tl.maximum(tl.minimum(hi_min // BLOCK_N * BLOCK_N, hi_max), full_lo)
+        full_lo = tl.where(holes, first, full_lo)
+        full_hi = tl.where(holes, first, full_hi)
+    n_a = tl.cdiv(full_lo - first, BLOCK_N)
+    n_b = tl.cdiv(hi_max - full_hi, BLOCK_N)
+    return first, full_lo, full_hi, n_a, n_b, hi_max, holes
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Out, Lse, Bias, Rows, Keep,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+    sbb, sbh, sbn, srb, smb, smm, smn,
+    H, GROUP, M, N,
+    qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (causal) blocks first
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < M
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + b * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    lo, hi, irregular = _row_ranges(Rows, b * srb, offs_m, row_ok, M, N, MASK)
+    first, full_lo, full_hi, n_a, n_b, hi_max, holes = _key_ranges(lo, hi, irregular, row_ok, N, BLOCK_N, MASK)
+    c = tl.maximum(hi - 1, 0)
+    c0 = tl.maximum(hi_max - 1, 0)
+    bias_base = b * sbb + h * sbh
+    slope2 = _head_slope(Bias, h, sbh, BIAS)
+    kb0 = _bias_at(Bias, bias_base, sbn, c0, BIAS)
+    rvec = _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    keep_base = Keep + b * smb
+    if holes:  # (rows mode only) some row has holes in its range: every tile masked, reading keep
+        for t in range(0, n_b):  # (from full_hi = first)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base,
+                                      offs_m, row_ok, c0, kb0, slope2, full_hi + t * BLOCK_N, N, skn, skd, svn, svd, sbn,
+                                      smm, smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, True, PREC)
+    else:
+        for start_n in range(full_lo, full_hi, BLOCK_N):  # the bulk: no mask arithmetic
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base,
+                                      offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn,
+                                      qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False, False, PREC)
+        for t in range(0, n_a + n_b):  # the tiles some row starts or ends inside (causal: the diagonal)
+            start_n = tl.where(t < n_a, first + t * BLOCK_N, full_hi + (t - n_a) * BLOCK_N)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base,
+                                      offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn,
+                                      qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    tl.store(Out + b * sob + h * soh + offs_m.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if STORE_LSE:
+        # +inf for a row that sees nothing: the backward's exp2(s - lse) is then 0 there
+        lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+        tl.store(Lse + bh * M + offs_m, lse, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward (decode, few queries): split the keys over programs, then combine (flash-decoding)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, Out, Lse, Part, Bias, Rows, Keep,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
+    sbb, sbh, sbn, srb, smb, smm, smn,
+    H, GROUP, M, N, CHUNK,
+    qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SINGLE: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    """Rows are the ``GROUP * M`` queries of one (batch, kv head): every kv head's keys are read once
+    per split. ``SINGLE``: one split, the result is written directly; else the split's unnormalised
+    ``(acc, m, l)`` go to ``Part`` for :func:`_combine_kernel`."""
+    split = tl.program_id(0)
+    bk = tl.program_id(1).to(tl.int64)
+    Hk = H // GROUP
+    b, hk = bk // Hk, bk % Hk
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < GROUP * M
+    g = r // M
+    i = r % M
+    h = (hk * GROUP + g).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + b * sqb + h[:, None] * sqh + i.to(tl.int64)[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    lo, hi, irregular = _row_ranges(Rows, b * srb, i, r_ok, M, N, MASK)
+    c = tl.maximum(hi - 1, 0)
+    if BIAS == 0:
+        slope2 = tl.load(Bias + h * sbh, mask=r_ok, other=0.0) * 1.4426950408889634
+    bias_rows = Bias + b * sbb + h * sbh
+    if BIAS == 1:
+        kbc = tl.load(bias_rows + c.to(tl.int64) * sbn, mask=r_ok, other=0.0)
+    start = tl.maximum(split * CHUNK, tl.min(tl.where(r_ok, lo, N), 0) // BLOCK_N * BLOCK_N)
+    stop = tl.minimum(split * CHUNK + CHUNK, tl.max(hi, 0))
+    irregular_any = tl.max(irregular, 0) != 0
+
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    offs_j = tl.arange(0, BLOCK_N)
+    for start_n in range(start, stop, BLOCK_N):
+        offs_n = start_n + offs_j
+        n_ok = offs_n < N
+        n64 = offs_n.to(tl.int64)
+        kt = tl.load(k_base + n64[None, :] * skn + offs_d[:, None] * skd, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        qk = _dot(q, kt, PREC)
+        if BIAS == 0:
+            bias = slope2[:, None] * (offs_n[None, :] - c[:, None]).to(tl.float32)
+        else:
+            kb = tl.load(bias_rows[:, None] + n64[None, :] * sbn, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            bias = (kb - kbc[:, None]) * 1.4426950408889634
+        s = qk * qk_scale + bias
+        keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+        if MASK != 0:
+            if irregular_any:
+                t = tl.load(Keep + b * smb + i.to(tl.int64)[:, None] * smm + n64[None, :] * smn,
+                            mask=r_ok[:, None] & n_ok[None, :], other=0)
+                keep = keep & (t != 0)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + n64[:, None] * svn + offs_d[None, :] * svd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
+        m_i = m_new
+
+    if SINGLE:
+        seen = l_i > 0.0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        tl.store(Out + b * sob + h[:, None] * soh + i.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,
+                 out.to(Out.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+        if STORE_LSE:
+            lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+            tl.store(Lse + (b * H + h) * M + i, lse, mask=r_ok)
+    else:
+        # Part: (splits, B * Hk, BLOCK_R, BLOCK_D + 2) float32: acc, then m and l
+        part = Part + ((split * tl.num_programs(1) + bk) * BLOCK_R + r.to(tl.int64)) * (BLOCK_D + 2)
+        tl.store(part[:, None] + offs_d[None, :], acc)
+        tl.store(part + BLOCK_D, m_i)
+        tl.store(part + BLOCK_D + 1, l_i)
+
+
+@triton.jit
+def _combine_kernel(
+    Out, Lse, Part,
+    sob, soh, som, sod,
+    H, GROUP, M, SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    bk = tl.program_id(0).to(tl.int64)
+    Hk = H // GROUP
+    b, hk = bk // Hk, bk % Hk
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < GROUP * M
+    h = (hk * GROUP + r // M).to(tl.int64)
+    i = r % M
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+    stride = tl.num_programs(0).to(tl.int64) * BLOCK_R * (BLOCK_D + 2)
+    part = Part + (bk * BLOCK_R + r.to(tl.int64)) * (BLOCK_D + 2)
+    for _ in range(0, SPLITS):
+        m_s = tl.load(part + BLOCK_D)
+        l_s = tl.load(part + BLOCK_D + 1)
+        a_s = tl.load(part[:, None] + offs_d[None, :])
+        m_new = tl.maximum(m_i, m_s)
+        alpha = tl.math.exp2(m_i - m_new)
+        beta = tl.math.exp2(m_s - m_new)
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        l_i = l_i * alpha + l_s * beta
+        m_i = m_new
+        part += stride
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    tl.store(Out + b * sob + h[:, None] * soh + i.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,
+             out.to(Out.dtype.element_ty), mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    if STORE_LSE:
+        lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+        tl.store(Lse + (b * H + h) * M + i, lse, mask=r_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_delta_kernel(Out, DO, Delta, sob, soh, som, sod, sgb, sgh, sgm, sgd, H, M,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``delta[b, h, i] = sum_d dO * O`` (float32), the rowsum the softmax backward subtracts."""
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = (offs_m < M)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    o = tl.load(Out + b * sob + h * soh + rows * som + offs_d[None, :] * sod, mask=m, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * sgb + h * sgh + rows * sgm + offs_d[None, :] * sgd, mask=m, other=0.0).to(tl.float32)
+    tl.store(Delta + bh * M + offs_m, tl.sum(o * do, 1), mask=offs_m < M)
+
+
+@triton.jit
+def _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
+                  bias_base, slope2, kvec_c0, offs_n, n_ok, start_m, stop_m,
+                  sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BIAS: tl.constexpr, MASK: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+    """dk, dv of one key block from the query blocks ``[start_m, stop_m)`` of head ``h``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    kb0 = _bias_at(Bias, bias_base, sbn, kvec_c0, BIAS)
+    kvec = _key_bias(Bias, bias_base, sbn, offs_n, kvec_c0, kb0, slope2, N, BIAS, True)
+    j0 = tl.min(offs_n, 0)
+    j_end = j0 + BLOCK_N
+    for start in range(start_m, stop_m, BLOCK_M):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < M
+        lo, hi, irregular = _row_ranges(Rows, b * srb, offs_m, row_ok, M, N, MASK)
+        go = True
+        if MASK != 0:  # skip the query blocks none of whose rows sees this key block
+            go = (tl.max(hi, 0) > j0) & (tl.min(tl.where(hi > lo, lo, N), 0) < j_end)
+        if go:
+            rows = offs_m.to(tl.int64)
+            q = tl.load(q_base + rows[:, None] * sqm + offs_d[None, :] * sqd, mask=row_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            do = tl.load(do_base + rows[:, None] * sgm + offs_d[None, :] * sgd, mask=row_ok[:, None] & d_ok[None, :],
+                         other=0.0)
+            lse = tl.load(Lse + bh * M + offs_m, mask=row_ok, other=float("inf"))
+            delta = tl.load(Delta + bh * M + offs_m, mask=row_ok, other=0.0)
+            c = tl.maximum(hi - 1, 0)
+            rvec = _row_bias(Bias, bias_base, sbn, c, kvec_c0, kb0, slope2, row_ok, BIAS)
+            st = _dot(k, tl.trans(q), PREC) * qk_scale + (kvec[:, None] + rvec[None, :])  # (BLOCK_N, BLOCK_M)
+            if MASKED:
+                keep = (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
+                if MASK != 0:
+                    if tl.max(irregular, 0) != 0:
+                        t = tl.load(Keep + b * smb + rows[None, :] * smm + offs_n.to(tl.int64)[:, None] * smn,
+                                    mask=row_ok[None, :] & n_ok[:, None], other=0)
+                        keep = keep & (t != 0)
+                st = tl.where(keep, st, float("-inf"))
+            pt = tl.math.exp2(st - lse[None, :])
+            dv = _dot_acc(pt.to(do.dtype), do, dv, PREC)
+            dpt = _dot(v, tl.trans(do), PREC)
+            dst = pt * (dpt - delta[None, :])
+            dk = _dot_acc(dst.to(q.dtype), q, dk, PREC)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV, Bias, Rows, Keep,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgm, sgd,
+    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
+    sbb, sbh, sbn, srb, smb, smm, smn,
+    H, GROUP, M, N,
+    qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
+):
+    """One program per (key block, batch x kv head): its dk, dv summed over the ``GROUP`` query heads
+    that share the kv head (no atomics)."""
+    pid_n = tl.program_id(0)
+    bk = tl.program_id(1).to(tl.int64)
+    Hk = H // GROUP
+    b, hk = bk // Hk, bk % Hk
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    n64 = offs_n.to(tl.int64)
+    m2 = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + b * skb + hk * skh + n64[:, None] * skn + offs_d[None, :] * skd, mask=m2, other=0.0)
+    v = tl.load(V + b * svb + hk * svh + n64[:, None] * svn + offs_d[None, :] * svd, mask=m2, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    j0 = pid_n * BLOCK_N
+    kvec_c0 = j0
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        bh = b * H + h
+        q_base = Q + b * sqb + h * sqh
+        do_base = DO + b * sgb + h * sgh
+        bias_base = b * sbb + h * sbh
+        slope2 = _head_slope(Bias, h, sbh, BIAS)
+        if MASK == 0:
+            off = N - M
+            start_m = tl.maximum(j0 - off, 0) // BLOCK_M * BLOCK_M
+            # the first query block every row of which sees the whole key block (a full one)
+            full_m = tl.cdiv(tl.maximum(j0 + BLOCK_N - 1 - off, 0), BLOCK_M) * BLOCK_M
+            full_m = tl.where(j0 + BLOCK_N > N, M, full_m)  # a partial key block: masked throughout
+            full_m = tl.minimum(tl.maximum(full_m, start_m), M)
+            dk, dv = _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
+                                   bias_base, slope2, kvec_c0, offs_n, n_ok, start_m, full_m,
+                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
+                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, True, PREC)
+            dk, dv = _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
+                                   bias_base, slope2, kvec_c0, offs_n, n_ok, full_m, M,
+                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
+                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, False, PREC)
+        else:
+            dk, dv = _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
+                                   bias_base, slope2, kvec_c0, offs_n, n_ok, 0, M,
+                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
+                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, True, PREC)
+    tl.store(DK + b * sdkb + hk * sdkh + n64[:, None] * sdkn + offs_d[None, :] * sdkd,
+             (dk * scale).to(DK.dtype.element_ty), mask=m2)
+    tl.store(DV + b * sdvb + hk * sdvh + n64[:, None] * sdvn + offs_d[None, :] * sdvd,
+             dv.to(DV.dtype.element_ty), mask=m2)
+
+
+@triton.jit
+def _bwd_q_tile(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m, row_ok, c0,
+                kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BIAS: tl.constexpr,
+                MASKED: tl.constexpr, HOLES: tl.constexpr, PREC: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n64 = offs_n.to(tl.int64)
+    k_ptrs = k_base + n64[:, None] * skn + offs_d[None, :] * skd
+    v_ptrs = v_base + n64[:, None] * svn + offs_d[None, :] * svd
+    if MASKED:
+        n_ok = offs_n < N
+        k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    kvec = _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS, MASKED)
+    s = _dot(q, tl.trans(k), PREC) * qk_scale + (kvec[None, :] + rvec[:, None])
+    if MASKED:
+        keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+        if HOLES:
+            t = tl.load(keep_base + offs_m.to(tl.int64)[:, None] * smm + n64[None, :] * smn,
+                        mask=row_ok[:, None] & n_ok[None, :], other=0)
+            keep = keep & (t != 0)
+        s = tl.where(keep, s, float("-inf"))
+    p = tl.math.exp2(s - lse[:, None])
+    dp = _dot(do, tl.trans(v), PREC)
+    ds = p * (dp - delta[:, None])
+    return _dot_acc(ds.to(k.dtype), k, dq, PREC)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, Bias, Rows, Keep,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgm, sgd, sdqb, sdqh, sdqm, sdqd,
+    sbb, sbh, sbn, srb, smb, smm, smn,
+    H, GROUP, M, N,
+    qk_scale, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h = bh // H, bh % H
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < M
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    rows = offs_m.to(tl.int64)[:, None]
+    m2 = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * sqb + h * sqh + rows * sqm + offs_d[None, :] * sqd, mask=m2, other=0.0)
+    do = tl.load(DO + b * sgb + h * sgh + rows * sgm + offs_d[None, :] * sgd, mask=m2, other=0.0)
+    lse = tl.load(Lse + bh * M + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + bh * M + offs_m, mask=row_ok, other=0.0)
+
+    lo, hi, irregular = _row_ranges(Rows, b * srb, offs_m, row_ok, M, N, MASK)
+    first, full_lo, full_hi, n_a, n_b, hi_max, holes = _key_ranges(lo, hi, irregular, row_ok, N, BLOCK_N, MASK)
+    c = tl.maximum(hi - 1, 0)
+    c0 = tl.maximum(hi_max - 1, 0)
+    bias_base = b * sbb + h * sbh
+    slope2 = _head_slope(Bias, h, sbh, BIAS)
+    kb0 = _bias_at(Bias, bias_base, sbn, c0, BIAS)
+    rvec = _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS)
+    k_base = K + b * skb + hk * skh
+    v_base = V + b * svb + hk * svh
+    keep_base = Keep + b * smb
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if holes:
+        for t in range(0, n_b):  # (from full_hi = first)
+            dq = _bwd_q_tile(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
+                             row_ok, c0, kb0, slope2, full_hi + t * BLOCK_N, N, skn, skd, svn, svd, sbn, smm, smn,
+                             qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, True, PREC)
+    else:
+        for start_n in range(full_lo, full_hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            dq = _bwd_q_tile(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
+                             row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
+                             HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False, False, PREC)
+        for t in range(0, n_a + n_b):
+            start_n = tl.where(t < n_a, first + t * BLOCK_N, full_hi + (t - n_a) * BLOCK_N)
+            dq = _bwd_q_tile(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
+                             row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
+                             HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
+    tl.store(DQ + b * sdqb + h * sdqh + offs_m.to(tl.int64)[:, None] * sdqm + offs_d[None, :] * sdqd,
+             (dq * scale).to(DQ.dtype.element_ty), mask=m2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Block shapes, launches
+# ----------------------------------------------------------------------------------------------
+
+# (kernel, BLOCK_D bucket, mask given?) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps, num_stages) for
+# float16/bfloat16: the fastest of scripts/alibi_kernel_tune.py's candidates on an H200 at head dims
+# 64 and 128 (benchmarks/results/alibi-kernel-tune.json; the masked backward and decode take the
+# causal winners, the masked forward at 128 the causal winner too); 16 and 32 take 64's, 256 the
+# largest tiles that compile without spilling much (not timed).
+CONFIGS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
+    **{("fwd", bd, m): (128, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
+    **{("fwd", 128, m): (64, 64, 4, 3) for m in (False, True)},
+    **{("fwd", 256, m): (64, 64, 8, 2) for m in (False, True)},
+    **{("dq", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
+    **{("dq", 128, m): (64, 32, 4, 3) for m in (False, True)},
+    **{("dq", 256, m): (64, 32, 8, 2) for m in (False, True)},
+    **{("dkdv", bd, m): (32, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
+    **{("dkdv", 128, m): (64, 64, 4, 2) for m in (False, True)},
+    **{("dkdv", 256, m): (64, 32, 8, 2) for m in (False, True)},
+    **{("decode", bd, m): (16, 128, 8, 3) for bd in (16, 32, 64) for m in (False, True)},
+    **{("decode", bd, m): (16, 32, 4, 2) for bd in (128, 256) for m in (False, True)},
+}
+_FP32_CONFIG = {"fwd": (64, 32, 4, 2), "dq": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "decode": (16, 32, 4, 2)}
+_INTERPRET_CONFIG = {"fwd": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "decode": (16, 16, 4, 1)}
+DECODE_ROWS = 64  # the split-key kernel takes calls of at most this many queries per kv head (GROUP * M)
+_SMS: dict[int, int] = {}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for n <= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def block_d(head_dim: int) -> int:
+    return max(16, _pow2(head_dim))
+
+
+def config_for(kind: str, head_dim: int, dtype: torch.dtype, masked: bool) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of one kernel at this head dim and dtype, with a
+    mask (``masked``) or causal."""
+    if _INTERPRET:
+        return _INTERPRET_CONFIG[kind]
+    if dtype == torch.float32:
+        return _FP32_CONFIG[kind]
+    return CONFIGS[(kind, block_d(head_dim), masked)]
+
+
+_DIRECT = direct_launch.ENABLED
+
+
+class Launch:
+    """One kernel launch set up once: grid, ints, floats and constexprs fixed, the tensors given per
+    call. On CUDA the compiled kernel's launcher is kept after the first launch (:mod:`direct_launch`)
+    and called with the tensors' raw pointers while their 16-byte alignment is what Triton
+    specialised on; otherwise ``kernel[grid](...)`` (which compiles a variant when needed)."""
+
+    __slots__ = ("kernel", "grid", "ints", "floats", "kwargs", "tail", "entry", "head", "aligned", "index")
+
+    def __init__(self, kernel, grid: tuple[int, int, int], ints: tuple, floats: tuple, constexprs: dict,
+                 num_warps: int, num_stages: int) -> None:
+        self.kernel, self.grid, self.ints, self.floats = kernel, grid, ints, floats
+        self.kwargs = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
+        self.tail = (*ints, *floats, *constexprs.values())  # the launcher's arguments after the pointers
+        self.entry = self.head = self.aligned = self.index = None
+
+    def __call__(self, tensors: Sequence[Tensor]) -> None:
+        global _DIRECT
+        if self.entry is not None:
+            pointers = [t.data_ptr() for t in tensors]
+            if [p & 15 == 0 for p in pointers] == self.aligned:
+                try:
+                    self.entry(*self.grid, direct_launch.raw_stream(self.index), *self.head, *pointers, *self.tail)
+                    return
+                except Exception:  # the installed Triton launches differently: kernel[grid] from now on
+                    _DIRECT = False
+                    self.entry = None
+        compiled = self.kernel[self.grid](*tensors, *self.ints, *self.floats, **self.kwargs)
+        if self.entry is None and _DIRECT and tensors[0].is_cuda:
+            found = direct_launch.entry_of(compiled)
+            if found is not None:
+                self.entry, self.head = found
+                self.aligned = [t.data_ptr() & 15 == 0 for t in tensors]
+                self.index = tensors[0].device.index
+
+
+def _strides4(t: Tensor) -> tuple[int, int, int, int]:
+    """Strides of a ``(B, heads, S, D)`` tensor, 0 along a batch of 1."""
+    s = t.stride()
+    return (0 if t.shape[0] == 1 else s[0], s[1], s[2], s[3])
+
+
+def _out_strides(batch: int, heads: int, q_len: int, dim: int) -> tuple[int, int, int, int]:
+    """``(B, H, M, D)`` strides over ``(B, M, H, D)`` memory (the output's layout)."""
+    return (q_len * heads * dim, dim, heads * dim, 1)
+
+
+def _bias_strides(bias: Tensor, key_bias: bool) -> tuple[int, int, int]:
+    if not key_bias:  # slopes (H,)
+        return 0, bias.stride(0), 0
+    s = bias.stride()
+    return (0 if bias.shape[0] == 1 else s[0], s[1], s[2])
+
+
+def _mask_strides(rows: Tensor | None, keep: Tensor | None) -> tuple[int, int, int, int]:
+    if rows is None:
+        return 0, 0, 0, 0
+    s = keep.stride()
+    return (0 if rows.shape[0] == 1 else rows.stride(0), 0 if keep.shape[0] == 1 else s[0], s[2], s[3])
+
+
+_ROWS_LAUNCHES: dict[tuple, Launch] = {}
+
+
+def mask_rows(keep: Tensor) -> Tensor:
+    """``rows (B or 1, 3, M)`` int32 of a bool ``keep (B or 1, 1, M, N)``: ``[lo, hi, irregular]``."""
+    batch, _, q_len, k_len = keep.shape
+    rows = torch.empty(batch, 3, q_len, dtype=torch.int32, device=keep.device)
+    if q_len == 0:
+        return rows
+    key = (keep.shape, keep.stride(), keep.device)
+    launch = _ROWS_LAUNCHES.get(key)
+    if launch is None:
+        block_q, block_k = (16, 32) if _INTERPRET else (32, 256)
+        s = keep.stride()
+        if len(_ROWS_LAUNCHES) >= 256:
+            _ROWS_LAUNCHES.clear()
+        launch = _ROWS_LAUNCHES[key] = Launch(
+            _rows_kernel, (_cdiv(q_len, block_q), batch, 1),
+            (q_len, k_len, 0 if batch == 1 else s[0], s[2], s[3], rows.stride(0)), (),
+            {"BLOCK_Q": block_q, "BLOCK_K": block_k}, 4, 1)
+    launch((keep.view(torch.uint8), rows))
+    return rows
+
+
+def _sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SMS.get(index)
+    if count is None:
+        count = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
+class ForwardPlan:
+    """The forward of one call signature (shapes, strides, dtypes, device, mask form, scale): its
+    launches (the prefill kernel, or the split-key decode kernel and its combine) and the buffers
+    each call allocates. ``plan(q, k, v, bias, rows, keep) -> (out, lse or None)``."""
+
+    __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "main", "combine")
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None,
+                 keep: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        out = torch.empty_strided(self.out_shape, self.out_stride, dtype=self.dtype, device=self.device)
+        lse = torch.empty(self.out_shape[:3], dtype=torch.float32, device=self.device) if self.need_lse else None
+        lse_t = out if lse is None else lse
+        rows_t = bias if rows is None else rows  # (unread without a mask: any pointer will do)
+        keep_t = bias if keep is None else keep.view(torch.uint8)
+        if self.combine is None and not self.part:
+            self.main((q, k, v, out, lse_t, bias, rows_t, keep_t))
+        else:
+            part = torch.empty(self.part, dtype=torch.float32, device=self.device) if self.part else out
+            self.main((q, k, v, out, lse_t, part, bias, rows_t, keep_t))
+            if self.combine is not None:
+                self.combine((out, lse_t, part))
+        return out, lse
+
+
+def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None, keep: Tensor | None,
+                 scale: float, key_bias: bool, need_lse: bool) -> ForwardPlan:
+    """The :class:`ForwardPlan` of attention of ``q (B, H, M, D)`` over ``k, v (B, Hk, N, D)``: output
+    ``(B, H, M, D)`` over ``(B, M, H, D)`` memory and, with ``need_lse``, ``lse (B, H, M)`` float32
+    (base 2). ``bias``: slopes ``(H,)`` or a key bias ``(B or 1, H, N)`` (``key_bias``), float32.
+    ``rows``/``keep``: the mask summary and the mask, or None (causal, queries last). Inputs checked
+    by the caller."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    bd = block_d(head_dim)
+    prec = 1 if q.dtype == torch.float32 else (2 if _INTERPRET else 0)
+    masked = rows is not None
+    out_stride = _out_strides(batch, heads, q_len, head_dim)
+    srb, smb, smm, smn = _mask_strides(rows, keep)
+    sbb, sbh, sbn = _bias_strides(bias, key_bias)
+    out4 = (0 if batch == 1 else out_stride[0], *out_stride[1:])
+    strides = (*_strides4(q), *_strides4(k), *_strides4(v), *out4, sbb, sbh, sbn, srb, smb, smm, smn)
+    qk_scale = float(scale) * LOG2E
+    plan = ForwardPlan()
+    plan.out_shape, plan.out_stride, plan.dtype, plan.device = (batch, heads, q_len, head_dim), out_stride, q.dtype, q.device
+    plan.need_lse, plan.part, plan.combine = need_lse, 0, None
+    if group * q_len <= DECODE_ROWS and (q_len < 16 or k_len >= 8 * q_len):
+        block_r, block_n, warps, stages = config_for("decode", head_dim, q.dtype, masked)
+        block_r = max(block_r, _pow2(group * q_len))
+        programs = batch * kv_heads
+        # enough programs for every multiprocessor twice over, each at least two key blocks long
+        sms = _sms(q.device) if q.is_cuda else 8  # (the interpreter: several splits at small shapes)
+        splits = max(1, min(_cdiv(2 * sms, programs), _cdiv(k_len, 2 * block_n)))
+        chunk = _cdiv(_cdiv(k_len, splits), block_n) * block_n
+        splits = _cdiv(k_len, chunk) if k_len else 1
+        single = splits == 1
+        plan.part = 0 if single else splits * programs * block_r * (bd + 2)
+        plan.main = Launch(_decode_kernel, (splits, programs, 1), (*strides, heads, group, q_len, k_len, chunk),
+                           (qk_scale,),
+                           {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_D": bd,
+                            "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "SINGLE": single,
+                            "STORE_LSE": need_lse}, warps, stages)
+        if not single:
+            plan.combine = Launch(_combine_kernel, (programs, 1, 1), (*out4, heads, group, q_len, splits), (),
+                                  {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_D": bd, "STORE_LSE": need_lse}, 4, 1)
+        else:
+            plan.part = 0
+            # the decode kernel's signature has the workspace pointer: pass out in its place
+            main = plan.main
+            plan.main = lambda t, main=main: main((t[0], t[1], t[2], t[3], t[4], t[3], t[5], t[6], t[7]))
+        return plan
+    block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, masked)
+    plan.main = Launch(_fwd_kernel, (_cdiv(q_len, block_m), batch * heads, 1), (*strides, heads, group, q_len, k_len),
+                       (qk_scale,),
+                       {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
+                        "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "STORE_LSE": need_lse}, warps, stages)
+    return plan
+
+
+class BackwardPlan:
+    """The backward of one call signature: ``delta = rowsum(dO * O)``, then the dk/dv and dq kernels.
+    ``plan(grad, q, k, v, out, lse, bias, rows, keep) -> (dq, dk, dv)``."""
+
+    __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq")
+
+    def __call__(self, grad, q, k, v, out, lse, bias, rows, keep) -> tuple[Tensor, Tensor, Tensor]:
+        delta = torch.empty(self.delta_shape, dtype=torch.float32, device=self.device)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        rows_t = bias if rows is None else rows
+        keep_t = bias if keep is None else keep.view(torch.uint8)
+        self.delta((out, grad, delta))
+        self.dkdv((q, k, v, grad, lse, delta, dk, dv, bias, rows_t, keep_t))
+        self.dq((q, k, v, grad, lse, delta, dq, bias, rows_t, keep_t))
+        return dq, dk, dv
+
+
+def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bias: Tensor, rows: Tensor | None,
+                  keep: Tensor | None, scale: float, key_bias: bool) -> BackwardPlan:
+    """The :class:`BackwardPlan` of :func:`forward_plan`'s attention (dq, dk, dv like q, k, v)."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    bd = block_d(head_dim)
+    prec = 1 if q.dtype == torch.float32 else (2 if _INTERPRET else 0)
+    masked = rows is not None
+    srb, smb, smm, smn = _mask_strides(rows, keep)
+    sbb, sbh, sbn = _bias_strides(bias, key_bias)
+    tail = (sbb, sbh, sbn, srb, smb, smm, smn)
+    qk_scale = float(scale) * LOG2E
+    like = lambda t: _strides4(torch.empty_like(t, device="meta"))  # noqa: E731  (empty_like's strides)
+    plan = BackwardPlan()
+    plan.delta_shape, plan.device = (batch, heads, q_len), q.device
+    block = 16 if _INTERPRET else 64
+    plan.delta = Launch(_bwd_delta_kernel, (_cdiv(q_len, block), batch * heads, 1),
+                        (*_strides4(out), *_strides4(grad), heads, q_len), (),
+                        {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd}, 4, 1)
+    common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad))
+    consts = {"HEAD_DIM": head_dim, "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec}
+    block_m, block_n, warps, stages = config_for("dkdv", head_dim, q.dtype, masked)
+    plan.dkdv = Launch(_bwd_dkdv_kernel, (_cdiv(k_len, block_n), batch * kv_heads, 1),
+                       (*common, *like(k), *like(v), *tail, heads, group, q_len, k_len), (qk_scale, float(scale)),
+                       {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
+                        "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec}, warps, stages)
+    block_m, block_n, warps, stages = config_for("dq", head_dim, q.dtype, masked)
+    plan.dq = Launch(_bwd_dq_kernel, (_cdiv(q_len, block_m), batch * heads, 1),
+                     (*common, *like(q), *tail, heads, group, q_len, k_len), (qk_scale, float(scale)),
+                     {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
+                      "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec}, warps, stages)
+    return plan
