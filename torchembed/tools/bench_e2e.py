@@ -270,7 +270,7 @@ def main(argv: list[str]) -> int:
     threads = args.threads or [torch.get_num_threads()]
     with bench.no_interpreter(device), bench.dynamo_config(limits):  # every variant and batch size is its own graph
         for n_threads in threads:
-            if device.type == "cpu":
+            if args.device == "cpu":
                 torch.set_num_threads(n_threads)
                 env["threads"] = threads
             for model_name in args.models:
@@ -281,7 +281,7 @@ def main(argv: list[str]) -> int:
                 for batch in args.batch_sizes:
                     for prompt in args.prompt_lens:
                         case = run_case(model_name, models, batch, prompt, args, device, budget)
-                        if device.type == "cpu":
+                        if args.device == "cpu":  # (--smoke runs on the CPU too: its records keep their names)
                             for record in case:
                                 record["threads"] = n_threads
                                 record["model"] = f"{model_name} ({n_threads} thread{'s' if n_threads > 1 else ''})"
