@@ -229,12 +229,13 @@ def test_alibi_masks_derived_once_per_forward(name, padded, load, decode_masks_b
 @pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi"])
 def test_small_alibi_prefill_materialises_its_bias_once_per_forward(name, padded, load, monkeypatch):
-    """Small prefills (path forced on CPU) take SDPA with the bias materialised once per forward for
-    all layers, padded or not, and give upstream's logits."""
+    """The materialised-bias path (small training steps; forced here, on CPU, at inference): SDPA with
+    the bias made once per forward for all layers, padded or not, and upstream's logits."""
     import torchembed.kernels.alibi_attention as kernel
     import torchembed.patches.families.alibi as family
 
     monkeypatch.setattr(kernel, "_FUSED_DEVICES", ("cpu",))
+    monkeypatch.setattr(kernel, "DENSE_MAX_ELEMENTS", 2**26)
     monkeypatch.setattr(kernel, "use_kernel", lambda fused, t, what="": True)
     monkeypatch.setattr(kernel, "attempt", lambda *a, **kw: pytest.fail("the fused kernel taken"))
     built = []
