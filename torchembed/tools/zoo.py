@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "SMALL", "FP32_REL_TOL", "ModelTypeStatus", "ZooCase", "model_types", "rotary_model_types", "text_model_types",
+    "SMALL", "FP32_REL_TOL", "ModelTypeStatus", "TinyModelError", "ZooCase", "model_types", "rotary_model_types", "text_model_types",
     "generic_tiny_config", "build_tiny", "strong_init", "tiny_inputs", "zoo_case", "rotary_modules", "outputs_of",
     "matches", "status_of", "survey",
 ]
@@ -71,10 +71,10 @@ SMALL: dict[str, Any] = {
 }
 FP32_REL_TOL = 1e-5  # float32 logits: patched within this of upstream (relative to the largest |logit|)
 MAX_PARAMETERS = 20_000_000  # a tiny model runs in milliseconds on a CPU
-MAX_SECONDS = 3.0  # ... its build and one forward well inside this
+MAX_SECONDS = 10.0  # ... its build and one forward well inside this (a slower one is a size not yet shrunk)
 SPECIAL_IDS = 16  # the top of the small vocabulary is kept for special tokens (image, vision start ...)
 _RECOMPUTED = ("layer_types", "mlp_layer_types", "no_rope_layers", "layers_block_type")  # per-layer lists
-_ALWAYS = ("head_dim", "num_key_value_heads")
+_ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok")
 _DEPTHS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")  # what layer-index lists index
 _TASKS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
           "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
@@ -306,13 +306,14 @@ def _has(config: Any, key: str) -> bool:
         return False
 
 
-def _build(model_type: str, kwargs: dict[str, Any]) -> Any:
-    """The first config, from ``kwargs`` and variants of it, whose model builds, is small and runs
-    a forward in eager and in the default attention. Variants drop what some classes refuse or
-    derive themselves (per-layer attributes), or use as many kv heads as query heads (multi-head
-    latent attention). The first error is raised if every variant fails."""
-    from transformers import AutoConfig
+class TinyModelError(ValueError):
+    """No generic tiny config of a model type runs upstream (the message is upstream's first error)."""
 
+
+def _variants(kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    """``kwargs`` and variants of it that drop what some classes refuse or derive themselves
+    (per-layer attributes), or use as many kv heads as query heads (multi-head latent attention),
+    each once."""
     mha = {**kwargs, "num_key_value_heads": kwargs.get("num_attention_heads", SMALL["num_attention_heads"])}
     variants = [kwargs, {k: v for k, v in kwargs.items() if k not in _ALWAYS},
                 {k: v for k, v in kwargs.items() if k not in _RECOMPUTED},
@@ -321,18 +322,92 @@ def _build(model_type: str, kwargs: dict[str, Any]) -> Any:
         variants += [mha, {k: v for k, v in mha.items() if k not in _RECOMPUTED}]
     # models that read token ids their config class does not define (5.0's Phi, StableLM, EXAONE 4)
     variants.append({**kwargs, **{k: SMALL[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id") if k not in kwargs}})
-    first: Exception | None = None
+    unique: list[dict[str, Any]] = []
     for variant in variants:
+        if variant not in unique:
+            unique.append(variant)
+    return unique
+
+
+def _build(model_type: str, kwargs: dict[str, Any]) -> Any:
+    """The first config of :func:`_variants` whose model builds, is small and runs a forward of its
+    tiny inputs. Which one it was (or the first error, if none runs) is kept on disk per
+    transformers release and version of this module, so that a later process builds it at once.
+
+    Raises:
+        TinyModelError: no variant runs; the message is the first variant's error.
+    """
+    from transformers import AutoConfig
+
+    variants = _variants(kwargs)
+    known = _search_cache().get(model_type)
+    if known is not None and "error" in known:
+        raise TinyModelError(known["error"])
+    if known is not None and known.get("variant", -1) < len(variants):
+        with _quiet():
+            return AutoConfig.for_model(model_type, **copy.deepcopy(variants[known["variant"]]))
+    first: Exception | None = None
+    for index, variant in enumerate(variants):
         try:
             with _quiet():
                 config = AutoConfig.for_model(model_type, **copy.deepcopy(variant))
             if _size(config) > MAX_PARAMETERS:
                 raise ValueError(f"the smallest config found still has {_size(config) / 1e6:.0f}M parameters")
             _runs(config)
-            return config
         except Exception as err:  # noqa: BLE001 - try the next variant
             first = first or err
-    raise first  # type: ignore[misc]
+            continue
+        _remember(model_type, {"variant": index})
+        return config
+    message = f"{type(first).__name__}: {_clip(str(first))}"
+    _remember(model_type, {"error": message})
+    raise TinyModelError(message) from first
+
+
+def _cache_file() -> str:
+    import hashlib
+
+    import transformers
+
+    from torchembed.tools.checkpoints import default_cache_dir
+
+    with open(__file__, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    return str(default_cache_dir() / "zoo" / f"transformers{transformers.__version__}-torch{torch.__version__}-{digest}.json")
+
+
+@functools.lru_cache(maxsize=None)
+def _search_cache() -> dict[str, dict[str, Any]]:
+    """What earlier processes found (``{model_type: {"variant": i} | {"error": why}}``)."""
+    import json
+
+    if os.environ.get("TORCHEMBED_ZOO_CACHE", "1") == "0":
+        return {}
+    try:
+        with open(_cache_file(), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember(model_type: str, result: dict[str, Any]) -> None:
+    """Add one result to the file (merged with what other processes wrote meanwhile; atomic)."""
+    import json
+    import tempfile
+
+    cache = _search_cache()
+    cache[model_type] = result
+    if os.environ.get("TORCHEMBED_ZOO_CACHE", "1") == "0":
+        return
+    path = _cache_file()
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as f:
+            cache.update({k: v for k, v in json.load(f).items() if k not in cache})
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".zoo-")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(cache, f, sort_keys=True)
+        os.replace(tmp, path)
 
 
 def model_class(config: Any) -> type:
@@ -370,23 +445,19 @@ def _size(config: Any) -> int:
 
 
 def _runs(config: Any) -> None:
-    """Upstream runs a forward of the tiny model on its tiny inputs, with eager attention and the
-    default one, in a fraction of a second (a slow one means a size this module does not shrink yet),
-    with finite outputs."""
+    """Upstream runs a forward of the tiny model on its tiny inputs in its default attention, in a
+    fraction of a second (a slow one means a size this module does not shrink yet), with finite
+    outputs."""
     import time
 
-    for impl in ("eager", None):
-        candidate = copy.deepcopy(config)
-        if impl is not None:
-            candidate._attn_implementation = impl
-        start = time.perf_counter()
-        with _quiet(), torch.no_grad():
-            model = _construct(candidate, 0, torch.float32)
-            out = outputs_of(model, tiny_inputs(model))
-        if not torch.isfinite(out).all():
-            raise ValueError("upstream's outputs of the tiny model are not finite")
-        if time.perf_counter() - start > MAX_SECONDS:
-            raise ValueError(f"a forward of the smallest config found takes over {MAX_SECONDS:g} s")
+    start = time.perf_counter()
+    with _quiet(), torch.no_grad():
+        model = _construct(copy.deepcopy(config), 0, torch.float32)
+        out = outputs_of(model, tiny_inputs(model))
+    if not torch.isfinite(out).all():
+        raise ValueError("upstream's outputs of the tiny model are not finite")
+    if time.perf_counter() - start > MAX_SECONDS:
+        raise ValueError(f"a forward of the smallest config found takes over {MAX_SECONDS:g} s")
 
 
 # -- models ------------------------------------------------------------------------------------------
@@ -575,23 +646,36 @@ def matches(out: Tensor, ref: Tensor, rel: float = FP32_REL_TOL) -> bool:
 
 @dataclass
 class ZooCase:
-    """A tiny model of one model type and the inputs the zoo runs it on."""
+    """A tiny model of one model type, the inputs the zoo runs it on, and the prompt it generates
+    from (None where upstream's ``generate`` does not run it: no generation head, or upstream fails)."""
 
     model_type: str
     model: nn.Module
     inputs: dict[str, Tensor]
+    prompt: dict[str, Tensor] | None = None
 
-    @property
-    def generates(self) -> bool:
-        """Whether the model can ``generate`` (a causal or vision-language LM)."""
-        can = getattr(self.model, "can_generate", None)
-        return bool(can and can()) and not getattr(self.model.config, "is_encoder_decoder", False)
+
+def _prompt(model: nn.Module, inputs: dict[str, Tensor]) -> dict[str, Tensor] | None:
+    """Row 0 of the inputs (its first 6 tokens for text), if upstream generates from it."""
+    can = getattr(model, "can_generate", None)
+    if not (can and can()) or getattr(model.config, "is_encoder_decoder", False):
+        return None
+    prompt = {k: v[:1] for k, v in inputs.items()}
+    if "pixel_values" not in inputs:
+        prompt["input_ids"] = prompt["input_ids"][:, :6]
+    try:
+        with torch.no_grad(), _quiet():
+            model.generate(**prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    except Exception:  # noqa: BLE001 - upstream's generate does not run this tiny model
+        return None
+    return prompt
 
 
 @functools.lru_cache(maxsize=None)
 def _case(model_type: str) -> ZooCase:
     model = build_tiny(model_type)
-    return ZooCase(model_type, model, tiny_inputs(model))
+    inputs = tiny_inputs(model)
+    return ZooCase(model_type, model, inputs, _prompt(model, inputs))
 
 
 def zoo_case(model_type: str, device: str | torch.device = "cpu") -> ZooCase:
@@ -604,7 +688,8 @@ def zoo_case(model_type: str, device: str | torch.device = "cpu") -> ZooCase:
     case = _case(model_type)
     if torch.device(device) == torch.device("cpu"):
         return case
-    return ZooCase(model_type, copy.deepcopy(case.model).to(device), {k: v.to(device) for k, v in case.inputs.items()})
+    move = (lambda values: None if values is None else {k: v.to(device) for k, v in values.items()})
+    return ZooCase(model_type, copy.deepcopy(case.model).to(device), move(case.inputs), move(case.prompt))
 
 
 @contextlib.contextmanager
@@ -664,6 +749,8 @@ def status_of(model_type: str) -> ModelTypeStatus:
         return ModelTypeStatus(model_type, "no rotary component", "its modeling code defines no rotary class or function")
     try:
         case = zoo_case(model_type)
+    except TinyModelError as err:
+        return ModelTypeStatus(model_type, "no tiny model", str(err))
     except Exception as err:  # noqa: BLE001 - reported, not raised
         return ModelTypeStatus(model_type, "no tiny model", f"{type(err).__name__}: {_clip(str(err))}")
     model = case.model
