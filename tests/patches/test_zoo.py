@@ -4,6 +4,7 @@ For each patched model type: float32 outputs within 1e-5 relative of upstream, n
 upstream's rotation helper while patched, greedy generation with the KV cache identical, unpatch
 bit-exact; and a 1e-4 rotation error injected into torchembed's rotation fails that same check
 (so the check can see a wrong rotation). (bf16 against float64: ``torchembed compare --all``.)
+Run with ``-n N --dist loadgroup`` (``scripts/test.sh``): each model is then built in one worker only.
 """
 
 import collections
@@ -29,6 +30,8 @@ from torchembed.tools.zoo import (  # noqa: E402
 
 DEVICE = os.environ.get("TORCHEMBED_TEST_DEVICE", "cpu")  # "cuda": the fused kernel in every family
 ROTARY = list(rotary_model_types())
+# the tests of one model type share a worker (``-n N --dist loadgroup``), which builds its model once
+PER_TYPE = [pytest.param(t, marks=pytest.mark.xdist_group(t)) for t in ROTARY]
 FAULT = 1e-4  # radians: the rotation error the equivalence check must see
 
 # The model types people run most; each must be patched wherever the installed transformers has it.
@@ -116,7 +119,7 @@ def test_refusals_name_what_is_missing():
 # -- equivalence, per model type ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", ROTARY)
+@pytest.mark.parametrize("model_type", PER_TYPE)
 def test_patched_model_type_matches_upstream(model_type, monkeypatch):
     case = _patched_case(model_type)
     upstream, inputs = case.model, case.inputs
@@ -178,7 +181,7 @@ def _misrotate(x):
     return out
 
 
-@pytest.mark.parametrize("model_type", ROTARY)
+@pytest.mark.parametrize("model_type", PER_TYPE)
 def test_a_wrong_rotation_fails_the_check(model_type, monkeypatch):
     case = _patched_case(model_type)
     ref = outputs_of(case.model, case.inputs)

@@ -250,6 +250,14 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
             small[key] = heads
     rope = small.get("rope_parameters") or small.get("rope_scaling")
     head_dim = _head_dim(small)
+    if head_dim:  # attention scales written for the full-size head dim: the tiny one's instead
+        if isinstance(original.get("query_pre_attn_scalar"), (int, float)):
+            small["query_pre_attn_scalar"] = head_dim
+        if isinstance(original.get("attention_multiplier"), float):
+            small["attention_multiplier"] = head_dim**-0.5
+    for key, value in original.items():  # a rotary embedding the default config switches off (Zamba2's use_mem_rope)
+        if key.startswith("use_") and ("rope" in key or "rotary" in key) and value is False:
+            small[key] = True
     if isinstance(rope, dict) and head_dim:
         for key, value in list(rope.items()):
             if "section" in key and isinstance(value, list) and value and all(isinstance(v, int) for v in value):
@@ -466,7 +474,8 @@ def _runs(config: Any) -> None:
 def strong_init(model: nn.Module, seed: int = 0, gain: float = 2.0) -> nn.Module:
     """Draw every weight matrix (and convolution kernel, expert stack) of ``model`` from
     ``N(0, gain^2 / fan_in)`` and every embedding from ``N(0, 1)``, in place; vectors (norm
-    scales, biases, state-space decay rates) keep upstream's init.
+    scales, biases, state-space decay rates) keep upstream's init, except those it leaves all zero
+    (a key temperature, a gate, a bias): ``N(0, 0.25)``, so that none switches a path off.
 
     HF's default ``initializer_range=0.02`` leaves tiny models with nearly uniform attention, where
     a wrong rotation moves the logits by less than float32's check can see; this init keeps the
@@ -476,7 +485,11 @@ def strong_init(model: nn.Module, seed: int = 0, gain: float = 2.0) -> nn.Module
     with torch.no_grad():
         for module in model.modules():
             for name, param in module.named_parameters(recurse=False):
-                if param.dim() < 2 or not param.is_floating_point() or param.numel() == 0:
+                if not param.is_floating_point() or param.numel() == 0:
+                    continue
+                if param.dim() < 2:
+                    if not param.any():  # a zero gate, temperature, bias or (1 + w) scale: not zero here
+                        param.copy_((torch.randn(param.shape, generator=gen) * 0.5).to(param.dtype))
                     continue
                 if isinstance(module, nn.Embedding) or "embed" in name:
                     std = 1.0
@@ -493,6 +506,9 @@ def _construct(config: Any, seed: int, dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(seed)
     with _quiet():
         model = model_class(config)._from_config(config, dtype=dtype)
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    if can_set is not None and can_set():  # a loop over 4 tiny experts: no grouped-matmul warm-up per shape
+        model.set_experts_implementation("eager")
     return strong_init(model, seed).eval()
 
 
