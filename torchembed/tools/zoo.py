@@ -259,6 +259,13 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
         if key.startswith("use_") and ("rope" in key or "rotary" in key) and value is False:
             small[key] = True
     if isinstance(rope, dict) and head_dim:
+        rope = small["rope_parameters" if "rope_parameters" in small else "rope_scaling"] = dict(rope)
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+        cls = _config_class(original.get("model_type")) if original.get("model_type") in CONFIG_MAPPING_NAMES else None
+        for key in getattr(cls, "ignore_keys_at_rope_validation", None) or ():
+            if "section" in key and key not in rope:  # left to the modeling code's full-size default
+                rope[key] = _sections([2, 3, 3], head_dim // 2)  # (t, h, w) as Qwen2-VL's [16, 24, 24]
         for key, value in list(rope.items()):
             if "section" in key and isinstance(value, list) and value and all(isinstance(v, int) for v in value):
                 rope[key] = _sections(value, head_dim // 2)  # M-RoPE: the sections split head_dim / 2
@@ -269,6 +276,12 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
         if (key.endswith(("token_id", "token_index")) and isinstance(value, int) and not isinstance(value, bool)
                 and value >= vocab and small.get(key, value) == value):
             small[key] = next(spare, vocab - 1)
+
+
+def _config_class(model_type: str) -> Any:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type]
 
 
 def _is_index_list(key: str, value: Any, depth: int | None) -> bool:
