@@ -118,6 +118,7 @@ def _rotary_code(module_name: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+@functools.lru_cache(maxsize=None)
 def _sub_model_types(model_type: str) -> tuple[str, ...]:
     """The model types of a composite config's default sub-configs (text model, vision tower ...)."""
     from transformers import AutoConfig
@@ -150,6 +151,20 @@ def rotary_code_of(model_type: str) -> tuple[str, ...]:
 def rotary_model_types() -> tuple[str, ...]:
     """Every model type whose modeling code (or its default sub-models') has a rotary component."""
     return tuple(t for t in model_types() if rotary_code_of(t))
+
+
+def has_model_class(model_type: str) -> bool:
+    """Whether transformers maps a model class to ``model_type`` (sub-configs such as a vision
+    tower's often have none: they exist only inside their composite model)."""
+    from transformers.models.auto import modeling_auto
+
+    return any(model_type in (getattr(modeling_auto, task, None) or {}) for task in _TASKS)
+
+
+@functools.lru_cache(maxsize=None)
+def composites_of(model_type: str) -> tuple[str, ...]:
+    """The model types whose default config holds ``model_type`` as a sub-config."""
+    return tuple(t for t in rotary_model_types() if model_type in _sub_model_types(t))
 
 
 def rotary_modules(model: nn.Module) -> list[str]:
@@ -209,7 +224,35 @@ def _small_kwargs(default: Any) -> dict[str, Any]:
             kinds = list(dict.fromkeys(value))  # every kind of layer the default has, in turn
             kwargs[key] = (kinds * layers)[:layers]
     _fit(values, kwargs)
+    _follow(values, kwargs, _shrunk_sizes(values, kwargs, {}))
     return kwargs
+
+
+_WIDTHS = ("hidden_size", "d_model", "embed_dim", "out_hidden_size", "intermediate_size")  # first: the widths
+_DEPENDENT = re.compile(r"hidden|_dim$|_size$|channels|features")
+
+
+def _shrunk_sizes(original: dict[str, Any], small: dict[str, Any], sizes: dict[int, int]) -> dict[int, int]:
+    """``{full-size value: tiny value}`` of the widths shrunk anywhere in the config tree."""
+    for key in _WIDTHS:
+        old, new = original.get(key), small.get(key)
+        if isinstance(old, int) and isinstance(new, int) and old != new and old > SMALL["vocab_size"]:
+            sizes.setdefault(old, new)
+    for key, value in original.items():
+        if isinstance(value, dict) and isinstance(small.get(key), dict):
+            _shrunk_sizes(value, small[key], sizes)
+    return sizes
+
+
+def _follow(original: dict[str, Any], small: dict[str, Any], sizes: dict[int, int]) -> None:
+    """Sizes left at a full-size width elsewhere in the tree (a projector's ``text_hidden_size``, a
+    head's ``audio_hidden_size``, a ``condition_dim``) follow that width, in place."""
+    for key, value in original.items():
+        if isinstance(value, dict) and isinstance(small.get(key), dict):
+            _follow(value, small[key], sizes)
+        elif (isinstance(value, int) and not isinstance(value, bool) and value in sizes and key not in SMALL
+                and small.get(key, value) == value and _DEPENDENT.search(key) and not _is_vocab(key, value)):
+            small[key] = sizes[value]
 
 
 def _is_sub_config(value: dict[str, Any]) -> bool:
@@ -548,7 +591,8 @@ def _first(config: Any, *keys: str, default: Any = None) -> Any:
 
 def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tensor]]:
     """Tiny images in the layouts vision towers take: flattened patches with their (t, h, w) grid
-    (Qwen2-VL and kin), or (1, channels, size, size) pixels."""
+    (Qwen2-VL and kin), (1, channels, size, size) pixels (with their ``image_sizes`` where the
+    forward takes them), or (1, 1, channels, size, size)."""
     vision = _vision_config(config) or config
     gen = torch.Generator().manual_seed(1)
     channels = _first(vision, "in_channels", "num_channels", "in_chans", default=3)
@@ -560,7 +604,10 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
         yield {"pixel_values": torch.randn(side * side, channels * temporal * patch * patch, generator=gen),
                "image_grid_thw": torch.tensor([[1, side, side]])}
     size = _first(vision, "image_size", default=2 * patch)
-    yield {"pixel_values": torch.randn(1, channels, size, size, generator=gen)}
+    pixels = torch.randn(1, channels, size, size, generator=gen)
+    sizes = {"image_sizes": torch.tensor([[size, size]])} if "image_sizes" in params else {}
+    yield {"pixel_values": pixels, **sizes}
+    yield {"pixel_values": pixels[:, None], **sizes}  # (batch, images, channels, height, width): Idefics and kin
 
 
 def _image_tokens(model: nn.Module, images: dict[str, Tensor]) -> int:
@@ -744,7 +791,8 @@ class ModelTypeStatus:
 
     ``state``: ``"patched"``; ``"refused"`` (the patch layer's reason); ``"no tiny model"`` (it has
     a rotary component but no tiny model of it runs: the reason names the attribute or upstream's
-    error); ``"no rotary component"``.
+    error); ``"part of"`` (a sub-config with no model class of its own, checked within its
+    composite model); ``"no rotary component"``.
     """
 
     model_type: str
@@ -776,6 +824,11 @@ def status_of(model_type: str) -> ModelTypeStatus:
     code = rotary_code_of(model_type)
     if not code:
         return ModelTypeStatus(model_type, "no rotary component", "its modeling code defines no rotary class or function")
+    if not has_model_class(model_type):
+        parents = composites_of(model_type)
+        if parents:
+            return ModelTypeStatus(model_type, "part of", f"a sub-config of {', '.join(parents)} with no model class of "
+                                   f"its own; checked within {parents[0]} ({status_of(parents[0]).state})")
     try:
         case = zoo_case(model_type)
     except TinyModelError as err:
