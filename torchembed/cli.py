@@ -128,7 +128,7 @@ def _list(args: argparse.Namespace) -> int:
     statuses = survey()
     rotary = [s for s in statuses if s.rotary]
     width = max((len(s.model_type) for s in statuses), default=10) + 1
-    for state in ("patched", "refused", "no tiny model", "part of"):
+    for state in ("patched", "partly patched", "refused", "no tiny model", "part of"):
         rows = [s for s in rotary if s.state == state]
         if rows:
             print(f"== {state} ({len(rows)})")
@@ -137,8 +137,9 @@ def _list(args: argparse.Namespace) -> int:
     found = {s.model_type for s in rotary}
     without = [t for t in model_types() if t not in found]
     print(f"== no rotary component ({len(without)}): {', '.join(without)}")
-    counts = {state: sum(s.state == state for s in rotary) for state in ("patched", "refused", "no tiny model", "part of")}
+    counts = {state: sum(s.state == state for s in rotary) for state in ("patched", "partly patched", "refused", "no tiny model", "part of")}
     print(f"{counts['patched']} patched, {counts['refused']} refused (reasons above)"
+          + (f", {counts['partly patched']} partly patched (what stays upstream's above)" if counts["partly patched"] else "")
           + (f", {counts['no tiny model']} without a tiny model that upstream runs" if counts["no tiny model"] else "")
           + f", {counts['part of']} sub-configs checked within their composite models"
           + f", {len(without)} without a rotary component, of the {len(model_types())} model types of transformers "

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "SMALL", "FP32_REL_TOL", "ModelTypeStatus", "TinyModelError", "ZooCase", "model_types", "rotary_model_types", "text_model_types",
-    "generic_tiny_config", "build_tiny", "strong_init", "tiny_inputs", "zoo_case", "rotary_modules", "outputs_of",
+    "generic_tiny_config", "build_tiny", "rotation_code", "count_calls", "strong_init", "tiny_inputs", "zoo_case", "rotary_modules", "outputs_of",
     "matches", "status_of", "survey",
 ]
 
@@ -181,6 +181,49 @@ def rotary_modules(model: nn.Module) -> list[str]:
     return found
 
 
+def rotation_code(model: nn.Module) -> dict[Any, str]:
+    """``{code object: name}`` of every rope-named module-level function that a forward of a module
+    of ``model`` calls (upstream's rotation helpers, recognised or not), each function of its
+    decorator chain included."""
+    from torchembed.patches.rebind import chain, find_globals
+    from torchembed.patches.rotation import is_rotation_name
+
+    def candidate(name: str, value: Any) -> bool:
+        return is_rotation_name(name) and callable(value) and not isinstance(value, type)
+
+    codes: dict[Any, str] = {}
+    for cls in {type(module) for module in model.modules()}:
+        forward = inspect.getattr_static(cls, "forward", None)
+        if not callable(forward) or isinstance(forward, (staticmethod, classmethod)):
+            continue
+        for name, uses in find_globals(forward, candidate).items():
+            for _, helper in uses:
+                target = helper.forward if isinstance(helper, nn.Module) else helper
+                codes.update({f.__code__: name for f in chain(target)})
+    return codes
+
+
+@contextlib.contextmanager
+def count_calls(codes: dict[Any, str]) -> Iterator[dict[str, int]]:
+    """``{name: calls}`` of the functions whose code is in ``codes``, counted while the block runs,
+    whatever route calls them (a profile hook sees every Python frame)."""
+    import sys
+
+    counts: dict[str, int] = {}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code in codes:
+            name = codes[frame.f_code]
+            counts[name] = counts.get(name, 0) + 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield counts
+    finally:
+        sys.setprofile(previous)
+
+
 # -- configs -------------------------------------------------------------------------------------------
 
 
@@ -291,8 +334,9 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
     for key in ("num_key_value_heads",):
         if isinstance(small.get(key), int) and heads and heads % small[key]:
             small[key] = heads
-    rope = small.get("rope_parameters") or small.get("rope_scaling")
-    head_dim = _head_dim(small)
+    rope_key = next((k for k in ("rope_parameters", "rope_scaling") if isinstance(small.get(k, original.get(k)), dict)), None)
+    rope = small.get(rope_key, original.get(rope_key)) if rope_key else None
+    head_dim = _head_dim({**original, **small})
     if head_dim:  # attention scales written for the full-size head dim: the tiny one's instead
         if isinstance(original.get("query_pre_attn_scalar"), (int, float)):
             small["query_pre_attn_scalar"] = head_dim
@@ -302,16 +346,18 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
         if key.startswith("use_") and ("rope" in key or "rotary" in key) and value is False:
             small[key] = True
     if isinstance(rope, dict) and head_dim:
-        rope = small["rope_parameters" if "rope_parameters" in small else "rope_scaling"] = dict(rope)
+        rope = small[rope_key] = dict(rope)
+        factor = rope.get("partial_rotary_factor", original.get("partial_rotary_factor", 1.0))
+        rotary = int(head_dim * factor) if isinstance(factor, (int, float)) and 0 < factor <= 1 else head_dim
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
         cls = _config_class(original.get("model_type")) if original.get("model_type") in CONFIG_MAPPING_NAMES else None
         for key in getattr(cls, "ignore_keys_at_rope_validation", None) or ():
             if "section" in key and key not in rope:  # left to the modeling code's full-size default
-                rope[key] = _sections([2, 3, 3], head_dim // 2)  # (t, h, w) as Qwen2-VL's [16, 24, 24]
+                rope[key] = _sections([2, 3, 3], rotary // 2)  # (t, h, w) as Qwen2-VL's [16, 24, 24]
         for key, value in list(rope.items()):
             if "section" in key and isinstance(value, list) and value and all(isinstance(v, int) for v in value):
-                rope[key] = _sections(value, head_dim // 2)  # M-RoPE: the sections split head_dim / 2
+                rope[key] = _sections(value, rotary // 2)  # M-RoPE: the sections split the rotated features / 2
     vocab = small.get("vocab_size") if isinstance(small.get("vocab_size"), int) else SMALL["vocab_size"]
     taken = {v for k, v in small.items() if k in ("pad_token_id", "bos_token_id", "eos_token_id")}
     spare = iter(i for i in range(vocab - 1, vocab - SPECIAL_IDS - 1, -1) if i not in taken)
@@ -645,18 +691,17 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
     """The inputs the zoo runs ``model`` on: ``input_ids`` (2 rows of ``seq_len`` ids, none of them
     special), and for a model with a vision tower one tiny image in the layout it takes, its image
     tokens in row 0 (between the vision start/end tokens where the config has them) and the token
-    type ids that mark them.
+    type ids that mark them; for a vision tower of its own, just the image.
 
     Raises:
-        ValueError: the model takes no ``input_ids`` (vision- or audio-only models), or no image
+        ValueError: the model takes neither ``input_ids`` nor an image (audio models), or no image
             layout tried runs its vision tower.
     """
     config = model.config
     params = _forward_parameters(model)
-    text = config.get_text_config()
-    vocab = text.vocab_size
     if "input_ids" not in params:
-        raise ValueError(f"{type(model).__name__}.forward takes no input_ids (needs {_required(model)})")
+        return _vision_inputs(model, params)
+    vocab = config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(seed)
     inputs: dict[str, Tensor] = {}
     if "pixel_values" in params and _vision_config(config) is not None:
@@ -692,6 +737,30 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
     if "decoder_input_ids" in params and getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = ids
     return inputs
+
+
+def _vision_inputs(model: nn.Module, params: set[str]) -> dict[str, Tensor]:
+    """A vision tower's own inputs: one tiny image in the first layout its forward runs on."""
+    pixels = next((name for name in ("pixel_values", "hidden_states") if name in params), None)
+    if pixels is None:
+        raise ValueError(f"{type(model).__name__}.forward takes neither input_ids nor pixel_values (needs {_required(model)})")
+    grid = next((name for name in ("grid_thw", "image_grid_thw") if name in params), None)
+    first: Exception | None = None
+    for images in _image_candidates(model.config, params | ({"image_grid_thw"} if grid else set())):
+        inputs = {pixels: images["pixel_values"]}
+        if grid and "image_grid_thw" in images:
+            inputs[grid] = images["image_grid_thw"]
+        elif grid:
+            continue
+        inputs.update({k: v for k, v in images.items() if k == "image_sizes"})
+        try:
+            with torch.no_grad(), _quiet():
+                model(**inputs)
+        except Exception as err:  # noqa: BLE001 - try the next layout
+            first = first or err
+            continue
+        return inputs
+    raise ValueError(f"no tiny image layout runs {type(model).__name__} ({type(first).__name__}: {first})")
 
 
 def _required(model: nn.Module) -> str:
@@ -791,7 +860,8 @@ class ModelTypeStatus:
 
     ``state``: ``"patched"``; ``"refused"`` (the patch layer's reason); ``"no tiny model"`` (it has
     a rotary component but no tiny model of it runs: the reason names the attribute or upstream's
-    error); ``"part of"`` (a sub-config with no model class of its own, checked within its
+    error); ``"partly patched"`` (the patch leaves some of upstream's rotations running: a bug,
+    named); ``"part of"`` (a sub-config with no model class of its own, checked within its
     composite model); ``"no rotary component"``.
     """
 
@@ -846,13 +916,23 @@ def status_of(model_type: str) -> ModelTypeStatus:
     except PatchError as err:
         message = str(err)
         return ModelTypeStatus(model_type, "refused", message.split("): ", 1)[-1] if "cannot patch" in message else message)
+    from torchembed.patches.core import patch
+
+    codes = rotation_code(model)
+    patched = patch(copy.deepcopy(model))
+    with count_calls(codes) as left:
+        outputs_of(patched, case.inputs)
     family = family_for(model.config)
     kinds = sorted({c.kind for c in components})
     how = ("discovered: " if family.discovered else "") + f"{family.encoding}; " + ", ".join(
         f"{sum(c.kind == kind for c in components)} x {kind}" for kind in kinds
     )
     rotations = sorted({c.replacement.split("(", 1)[-1].rstrip(")") for c in components if c.kind == "rope-apply"})
-    return ModelTypeStatus(model_type, "patched", how + (f" ({'; '.join(rotations)})" if rotations else ""))
+    how += f" ({'; '.join(rotations)})" if rotations else ""
+    if left:  # a rotation the patch left to upstream (or handed back to it): never reported as patched
+        calls = ", ".join(f"{name} ({n} calls)" for name, n in sorted(left.items()))
+        return ModelTypeStatus(model_type, "partly patched", f"upstream's {calls} still run(s) in a patched forward; {how}")
+    return ModelTypeStatus(model_type, "patched", how)
 
 
 def _clip(text: str, limit: int = 200) -> str:
