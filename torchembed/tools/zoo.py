@@ -74,6 +74,7 @@ MAX_PARAMETERS = 20_000_000  # a tiny model runs in milliseconds on a CPU
 MAX_SECONDS = 10.0  # ... its build and one forward well inside this (a slower one is a size not yet shrunk)
 SPECIAL_IDS = 16  # the top of the small vocabulary is kept for special tokens (image, vision start ...)
 _RECOMPUTED = ("layer_types", "mlp_layer_types", "no_rope_layers", "layers_block_type")  # per-layer lists
+_DERIVED = ("per_layer_config",)  # rebuilt by the config class from the (shrunk) layer types: never passed
 _ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok")
 _DEPTHS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")  # what layer-index lists index
 _TASKS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
@@ -256,18 +257,20 @@ def _small_kwargs(default: Any) -> dict[str, Any]:
         elif isinstance(value, dict) and _is_sub_config(value):  # a sub-config (text, vision, encoder ...)
             kwargs[key] = _shrink(value)
     for key in _ALWAYS:  # None in some defaults, and read as is by the model
-        if key not in kwargs and _settable(default, key) and hasattr(default, key):
+        if key not in kwargs and _settable(default, key) and _attr(default, key, missing := object()) is not missing:
             kwargs[key] = SMALL[key]
-    if getattr(default, "head_dim", None) is not None and default.head_dim == getattr(default, "qk_rope_head_dim", None):
+    if _attr(default, "head_dim") is not None and _attr(default, "head_dim") == _attr(default, "qk_rope_head_dim"):
         kwargs["head_dim"] = SMALL["qk_rope_head_dim"]  # MLA models: head_dim is the rotary part
     layers = SMALL["num_hidden_layers"]
     for key in _RECOMPUTED:
-        value = getattr(default, key, None)
+        value = _attr(default, key)
         if isinstance(value, (list, tuple)) and len(value) != layers and _settable(default, key):
             kinds = list(dict.fromkeys(value))  # every kind of layer the default has, in turn
             kwargs[key] = (kinds * layers)[:layers]
     _fit(values, kwargs)
     _follow(values, kwargs, _shrunk_sizes(values, kwargs, {}))
+    for key in _DERIVED:
+        kwargs.pop(key, None)
     return kwargs
 
 
@@ -307,6 +310,8 @@ def _shrink(values: dict[str, Any]) -> dict[str, Any]:
     out = {}
     layers = SMALL["num_hidden_layers"]
     for key, value in values.items():
+        if key in _DERIVED:
+            continue
         if key in SMALL and value is not None and not isinstance(value, (list, dict, bool)):
             out[key] = SMALL[key]
         elif _is_vocab(key, value):
@@ -400,6 +405,15 @@ def _is_vocab(key: str, value: Any) -> bool:
     return "vocab" in key and isinstance(value, int) and not isinstance(value, bool) and value > SMALL["vocab_size"]
 
 
+def _attr(config: Any, key: str, default: Any = None) -> Any:
+    """``getattr`` that also answers ``default`` where reading raises (a per-layer attribute of a
+    heterogeneous config)."""
+    try:
+        return getattr(config, key, default)
+    except Exception:  # noqa: BLE001
+        return default
+
+
 def _settable(config: Any, key: str) -> bool:
     """Not a read-only property derived from other attributes."""
     attr = getattr(type(config), config.attribute_map.get(key, key), None)
@@ -410,10 +424,7 @@ def _has(config: Any, key: str) -> bool:
     """``config`` has ``key`` set, and it can be set."""
     if not _settable(config, key):
         return False
-    try:
-        return getattr(config, key, None) is not None
-    except Exception:
-        return False
+    return _attr(config, key) is not None
 
 
 class TinyModelError(ValueError):
@@ -917,8 +928,15 @@ def status_of(model_type: str) -> ModelTypeStatus:
         message = str(err)
         return ModelTypeStatus(model_type, "refused", message.split("): ", 1)[-1] if "cannot patch" in message else message)
     from torchembed.patches.core import patch
+    from torchembed.patches.families.rope import discover
 
     codes = rotation_code(model)
+    with count_calls(codes) as ran:
+        outputs_of(model, case.inputs)
+    if not ran:  # e.g. an audio tower, given token ids only
+        where = sorted({path.rsplit(".", 2)[0] for path, _, _ in discover(model).attentions})
+        return ModelTypeStatus(model_type, "no tiny model", "upstream's rotations do not run on the tiny inputs ("
+                               f"{', '.join(sorted(case.inputs))}); they are in {', '.join(where[:3]) or 'modules not run'}")
     patched = patch(copy.deepcopy(model))
     with count_calls(codes) as left:
         outputs_of(patched, case.inputs)
