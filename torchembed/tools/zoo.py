@@ -472,8 +472,10 @@ def _build(model_type: str, kwargs: dict[str, Any]) -> Any:
         try:
             with _quiet():
                 config = AutoConfig.for_model(model_type, **copy.deepcopy(variant))
-            if _size(config) > MAX_PARAMETERS:
-                raise ValueError(f"the smallest config found still has {_size(config) / 1e6:.0f}M parameters")
+            size, largest = _size(config)
+            if size > MAX_PARAMETERS:
+                raise ValueError(f"the smallest config found still has {size / 1e6:.0f}M parameters; "
+                                 f"the largest is {largest} (a size the zoo does not shrink)")
             _runs(config)
         except Exception as err:  # noqa: BLE001 - try the next variant
             first = first or err
@@ -551,18 +553,23 @@ def model_class(config: Any) -> type:
     raise KeyError(f"transformers maps no model class to {type(config).__name__} ({config.model_type!r})")
 
 
-def _size(config: Any) -> int:
-    """Parameters of the model built from ``config``: on the meta device (no memory), or, for a
-    model whose construction reads values (5.0's Apertus activation), on the CPU once the meta
-    build ran into that."""
+def _size(config: Any) -> tuple[int, str]:
+    """Parameters of the model built from ``config``, and its largest one (name and shape): on the
+    meta device (no memory), or, for a model whose construction reads values (5.0's Apertus
+    activation), on the CPU once the meta build ran into that."""
+    def count(model: nn.Module) -> tuple[int, str]:
+        params = list(model.named_parameters())
+        name, largest = max(params, key=lambda item: item[1].numel(), default=("none", torch.empty(0)))
+        return sum(p.numel() for _, p in params), f"{name} {tuple(largest.shape)}"
+
     try:
         with torch.device("meta"), _quiet():
-            return sum(p.numel() for p in model_class(config)(config).parameters())
+            return count(model_class(config)(config))
     except NotImplementedError as err:
         if "meta" not in str(err):
             raise
     with _quiet():
-        return sum(p.numel() for p in model_class(config)(config).parameters())
+        return count(model_class(config)(config))
 
 
 def _runs(config: Any) -> None:
