@@ -60,7 +60,9 @@ SMALL: dict[str, Any] = {
     # state-space layers of hybrid models (their CPU path materialises chunk x chunk x state tensors)
     "mamba_d_state": 16, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_chunk_size": 16, "mamba_d_ssm": 64,
     "mamba_n_groups": 1, "ssm_state_size": 16, "state_size": 16, "chunk_size": 16, "n_groups": 1,
-    "mamba_headdim": 16, "time_step_rank": 8,
+    "mamba_headdim": 16, "time_step_rank": 8, "mamba_expand": 1,
+    # hybrid models: attention (and MoE) every other layer of the 4 (Jamba's period 8, offset 4 has none)
+    "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
     # vision and audio towers: width, depth, a 16 x 16 image of 8 x 8 patches
     "depth": 2, "embed_dim": 64, "num_heads": 4, "out_hidden_size": 64, "image_size": 16, "patch_size": 8,
     "vision_output_dim": 64, "projector_input_dim": 64, "projector_output_dim": 64, "mm_tokens_per_image": 4,
@@ -75,7 +77,7 @@ MAX_SECONDS = 10.0  # ... its build and one forward well inside this (a slower o
 SPECIAL_IDS = 16  # the top of the small vocabulary is kept for special tokens (image, vision start ...)
 _RECOMPUTED = ("layer_types", "mlp_layer_types", "no_rope_layers", "layers_block_type")  # per-layer lists
 _DERIVED = ("per_layer_config",)  # rebuilt by the config class from the (shrunk) layer types: never passed
-_ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok")
+_ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "vocab_size")
 _DEPTHS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")  # what layer-index lists index
 _TASKS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
           "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
@@ -99,7 +101,7 @@ def text_model_types() -> list[str]:
 
 
 _ROTARY_CLASS = re.compile(r"^class\s+(\w*(?:Rotary|RoPE|Rope(?![a-z]))\w*)\s*[(:]", re.M)
-_ROTARY_FUNCTION = re.compile(r"^def\s+(\w*(?:rotary|(?:^|_)rope(?:_|\b))\w*)\s*\(", re.M | re.I)
+_ROTARY_FUNCTION = re.compile(r"^\s*def\s+(\w*(?:rotary|(?:^|_)rope(?:_|\b))\w*)\s*\(", re.M | re.I)
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,7 +246,11 @@ def _tiny_config(model_type: str) -> Any:
 
     with _quiet():
         default = AutoConfig.for_model(model_type)
-    return _build(model_type, _small_kwargs(default))
+    kwargs = _small_kwargs(default)
+    kind = _attr(default, "position_embedding_type")
+    if isinstance(kind, str) and "rot" not in kind and "rope" not in kind and rotary_code_of(model_type):
+        kwargs["position_embedding_type"] = "rotary"  # ESM's default is absolute; its checkpoints rotate
+    return _build(model_type, kwargs)
 
 
 def _small_kwargs(default: Any) -> dict[str, Any]:
@@ -271,6 +277,8 @@ def _small_kwargs(default: Any) -> dict[str, Any]:
     _follow(values, kwargs, _shrunk_sizes(values, kwargs, {}))
     for key in _DERIVED:
         kwargs.pop(key, None)
+    if "attn_layer_indices" in values and not values["attn_layer_indices"]:  # Bamba's default: no attention layer
+        kwargs["attn_layer_indices"] = [1, 3]
     return kwargs
 
 
@@ -335,6 +343,9 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
         if (key not in small or small[key] is value) and _is_index_list(key, value, old_depth) and new_depth:
             # layer indices (deepstack, full-attention blocks, MoE layers): the same share of the new depth
             small[key] = sorted({min(new_depth - 1, v * new_depth // old_depth) for v in value})
+    ratio = original.get("pixel_shuffle_ratio")
+    if isinstance(ratio, float) and 0 < ratio < 1 and isinstance(small.get("hidden_size"), int) and "intermediate_size" in small:
+        small["intermediate_size"] = int(small["hidden_size"] / ratio**2)  # Llama 4: the shuffled patches' width
     heads = small.get("num_attention_heads") or small.get("num_heads")
     for key in ("num_key_value_heads",):
         if isinstance(small.get(key), int) and heads and heads % small[key]:
@@ -353,10 +364,13 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
     if isinstance(rope, dict) and head_dim:
         rope = small[rope_key] = dict(rope)
         factor = rope.get("partial_rotary_factor", original.get("partial_rotary_factor", 1.0))
-        rotary = int(head_dim * factor) if isinstance(factor, (int, float)) and 0 < factor <= 1 else head_dim
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-        cls = _config_class(original.get("model_type")) if original.get("model_type") in CONFIG_MAPPING_NAMES else None
+        factor = factor if isinstance(factor, (int, float)) and 0 < factor <= 1 else 1.0
+        sectioned = any("section" in k for k in rope) or any(
+            "section" in k for k in getattr(cls_of(original), "ignore_keys_at_rope_validation", None) or ())
+        if sectioned and factor < 1 and "head_dim" in small:  # room for three sections in the rotated part
+            small["head_dim"] = head_dim = max(head_dim, int(SMALL["head_dim"] / factor))
+        rotary = int(head_dim * factor)
+        cls = cls_of(original)
         for key in getattr(cls, "ignore_keys_at_rope_validation", None) or ():
             if "section" in key and key not in rope:  # left to the modeling code's full-size default
                 rope[key] = _sections([2, 3, 3], rotary // 2)  # (t, h, w) as Qwen2-VL's [16, 24, 24]
@@ -372,6 +386,14 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
             small[key] = next(spare, vocab - 1)
 
 
+def cls_of(values: dict[str, Any]) -> Any:
+    """The config class of a config dict (by its ``model_type``), or None."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    model_type = values.get("model_type")
+    return _config_class(model_type) if model_type in CONFIG_MAPPING_NAMES else None
+
+
 def _config_class(model_type: str) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -379,7 +401,7 @@ def _config_class(model_type: str) -> Any:
 
 
 def _is_index_list(key: str, value: Any, depth: int | None) -> bool:
-    return (depth is not None and isinstance(value, list) and value and ("index" in key or "layers" in key)
+    return (depth is not None and isinstance(value, list) and value and ("index" in key or "indic" in key or "layers" in key)
             and key not in _RECOMPUTED and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
             and len(set(value)) == len(value) and max(value) < depth and (max(value) >= SMALL["num_hidden_layers"] or len(value) > 2))
 
