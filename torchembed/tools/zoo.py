@@ -692,8 +692,10 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
     size = _first(vision, "image_size", default=2 * patch)
     pixels = torch.randn(1, channels, size, size, generator=gen)
     sizes = {"image_sizes": torch.tensor([[size, size]])} if "image_sizes" in params else {}
-    yield {"pixel_values": pixels, **sizes}
-    yield {"pixel_values": pixels[:, None], **sizes}  # (batch, images, channels, height, width): Idefics and kin
+    for layout in (pixels, pixels[:, None]):  # (batch, images, channels, height, width): Idefics and kin
+        yield {"pixel_values": layout, **sizes}
+        if sizes:  # image_sizes is optional, and some towers do not take it (LLaVA's CLIP)
+            yield {"pixel_values": layout}
 
 
 def _image_tokens(model: nn.Module, images: dict[str, Tensor]) -> int:
