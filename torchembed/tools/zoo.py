@@ -10,7 +10,8 @@ models alike.
 Configs are made generically from each config class: its defaults, with every size-like attribute
 it or its sub-configs have (hidden size, heads, layers, vocabulary, experts, low-rank dims, patch
 and image sizes ...) set small, so a model builds and runs on a CPU in milliseconds. The search for
-a config that runs is done once per process. Weights are drawn with a variance-preserving init
+a config that runs is done once per release of transformers and torch (its result is kept in the
+cache folder, ``$TORCHEMBED_CACHE/zoo``; ``TORCHEMBED_ZOO_CACHE=0`` searches afresh). Weights are drawn with a variance-preserving init
 (:func:`strong_init`) instead of HF's ``initializer_range=0.02``, under which attention is nearly
 uniform and a wrong rotation barely moves the logits. Inputs (:func:`tiny_inputs`) are token ids,
 plus a tiny image where the model has a vision tower, so that the tower's rotation runs too.
@@ -37,9 +38,10 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
-    "SMALL", "FP32_REL_TOL", "ModelTypeStatus", "TinyModelError", "ZooCase", "model_types", "rotary_model_types", "text_model_types",
-    "generic_tiny_config", "build_tiny", "rotation_code", "count_calls", "strong_init", "tiny_inputs", "zoo_case", "rotary_modules", "outputs_of",
-    "matches", "status_of", "survey",
+    "SMALL", "FP32_REL_TOL", "ModelTypeStatus", "TinyModelError", "ZooCase", "model_types", "rotary_model_types",
+    "rotary_code_of", "text_model_types", "generic_tiny_config", "model_class", "build_tiny", "strong_init",
+    "tiny_inputs", "zoo_case", "rotary_modules", "rotation_code", "count_calls", "outputs_of", "matches",
+    "status_of", "survey",
 ]
 
 #: attribute -> small value; an attribute is set only where the config (or a sub-config) has it.
@@ -108,17 +110,8 @@ _ROTARY_FUNCTION = re.compile(r"^\s*def\s+(\w*(?:rotary|(?:^|_)rope(?:_|\b))\w*)
 def _rotary_code(module_name: str) -> tuple[str, ...]:
     """Rotary classes and rope-named functions defined in the modeling files of a models package
     (read as text: importing every modeling module would take minutes)."""
-    import transformers
-
-    folder = os.path.join(os.path.dirname(transformers.__file__), "models", module_name)
-    names: list[str] = []
-    with contextlib.suppress(OSError):
-        for file in sorted(os.listdir(folder)):
-            if file.startswith("modeling_") and file.endswith(".py"):
-                with open(os.path.join(folder, file), encoding="utf-8") as f:
-                    source = f.read()
-                names += _ROTARY_CLASS.findall(source) + _ROTARY_FUNCTION.findall(source)
-    return tuple(dict.fromkeys(names))
+    source = _modeling_text(module_name)
+    return tuple(dict.fromkeys(_ROTARY_CLASS.findall(source) + _ROTARY_FUNCTION.findall(source)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,7 +225,7 @@ def count_calls(codes: dict[Any, str]) -> Iterator[dict[str, int]]:
 
 def generic_tiny_config(model_type: str) -> Any:
     """A small config of ``model_type``: the class defaults with :data:`SMALL` where it applies
-    (a fresh copy; the search for a config that runs is done once per process).
+    (a fresh copy; the search for a config that runs is done once per process, or read from disk).
 
     Raises:
         Exception: whatever the config class or upstream's forward raises for these values.
@@ -350,6 +343,9 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
     for key in ("num_key_value_heads",):
         if isinstance(small.get(key), int) and heads and heads % small[key]:
             small[key] = heads
+    if ("rope_scaling" in original and original["rope_scaling"] is None and "rope_parameters" not in original
+            and "mrope_section" in _source_of(_config_class_of(original))):  # 4.x M-RoPE: sections in rope_scaling, no default
+        small["rope_scaling"] = {"rope_type": "default", "mrope_section": [2, 3, 3]}
     rope_key = next((k for k in ("rope_parameters", "rope_scaling") if isinstance(small.get(k, original.get(k)), dict)), None)
     rope = small.get(rope_key, original.get(rope_key)) if rope_key else None
     head_dim = _head_dim({**original, **small})
@@ -366,11 +362,11 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
         factor = rope.get("partial_rotary_factor", original.get("partial_rotary_factor", 1.0))
         factor = factor if isinstance(factor, (int, float)) and 0 < factor <= 1 else 1.0
         sectioned = any("section" in k for k in rope) or any(
-            "section" in k for k in getattr(cls_of(original), "ignore_keys_at_rope_validation", None) or ())
+            "section" in k for k in getattr(_config_class_of(original), "ignore_keys_at_rope_validation", None) or ())
         if sectioned and factor < 1 and "head_dim" in small:  # room for three sections in the rotated part
             small["head_dim"] = head_dim = max(head_dim, int(SMALL["head_dim"] / factor))
         rotary = int(head_dim * factor)
-        cls = cls_of(original)
+        cls = _config_class_of(original)
         for key in getattr(cls, "ignore_keys_at_rope_validation", None) or ():
             if "section" in key and key not in rope:  # left to the modeling code's full-size default
                 rope[key] = _sections([2, 3, 3], rotary // 2)  # (t, h, w) as Qwen2-VL's [16, 24, 24]
@@ -386,7 +382,30 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
             small[key] = next(spare, vocab - 1)
 
 
-def cls_of(values: dict[str, Any]) -> Any:
+def _source_of(config_class: Any) -> str:
+    """The modeling files' text of the models package a config class belongs to ("" if none)."""
+    module = getattr(config_class, "__module__", "") or ""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[-3] != "models":
+        return ""
+    return _modeling_text(parts[-2])
+
+
+@functools.lru_cache(maxsize=None)
+def _modeling_text(module_name: str) -> str:
+    import transformers
+
+    folder = os.path.join(os.path.dirname(transformers.__file__), "models", module_name)
+    texts = []
+    with contextlib.suppress(OSError):
+        for file in sorted(os.listdir(folder)):
+            if file.startswith("modeling_") and file.endswith(".py"):
+                with open(os.path.join(folder, file), encoding="utf-8") as f:
+                    texts.append(f.read())
+    return "\n".join(texts)
+
+
+def _config_class_of(values: dict[str, Any]) -> Any:
     """The config class of a config dict (by its ``model_type``), or None."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
@@ -881,16 +900,27 @@ def zoo_case(model_type: str, device: str | torch.device = "cpu") -> ZooCase:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
+    """No warnings, no transformers logging, and no hub: a default config that would download a
+    part (EdgeTAM's timm backbone) fails at once instead of retrying the network."""
+    import huggingface_hub.constants
+    import transformers.utils.hub
     from transformers.utils import logging
 
     verbosity = logging.get_verbosity()
+    offline = huggingface_hub.constants.HF_HUB_OFFLINE, getattr(transformers.utils.hub, "_is_offline_mode", None)
     logging.set_verbosity_error()
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    if offline[1] is not None:
+        transformers.utils.hub._is_offline_mode = True
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
         logging.set_verbosity(verbosity)
+        huggingface_hub.constants.HF_HUB_OFFLINE = offline[0]
+        if offline[1] is not None:
+            transformers.utils.hub._is_offline_mode = offline[1]
 
 
 # -- status ------------------------------------------------------------------------------------------
@@ -989,6 +1019,6 @@ def _clip(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def survey(model_types_: list[str] | None = None) -> list[ModelTypeStatus]:
+def survey(types: list[str] | None = None) -> list[ModelTypeStatus]:
     """:func:`status_of` for each model type (default: every model type with a rotary component)."""
-    return [status_of(model_type) for model_type in (model_types_ or rotary_model_types())]
+    return [status_of(model_type) for model_type in (types or rotary_model_types())]
