@@ -866,9 +866,10 @@ def _prompt(model: nn.Module, inputs: dict[str, Tensor]) -> dict[str, Tensor] | 
     can = getattr(model, "can_generate", None)
     if not (can and can()) or getattr(model.config, "is_encoder_decoder", False):
         return None
-    prompt = {k: v[:1] for k, v in inputs.items()}
-    if "pixel_values" not in inputs:
-        prompt["input_ids"] = prompt["input_ids"][:, :6]
+    if "pixel_values" in inputs:  # one row already, and its image tokens complete
+        prompt = dict(inputs)
+    else:
+        prompt = {k: v[:1, :6] for k, v in inputs.items()}
     try:
         with torch.no_grad(), _quiet():
             model.generate(**prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
