@@ -614,19 +614,23 @@ def _size(config: Any) -> tuple[int, str]:
 
 
 def _runs(config: Any) -> None:
-    """Upstream runs a forward of the tiny model on its tiny inputs in its default attention, in a
-    fraction of a second (a slow one means a size this module does not shrink yet), with finite
-    outputs."""
+    """Upstream runs a forward of the tiny model on its tiny inputs, in its default attention and in
+    eager attention, in a fraction of a second (a slow one means a size this module does not shrink
+    yet), with finite outputs."""
     import time
 
-    start = time.perf_counter()
-    with _quiet(), torch.no_grad():
-        model = _construct(copy.deepcopy(config), 0, torch.float32)
-        out = outputs_of(model, tiny_inputs(model))
-    if not torch.isfinite(out).all():
-        raise ValueError("upstream's outputs of the tiny model are not finite")
-    if time.perf_counter() - start > MAX_SECONDS:
-        raise ValueError(f"a forward of the smallest config found takes over {MAX_SECONDS:g} s")
+    for impl in (None, "eager"):  # torchembed compare runs both
+        candidate = copy.deepcopy(config)
+        if impl is not None:
+            candidate._attn_implementation = impl
+        start = time.perf_counter()
+        with _quiet(), torch.no_grad():
+            model = _construct(candidate, 0, torch.float32)
+            out = outputs_of(model, tiny_inputs(model))
+        if not torch.isfinite(out).all():
+            raise ValueError("upstream's outputs of the tiny model are not finite")
+        if time.perf_counter() - start > MAX_SECONDS:
+            raise ValueError(f"a forward of the smallest config found takes over {MAX_SECONDS:g} s")
 
 
 # -- models ------------------------------------------------------------------------------------------
