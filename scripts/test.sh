@@ -7,4 +7,4 @@ source scripts/python.sh
 # One test process per core (pytest-xdist), each on one thread: the tests are many small models,
 # so processes use the cores better than intra-op threads. TORCHEMBED_TEST_WORKERS=0: one process.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-"$PYTHON" -m pytest -q -n "${TORCHEMBED_TEST_WORKERS:-auto}" "$@"
+"$PYTHON" -m pytest -q -n "${TORCHEMBED_TEST_WORKERS:-auto}" --dist loadgroup "$@"

@@ -26,7 +26,7 @@ for spec in "${specs[@]}"; do
   "$venv/bin/python" -m pip install -q -e ".[triton,hf,dev]" "$requirement"
   version=$("$venv/bin/python" -c "import transformers; print(transformers.__version__)")
   echo "== transformers $version ($spec): tests/patches"
-  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${TORCHEMBED_TEST_WORKERS:-auto}" tests/patches
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${TORCHEMBED_TEST_WORKERS:-auto}" --dist loadgroup tests/patches
   echo "== transformers $version ($spec): torchembed compare"
   "$venv/bin/python" -m torchembed compare
 done

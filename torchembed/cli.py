@@ -122,15 +122,28 @@ def _list(args: argparse.Namespace) -> int:
         return 0
     import transformers
 
-    from torchembed.tools.zoo import survey
+    from torchembed.tools.zoo import model_types, survey
 
     transformers.logging.set_verbosity_error()
     statuses = survey()
-    for status in statuses:
-        print(f"{status.model_type:26} {'yes' if status.supported else 'no ':4} {status.how}")
-    supported = sum(s.supported for s in statuses)
-    print(f"{supported} of {len(statuses)} text model types of transformers {transformers.__version__} are patched "
-          "(checked on tiny random-weight models built from each config class)")
+    rotary = [s for s in statuses if s.rotary]
+    width = max((len(s.model_type) for s in statuses), default=10) + 1
+    for state in ("patched", "partly patched", "refused", "no tiny model", "part of"):
+        rows = [s for s in rotary if s.state == state]
+        if rows:
+            print(f"== {state} ({len(rows)})")
+            for status in rows:
+                print(f"{status.model_type:{width}} {status.how}")
+    found = {s.model_type for s in rotary}
+    without = [t for t in model_types() if t not in found]
+    print(f"== no rotary component ({len(without)}): {', '.join(without)}")
+    counts = {state: sum(s.state == state for s in rotary) for state in ("patched", "partly patched", "refused", "no tiny model", "part of")}
+    print(f"{counts['patched']} patched, {counts['refused']} refused (reasons above)"
+          + (f", {counts['partly patched']} partly patched (what stays upstream's above)" if counts["partly patched"] else "")
+          + (f", {counts['no tiny model']} without a tiny model that upstream runs" if counts["no tiny model"] else "")
+          + f", {counts['part of']} sub-configs checked within their composite models"
+          + f", {len(without)} without a rotary component, of the {len(model_types())} model types of transformers "
+          f"{transformers.__version__} (checked on tiny random-weight models built from each config class)")
     return 0
 
 
@@ -223,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_bench)
 
     p = sub.add_parser("list", help="supported model families and what is swapped in each")
-    p.add_argument("--all", action="store_true", help="every text model type of the installed transformers: supported or why not")
+    p.add_argument("--all", action="store_true", help="every model type of the installed transformers with a rotary component: patched, or why not")
     _add_debug(p, no_default)
     p.set_defaults(func=_list)
     return parser

@@ -239,3 +239,23 @@ def test_bench_writes_to_torchembed_results_and_says_where(capsys, monkeypatch, 
     assert cli.main(["bench", "rope", "--out", "elsewhere"]) == 0
     assert (tmp_path / "elsewhere" / "fake.md").is_file()
     assert str((tmp_path / "elsewhere" / "fake.md").resolve()) in capsys.readouterr().err
+
+
+def test_list_all_says_for_each_rotary_model_type_patched_or_why_not(capsys, monkeypatch) -> None:
+    import transformers
+
+    from torchembed.tools import zoo
+
+    picked = ("llama", "qwen2_vl_vision", "canary", "opt")  # patched, a sub-config, an audio model, no RoPE
+    monkeypatch.setattr(zoo, "rotary_model_types", lambda: tuple(t for t in picked if zoo.rotary_code_of(t)))
+    code, out, _ = run(capsys, "list", "--all")
+    assert code == 0
+    assert "not checked" not in out
+    lines = out.strip().splitlines()
+    rows = {line.split()[0]: line for line in lines if not line.startswith("==")}
+    assert rows["llama"].split(None, 1)[1].startswith("rope; 4 x rope-apply")
+    for model_type in zoo.rotary_model_types():  # each under one heading, with a reason
+        assert len(rows[model_type].split()) > 2, rows[model_type]
+    assert "opt" in next(line for line in lines if line.startswith("== no rotary component")).split(": ", 1)[1].split(", ")
+    assert lines[-1].startswith("1 patched, ") and "without a rotary component" in lines[-1]
+    assert f"transformers {transformers.__version__}" in lines[-1]

@@ -309,8 +309,9 @@ def compare(
         models: a model, a checkpoint directory or hub id, or a list of them. ``None`` runs the
             embedded default: tiny random-weight checkpoints of every family and rope variant and a
             sample of the RoPE model types found by structure.
-        every_model_type: with ``models=None``, tiny checkpoints of every model type of the
-            installed transformers that torchembed patches (``torchembed list --all``).
+        every_model_type: with ``models=None``, tiny checkpoints of every causal-LM model type of
+            the installed transformers that torchembed patches (``torchembed list --all``; the
+            vision-language and encoder ones, with their images, are checked by the test suite).
         dtypes: any of float32, bfloat16, float16.
         attn_implementations: default: every one the model supports among eager and sdpa.
         fused: passed to :func:`torchembed.patch`.
@@ -445,8 +446,8 @@ def default_models(every_model_type: bool = False) -> list[str]:
 
     names = list(TINY_MODELS)
     available = set(text_model_types())
-    if every_model_type:
-        extra = [s.model_type for s in survey() if s.supported]
+    if every_model_type:  # the causal LMs among them: compare's inputs are padded token ids
+        extra = [s.model_type for s in survey() if s.supported and s.model_type in available]
     else:
         extra = [t for t in SAMPLED_MODEL_TYPES if t in available]
     return names + [t for t in extra if t not in names]

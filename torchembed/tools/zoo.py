@@ -1,26 +1,50 @@
-"""Tiny random-weight models of every text model type in the installed transformers.
+"""Tiny random-weight models of every model type with a rotary component in the installed transformers.
+
+Which model types have one is read from the code, not from a list: a model type qualifies when its
+modeling code (or that of its default sub-models: the text model of a vision-language model, its
+vision tower ...) defines a rotary-embedding class or a rope-named function, and the tiny model
+built from it then holds such a module (:func:`rotary_modules`). Causal LMs, vision-language models
+(built whole, vision tower included), encoders, MoE, hybrid state-space and latent-attention
+models alike.
 
 Configs are made generically from each config class: its defaults, with every size-like attribute
-it has (hidden size, heads, layers, vocabulary, experts, low-rank dims ...) set small, so a model
-builds and runs on a CPU in milliseconds. Nothing is written per model type. Used by
-``torchembed list --all`` (what is supported and why not) and ``torchembed compare --all``.
+it or its sub-configs have (hidden size, heads, layers, vocabulary, experts, low-rank dims, patch
+and image sizes ...) set small, so a model builds and runs on a CPU in milliseconds. The search for
+a config that runs is done once per release of transformers and torch (its result is kept in the
+cache folder, ``$TORCHEMBED_CACHE/zoo``; ``TORCHEMBED_ZOO_CACHE=0`` searches afresh). Weights are drawn with a variance-preserving init
+(:func:`strong_init`) instead of HF's ``initializer_range=0.02``, under which attention is nearly
+uniform and a wrong rotation barely moves the logits. Inputs (:func:`tiny_inputs`) are token ids,
+plus a tiny image where the model has a vision tower, so that the tower's rotation runs too.
+
+Used by ``torchembed list --all`` (what is patched and why not), ``torchembed compare --all`` and
+the tests (:func:`zoo_case`: the model and the inputs to run).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import inspect
+import math
+import os
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["SMALL", "ModelTypeStatus", "text_model_types", "generic_tiny_config", "build_tiny", "status_of", "survey"]
+__all__ = [
+    "SMALL", "FP32_REL_TOL", "ModelTypeStatus", "TinyModelError", "ZooCase", "model_types", "rotary_model_types",
+    "rotary_code_of", "text_model_types", "generic_tiny_config", "model_class", "build_tiny", "strong_init",
+    "tiny_inputs", "zoo_case", "rotary_modules", "rotation_code", "count_calls", "outputs_of", "matches",
+    "status_of", "survey",
+]
 
-#: attribute -> small value; an attribute is set only where the config class has it.
+#: attribute -> small value; an attribute is set only where the config (or a sub-config) has it.
 SMALL: dict[str, Any] = {
     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "num_hidden_layers": 4, "intermediate_size": 128, "vocab_size": 128, "max_position_embeddings": 128,
@@ -38,14 +62,37 @@ SMALL: dict[str, Any] = {
     # state-space layers of hybrid models (their CPU path materialises chunk x chunk x state tensors)
     "mamba_d_state": 16, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_chunk_size": 16, "mamba_d_ssm": 64,
     "mamba_n_groups": 1, "ssm_state_size": 16, "state_size": 16, "chunk_size": 16, "n_groups": 1,
-    "mamba_headdim": 16, "time_step_rank": 8,
+    "mamba_headdim": 16, "time_step_rank": 8, "mamba_expand": 1,
+    # hybrid models: attention (and MoE) every other layer of the 4 (Jamba's period 8, offset 4 has none)
+    "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+    # vision and audio towers: width, depth, a 16 x 16 image of 8 x 8 patches
+    "depth": 2, "embed_dim": 64, "num_heads": 4, "out_hidden_size": 64, "image_size": 16, "patch_size": 8,
+    "vision_output_dim": 64, "projector_input_dim": 64, "projector_output_dim": 64, "mm_tokens_per_image": 4,
+    "num_mel_bins": 16, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4, "d_model": 64, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
     # token ids inside the small vocabulary
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }
+FP32_REL_TOL = 1e-5  # float32 logits: patched within this of upstream (relative to the largest |logit|)
 MAX_PARAMETERS = 20_000_000  # a tiny model runs in milliseconds on a CPU
-MAX_SECONDS = 3.0  # ... its build and one forward well inside this
+MAX_SECONDS = 10.0  # ... its build and one forward well inside this (a slower one is a size not yet shrunk)
+SPECIAL_IDS = 16  # the top of the small vocabulary is kept for special tokens (image, vision start ...)
 _RECOMPUTED = ("layer_types", "mlp_layer_types", "no_rope_layers", "layers_block_type")  # per-layer lists
-_ALWAYS = ("head_dim", "num_key_value_heads")
+_DERIVED = ("per_layer_config",)  # rebuilt by the config class from the (shrunk) layer types: never passed
+_ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "vocab_size")
+_DEPTHS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")  # what layer-index lists index
+_TASKS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
+          "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
+
+
+# -- which model types ---------------------------------------------------------------------------------
+
+
+def model_types() -> list[str]:
+    """Every model type (config class) of the installed transformers, sorted."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return sorted(CONFIG_MAPPING_NAMES)
 
 
 def text_model_types() -> list[str]:
@@ -55,15 +102,134 @@ def text_model_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+_ROTARY_CLASS = re.compile(r"^class\s+(\w*(?:Rotary|RoPE|Rope(?![a-z]))\w*)\s*[(:]", re.M)
+_ROTARY_FUNCTION = re.compile(r"^\s*def\s+(\w*(?:rotary|(?:^|_)rope(?:_|\b))\w*)\s*\(", re.M | re.I)
+
+
+@functools.lru_cache(maxsize=None)
+def _rotary_code(module_name: str) -> tuple[str, ...]:
+    """Rotary classes and rope-named functions defined in the modeling files of a models package
+    (read as text: importing every modeling module would take minutes)."""
+    source = _modeling_text(module_name)
+    return tuple(dict.fromkeys(_ROTARY_CLASS.findall(source) + _ROTARY_FUNCTION.findall(source)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sub_model_types(model_type: str) -> tuple[str, ...]:
+    """The model types of a composite config's default sub-configs (text model, vision tower ...)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        cls = CONFIG_MAPPING[model_type]
+        if not getattr(cls, "sub_configs", None):
+            return ()
+        with _quiet():
+            config = AutoConfig.for_model(model_type)
+    except Exception:  # noqa: BLE001 - a config class that cannot be made with its defaults
+        return ()
+    subs = (getattr(config, key, None) for key in config.sub_configs)
+    return tuple(dict.fromkeys(t for t in (getattr(s, "model_type", None) for s in subs) if t and t != model_type))
+
+
+@functools.lru_cache(maxsize=None)
+def rotary_code_of(model_type: str) -> tuple[str, ...]:
+    """The rotary classes/functions in the modeling code of ``model_type`` and its default sub-models."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    names = list(_rotary_code(model_type_to_module_name(model_type)))
+    for sub in _sub_model_types(model_type):
+        names += rotary_code_of(sub)
+    return tuple(dict.fromkeys(names))
+
+
+@functools.lru_cache(maxsize=None)
+def rotary_model_types() -> tuple[str, ...]:
+    """Every model type whose modeling code (or its default sub-models') has a rotary component."""
+    return tuple(t for t in model_types() if rotary_code_of(t))
+
+
+def has_model_class(model_type: str) -> bool:
+    """Whether transformers maps a model class to ``model_type`` (sub-configs such as a vision
+    tower's often have none: they exist only inside their composite model)."""
+    from transformers.models.auto import modeling_auto
+
+    return any(model_type in (getattr(modeling_auto, task, None) or {}) for task in _TASKS)
+
+
+@functools.lru_cache(maxsize=None)
+def composites_of(model_type: str) -> tuple[str, ...]:
+    """The model types whose default config holds ``model_type`` as a sub-config."""
+    return tuple(t for t in rotary_model_types() if model_type in _sub_model_types(t))
+
+
+def rotary_modules(model: nn.Module) -> list[str]:
+    """Paths of the modules of ``model`` that are rotary: a class named for it (``...Rotary...``,
+    ``...RoPE...``) or a forward that calls a rope-named module-level function."""
+    from torchembed.patches.families.rope import class_rotations
+
+    found = []
+    for path, module in model.named_modules():
+        rotations = class_rotations(type(module))
+        if (re.search(r"Rotary|RoPE|Rope(?![a-z])", type(module).__name__) or rotations.recognized
+                or rotations.unrecognized or rotations.via_attribute):
+            found.append(path)
+    return found
+
+
+def rotation_code(model: nn.Module) -> dict[Any, str]:
+    """``{code object: name}`` of every rope-named module-level function that a forward of a module
+    of ``model`` calls (upstream's rotation helpers, recognised or not), each function of its
+    decorator chain included."""
+    from torchembed.patches.rebind import chain, find_globals
+    from torchembed.patches.rotation import is_rotation_name
+
+    def candidate(name: str, value: Any) -> bool:
+        return is_rotation_name(name) and callable(value) and not isinstance(value, type)
+
+    codes: dict[Any, str] = {}
+    for cls in {type(module) for module in model.modules()}:
+        forward = inspect.getattr_static(cls, "forward", None)
+        if not callable(forward) or isinstance(forward, (staticmethod, classmethod)):
+            continue
+        for name, uses in find_globals(forward, candidate).items():
+            for _, helper in uses:
+                target = helper.forward if isinstance(helper, nn.Module) else helper
+                codes.update({f.__code__: name for f in chain(target)})
+    return codes
+
+
+@contextlib.contextmanager
+def count_calls(codes: dict[Any, str]) -> Iterator[dict[str, int]]:
+    """``{name: calls}`` of the functions whose code is in ``codes``, counted while the block runs,
+    whatever route calls them (a profile hook sees every Python frame)."""
+    import sys
+
+    counts: dict[str, int] = {}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code in codes:
+            name = codes[frame.f_code]
+            counts[name] = counts.get(name, 0) + 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield counts
+    finally:
+        sys.setprofile(previous)
+
+
+# -- configs -------------------------------------------------------------------------------------------
+
+
 def generic_tiny_config(model_type: str) -> Any:
     """A small config of ``model_type``: the class defaults with :data:`SMALL` where it applies
-    (a fresh copy; the search for a config that runs is done once per process).
+    (a fresh copy; the search for a config that runs is done once per process, or read from disk).
 
     Raises:
         Exception: whatever the config class or upstream's forward raises for these values.
     """
-    import copy
-
     return copy.deepcopy(_tiny_config(model_type))
 
 
@@ -71,44 +237,222 @@ def generic_tiny_config(model_type: str) -> Any:
 def _tiny_config(model_type: str) -> Any:
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
+    with _quiet():
+        default = AutoConfig.for_model(model_type)
+    kwargs = _small_kwargs(default)
+    kind = _attr(default, "position_embedding_type")
+    if isinstance(kind, str) and "rot" not in kind and "rope" not in kind and rotary_code_of(model_type):
+        kwargs["position_embedding_type"] = "rotary"  # ESM's default is absolute; its checkpoints rotate
+    return _build(model_type, kwargs)
+
+
+def _small_kwargs(default: Any) -> dict[str, Any]:
+    """Keyword arguments that make ``default``'s config class small (sub-configs as dicts)."""
     kwargs = {key: value for key, value in SMALL.items() if _has(default, key)}
-    for key, value in default.to_dict().items():
+    values = default.to_dict()
+    for key, value in values.items():
         if _is_vocab(key, value):  # every other vocabulary (hash, byte-group, ...)
             kwargs.setdefault(key, SMALL["vocab_size"])
-        elif isinstance(value, dict) and any(k in SMALL for k in value):  # a sub-config (text, encoder ...)
+        elif isinstance(value, dict) and _is_sub_config(value):  # a sub-config (text, vision, encoder ...)
             kwargs[key] = _shrink(value)
     for key in _ALWAYS:  # None in some defaults, and read as is by the model
-        if key not in kwargs and _settable(default, key) and hasattr(default, key):
+        if key not in kwargs and _settable(default, key) and _attr(default, key, missing := object()) is not missing:
             kwargs[key] = SMALL[key]
-    if getattr(default, "head_dim", None) is not None and default.head_dim == getattr(default, "qk_rope_head_dim", None):
+    if _attr(default, "head_dim") is not None and _attr(default, "head_dim") == _attr(default, "qk_rope_head_dim"):
         kwargs["head_dim"] = SMALL["qk_rope_head_dim"]  # MLA models: head_dim is the rotary part
     layers = SMALL["num_hidden_layers"]
     for key in _RECOMPUTED:
-        value = getattr(default, key, None)
+        value = _attr(default, key)
         if isinstance(value, (list, tuple)) and len(value) != layers and _settable(default, key):
             kinds = list(dict.fromkeys(value))  # every kind of layer the default has, in turn
             kwargs[key] = (kinds * layers)[:layers]
-    return _build(model_type, kwargs)
+    _fit(values, kwargs)
+    _follow(values, kwargs, _shrunk_sizes(values, kwargs, {}))
+    for key in _DERIVED:
+        kwargs.pop(key, None)
+    if "attn_layer_indices" in values and not values["attn_layer_indices"]:  # Bamba's default: no attention layer
+        kwargs["attn_layer_indices"] = [1, 3]
+    return kwargs
+
+
+_WIDTHS = ("hidden_size", "d_model", "embed_dim", "out_hidden_size", "intermediate_size")  # first: the widths
+_DEPENDENT = re.compile(r"hidden|_dim$|_size$|channels|features")
+
+
+def _shrunk_sizes(original: dict[str, Any], small: dict[str, Any], sizes: dict[int, int]) -> dict[int, int]:
+    """``{full-size value: tiny value}`` of the widths shrunk anywhere in the config tree."""
+    for key in _WIDTHS:
+        old, new = original.get(key), small.get(key)
+        if isinstance(old, int) and isinstance(new, int) and old != new and old > SMALL["vocab_size"]:
+            sizes.setdefault(old, new)
+    for key, value in original.items():
+        if isinstance(value, dict) and isinstance(small.get(key), dict):
+            _shrunk_sizes(value, small[key], sizes)
+    return sizes
+
+
+def _follow(original: dict[str, Any], small: dict[str, Any], sizes: dict[int, int]) -> None:
+    """Sizes left at a full-size width elsewhere in the tree (a projector's ``text_hidden_size``, a
+    head's ``audio_hidden_size``, a ``condition_dim``) follow that width, in place."""
+    for key, value in original.items():
+        if isinstance(value, dict) and isinstance(small.get(key), dict):
+            _follow(value, small[key], sizes)
+        elif (isinstance(value, int) and not isinstance(value, bool) and value in sizes and key not in SMALL
+                and small.get(key, value) == value and _DEPENDENT.search(key) and not _is_vocab(key, value)):
+            small[key] = sizes[value]
+
+
+def _is_sub_config(value: dict[str, Any]) -> bool:
+    return any(k in SMALL for k in value) or "model_type" in value
+
+
+def _shrink(values: dict[str, Any]) -> dict[str, Any]:
+    """A sub-config's dict with :data:`SMALL` applied (recursively)."""
+    out = {}
+    layers = SMALL["num_hidden_layers"]
+    for key, value in values.items():
+        if key in _DERIVED:
+            continue
+        if key in SMALL and value is not None and not isinstance(value, (list, dict, bool)):
+            out[key] = SMALL[key]
+        elif _is_vocab(key, value):
+            out[key] = SMALL["vocab_size"]
+        elif isinstance(value, dict) and _is_sub_config(value):
+            out[key] = _shrink(value)
+        elif key in _RECOMPUTED and isinstance(value, list) and len(value) != layers:
+            out[key] = (list(dict.fromkeys(value)) * layers)[:layers]
+        else:
+            out[key] = value
+    _fit(values, out)
+    return out
+
+
+def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
+    """Make the values that depend on the sizes agree with the shrunk ones, in place: lists of layer
+    indices, sections of the rotary features (M-RoPE), head counts, special token ids."""
+    old_depth = next((original[k] for k in _DEPTHS if isinstance(original.get(k), int) and original[k] > 0), None)
+    new_depth = next((small[k] for k in _DEPTHS if isinstance(small.get(k), int) and small[k] > 0), None)
+    for key, value in original.items():
+        if (key not in small or small[key] is value) and _is_index_list(key, value, old_depth) and new_depth:
+            # layer indices (deepstack, full-attention blocks, MoE layers): the same share of the new depth
+            small[key] = sorted({min(new_depth - 1, v * new_depth // old_depth) for v in value})
+    ratio = original.get("pixel_shuffle_ratio")
+    if isinstance(ratio, float) and 0 < ratio < 1 and isinstance(small.get("hidden_size"), int) and "intermediate_size" in small:
+        small["intermediate_size"] = int(small["hidden_size"] / ratio**2)  # Llama 4: the shuffled patches' width
+    heads = small.get("num_attention_heads") or small.get("num_heads")
+    for key in ("num_key_value_heads",):
+        if isinstance(small.get(key), int) and heads and heads % small[key]:
+            small[key] = heads
+    if ("rope_scaling" in original and original["rope_scaling"] is None and "rope_parameters" not in original
+            and "mrope_section" in _source_of(_config_class_of(original))):  # 4.x M-RoPE: sections in rope_scaling, no default
+        small["rope_scaling"] = {"rope_type": "default", "mrope_section": [2, 3, 3]}
+    rope_key = next((k for k in ("rope_parameters", "rope_scaling") if isinstance(small.get(k, original.get(k)), dict)), None)
+    rope = small.get(rope_key, original.get(rope_key)) if rope_key else None
+    head_dim = _head_dim({**original, **small})
+    if head_dim:  # attention scales written for the full-size head dim: the tiny one's instead
+        if isinstance(original.get("query_pre_attn_scalar"), (int, float)):
+            small["query_pre_attn_scalar"] = head_dim
+        if isinstance(original.get("attention_multiplier"), float):
+            small["attention_multiplier"] = head_dim**-0.5
+    for key, value in original.items():  # a rotary embedding the default config switches off (Zamba2's use_mem_rope)
+        if key.startswith("use_") and ("rope" in key or "rotary" in key) and value is False:
+            small[key] = True
+    if isinstance(rope, dict) and head_dim:
+        rope = small[rope_key] = dict(rope)
+        factor = rope.get("partial_rotary_factor", original.get("partial_rotary_factor", 1.0))
+        factor = factor if isinstance(factor, (int, float)) and 0 < factor <= 1 else 1.0
+        sectioned = any("section" in k for k in rope) or any(
+            "section" in k for k in getattr(_config_class_of(original), "ignore_keys_at_rope_validation", None) or ())
+        if sectioned and factor < 1 and "head_dim" in small:  # room for three sections in the rotated part
+            small["head_dim"] = head_dim = max(head_dim, int(SMALL["head_dim"] / factor))
+        rotary = int(head_dim * factor)
+        cls = _config_class_of(original)
+        for key in getattr(cls, "ignore_keys_at_rope_validation", None) or ():
+            if "section" in key and key not in rope:  # left to the modeling code's full-size default
+                rope[key] = _sections([2, 3, 3], rotary // 2)  # (t, h, w) as Qwen2-VL's [16, 24, 24]
+        for key, value in list(rope.items()):
+            if "section" in key and isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+                rope[key] = _sections(value, rotary // 2)  # M-RoPE: the sections split the rotated features / 2
+    vocab = small.get("vocab_size") if isinstance(small.get("vocab_size"), int) else SMALL["vocab_size"]
+    taken = {v for k, v in small.items() if k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    spare = iter(i for i in range(vocab - 1, vocab - SPECIAL_IDS - 1, -1) if i not in taken)
+    for key, value in original.items():  # image, video, audio, vision-start ... token ids
+        if (key.endswith(("token_id", "token_index")) and isinstance(value, int) and not isinstance(value, bool)
+                and value >= vocab and small.get(key, value) == value):
+            small[key] = next(spare, vocab - 1)
+
+
+def _source_of(config_class: Any) -> str:
+    """The modeling files' text of the models package a config class belongs to ("" if none)."""
+    module = getattr(config_class, "__module__", "") or ""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[-3] != "models":
+        return ""
+    return _modeling_text(parts[-2])
+
+
+@functools.lru_cache(maxsize=None)
+def _modeling_text(module_name: str) -> str:
+    import transformers
+
+    folder = os.path.join(os.path.dirname(transformers.__file__), "models", module_name)
+    texts = []
+    with contextlib.suppress(OSError):
+        for file in sorted(os.listdir(folder)):
+            if file.startswith("modeling_") and file.endswith(".py"):
+                with open(os.path.join(folder, file), encoding="utf-8") as f:
+                    texts.append(f.read())
+    return "\n".join(texts)
+
+
+def _config_class_of(values: dict[str, Any]) -> Any:
+    """The config class of a config dict (by its ``model_type``), or None."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    model_type = values.get("model_type")
+    return _config_class(model_type) if model_type in CONFIG_MAPPING_NAMES else None
+
+
+def _config_class(model_type: str) -> Any:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type]
+
+
+def _is_index_list(key: str, value: Any, depth: int | None) -> bool:
+    return (depth is not None and isinstance(value, list) and value and ("index" in key or "indic" in key or "layers" in key)
+            and key not in _RECOMPUTED and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            and len(set(value)) == len(value) and max(value) < depth and (max(value) >= SMALL["num_hidden_layers"] or len(value) > 2))
+
+
+def _head_dim(config: dict[str, Any]) -> int | None:
+    if isinstance(config.get("head_dim"), int):
+        return config["head_dim"]
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+def _sections(sections: list[int], total: int) -> list[int]:
+    """``sections`` rescaled to add up to ``total`` (each at least 1)."""
+    scale = total / sum(sections)
+    out = [max(1, int(s * scale)) for s in sections]
+    out[-1] += total - sum(out)
+    if out[-1] < 1:  # more sections than features
+        out = [1] * total
+    return out
 
 
 def _is_vocab(key: str, value: Any) -> bool:
     return "vocab" in key and isinstance(value, int) and not isinstance(value, bool) and value > SMALL["vocab_size"]
 
 
-def _shrink(values: dict[str, Any]) -> dict[str, Any]:
-    """A sub-config's dict with :data:`SMALL` applied (recursively)."""
-    out = {}
-    for key, value in values.items():
-        if key in SMALL and value is not None and not isinstance(value, (list, dict)):
-            out[key] = SMALL[key]
-        elif _is_vocab(key, value):
-            out[key] = SMALL["vocab_size"]
-        elif isinstance(value, dict) and any(k in SMALL for k in value):
-            out[key] = _shrink(value)
-        else:
-            out[key] = value
-    return out
+def _attr(config: Any, key: str, default: Any = None) -> Any:
+    """``getattr`` that also answers ``default`` where reading raises (a per-layer attribute of a
+    heterogeneous config)."""
+    try:
+        return getattr(config, key, default)
+    except Exception:  # noqa: BLE001
+        return default
 
 
 def _settable(config: Any, key: str) -> bool:
@@ -121,19 +465,17 @@ def _has(config: Any, key: str) -> bool:
     """``config`` has ``key`` set, and it can be set."""
     if not _settable(config, key):
         return False
-    try:
-        return getattr(config, key, None) is not None
-    except Exception:
-        return False
+    return _attr(config, key) is not None
 
 
-def _build(model_type: str, kwargs: dict[str, Any]) -> Any:
-    """The first config, from ``kwargs`` and variants of it, whose model builds, is small and runs
-    a forward in eager and in the default attention. Variants drop what some classes refuse or
-    derive themselves (per-layer attributes), or use as many kv heads as query heads (multi-head
-    latent attention). The first error is raised if every variant fails."""
-    from transformers import AutoConfig
+class TinyModelError(ValueError):
+    """No generic tiny config of a model type runs upstream (the message is upstream's first error)."""
 
+
+def _variants(kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    """``kwargs`` and variants of it that drop what some classes refuse or derive themselves
+    (per-layer attributes), or use as many kv heads as query heads (multi-head latent attention),
+    each once."""
     mha = {**kwargs, "num_key_value_heads": kwargs.get("num_attention_heads", SMALL["num_attention_heads"])}
     variants = [kwargs, {k: v for k, v in kwargs.items() if k not in _ALWAYS},
                 {k: v for k, v in kwargs.items() if k not in _RECOMPUTED},
@@ -142,89 +484,481 @@ def _build(model_type: str, kwargs: dict[str, Any]) -> Any:
         variants += [mha, {k: v for k, v in mha.items() if k not in _RECOMPUTED}]
     # models that read token ids their config class does not define (5.0's Phi, StableLM, EXAONE 4)
     variants.append({**kwargs, **{k: SMALL[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id") if k not in kwargs}})
-    first: Exception | None = None
+    unique: list[dict[str, Any]] = []
     for variant in variants:
+        if variant not in unique:
+            unique.append(variant)
+    return unique
+
+
+def _build(model_type: str, kwargs: dict[str, Any]) -> Any:
+    """The first config of :func:`_variants` whose model builds, is small and runs a forward of its
+    tiny inputs. Which one it was (or the first error, if none runs) is kept on disk per
+    transformers release and version of this module, so that a later process builds it at once.
+
+    Raises:
+        TinyModelError: no variant runs; the message is the first variant's error.
+    """
+    from transformers import AutoConfig
+
+    variants = _variants(kwargs)
+    known = _search_cache().get(model_type)
+    if known is not None and "error" in known:
+        raise TinyModelError(known["error"])
+    if known is not None and known.get("variant", -1) < len(variants):
+        with _quiet():
+            return AutoConfig.for_model(model_type, **copy.deepcopy(variants[known["variant"]]))
+    first: Exception | None = None
+    for index, variant in enumerate(variants):
         try:
-            config = AutoConfig.for_model(model_type, **variant)
-            if _size(config) > MAX_PARAMETERS:
-                raise ValueError(f"the smallest config found still has {_size(config) / 1e6:.0f}M parameters")
+            with _quiet():
+                config = AutoConfig.for_model(model_type, **copy.deepcopy(variant))
+            size, largest = _size(config)
+            if size > MAX_PARAMETERS:
+                raise ValueError(f"the smallest config found still has {size / 1e6:.0f}M parameters; "
+                                 f"the largest is {largest} (a size the zoo does not shrink)")
             _runs(config)
-            return config
         except Exception as err:  # noqa: BLE001 - try the next variant
             first = first or err
-    raise first  # type: ignore[misc]
+            continue
+        _remember(model_type, {"variant": index})
+        return config
+    message = f"{type(first).__name__}: {_clip(str(first))}"
+    _remember(model_type, {"error": message})
+    raise TinyModelError(message) from first
 
 
-def _size(config: Any) -> int:
-    """Parameters of the model built from ``config``: on the meta device (no memory), or, for a
-    model whose construction reads values (5.0's Apertus activation), on the CPU once the meta
-    build ran into that."""
+def _cache_file() -> str:
+    import hashlib
+
+    import transformers
+
+    from torchembed.tools.checkpoints import default_cache_dir
+
+    with open(__file__, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    return str(default_cache_dir() / "zoo" / f"transformers{transformers.__version__}-torch{torch.__version__}-{digest}.json")
+
+
+@functools.lru_cache(maxsize=None)
+def _search_cache() -> dict[str, dict[str, Any]]:
+    """What earlier processes found (``{model_type: {"variant": i} | {"error": why}}``)."""
+    import json
+
+    if os.environ.get("TORCHEMBED_ZOO_CACHE", "1") == "0":
+        return {}
+    try:
+        with open(_cache_file(), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _remember(model_type: str, result: dict[str, Any]) -> None:
+    """Add one result to the file (merged with what other processes wrote meanwhile; atomic)."""
+    import json
+    import tempfile
+
+    cache = _search_cache()
+    cache[model_type] = result
+    if os.environ.get("TORCHEMBED_ZOO_CACHE", "1") == "0":
+        return
+    path = _cache_file()
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as f:
+            cache.update({k: v for k, v in json.load(f).items() if k not in cache})
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".zoo-")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(cache, f, sort_keys=True)
+        os.replace(tmp, path)
+
+
+def model_class(config: Any) -> type:
+    """The class the zoo builds for ``config``: the whole vision-language model where there is one
+    (vision tower included), else the causal LM, the masked LM, or the bare model.
+
+    Raises:
+        KeyError: transformers maps no model class to this config class.
+    """
+    from transformers.models.auto import modeling_auto
+    from transformers.models.auto.auto_factory import _LazyAutoMapping
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    for task in _TASKS:
+        names = getattr(modeling_auto, task, None)
+        if names and config.model_type in names:
+            mapping = _LazyAutoMapping(CONFIG_MAPPING_NAMES, names)
+            with contextlib.suppress(KeyError):
+                return mapping[type(config)]
+    raise KeyError(f"transformers maps no model class to {type(config).__name__} ({config.model_type!r})")
+
+
+def _size(config: Any) -> tuple[int, str]:
+    """Parameters of the model built from ``config``, and its largest one (name and shape): on the
+    meta device (no memory), or, for a model whose construction reads values (5.0's Apertus
+    activation), on the CPU once the meta build ran into that."""
+    def count(model: nn.Module) -> tuple[int, str]:
+        params = list(model.named_parameters())
+        name, largest = max(params, key=lambda item: item[1].numel(), default=("none", torch.empty(0)))
+        return sum(p.numel() for _, p in params), f"{name} {tuple(largest.shape)}"
+
     try:
         with torch.device("meta"), _quiet():
-            return sum(p.numel() for p in _causal_lm_class(config)(config).parameters())
+            return count(model_class(config)(config))
     except NotImplementedError as err:
         if "meta" not in str(err):
             raise
     with _quiet():
-        return sum(p.numel() for p in _causal_lm_class(config)(config).parameters())
+        return count(model_class(config)(config))
 
 
 def _runs(config: Any) -> None:
-    """Upstream runs a forward of the tiny model, with eager attention and the default one, in a
-    fraction of a second (a slow one means a size this module does not shrink yet)."""
-    import copy
+    """Upstream runs a forward of the tiny model on its tiny inputs, in its default attention and in
+    eager attention, in a fraction of a second (a slow one means a size this module does not shrink
+    yet), with finite outputs."""
     import time
 
-    ids = torch.tensor([[3, 4, 5, 6, 7]])
-    for impl in ("eager", None):
+    for impl in (None, "eager"):  # torchembed compare runs both
         candidate = copy.deepcopy(config)
         if impl is not None:
             candidate._attn_implementation = impl
-        torch.manual_seed(0)
         start = time.perf_counter()
         with _quiet(), torch.no_grad():
-            _causal_lm_class(candidate)(candidate).eval()(input_ids=ids)
+            model = _construct(candidate, 0, torch.float32)
+            out = outputs_of(model, tiny_inputs(model))
+        if not torch.isfinite(out).all():
+            raise ValueError("upstream's outputs of the tiny model are not finite")
         if time.perf_counter() - start > MAX_SECONDS:
             raise ValueError(f"a forward of the smallest config found takes over {MAX_SECONDS:g} s")
 
 
-def _causal_lm_class(config: Any) -> Any:
-    from transformers import AutoModelForCausalLM
+# -- models ------------------------------------------------------------------------------------------
 
-    return AutoModelForCausalLM._model_mapping[type(config)]
+
+def strong_init(model: nn.Module, seed: int = 0, gain: float = 2.0) -> nn.Module:
+    """Draw every weight matrix (and convolution kernel, expert stack) of ``model`` from
+    ``N(0, gain^2 / fan_in)`` and every embedding from ``N(0, 1)``, in place; vectors (norm
+    scales, biases, state-space decay rates) keep upstream's init, except those it leaves all zero
+    (a key temperature, a gate, a bias): ``N(0, 0.25)``, so that none switches a path off.
+
+    HF's default ``initializer_range=0.02`` leaves tiny models with nearly uniform attention, where
+    a wrong rotation moves the logits by less than float32's check can see; this init keeps the
+    activations of every layer at unit scale and the attention scores at a few units.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if not param.is_floating_point() or param.numel() == 0:
+                    continue
+                if param.dim() < 2:
+                    if not param.any():  # a zero gate, temperature, bias or (1 + w) scale: not zero here
+                        param.copy_((torch.randn(param.shape, generator=gen) * 0.5).to(param.dtype))
+                    continue
+                if isinstance(module, nn.Embedding) or "embed" in name:
+                    std = 1.0
+                elif isinstance(module, nn.modules.conv._ConvNd):
+                    std = gain / math.sqrt(math.prod(param.shape[1:]))
+                else:
+                    std = gain / math.sqrt(param.shape[-1])
+                values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
+                param.copy_(values.to(param.dtype))
+    return model
+
+
+def _construct(config: Any, seed: int, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(seed)
+    with _quiet():
+        model = model_class(config)._from_config(config, dtype=dtype)
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    if can_set is not None and can_set():  # a loop over 4 tiny experts: no grouped-matmul warm-up per shape
+        model.set_experts_implementation("eager")
+    return strong_init(model, seed).eval()
 
 
 def build_tiny(model_type: str, *, seed: int = 0, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A tiny random-weight causal LM of ``model_type`` (eval mode)."""
-    from transformers import AutoModelForCausalLM
+    """A tiny random-weight model of ``model_type`` (eval mode, :func:`strong_init` weights)."""
+    return _construct(generic_tiny_config(model_type), seed, dtype).to(device)
 
-    config = generic_tiny_config(model_type)
-    torch.manual_seed(seed)
-    with _quiet():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.to(device).eval()
+
+def _forward_parameters(model: nn.Module) -> set[str]:
+    return set(inspect.signature(model.forward).parameters)
+
+
+def _vision_config(config: Any) -> Any:
+    return getattr(config, "vision_config", None)
+
+
+def _first(config: Any, *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return default
+
+
+def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tensor]]:
+    """Tiny images in the layouts vision towers take: flattened patches with their (t, h, w) grid
+    (Qwen2-VL and kin), (1, channels, size, size) pixels (with their ``image_sizes`` where the
+    forward takes them), or (1, 1, channels, size, size)."""
+    vision = _vision_config(config) or config
+    gen = torch.Generator().manual_seed(1)
+    channels = _first(vision, "in_channels", "num_channels", "in_chans", default=3)
+    patch = _first(vision, "patch_size", default=8)
+    if "image_grid_thw" in params:
+        merge = _first(vision, "spatial_merge_size", "merge_size", default=1)
+        temporal = _first(vision, "temporal_patch_size", default=1)
+        side = 2 * merge
+        yield {"pixel_values": torch.randn(side * side, channels * temporal * patch * patch, generator=gen),
+               "image_grid_thw": torch.tensor([[1, side, side]])}
+    size = _first(vision, "image_size", default=2 * patch)
+    pixels = torch.randn(1, channels, size, size, generator=gen)
+    sizes = {"image_sizes": torch.tensor([[size, size]])} if "image_sizes" in params else {}
+    for layout in (pixels, pixels[:, None]):  # (batch, images, channels, height, width): Idefics and kin
+        yield {"pixel_values": layout, **sizes}
+        if sizes:  # image_sizes is optional, and some towers do not take it (LLaVA's CLIP)
+            yield {"pixel_values": layout}
+
+
+def _image_tokens(model: nn.Module, images: dict[str, Tensor]) -> int:
+    """How many image-token embeddings the vision tower makes of ``images`` (0 if it has no
+    ``get_image_features``, or it fails on them)."""
+    get = getattr(model, "get_image_features", None)
+    if get is None:
+        return 0
+    hidden = model.config.get_text_config().hidden_size
+    with torch.no_grad(), _quiet():
+        out = get(**images)
+    tensors = [t for t in _tensors(getattr(out, "pooler_output", None) if not isinstance(out, (Tensor, list, tuple)) else out)]
+    if not tensors and not isinstance(out, (Tensor, list, tuple)):
+        tensors = list(_tensors(out[0]))
+    return sum(t.numel() for t in tensors) // hidden
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _special(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[str, Tensor]:
+    """The inputs the zoo runs ``model`` on: ``input_ids`` (2 rows of ``seq_len`` ids, none of them
+    special), and for a model with a vision tower one tiny image in the layout it takes, its image
+    tokens in row 0 (between the vision start/end tokens where the config has them) and the token
+    type ids that mark them; for a vision tower of its own, just the image.
+
+    Raises:
+        ValueError: the model takes neither ``input_ids`` nor an image (audio models), or no image
+            layout tried runs its vision tower.
+    """
+    config = model.config
+    params = _forward_parameters(model)
+    if "input_ids" not in params:
+        return _vision_inputs(model, params)
+    vocab = config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    inputs: dict[str, Tensor] = {}
+    if "pixel_values" in params and _vision_config(config) is not None:
+        image_id = _special(config, "image_token_id", "image_token_index")
+        if image_id is None:
+            raise ValueError(f"{type(config).__name__} has a vision tower but no image_token_id")
+        first: Exception | None = None
+        for images in _image_candidates(config, params):
+            try:
+                count = _image_tokens(model, images)
+            except Exception as err:  # noqa: BLE001 - try the next layout
+                first = first or err
+                continue
+            if count:
+                break
+        else:
+            raise ValueError(f"no tiny image layout runs {type(model).__name__}'s vision tower "
+                             f"({type(first).__name__}: {first})" if first else "no get_image_features")
+        start, end = _special(config, "vision_start_token_id", "boi_token_id", "boi_token_index"), \
+            _special(config, "vision_end_token_id", "eoi_token_id", "eoi_token_index")
+        row = [t for t in (start,) if t is not None] + [image_id] * count + [t for t in (end,) if t is not None]
+        ids = torch.randint(3, vocab - SPECIAL_IDS, (1, seq_len), generator=gen)
+        ids = torch.cat((ids[:, :3], torch.tensor([row]), ids[:, 3:]), dim=-1)
+        inputs.update(images)
+        kind = (ids == image_id).int()
+        for name in ("mm_token_type_ids", "token_type_ids"):
+            if name in params:
+                inputs[name] = kind
+                break
+    else:
+        ids = torch.randint(3, vocab - SPECIAL_IDS, (2, seq_len), generator=gen)
+    inputs["input_ids"] = ids
+    if "decoder_input_ids" in params and getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids
+    return inputs
+
+
+def _vision_inputs(model: nn.Module, params: set[str]) -> dict[str, Tensor]:
+    """A vision tower's own inputs: one tiny image in the first layout its forward runs on."""
+    pixels = next((name for name in ("pixel_values", "hidden_states") if name in params), None)
+    if pixels is None:
+        raise ValueError(f"{type(model).__name__}.forward takes neither input_ids nor pixel_values (needs {_required(model)})")
+    grid = next((name for name in ("grid_thw", "image_grid_thw") if name in params), None)
+    first: Exception | None = None
+    for images in _image_candidates(model.config, params | ({"image_grid_thw"} if grid else set())):
+        inputs = {pixels: images["pixel_values"]}
+        if grid and "image_grid_thw" in images:
+            inputs[grid] = images["image_grid_thw"]
+        elif grid:
+            continue
+        inputs.update({k: v for k, v in images.items() if k == "image_sizes"})
+        try:
+            with torch.no_grad(), _quiet():
+                model(**inputs)
+        except Exception as err:  # noqa: BLE001 - try the next layout
+            first = first or err
+            continue
+        return inputs
+    raise ValueError(f"no tiny image layout runs {type(model).__name__} ({type(first).__name__}: {first})")
+
+
+def _required(model: nn.Module) -> str:
+    sig = inspect.signature(model.forward)
+    names = [p.name for p in sig.parameters.values() if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    return ", ".join(names) or "inputs the zoo does not make"
+
+
+def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
+    """The model's main output on ``inputs``: logits where it has them, else the last hidden state."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        out = model(**{k: v.to(device) for k, v in inputs.items()})
+    for name in ("logits", "last_hidden_state", "prediction_logits"):
+        value = getattr(out, name, None)
+        if isinstance(value, Tensor):
+            return value
+    return next(_tensors(out if isinstance(out, tuple) else out.to_tuple()))
+
+
+def matches(out: Tensor, ref: Tensor, rel: float = FP32_REL_TOL) -> bool:
+    """The zoo's equivalence check: every element within ``rel`` relative, or ``rel`` times the
+    largest ``|ref|`` absolute (float32 against float32: rounding differences are ~1e-7 relative)."""
+    if out.shape != ref.shape:
+        return False
+    return bool(torch.isclose(out.double(), ref.double(), rtol=rel, atol=rel * ref.abs().max().item()).all())
+
+
+@dataclass
+class ZooCase:
+    """A tiny model of one model type, the inputs the zoo runs it on, and the prompt it generates
+    from (None where upstream's ``generate`` does not run it: no generation head, or upstream fails)."""
+
+    model_type: str
+    model: nn.Module
+    inputs: dict[str, Tensor]
+    prompt: dict[str, Tensor] | None = None
+
+
+def _prompt(model: nn.Module, inputs: dict[str, Tensor]) -> dict[str, Tensor] | None:
+    """Row 0 of the inputs (its first 6 tokens for text), if upstream generates from it."""
+    can = getattr(model, "can_generate", None)
+    if not (can and can()) or getattr(model.config, "is_encoder_decoder", False):
+        return None
+    if "pixel_values" in inputs:  # one row already, and its image tokens complete
+        prompt = dict(inputs)
+    else:
+        prompt = {k: v[:1, :6] for k, v in inputs.items()}
+    try:
+        with torch.no_grad(), _quiet():
+            model.generate(**prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    except Exception:  # noqa: BLE001 - upstream's generate does not run this tiny model
+        return None
+    return prompt
+
+
+@functools.lru_cache(maxsize=None)
+def _case(model_type: str) -> ZooCase:
+    model = build_tiny(model_type)
+    inputs = tiny_inputs(model)
+    return ZooCase(model_type, model, inputs, _prompt(model, inputs))
+
+
+def zoo_case(model_type: str, device: str | torch.device = "cpu") -> ZooCase:
+    """The tiny model of ``model_type`` (built once per process: copy it before patching) and its
+    inputs, on ``device``.
+
+    Raises:
+        Exception: why no tiny model of this type runs (what the config class or upstream raised).
+    """
+    case = _case(model_type)
+    if torch.device(device) == torch.device("cpu"):
+        return case
+    move = (lambda values: None if values is None else {k: v.to(device) for k, v in values.items()})
+    return ZooCase(model_type, copy.deepcopy(case.model).to(device), move(case.inputs), move(case.prompt))
 
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+    """No warnings, no transformers logging, and no hub: a default config that would download a
+    part (EdgeTAM's timm backbone) fails at once instead of retrying the network."""
+    import huggingface_hub.constants
+    import transformers.utils.hub
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    offline = huggingface_hub.constants.HF_HUB_OFFLINE, getattr(transformers.utils.hub, "_is_offline_mode", None)
+    logging.set_verbosity_error()
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    if offline[1] is not None:
+        transformers.utils.hub._is_offline_mode = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.set_verbosity(verbosity)
+        huggingface_hub.constants.HF_HUB_OFFLINE = offline[0]
+        if offline[1] is not None:
+            transformers.utils.hub._is_offline_mode = offline[1]
+
+
+# -- status ------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ModelTypeStatus:
-    """Whether torchembed patches a model type, and why not."""
+    """Whether torchembed patches a model type, and how or why not.
+
+    ``state``: ``"patched"``; ``"refused"`` (the patch layer's reason); ``"no tiny model"`` (it has
+    a rotary component but no tiny model of it runs: the reason names the attribute or upstream's
+    error); ``"partly patched"`` (the patch leaves some of upstream's rotations running: a bug,
+    named); ``"part of"`` (a sub-config with no model class of its own, checked within its
+    composite model); ``"no rotary component"``.
+    """
 
     model_type: str
-    supported: bool
-    how: str  # family and what is swapped, or the reason it is not supported
+    state: str
+    how: str  # family and what is swapped, or the reason it is not patched
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "how", " ".join(self.how.split()))  # one line
 
+    @property
+    def supported(self) -> bool:
+        return self.state == "patched"
+
+    @property
+    def rotary(self) -> bool:
+        return self.state != "no rotary component"
+
     def row(self) -> list[str]:
-        return [self.model_type, "yes" if self.supported else "no", self.how]
+        return [self.model_type, self.state, self.how]
 
 
 @functools.lru_cache(maxsize=None)
@@ -234,28 +968,62 @@ def status_of(model_type: str) -> ModelTypeStatus:
     from torchembed.patches.errors import PatchError, StructureError
     from torchembed.patches.registry import family_for
 
+    code = rotary_code_of(model_type)
+    if not code:
+        return ModelTypeStatus(model_type, "no rotary component", "its modeling code defines no rotary class or function")
+    if not has_model_class(model_type):
+        parents = composites_of(model_type)
+        if parents:
+            return ModelTypeStatus(model_type, "part of", f"a sub-config of {', '.join(parents)} with no model class of "
+                                   f"its own; checked within {parents[0]} ({status_of(parents[0]).state})")
     try:
-        config = generic_tiny_config(model_type)
-        model = build_tiny(model_type)
+        case = zoo_case(model_type)
+    except TinyModelError as err:
+        return ModelTypeStatus(model_type, "no tiny model", str(err))
     except Exception as err:  # noqa: BLE001 - reported, not raised
-        return ModelTypeStatus(model_type, False, "not checked: no generic tiny config that upstream runs "
-                               f"({type(err).__name__}: {str(err)[:120]})")
+        return ModelTypeStatus(model_type, "no tiny model", f"{type(err).__name__}: {_clip(str(err))}")
+    model = case.model
+    if not rotary_modules(model):
+        return ModelTypeStatus(model_type, "no rotary component",
+                               f"its tiny model uses none of {', '.join(code[:3])} (default config)")
     try:
         components = find_positional_components(model)
     except StructureError as err:
-        return ModelTypeStatus(model_type, False, f"{err.where}: expected {err.expected}; found {err.found}")
+        return ModelTypeStatus(model_type, "refused", f"{err.where}: expected {err.expected}; found {err.found}")
     except PatchError as err:
         message = str(err)
-        return ModelTypeStatus(model_type, False, message.split("): ", 1)[-1] if "cannot patch" in message else message)
-    family = family_for(config)
+        return ModelTypeStatus(model_type, "refused", message.split("): ", 1)[-1] if "cannot patch" in message else message)
+    from torchembed.patches.core import patch
+    from torchembed.patches.families.rope import discover
+
+    codes = rotation_code(model)
+    with count_calls(codes) as ran:
+        outputs_of(model, case.inputs)
+    if not ran:  # e.g. an audio tower, given token ids only
+        where = sorted({path.rsplit(".", 2)[0] for path, _, _ in discover(model).attentions})
+        return ModelTypeStatus(model_type, "no tiny model", "upstream's rotations do not run on the tiny inputs ("
+                               f"{', '.join(sorted(case.inputs))}); they are in {', '.join(where[:3]) or 'modules not run'}")
+    patched = patch(copy.deepcopy(model))
+    with count_calls(codes) as left:
+        outputs_of(patched, case.inputs)
+    family = family_for(model.config)
     kinds = sorted({c.kind for c in components})
     how = ("discovered: " if family.discovered else "") + f"{family.encoding}; " + ", ".join(
         f"{sum(c.kind == kind for c in components)} x {kind}" for kind in kinds
     )
     rotations = sorted({c.replacement.split("(", 1)[-1].rstrip(")") for c in components if c.kind == "rope-apply"})
-    return ModelTypeStatus(model_type, True, how + (f" ({'; '.join(rotations)})" if rotations else ""))
+    how += f" ({'; '.join(rotations)})" if rotations else ""
+    if left:  # a rotation the patch left to upstream (or handed back to it): never reported as patched
+        calls = ", ".join(f"{name} ({n} calls)" for name, n in sorted(left.items()))
+        return ModelTypeStatus(model_type, "partly patched", f"upstream's {calls} still run(s) in a patched forward; {how}")
+    return ModelTypeStatus(model_type, "patched", how)
 
 
-def survey(model_types: list[str] | None = None) -> list[ModelTypeStatus]:
-    """:func:`status_of` for each model type (default: every text model type)."""
-    return [status_of(model_type) for model_type in (model_types or text_model_types())]
+def _clip(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def survey(types: list[str] | None = None) -> list[ModelTypeStatus]:
+    """:func:`status_of` for each model type (default: every model type with a rotary component)."""
+    return [status_of(model_type) for model_type in (types or rotary_model_types())]
