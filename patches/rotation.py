@@ -82,6 +82,14 @@ class Rotation:
     sections: str = ""  # the parameter whose last dim counts the feature sections (multidimensional RoPE)
     mrope: str = ""  # the parameter of M-RoPE sections: tables (3, ..., w), one axis per section (transformers 4.x)
     indexed: str = ""  # the parameter of position ids that index (T, w) tables (older transformers)
+    # (rule, rank of x, rank of the tables) of every probe the helper passed: a helper that inserts the
+    # heads axis at a fixed place broadcasts (s, w) tables against (s, h, d) as "sh", (b, s, w) as "hs"
+    patterns: tuple[tuple[str, int, int], ...] = ()
+
+    def rule_for(self, x: Tensor, table: Tensor) -> str:
+        """The broadcast rule of a call with these ranks (the first probed rule where none fits)."""
+        ranks = (x.dim(), table.dim())
+        return next((rule for rule, *probed in self.patterns if tuple(probed) == ranks), self.broadcast)
 
     def half_tables(self, first: Tensor, second: Tensor | None) -> tuple[Tensor, Tensor]:
         """The helper's tables (``cos, sin`` or ``freqs``) -> cos and sin of the ``r/2`` angles."""
@@ -298,7 +306,7 @@ def _probe_plain(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
             sh = _match(helper, roles, layout, 2 * half, half, gen, {_UNSQUEEZE: 2}, probes=_PROBES[1:2])
             found += [(layout, m) for m in hs if any(n[1] == m[1] for n in sh)]
         else:
-            found += [(layout, m) for m in _match(helper, roles, layout, 2 * half, half, gen)[:1]]
+            found += [(layout, m) for m in _match(helper, roles, layout, 2 * half, half, gen)]
     kinds = {(layout, m[1]) for layout, m in found}
     if len(kinds) != 1:  # none, or ambiguous (a helper that ignores its inputs)
         return None, "it computes none of the rotations torchembed knows" if not kinds else "its result is ambiguous"
@@ -316,8 +324,9 @@ def _probe_plain(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
     if unknown:
         return None, f"it takes {', '.join(unknown)}, which torchembed's rotation does not model"
     defaults = dict(roles.defaults)
+    patterns = () if param else tuple(dict.fromkeys((p[0], len(p[1]) + 1, len(p[2]) + 1) for _, (p, _, _) in found))
     return Rotation(roles.names, roles.rotated, roles.tables, layout, pairing, rule, partial, conjugate, trailing,
-                    roles.optional, single, int(defaults.get(_UNSQUEEZE, 1)), ignored), ""
+                    roles.optional, single, int(defaults.get(_UNSQUEEZE, 1)), ignored, patterns=patterns), ""
 
 
 def merge_mrope(table: Tensor, sections: Any) -> Tensor:
@@ -618,7 +627,10 @@ class RotaryHelper:
             xs = [torch.cat((_deinterleave(x[..., :rot]), x[..., rot:]), dim=-1) for x in xs]
             pairing = "half"
         interleaved = pairing == "interleaved"
-        views = self._kernel_views(xs, c, unsqueeze) if use_kernel(self.fused, xs[0], "the fused RoPE kernel") else None
+        rule = "param" if rotation.broadcast == "param" else rotation.rule_for(xs[0], c)
+        if rule != "param":  # tables as (n, S, r/2) rows, whatever singleton axes they carry
+            c, s = _rows(c, xs[0], rule), _rows(s, xs[0], rule)
+        views = self._kernel_views(xs, c, unsqueeze, rule) if use_kernel(self.fused, xs[0], "the fused RoPE kernel") else None
         if views is None and self.fused:
             raise FusedUnavailableError(f"fused=True: {self.__name__} was called with tensors of shapes "
                                         f"{[tuple(x.shape) for x in xs]} and tables {tuple(c.shape)}, a layout the fused "
@@ -636,10 +648,11 @@ class RotaryHelper:
                     outs.append(kernels.rotary_fused(bhsd[i], bhsd[i][:, :0], cb, sb, interleaved=interleaved,
                                                      conjugate=rotation.conjugate)[0])
                     i += 1
-            return [_back(x, unsqueeze, rotation.broadcast)(o) for x, o in zip(xs, outs)]
-        return self._arithmetic(xs, c, s, unsqueeze, interleaved)
+            return [_back(x, unsqueeze, rule)(o) for x, o in zip(xs, outs)]
+        return self._arithmetic(xs, c, s, unsqueeze, interleaved, rule)
 
-    def _arithmetic(self, xs: list[Tensor], c: Tensor, s: Tensor, unsqueeze: int | None, interleaved: bool) -> list[Tensor]:
+    def _arithmetic(self, xs: list[Tensor], c: Tensor, s: Tensor, unsqueeze: int | None, interleaved: bool,
+                    rule: str) -> list[Tensor]:
         """The PyTorch path: ``x * cos + partner(x) * sin'`` over the rotated features, where
         ``partner`` swaps each feature with its pair (a roll by ``r/2``, or a flip of adjacent features)
         and ``sin'`` carries the rotation's signs -- upstream's float32 products and sum, bit for bit,
@@ -647,7 +660,7 @@ class RotaryHelper:
         full-width tables are made once per forward."""
         rot = 2 * c.shape[-1]
         kept = self._full
-        if kept is None or kept[0] is not c or kept[1] is not s or kept[2] != unsqueeze:
+        if kept is None or kept[0] is not c or kept[1] is not s or kept[2] != (unsqueeze, rule):
             compute = torch.promote_types(c.dtype, torch.float32)
             cf, sf = c.to(compute), s.to(compute)
             sf = -sf if self.rotation.conjugate else sf
@@ -655,7 +668,7 @@ class RotaryHelper:
                 full_c, signed = cf.repeat_interleave(2, dim=-1), torch.stack((-sf, sf), dim=-1).flatten(-2)
             else:
                 full_c, signed = torch.cat((cf, cf), dim=-1), torch.cat((-sf, sf), dim=-1)
-            kept = (c, s, unsqueeze, *(_broadcast(t, self.rotation.broadcast, unsqueeze) for t in (full_c, signed)))
+            kept = (c, s, (unsqueeze, rule), *(_broadcast(t, rule, unsqueeze) for t in (full_c, signed)))
             if not torch.compiler.is_compiling():
                 self._full = kept
         full_c, signed = kept[3], kept[4]
@@ -671,10 +684,9 @@ class RotaryHelper:
             out.append(y if xr is x else torch.cat((y, x[..., rot:]), dim=-1))
         return out
 
-    def _kernel_views(self, xs: list[Tensor], c: Tensor, unsqueeze: int | None):
+    def _kernel_views(self, xs: list[Tensor], c: Tensor, unsqueeze: int | None, rule: str):
         """``xs`` as the kernel's ``(B, H, S, D)`` views and a function making ``(B or 1, S, R/2)``
         tables of the half tables; None for layouts the kernel does not take."""
-        rule = self.rotation.broadcast
         if rule == "param":
             rule = {1: "hs", 2: "sh"}.get(unsqueeze)
         nd = xs[0].dim()
@@ -712,8 +724,25 @@ class RotaryHelper:
         if self.fused is True:
             return None
         c, s = self._half(cos, sin)
-        q, k = self._arithmetic([q, k], c, s, 1, False)
+        q, k = self._arithmetic([q, k], c, s, 1, False, self.rotation.broadcast)
         return q, k
+
+
+def _rows(table: Tensor, x: Tensor, rule: str) -> Tensor:
+    """A fixed-rule helper's half table as ``(n, S, r/2)`` rows, ``n`` 1 or x's batch (``(S, r/2)``
+    for an unbatched x): what it holds, whatever singleton axes it carries (Llama 4's vision tower
+    hands ``(S, 1, r/2)`` frequencies, which its helper views against the queries). Unchanged where
+    its size does not fit."""
+    seq_axis = -3 if rule == "sh" else -2
+    lead = x.shape[:-3] if rule in ("hs", "sh") else x.shape[:-2]
+    if x.dim() < -seq_axis or len(lead) > 1:
+        return table
+    seq, width = x.shape[seq_axis], table.shape[-1]
+    n, rest = divmod(table.numel(), seq * width) if seq * width else (0, 1)
+    if rest or not (n == 1 or (lead and n == lead[0])):
+        return table
+    shape = (n, seq, width) if lead else (seq, width)
+    return table if table.shape == shape else table.reshape(shape)
 
 
 def _pairable(q: Tensor, k: Tensor) -> bool:
