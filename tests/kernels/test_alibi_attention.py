@@ -109,6 +109,7 @@ def test_mask_cache_memo_is_per_source_and_dies_with_the_mask():
 
 def test_the_mask_summary_is_derived_once_per_forward(monkeypatch):
     """Every layer of a forward gets the same mask: the kernel's row summary is derived once."""
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # a prefill above the materialised-bias bound
     built = _count(monkeypatch, module, "mask_rows")
     q, k, v, key_bias, keep = _case(2, 4, 24, 24, 16, torch.float32)
     cache = MaskCache().store(keep, keep)
@@ -222,6 +223,7 @@ def test_fused_false_never_calls_a_kernel(monkeypatch):
 
 
 def test_fused_none_takes_the_kernel_where_it_runs(monkeypatch):
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # a prefill above the materialised-bias bound
     launches = _kernel_launches(monkeypatch)
     q, k, v, key_bias, keep = _case(2, 4, 24, 24, 16, torch.float32)
     alibi_attention(q, k, v, key_bias, keep, scale=0.25)
@@ -254,6 +256,8 @@ def test_fused_true_on_cpu_without_the_interpreter_names_the_fix(monkeypatch):
 
 def test_alibi_embedding_attention_fused_argument(monkeypatch):
     from torchembed.positional import ALiBiEmbedding
+
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # a prefill above the materialised-bias bound
 
     alibi = ALiBiEmbedding(4).to(DEV)
     q, k, v, _, _ = _case(1, 4, 20, 20, 16, torch.float32)

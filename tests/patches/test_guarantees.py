@@ -235,7 +235,6 @@ def test_small_alibi_prefill_materialises_its_bias_once_per_forward(name, padded
     import torchembed.patches.families.alibi as family
 
     monkeypatch.setattr(kernel, "_FUSED_DEVICES", ("cpu",))
-    monkeypatch.setattr(kernel, "DENSE_MAX_ELEMENTS", 2**26)
     monkeypatch.setattr(kernel, "use_kernel", lambda fused, t, what="": True)
     monkeypatch.setattr(kernel, "attempt", lambda *a, **kw: pytest.fail("the fused kernel taken"))
     built = []

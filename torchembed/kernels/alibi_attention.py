@@ -4,15 +4,14 @@ Press et al., arXiv:2108.12409. :func:`alibi_attention` takes, with ``fused=None
 
 * the fused Triton kernel (:func:`torchembed.kernels.alibi_flash.alibi_flash`: the bias computed
   inside from the slopes or read from a ``(b or 1, h, k)`` key bias, any mask summarised per row,
-  GQA, forward and backward), for every prefill but the small training steps below and for masks of
-  any kind: in the forward it measured faster than SDPA with a materialised bias at every shape on
-  the H200 (``benchmarks/results/alibi-kernel.md``: 1 x 16 x 1024 x 64, 0.025 vs 0.033 ms with the
-  bias made beforehand);
+  GQA, forward and backward), for every prefill above the size below and for masks of any kind;
 * SDPA with the ``(b, h, q, k)`` bias materialised once per forward (one Triton write,
-  :mod:`torchembed.kernels.alibi_bias`) for prefills of at most ``DENSE_GRAD_MAX_ELEMENTS`` bias
-  elements when gradients are recorded (forward + backward at 1 x 16 x 1024 x 64: 0.16 vs 0.44 ms;
-  at 4 x 16 x 2048 x 64 the kernel is ahead, 0.51 vs 1.01 ms), and of at most ``DENSE_MAX_ELEMENTS``
-  otherwise (0: never);
+  :mod:`torchembed.kernels.alibi_bias`) for prefills of at most ``DENSE_MAX_ELEMENTS`` bias elements
+  (``DENSE_GRAD_MAX_ELEMENTS`` when gradients are recorded): per layer the kernel is the faster one
+  at every size on the H200 (``benchmarks/results/alibi-kernel.md``, 1 x 16 x 1024 x 64: 0.025 vs
+  0.033 ms), but whole models at these sizes are bound by host time, and there the bias made once
+  for all layers measured faster (``alibi-short.md``, the kernel at every prefill: BLOOM 1 x 2048
+  8.9 ms against 5.6 ms with the materialised bias, ``alibi.md``);
 * SDPA with the per-forward decode mask for the decode steps of a model (``cache`` given; one query,
   bound by host time: within 1.02x of SDPA without bias on the H200).
 
@@ -48,11 +47,12 @@ _FUSED_DEVICES: tuple[str, ...] = ("cuda",)
 # "auto": the materialised bias up to the sizes below, else the fused kernel; "kernel": the fused
 # kernel for every prefill it takes; "dense": the materialised bias for every prefill.
 PREFILL_PATHS = ("auto", "kernel", "dense")
-# Bias elements (b * h * q * k) up to which "auto" materialises the bias, once per forward, then
-# SDPA with a mask (see the module docstring for the measurements): never without gradients, up
-# to 1 x 16 x 1024^2 (16 MB of bf16) with them.
-DENSE_MAX_ELEMENTS = 0
-DENSE_GRAD_MAX_ELEMENTS = 2**24
+# Bias elements (b * h * q * k) up to which "auto" materialises the bias, once per forward (128 MB
+# of bf16), then SDPA with a mask (see the module docstring for the measurements); beyond, the
+# kernel (the bias would cost memory quadratic in the length). Training steps: the same bound (per
+# layer the kernel's forward + backward is ahead from 4 x 16 x 2048^2 on, 0.51 vs 1.01 ms).
+DENSE_MAX_ELEMENTS = 2**26
+DENSE_GRAD_MAX_ELEMENTS = 2**26
 _PREFILL = os.environ.get("TORCHEMBED_ALIBI_PREFILL", "auto")
 if _PREFILL not in PREFILL_PATHS:
     raise ValueError(f"TORCHEMBED_ALIBI_PREFILL must be one of {PREFILL_PATHS}, got {_PREFILL!r}")
