@@ -85,7 +85,7 @@ def class_rotations(cls: type) -> ClassRotations:
         functions = list(chain(forward))
         calls_super = any("super" in global_names(f) and "forward" in attribute_names(f) for f in functions)
         via_attribute = frozenset(name for f in functions for name in attribute_names(f)
-                                  if is_rotation_name(name) and "apply" in name)  # not self.rotary_pos_emb(...)
+                                  if "apply" in name and "rotary" in name)  # not self.rotary_pos_emb(...), self.apply_interleaved_mrope(...)
         result = ClassRotations(forward, recognized, unrecognized, calls_super, via_attribute)
     _CLASS_CACHE[cls] = result
     return result
