@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torchembed.tools.zoo_fixes import INPUTS, apply_config_fix
+
 __all__ = [
     "SMALL", "FP32_REL_TOL", "ModelTypeStatus", "TinyModelError", "ZooCase", "model_types", "rotary_model_types",
     "rotary_code_of", "text_model_types", "generic_tiny_config", "model_class", "build_tiny", "strong_init",
@@ -243,6 +245,7 @@ def _tiny_config(model_type: str) -> Any:
     kind = _attr(default, "position_embedding_type")
     if isinstance(kind, str) and "rot" not in kind and "rope" not in kind and rotary_code_of(model_type):
         kwargs["position_embedding_type"] = "rotary"  # ESM's default is absolute; its checkpoints rotate
+    apply_config_fix(model_type, default, kwargs)
     return _build(model_type, kwargs)
 
 
@@ -535,8 +538,13 @@ def _cache_file() -> str:
 
     from torchembed.tools.checkpoints import default_cache_dir
 
-    with open(__file__, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:12]
+    from torchembed.tools import zoo_fixes
+
+    digest = hashlib.sha256()
+    for file in (__file__, zoo_fixes.__file__):  # a change to either searches afresh
+        with open(file, "rb") as f:
+            digest.update(f.read())
+    digest = digest.hexdigest()[:12]
     return str(default_cache_dir() / "zoo" / f"transformers{transformers.__version__}-torch{torch.__version__}-{digest}.json")
 
 
@@ -763,6 +771,9 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
             layout tried runs its vision tower.
     """
     config = model.config
+    fix = INPUTS.get(getattr(config, "model_type", None))
+    if fix is not None:
+        return fix(model)
     params = _forward_parameters(model)
     if "input_ids" not in params:
         return _vision_inputs(model, params)
