@@ -271,7 +271,7 @@ def _fwd_kernel(
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, STORE_LSE: tl.constexpr,
-    TMA: tl.constexpr = False, FOLD: tl.constexpr = True,
+    TMA: tl.constexpr = False, FOLD: tl.constexpr = True, WS: tl.constexpr = False,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (causal) blocks first
     bh = tl.program_id(1).to(tl.int64)
@@ -311,11 +311,20 @@ def _fwd_kernel(
                                       svd, sbn, smm, smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, True, PREC,
                                       TMA, FOLD)
     else:
-        for start_n in range(full_lo, full_hi, BLOCK_N):  # the bulk: no mask arithmetic
-            start_n = tl.multiple_of(start_n, BLOCK_N)
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base,
-                                      keep_base, offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm,
-                                      smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False, False, PREC, TMA, FOLD)
+        if WS:  # the bulk loop warp-specialised (loads, products and softmax in separate warps)
+            for start_n in tl.range(full_lo, full_hi, BLOCK_N, warp_specialize=True):
+                start_n = tl.multiple_of(start_n, BLOCK_N)
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, k_desc, v_desc, Bias,
+                                          bias_base, keep_base, offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd,
+                                          svn, svd, sbn, smm, smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False,
+                                          False, PREC, TMA, FOLD)
+        else:
+            for start_n in range(full_lo, full_hi, BLOCK_N):  # the bulk: no mask arithmetic
+                start_n = tl.multiple_of(start_n, BLOCK_N)
+                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, k_desc, v_desc, Bias,
+                                          bias_base, keep_base, offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd,
+                                          svn, svd, sbn, smm, smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False,
+                                          False, PREC, TMA, FOLD)
         for t in range(0, n_a + n_b):  # the tiles some row starts or ends inside (causal: the diagonal)
             start_n = tl.where(t < n_a, first + t * BLOCK_N, full_hi + (t - n_a) * BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base,
@@ -912,7 +921,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
                       (qk_scale,),
                       {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
                        "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "STORE_LSE": need_lse,
-                       "TMA": tma, "FOLD": FOLD}, warps, stages)
+                       "TMA": tma, "FOLD": FOLD, "WS": WS}, warps, stages)
 
     plan.main = launch(False)
     if _tma_layout(k, v):  # keys and values through the tensor memory accelerator where aligned
@@ -922,6 +931,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
 
 USE_TMA = os.environ.get("TORCHEMBED_ALIBI_TMA", "1") == "1"  # keys/values by TMA on Hopper and later
 FOLD = True  # the row part of the bias added to the log-sum-exp once, not to every score
+WS = False  # the forward's bulk loop warp-specialised
 
 
 def _tma_layout(k: Tensor, v: Tensor) -> bool:
