@@ -9,9 +9,11 @@ dim (padded to a power of two ``BLOCK_D`` inside, masked).
 Scores are kept in base-2 units: ``s2 = log2(e) * (scale * q.k + bias)``, so each probability is one
 ``exp2``. The bias of query row ``i`` and key ``j`` is ``slope_h * (j - c_i)`` (``BIAS == 0``, from the
 ``(H,)`` slopes) or ``key_bias[b, h, j] - key_bias[b, h, c_i]`` (``BIAS == 1``, from a ``(B or 1, H, N)``
-float32 key bias). ``c_i`` is the row's last kept key; a per-row constant does not change softmax, and
-this one makes the bias exactly 0 at the row's newest key and small near it, where the weight is, so
-it rounds least there. Each tile adds it as ``kvec[j] + rvec[i]`` (two vectors, one add per score).
+float32 key bias). ``c_i`` is the row's last kept key. The bias splits into a key part ``kvec[j]``
+(relative to ``c0``, the last key any row of the query block keeps: small near the newest keys, where
+the weight is, so it rounds least there) and a row part ``rvec[i]``. A per-row constant does not change
+softmax: each score adds ``kvec[j]`` only (one fused multiply-add with the scale), and ``rvec`` enters
+once per row, into the log-sum-exp the backward reads (which subtracts it again per row).
 
 Which keys a row sees (``MASK``):
 
@@ -25,7 +27,10 @@ Which keys a row sees (``MASK``):
 
 Every key block a row cannot see is skipped: a query block visits ``[min lo, max hi)`` only, in up to
 three loops (masked, unmasked, masked), so the bulk of a causal prefill runs with no mask arithmetic.
-Every index is int64 before it meets a stride; all tensors take any strides. Matrix products take
+Every index is int64 before it meets a stride; all tensors take any strides. On Hopper and later GPUs
+the prefill kernel reads keys and values through tensor descriptors (``TMA``: the tensor memory
+accelerator copies each tile, zero-filling past the last key and the head dim) where their strides
+and pointers allow it (16-byte aligned), else through pointers. Matrix products take
 the input dtype (float32: full-precision products) and accumulate in float32; the softmax statistics
 are float32.
 
@@ -179,10 +184,10 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base, keep_base, offs_m,
+def _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base, keep_base, offs_m,
               row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BIAS: tl.constexpr,
-              MASKED: tl.constexpr, HOLES: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, FOLD: tl.constexpr):
+              MASKED: tl.constexpr, HOLES: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     """One key tile of the online softmax. ``MASKED``: the tile straddles some row's ``lo`` or ``hi``
     (or the end of the keys); ``HOLES``: it reads ``keep`` as well."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -205,10 +210,7 @@ def _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, k_desc, v_desc, Bi
             kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
     qk = _dot(q, kt, PREC)
     kvec = _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS, MASKED)
-    if FOLD:  # the row part of the bias is a per-row constant: added to the log-sum-exp at the end
-        s = qk * qk_scale + kvec[None, :]
-    else:
-        s = qk * qk_scale + (kvec[None, :] + rvec[:, None])
+    s = qk * qk_scale + kvec[None, :]  # (the row part of the bias: added to the log-sum-exp at the end)
     if MASKED:
         keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
         if HOLES:
@@ -271,7 +273,7 @@ def _fwd_kernel(
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, STORE_LSE: tl.constexpr,
-    TMA: tl.constexpr = False, FOLD: tl.constexpr = True, WS: tl.constexpr = False,
+    TMA: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (causal) blocks first
     bh = tl.program_id(1).to(tl.int64)
@@ -291,7 +293,6 @@ def _fwd_kernel(
     bias_base = b * sbb + h * sbh
     slope2 = _head_slope(Bias, h, sbh, BIAS)
     kb0 = _bias_at(Bias, bias_base, sbn, c0, BIAS)
-    rvec = _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -306,30 +307,21 @@ def _fwd_kernel(
     keep_base = Keep + b * smb
     if holes:  # (rows mode only) some row has holes in its range: every tile masked, reading keep
         for t in range(0, n_b):  # (from full_hi = first)
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base,
                                       keep_base, offs_m, row_ok, c0, kb0, slope2, full_hi + t * BLOCK_N, N, skn, skd, svn,
                                       svd, sbn, smm, smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, True, PREC,
-                                      TMA, FOLD)
+                                      TMA)
     else:
-        if WS:  # the bulk loop warp-specialised (loads, products and softmax in separate warps)
-            for start_n in tl.range(full_lo, full_hi, BLOCK_N, warp_specialize=True):
-                start_n = tl.multiple_of(start_n, BLOCK_N)
-                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, k_desc, v_desc, Bias,
-                                          bias_base, keep_base, offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd,
-                                          svn, svd, sbn, smm, smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False,
-                                          False, PREC, TMA, FOLD)
-        else:
-            for start_n in range(full_lo, full_hi, BLOCK_N):  # the bulk: no mask arithmetic
-                start_n = tl.multiple_of(start_n, BLOCK_N)
-                acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, k_desc, v_desc, Bias,
-                                          bias_base, keep_base, offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd,
-                                          svn, svd, sbn, smm, smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False,
-                                          False, PREC, TMA, FOLD)
+        for start_n in range(full_lo, full_hi, BLOCK_N):  # the bulk: no mask arithmetic
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base,
+                                      keep_base, offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm,
+                                      smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False, False, PREC, TMA)
         for t in range(0, n_a + n_b):  # the tiles some row starts or ends inside (causal: the diagonal)
             start_n = tl.where(t < n_a, first + t * BLOCK_N, full_hi + (t - n_a) * BLOCK_N)
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base,
                                       keep_base, offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm,
-                                      smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC, TMA, FOLD)
+                                      smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC, TMA)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -338,8 +330,7 @@ def _fwd_kernel(
     if STORE_LSE:
         # +inf for a row that sees nothing: the backward's exp2(s - lse) is then 0 there
         lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
-        if FOLD:
-            lse += rvec
+        lse += _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS)  # (left out of the scores)
         tl.store(Lse + bh * M + offs_m, lse, mask=row_ok)
 
 
@@ -703,12 +694,13 @@ def _bwd_dq_kernel(
 
 # (kernel, BLOCK_D bucket, mask given?) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps, num_stages) for
 # float16/bfloat16: the fastest of scripts/alibi_kernel_tune.py's candidates on an H200 at head dims
-# 64 and 128 (benchmarks/results/alibi-kernel-tune.json; the masked backward and decode take the
-# causal winners, the masked forward at 128 the causal winner too); 16 and 32 take 64's, 256 the
-# largest tiles that compile without spilling much (not timed).
+# 64 and 128 (benchmarks/results/alibi-kernel-tune.json; the forward's with keys and values read
+# through tensor descriptors; the masked backward and decode take the causal winners); 16 and 32
+# take 64's, 256 the largest tiles that compile without spilling much (not timed).
 CONFIGS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
-    **{("fwd", bd, m): (128, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
-    **{("fwd", 128, m): (64, 64, 4, 3) for m in (False, True)},
+    **{("fwd", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
+    ("fwd", 128, False): (64, 64, 4, 3),
+    ("fwd", 128, True): (128, 64, 8, 3),
     **{("fwd", 256, m): (64, 64, 8, 2) for m in (False, True)},
     **{("dq", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
     **{("dq", 128, m): (64, 32, 4, 3) for m in (False, True)},
@@ -921,7 +913,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
                       (qk_scale,),
                       {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
                        "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "STORE_LSE": need_lse,
-                       "TMA": tma, "FOLD": FOLD, "WS": WS}, warps, stages)
+                       "TMA": tma}, warps, stages)
 
     plan.main = launch(False)
     if _tma_layout(k, v):  # keys and values through the tensor memory accelerator where aligned
@@ -930,8 +922,6 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
 
 
 USE_TMA = os.environ.get("TORCHEMBED_ALIBI_TMA", "1") == "1"  # keys/values by TMA on Hopper and later
-FOLD = True  # the row part of the bias added to the log-sum-exp once, not to every score
-WS = False  # the forward's bulk loop warp-specialised
 
 
 def _tma_layout(k: Tensor, v: Tensor) -> bool:
