@@ -699,7 +699,7 @@ def _bwd_dq_kernel(
 # take 64's, 256 the largest tiles that compile without spilling much (not timed).
 CONFIGS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
     **{("fwd", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
-    ("fwd", 128, False): (64, 64, 4, 3),
+    ("fwd", 128, False): (128, 128, 8, 3),
     ("fwd", 128, True): (128, 64, 8, 3),
     **{("fwd", 256, m): (64, 64, 8, 2) for m in (False, True)},
     **{("dq", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
