@@ -83,8 +83,10 @@ _RECOMPUTED = ("layer_types", "mlp_layer_types", "no_rope_layers", "layers_block
 _DERIVED = ("per_layer_config",)  # rebuilt by the config class from the (shrunk) layer types: never passed
 _ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "vocab_size")
 _DEPTHS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")  # what layer-index lists index
+# the last: retrieval models (ColPali, ColQwen2) are mapped in no other, under a name 4.x also has
 _TASKS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
-          "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
+          "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES",
+          "MODEL_FOR_PRETRAINING_MAPPING_NAMES")
 
 
 # -- which model types ---------------------------------------------------------------------------------
