@@ -341,6 +341,13 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
         if (key not in small or small[key] is value) and _is_index_list(key, value, old_depth) and new_depth:
             # layer indices (deepstack, full-attention blocks, MoE layers): the same share of the new depth
             small[key] = sorted({min(new_depth - 1, v * new_depth // old_depth) for v in value})
+    vision, tiny_vision = original.get("vision_config"), small.get("vision_config")
+    pinpoints = original.get("image_grid_pinpoints")
+    if isinstance(vision, dict) and isinstance(tiny_vision, dict) and isinstance(pinpoints, list) and pinpoints:
+        # LLaVA-Next's anyres: the image resolutions it tiles, in multiples of the tower's image size
+        old_size, new_size = vision.get("image_size"), tiny_vision.get("image_size")
+        if isinstance(old_size, int) and isinstance(new_size, int) and old_size != new_size:
+            small["image_grid_pinpoints"] = [[v * new_size // old_size for v in point] for point in pinpoints]
     ratio = original.get("pixel_shuffle_ratio")
     if isinstance(ratio, float) and 0 < ratio < 1 and isinstance(small.get("hidden_size"), int) and "intermediate_size" in small:
         small["intermediate_size"] = int(small["hidden_size"] / ratio**2)  # Llama 4: the shuffled patches' width
@@ -723,6 +730,12 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
         yield {"pixel_values": torch.randn(side * side, channels * temporal * patch * patch, generator=gen),
                "image_grid_thw": torch.tensor([[1, side, side]])}
     size = _first(vision, "image_size", default=2 * patch)
+    pinpoints = getattr(config, "image_grid_pinpoints", None)
+    if "image_sizes" in params and pinpoints:  # anyres: an image of the first resolution, its tiles after the overview
+        height, width = pinpoints[0]
+        tiles = 1 + (height // size) * (width // size)
+        yield {"pixel_values": torch.randn(1, tiles, channels, size, size, generator=gen),
+               "image_sizes": torch.tensor([[height, width]])}
     pixels = torch.randn(1, channels, size, size, generator=gen)
     sizes = {"image_sizes": torch.tensor([[size, size]])} if "image_sizes" in params else {}
     for layout in (pixels, pixels[:, None]):  # (batch, images, channels, height, width): Idefics and kin
