@@ -342,12 +342,17 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
             # layer indices (deepstack, full-attention blocks, MoE layers): the same share of the new depth
             small[key] = sorted({min(new_depth - 1, v * new_depth // old_depth) for v in value})
     vision, tiny_vision = original.get("vision_config"), small.get("vision_config")
+    factor = next((original[k] for k in ("scale_factor", "pixel_shuffle_factor") if isinstance(original.get(k), int)), 1)
+    tower = tiny_vision if isinstance(tiny_vision, dict) else small
+    if factor > 1 and isinstance(tower.get("image_size"), int) and isinstance(tower.get("patch_size"), int):
+        if (tower["image_size"] // tower["patch_size"]) % factor:  # a pixel shuffle folds factor x factor patches
+            tower["image_size"] = tower["patch_size"] * factor
     pinpoints = original.get("image_grid_pinpoints")
     if isinstance(vision, dict) and isinstance(tiny_vision, dict) and isinstance(pinpoints, list) and pinpoints:
-        # LLaVA-Next's anyres: the image resolutions it tiles, in multiples of the tower's image size
+        # LLaVA-Next's anyres: the image resolutions it tiles, whole multiples of the tower's image size
         old_size, new_size = vision.get("image_size"), tiny_vision.get("image_size")
         if isinstance(old_size, int) and isinstance(new_size, int) and old_size != new_size:
-            small["image_grid_pinpoints"] = [[v * new_size // old_size for v in point] for point in pinpoints]
+            small["image_grid_pinpoints"] = [[max(1, round(v / old_size)) * new_size for v in point] for point in pinpoints]
     ratio = original.get("pixel_shuffle_ratio")
     if isinstance(ratio, float) and 0 < ratio < 1 and isinstance(small.get("hidden_size"), int) and "intermediate_size" in small:
         small["intermediate_size"] = int(small["hidden_size"] / ratio**2)  # Llama 4: the shuffled patches' width
@@ -747,15 +752,19 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
 def _image_tokens(model: nn.Module, images: dict[str, Tensor]) -> int:
     """How many image-token embeddings the vision tower makes of ``images`` (0 if it has no
     ``get_image_features``, or it fails on them)."""
-    get = getattr(model, "get_image_features", None)
+    # a head without it (DeepSeek-VL, ModernVBert's masked LM) has its base model's
+    get = getattr(model, "get_image_features", None) or getattr(getattr(model, "base_model", None), "get_image_features", None)
     if get is None:
         return 0
     hidden = model.config.get_text_config().hidden_size
     with torch.no_grad(), _quiet():
         out = get(**images)
-    tensors = [t for t in _tensors(getattr(out, "pooler_output", None) if not isinstance(out, (Tensor, list, tuple)) else out)]
-    if not tensors and not isinstance(out, (Tensor, list, tuple)):
-        tensors = list(_tensors(out[0]))
+    if isinstance(out, (Tensor, list, tuple)):
+        tensors = list(_tensors(out))
+    else:  # Granite 4 Vision has only (LLM layer, features) pairs, one per layer it feeds
+        tensors = list(_tensors(getattr(out, "pooler_output", None)))
+        tensors = tensors or list(_tensors(next(iter(getattr(out, "deepstack_features", None) or ()), None)))
+        tensors = tensors or list(_tensors(out[0]))
     return sum(t.numel() for t in tensors) // hidden
 
 

@@ -24,7 +24,12 @@ __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
 
 ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 
-CONFIG: dict[str, ConfigFix] = {}
+CONFIG: dict[str, ConfigFix] = {
+    # Granite 4 Vision: its Q-Former projectors need a window rate and which vision layers feed which
+    # LLM layers (no defaults); the 2 x 2 patches of the tiny image make one window, pooled to 1 x 1
+    "granite4_vision": {"downsample_rate": "1/2", "deepstack_layer_map": [[-1, 0], [-2, 2]],
+                        "spatial_target_layers": [0, 1, 2, 3]},
+}
 
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {}
 
