@@ -29,9 +29,15 @@ CONFIG: dict[str, ConfigFix] = {
     # LLM layers (no defaults); the 2 x 2 patches of the tiny image make one window, pooled to 1 x 1
     "granite4_vision": {"downsample_rate": "1/2", "deepstack_layer_map": [[-1, 0], [-2, 2]],
                         "spatial_target_layers": [0, 1, 2, 3]},
+    # InternVL: image and patch sizes are (height, width) pairs, which the generic rules leave at 448 / 14
+    "internvl": {"vision_config": {"image_size": 16, "patch_size": 8}},
     # Mistral 3: its projector squeezes the merged patches of one image, so it needs more than one (a 4 x 4 grid)
     "mistral3": {"vision_config": {"image_size": 32}},
     "mistral_large4": {"vision_config": {"image_size": 32}, "text_config": {"num_key_value_heads": 4}},  # and MLA: kv heads = heads
+    # Qianfan-OCR: InternVL's tower
+    "qianfan_ocr": {"vision_config": {"image_size": 16, "patch_size": 8}},
+    # VipLLaVA: the tower's hidden states it concatenates, [-2, -5, -8, -11, 6] of 24 layers; 5 of the tiny 4 layers'
+    "vipllava": {"vision_feature_layers": [-1, -2, -3, -4, 1]},
 }
 
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {}
