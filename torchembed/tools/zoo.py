@@ -824,6 +824,9 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
             _special(config, "vision_end_token_id", "eoi_token_id", "eoi_token_index")
         row = [t for t in (start,) if t is not None] + [image_id] * count + [t for t in (end,) if t is not None]
         ids = torch.randint(3, vocab - SPECIAL_IDS, (1, seq_len), generator=gen)
+        media = {i for i in (image_id, _special(config, "video_token_id", "video_token_index")) if i is not None}
+        if media & set(ids.flatten().tolist()):  # an image token id inside the text range (EXAONE 4.5's 67)
+            ids = ids.apply_(lambda i: next(j for j in range(i, vocab) if j not in media))
         ids = torch.cat((ids[:, :3], torch.tensor([row]), ids[:, 3:]), dim=-1)
         inputs.update(images)
         kind = (ids == image_id).int()

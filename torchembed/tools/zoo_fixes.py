@@ -25,6 +25,8 @@ __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
 ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 
 CONFIG: dict[str, ConfigFix] = {
+    # Aria: its projector has learned queries per number of patches (1225 or 4900); the tiny image has 4
+    "aria": {"projector_patch_to_query_dict": {4: 4}},
     # Granite 4 Vision: its Q-Former projectors need a window rate and which vision layers feed which
     # LLM layers (no defaults); the 2 x 2 patches of the tiny image make one window, pooled to 1 x 1
     "granite4_vision": {"downsample_rate": "1/2", "deepstack_layer_map": [[-1, 0], [-2, 2]],
