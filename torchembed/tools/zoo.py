@@ -734,6 +734,10 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
         side = 2 * merge
         yield {"pixel_values": torch.randn(side * side, channels * temporal * patch * patch, generator=gen),
                "image_grid_thw": torch.tensor([[1, side, side]])}
+    if "spatial_shapes" in params:  # SigLIP 2's NaFlex (LFM2-VL): flattened patches, their grid, the real ones
+        side = 2 * _first(config, "downsample_factor", default=1)
+        yield {"pixel_values": torch.randn(1, side * side, channels * patch * patch, generator=gen),
+               "spatial_shapes": torch.tensor([[side, side]]), "pixel_attention_mask": torch.ones(1, side * side, dtype=torch.long)}
     size = _first(vision, "image_size", default=2 * patch)
     pinpoints = getattr(config, "image_grid_pinpoints", None)
     if "image_sizes" in params and pinpoints:  # anyres: an image of the first resolution, its tiles after the overview
@@ -747,6 +751,8 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
         yield {"pixel_values": layout, **sizes}
         if sizes:  # image_sizes is optional, and some towers do not take it (LLaVA's CLIP)
             yield {"pixel_values": layout}
+    if "pixel_attention_mask" in params:  # Granite-Docling: which of the (batch, tiles) are real
+        yield {"pixel_values": pixels[:, None], "pixel_attention_mask": torch.ones(1, 1, dtype=torch.bool)}
 
 
 def _image_tokens(model: nn.Module, images: dict[str, Tensor]) -> int:
