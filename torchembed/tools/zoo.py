@@ -328,6 +328,12 @@ def _shrink(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = (list(dict.fromkeys(value)) * layers)[:layers]
         else:
             out[key] = value
+    # the text model of a composite uses multi-head latent attention (Kimi K2.5, Mistral Large 4): as many kv
+    # heads as query heads (the variants of a top-level config try that), and head_dim the rotary part
+    if "kv_lora_rank" in values and isinstance(out.get("num_key_value_heads"), int):
+        out["num_key_value_heads"] = out.get("num_attention_heads", SMALL["num_attention_heads"])
+    if isinstance(values.get("head_dim"), int) and values["head_dim"] == values.get("qk_rope_head_dim"):
+        out["head_dim"] = SMALL["qk_rope_head_dim"]
     _fit(values, out)
     return out
 
@@ -729,11 +735,14 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
     channels = _first(vision, "in_channels", "num_channels", "in_chans", default=3)
     patch = _first(vision, "patch_size", default=8)
     if "image_grid_thw" in params:
-        merge = _first(vision, "spatial_merge_size", "merge_size", default=1)
+        kernel = getattr(vision, "merge_kernel_size", None)  # Kimi K2.5: (height, width)
+        merge = _first(vision, "spatial_merge_size", "merge_size", default=kernel[0] if isinstance(kernel, (list, tuple)) else 1)
         temporal = _first(vision, "temporal_patch_size", default=1)
         side = 2 * merge
-        yield {"pixel_values": torch.randn(side * side, channels * temporal * patch * patch, generator=gen),
-               "image_grid_thw": torch.tensor([[1, side, side]])}
+        flat = torch.randn(side * side, channels * temporal * patch * patch, generator=gen)
+        yield {"pixel_values": flat, "image_grid_thw": torch.tensor([[1, side, side]])}
+        if temporal == 1:  # Kimi K2.5: each patch a (channels, patch, patch) image
+            yield {"pixel_values": flat.view(-1, channels, patch, patch), "image_grid_thw": torch.tensor([[1, side, side]])}
     if "spatial_shapes" in params:  # SigLIP 2's NaFlex (LFM2-VL): flattened patches, their grid, the real ones
         side = 2 * _first(config, "downsample_factor", default=1)
         yield {"pixel_values": torch.randn(1, side * side, channels * patch * patch, generator=gen),

@@ -35,7 +35,7 @@ CONFIG: dict[str, ConfigFix] = {
     "internvl": {"vision_config": {"image_size": 16, "patch_size": 8}},
     # Mistral 3: its projector squeezes the merged patches of one image, so it needs more than one (a 4 x 4 grid)
     "mistral3": {"vision_config": {"image_size": 32}},
-    "mistral_large4": {"vision_config": {"image_size": 32}, "text_config": {"num_key_value_heads": 4}},  # and MLA: kv heads = heads
+    "mistral_large4": {"vision_config": {"image_size": 32}},
     # Qianfan-OCR: InternVL's tower
     "qianfan_ocr": {"vision_config": {"image_size": 16, "patch_size": 8}},
     # VipLLaVA: the tower's hidden states it concatenates, [-2, -5, -8, -11, 6] of 24 layers; 5 of the tiny 4 layers'
