@@ -756,6 +756,10 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
                "image_sizes": torch.tensor([[height, width]])}
     pixels = torch.randn(1, channels, size, size, generator=gen)
     sizes = {"image_sizes": torch.tensor([[size, size]])} if "image_sizes" in params else {}
+    high = getattr(config, "high_res_vision_config", None)
+    if "high_res_pixel_values" in params and high is not None:  # DeepSeek-VL hybrid: the image again, for its SAM tower
+        high_size = _first(high, "image_size", default=size)
+        yield {"pixel_values": pixels, "high_res_pixel_values": torch.randn(1, channels, high_size, high_size, generator=gen)}
     for layout in (pixels, pixels[:, None]):  # (batch, images, channels, height, width): Idefics and kin
         yield {"pixel_values": layout, **sizes}
         if sizes:  # image_sizes is optional, and some towers do not take it (LLaVA's CLIP)
