@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Union
 
+import torch
 from torch import Tensor, nn
 
 __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
@@ -36,13 +37,35 @@ CONFIG: dict[str, ConfigFix] = {
     # Mistral 3: its projector squeezes the merged patches of one image, so it needs more than one (a 4 x 4 grid)
     "mistral3": {"vision_config": {"image_size": 32}},
     "mistral_large4": {"vision_config": {"image_size": 32}},
+    # Mllama: one tile per image (its tile embeddings are per aspect ratio of max_num_tiles), the tower's
+    # output the last hidden state and each of intermediate_layers_indices' stacked, and self-attention
+    # (the rotary layers) between the cross-attention ones
+    "mllama": {"vision_config": {"max_num_tiles": 1, "supported_aspect_ratios": [[1, 1]], "attention_heads": 4,
+                                 "num_global_layers": 2, "intermediate_layers_indices": [1, 3], "vision_output_dim": 3 * 64},
+               "text_config": {"cross_attention_layers": [1, 3]}},
     # Qianfan-OCR: InternVL's tower
     "qianfan_ocr": {"vision_config": {"image_size": 16, "patch_size": 8}},
     # VipLLaVA: the tower's hidden states it concatenates, [-2, -5, -8, -11, 6] of 24 layers; 5 of the tiny 4 layers'
     "vipllava": {"vision_feature_layers": [-1, -2, -3, -4, 1]},
 }
 
-INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {}
+
+
+def _mllama(model: nn.Module) -> dict[str, Tensor]:
+    """Mllama's images enter by cross-attention: one image of one tile, its aspect ratio (id 1: 1 x 1)
+    and which tokens attend to it (all), after its image token."""
+    config, gen = model.config, torch.Generator().manual_seed(0)
+    size, seq_len = config.vision_config.image_size, 12
+    ids = torch.randint(3, config.text_config.vocab_size - 16, (1, seq_len), generator=gen)
+    ids[0, 2] = config.image_token_id
+    return {"input_ids": ids, "pixel_values": torch.randn(1, 1, 1, config.vision_config.num_channels, size, size, generator=gen),
+            "aspect_ratio_ids": torch.tensor([[1]]), "aspect_ratio_mask": torch.ones(1, 1, 1, dtype=torch.long),
+            "cross_attention_mask": torch.ones(1, seq_len, 1, 1, dtype=torch.long)}
+
+
+INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
+    "mllama": _mllama,
+}
 
 
 def _merge(into: dict[str, Any], values: dict[str, Any]) -> None:
