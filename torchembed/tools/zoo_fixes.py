@@ -51,6 +51,15 @@ CONFIG: dict[str, ConfigFix] = {
 
 
 
+def _idefics(model: nn.Module) -> dict[str, Tensor]:
+    """IDEFICS' images enter by cross-attention (no image token): one image, and which tokens attend to it (all)."""
+    config, gen = model.config, torch.Generator().manual_seed(0)
+    size, seq_len = config.vision_config.image_size, 12
+    return {"input_ids": torch.randint(3, config.vocab_size - 16, (1, seq_len), generator=gen),
+            "pixel_values": torch.randn(1, 1, config.vision_config.num_channels, size, size, generator=gen),
+            "image_attention_mask": torch.ones(1, seq_len, 1, dtype=torch.long)}
+
+
 def _mllama(model: nn.Module) -> dict[str, Tensor]:
     """Mllama's images enter by cross-attention: one image of one tile, its aspect ratio (id 1: 1 x 1)
     and which tokens attend to it (all), after its image token."""
@@ -64,6 +73,7 @@ def _mllama(model: nn.Module) -> dict[str, Tensor]:
 
 
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
+    "idefics": _idefics,
     "mllama": _mllama,
 }
 
