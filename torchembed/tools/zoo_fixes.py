@@ -28,6 +28,8 @@ ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 CONFIG: dict[str, ConfigFix] = {
     # Aria: its projector has learned queries per number of patches (1225 or 4900); the tiny image has 4
     "aria": {"projector_patch_to_query_dict": {4: 4}},
+    # DeepSeek-VL hybrid: its SAM tower's neck and projection widths (256, then x 2 and x 4) follow output_channels
+    "deepseek_vl_hybrid": {"high_res_vision_config": {"output_channels": 16}},
     # Granite 4 Vision: its Q-Former projectors need a window rate and which vision layers feed which
     # LLM layers (no defaults); the 2 x 2 patches of the tiny image make one window, pooled to 1 x 1
     "granite4_vision": {"downsample_rate": "1/2", "deepstack_layer_map": [[-1, 0], [-2, 2]],
