@@ -613,9 +613,12 @@ def model_class(config: Any) -> type:
     from transformers.models.auto.auto_factory import _LazyAutoMapping
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+    model_type = config.model_type
+    if model_type not in CONFIG_MAPPING_NAMES:  # 4.x's LFM2-VL config says "lfm2-vl", its mappings "lfm2_vl"
+        model_type = next((k for k, v in CONFIG_MAPPING_NAMES.items() if v == type(config).__name__), model_type)
     for task in _TASKS:
         names = getattr(modeling_auto, task, None)
-        if names and config.model_type in names:
+        if names and model_type in names:
             mapping = _LazyAutoMapping(CONFIG_MAPPING_NAMES, names)
             with contextlib.suppress(KeyError):
                 return mapping[type(config)]
