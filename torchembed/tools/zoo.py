@@ -83,7 +83,7 @@ _RECOMPUTED = ("layer_types", "mlp_layer_types", "no_rope_layers", "layers_block
 _DERIVED = ("per_layer_config",)  # rebuilt by the config class from the (shrunk) layer types: never passed
 _ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "vocab_size")
 _DEPTHS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")  # what layer-index lists index
-# the last: retrieval models (ColPali, ColQwen2) are mapped in no other, under a name 4.x also has
+# the last: retrieval models (ColPali, ColQwen2, ColModernVBert) are in no other mapping
 _TASKS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
           "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES",
           "MODEL_FOR_PRETRAINING_MAPPING_NAMES")
@@ -749,7 +749,8 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
     if "spatial_shapes" in params:  # SigLIP 2's NaFlex (LFM2-VL): flattened patches, their grid, the real ones
         side = 2 * _first(config, "downsample_factor", default=1)
         yield {"pixel_values": torch.randn(1, side * side, channels * patch * patch, generator=gen),
-               "spatial_shapes": torch.tensor([[side, side]]), "pixel_attention_mask": torch.ones(1, side * side, dtype=torch.long)}
+               "spatial_shapes": torch.tensor([[side, side]]),
+               "pixel_attention_mask": torch.ones(1, side * side, dtype=torch.long)}
     size = _first(vision, "image_size", default=2 * patch)
     pinpoints = getattr(config, "image_grid_pinpoints", None)
     if "image_sizes" in params and pinpoints:  # anyres: an image of the first resolution, its tiles after the overview
@@ -783,7 +784,7 @@ def _image_tokens(model: nn.Module, images: dict[str, Tensor]) -> int:
         out = get(**images)
     if isinstance(out, (Tensor, list, tuple)):
         tensors = list(_tensors(out))
-    else:  # Granite 4 Vision has only (LLM layer, features) pairs, one per layer it feeds
+    else:  # the pooled features, else the first layer's of per-layer ones (Granite 4 Vision), else the first output
         tensors = list(_tensors(getattr(out, "pooler_output", None)))
         tensors = tensors or list(_tensors(next(iter(getattr(out, "deepstack_features", None) or ()), None)))
         tensors = tensors or list(_tensors(out[0]))
@@ -847,8 +848,8 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
         row = [t for t in (start,) if t is not None] + [image_id] * count + [t for t in (end,) if t is not None]
         ids = torch.randint(3, vocab - SPECIAL_IDS, (1, seq_len), generator=gen)
         media = {i for i in (image_id, _special(config, "video_token_id", "video_token_index")) if i is not None}
-        if media & set(ids.flatten().tolist()):  # an image token id inside the text range (EXAONE 4.5's 67)
-            ids = ids.apply_(lambda i: next(j for j in range(i, vocab) if j not in media))
+        spare = next(i for i in range(3, vocab) if i not in media)  # not an image token id in the text (EXAONE 4.5's 67)
+        ids[torch.isin(ids, torch.tensor(sorted(media)))] = spare
         ids = torch.cat((ids[:, :3], torch.tensor([row]), ids[:, 3:]), dim=-1)
         inputs.update(images)
         kind = (ids == image_id).int()
