@@ -83,8 +83,10 @@ _RECOMPUTED = ("layer_types", "mlp_layer_types", "no_rope_layers", "layers_block
 _DERIVED = ("per_layer_config",)  # rebuilt by the config class from the (shrunk) layer types: never passed
 _ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "vocab_size")
 _DEPTHS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")  # what layer-index lists index
+# the last: retrieval models (ColPali, ColQwen2, ColModernVBert) are in no other mapping
 _TASKS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
-          "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
+          "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES",
+          "MODEL_FOR_PRETRAINING_MAPPING_NAMES")
 
 
 # -- which model types ---------------------------------------------------------------------------------
@@ -326,6 +328,12 @@ def _shrink(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = (list(dict.fromkeys(value)) * layers)[:layers]
         else:
             out[key] = value
+    # the text model of a composite uses multi-head latent attention (Kimi K2.5, Mistral Large 4): as many kv
+    # heads as query heads (the variants of a top-level config try that), and head_dim the rotary part
+    if "kv_lora_rank" in values and isinstance(out.get("num_key_value_heads"), int):
+        out["num_key_value_heads"] = out.get("num_attention_heads", SMALL["num_attention_heads"])
+    if isinstance(values.get("head_dim"), int) and values["head_dim"] == values.get("qk_rope_head_dim"):
+        out["head_dim"] = SMALL["qk_rope_head_dim"]
     _fit(values, out)
     return out
 
@@ -339,6 +347,18 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
         if (key not in small or small[key] is value) and _is_index_list(key, value, old_depth) and new_depth:
             # layer indices (deepstack, full-attention blocks, MoE layers): the same share of the new depth
             small[key] = sorted({min(new_depth - 1, v * new_depth // old_depth) for v in value})
+    vision, tiny_vision = original.get("vision_config"), small.get("vision_config")
+    factor = next((original[k] for k in ("scale_factor", "pixel_shuffle_factor") if isinstance(original.get(k), int)), 1)
+    tower = tiny_vision if isinstance(tiny_vision, dict) else small
+    if factor > 1 and isinstance(tower.get("image_size"), int) and isinstance(tower.get("patch_size"), int):
+        if (tower["image_size"] // tower["patch_size"]) % factor:  # a pixel shuffle folds factor x factor patches
+            tower["image_size"] = tower["patch_size"] * factor
+    pinpoints = original.get("image_grid_pinpoints")
+    if isinstance(vision, dict) and isinstance(tiny_vision, dict) and isinstance(pinpoints, list) and pinpoints:
+        # LLaVA-Next's anyres: the image resolutions it tiles, whole multiples of the tower's image size
+        old_size, new_size = vision.get("image_size"), tiny_vision.get("image_size")
+        if isinstance(old_size, int) and isinstance(new_size, int) and old_size != new_size:
+            small["image_grid_pinpoints"] = [[max(1, round(v / old_size)) * new_size for v in point] for point in pinpoints]
     ratio = original.get("pixel_shuffle_ratio")
     if isinstance(ratio, float) and 0 < ratio < 1 and isinstance(small.get("hidden_size"), int) and "intermediate_size" in small:
         small["intermediate_size"] = int(small["hidden_size"] / ratio**2)  # Llama 4: the shuffled patches' width
@@ -593,9 +613,12 @@ def model_class(config: Any) -> type:
     from transformers.models.auto.auto_factory import _LazyAutoMapping
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+    model_type = config.model_type
+    if model_type not in CONFIG_MAPPING_NAMES:  # 4.x's LFM2-VL config says "lfm2-vl", its mappings "lfm2_vl"
+        model_type = next((k for k, v in CONFIG_MAPPING_NAMES.items() if v == type(config).__name__), model_type)
     for task in _TASKS:
         names = getattr(modeling_auto, task, None)
-        if names and config.model_type in names:
+        if names and model_type in names:
             mapping = _LazyAutoMapping(CONFIG_MAPPING_NAMES, names)
             with contextlib.suppress(KeyError):
                 return mapping[type(config)]
@@ -715,32 +738,56 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
     channels = _first(vision, "in_channels", "num_channels", "in_chans", default=3)
     patch = _first(vision, "patch_size", default=8)
     if "image_grid_thw" in params:
-        merge = _first(vision, "spatial_merge_size", "merge_size", default=1)
+        kernel = getattr(vision, "merge_kernel_size", None)  # Kimi K2.5: (height, width)
+        merge = _first(vision, "spatial_merge_size", "merge_size", default=kernel[0] if isinstance(kernel, (list, tuple)) else 1)
         temporal = _first(vision, "temporal_patch_size", default=1)
         side = 2 * merge
-        yield {"pixel_values": torch.randn(side * side, channels * temporal * patch * patch, generator=gen),
-               "image_grid_thw": torch.tensor([[1, side, side]])}
+        flat = torch.randn(side * side, channels * temporal * patch * patch, generator=gen)
+        yield {"pixel_values": flat, "image_grid_thw": torch.tensor([[1, side, side]])}
+        if temporal == 1:  # Kimi K2.5: each patch a (channels, patch, patch) image
+            yield {"pixel_values": flat.view(-1, channels, patch, patch), "image_grid_thw": torch.tensor([[1, side, side]])}
+    if "spatial_shapes" in params:  # SigLIP 2's NaFlex (LFM2-VL): flattened patches, their grid, the real ones
+        side = 2 * _first(config, "downsample_factor", default=1)
+        yield {"pixel_values": torch.randn(1, side * side, channels * patch * patch, generator=gen),
+               "spatial_shapes": torch.tensor([[side, side]]),
+               "pixel_attention_mask": torch.ones(1, side * side, dtype=torch.long)}
     size = _first(vision, "image_size", default=2 * patch)
+    pinpoints = getattr(config, "image_grid_pinpoints", None)
+    if "image_sizes" in params and pinpoints:  # anyres: an image of the first resolution, its tiles after the overview
+        height, width = pinpoints[0]
+        tiles = 1 + (height // size) * (width // size)
+        yield {"pixel_values": torch.randn(1, tiles, channels, size, size, generator=gen),
+               "image_sizes": torch.tensor([[height, width]])}
     pixels = torch.randn(1, channels, size, size, generator=gen)
     sizes = {"image_sizes": torch.tensor([[size, size]])} if "image_sizes" in params else {}
+    high = getattr(config, "high_res_vision_config", None)
+    if "high_res_pixel_values" in params and high is not None:  # DeepSeek-VL hybrid: the image again, for its SAM tower
+        high_size = _first(high, "image_size", default=size)
+        yield {"pixel_values": pixels, "high_res_pixel_values": torch.randn(1, channels, high_size, high_size, generator=gen)}
     for layout in (pixels, pixels[:, None]):  # (batch, images, channels, height, width): Idefics and kin
         yield {"pixel_values": layout, **sizes}
         if sizes:  # image_sizes is optional, and some towers do not take it (LLaVA's CLIP)
             yield {"pixel_values": layout}
+    if "pixel_attention_mask" in params:  # Granite-Docling: which of the (batch, tiles) are real
+        yield {"pixel_values": pixels[:, None], "pixel_attention_mask": torch.ones(1, 1, dtype=torch.bool)}
 
 
 def _image_tokens(model: nn.Module, images: dict[str, Tensor]) -> int:
     """How many image-token embeddings the vision tower makes of ``images`` (0 if it has no
     ``get_image_features``, or it fails on them)."""
-    get = getattr(model, "get_image_features", None)
+    # a head without it (DeepSeek-VL, ModernVBert's masked LM) has its base model's
+    get = getattr(model, "get_image_features", None) or getattr(getattr(model, "base_model", None), "get_image_features", None)
     if get is None:
         return 0
     hidden = model.config.get_text_config().hidden_size
     with torch.no_grad(), _quiet():
         out = get(**images)
-    tensors = [t for t in _tensors(getattr(out, "pooler_output", None) if not isinstance(out, (Tensor, list, tuple)) else out)]
-    if not tensors and not isinstance(out, (Tensor, list, tuple)):
-        tensors = list(_tensors(out[0]))
+    if isinstance(out, (Tensor, list, tuple)):
+        tensors = list(_tensors(out))
+    else:  # the pooled features, else the first layer's of per-layer ones (Granite 4 Vision), else the first output
+        tensors = list(_tensors(getattr(out, "pooler_output", None)))
+        tensors = tensors or list(_tensors(next(iter(getattr(out, "deepstack_features", None) or ()), None)))
+        tensors = tensors or list(_tensors(out[0]))
     return sum(t.numel() for t in tensors) // hidden
 
 
@@ -800,6 +847,9 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
             _special(config, "vision_end_token_id", "eoi_token_id", "eoi_token_index")
         row = [t for t in (start,) if t is not None] + [image_id] * count + [t for t in (end,) if t is not None]
         ids = torch.randint(3, vocab - SPECIAL_IDS, (1, seq_len), generator=gen)
+        media = {i for i in (image_id, _special(config, "video_token_id", "video_token_index")) if i is not None}
+        spare = next(i for i in range(3, vocab) if i not in media)  # not an image token id in the text (EXAONE 4.5's 67)
+        ids[torch.isin(ids, torch.tensor(sorted(media)))] = spare
         ids = torch.cat((ids[:, :3], torch.tensor([row]), ids[:, 3:]), dim=-1)
         inputs.update(images)
         kind = (ids == image_id).int()
