@@ -24,7 +24,17 @@ __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
 
 ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 
-CONFIG: dict[str, ConfigFix] = {}
+CONFIG: dict[str, ConfigFix] = {
+    # DeepSeek-OCR-2: the decoder reads mlp_layer_types and num_experts_per_tok (both default None);
+    # SAM's downsampling neck must end at the vision encoder's width (its MLP width is not derived)
+    "deepseek_ocr2": {
+        "text_config": {"mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "num_experts_per_tok": 4},
+        "vision_config": {"sam_config": {"output_channels": 32, "downsample_channels": [32, 64], "mlp_dim": 128}},
+    },
+    # ERNIE 4.5 VL: M-RoPE sections are (h, w, t) with h == w (upstream's default [22, 22, 20]); the
+    # MoE width is a list (text experts, vision experts) that the generic rules leave full-size
+    "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"mrope_section": [3, 3, 2]}, "moe_intermediate_size": [32, 32]}},
+}
 
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {}
 
