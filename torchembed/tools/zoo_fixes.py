@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Union
 
+import torch
 from torch import Tensor, nn
 
 __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
@@ -34,9 +35,30 @@ CONFIG: dict[str, ConfigFix] = {
     # ERNIE 4.5 VL: M-RoPE sections are (h, w, t) with h == w (upstream's default [22, 22, 20]); the
     # MoE width is a list (text experts, vision experts) that the generic rules leave full-size
     "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"mrope_section": [3, 3, 2]}, "moe_intermediate_size": [32, 32]}},
+    # Gemma 4's vision tower: a learned (2, position_embedding_size, hidden) position table, 10240 rows by default
+    "gemma4_vision": {"position_embedding_size": 16},
 }
 
-INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {}
+
+def _patch_grid(model: nn.Module, side: int, channels: int = 3) -> tuple[Tensor, Tensor]:
+    """One image as ``side * side`` flattened patches (1, patches, channels * patch^2) and their
+    (x, y) positions (1, patches, 2), row by row."""
+    patch = model.config.patch_size
+    gen = torch.Generator().manual_seed(1)
+    pixels = torch.rand(1, side * side, channels * patch * patch, generator=gen)
+    ys, xs = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    return pixels, torch.stack((xs.flatten(), ys.flatten()), dim=-1)[None]
+
+
+def _gemma4_vision(model: nn.Module) -> dict[str, Tensor]:
+    # a (k * 2) x (k * 2) grid of patches: the pooler averages k x k of them (k = pooling_kernel_size)
+    pixels, positions = _patch_grid(model, 2 * model.config.pooling_kernel_size)
+    return {"pixel_values": pixels, "pixel_position_ids": positions}
+
+
+INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
+    "gemma4_vision": _gemma4_vision,  # flattened patches with their (x, y) positions, as Gemma 4's processor makes
+}
 
 
 def _merge(into: dict[str, Any], values: dict[str, Any]) -> None:
