@@ -35,9 +35,23 @@ CONFIG: dict[str, ConfigFix] = {
     # ERNIE 4.5 VL: M-RoPE sections are (h, w, t) with h == w (upstream's default [22, 22, 20]); the
     # MoE width is a list (text experts, vision experts) that the generic rules leave full-size
     "ernie4_5_vl_moe": {"text_config": {"rope_parameters": {"mrope_section": [3, 3, 2]}, "moe_intermediate_size": [32, 32]}},
+    # GLM-Image: the VQ codebook's ids are written into input_ids, so they must fit the text vocabulary
+    "glm_image": {"vq_config": {"num_embeddings": 64}},
     # Gemma 4's vision tower: a learned (2, position_embedding_size, hidden) position table, 10240 rows by default
     "gemma4_vision": {"position_embedding_size": 16},
 }
+
+
+def _text_ids(model: nn.Module, *parts: list[int] | int, seed: int = 0) -> Tensor:
+    """One row of token ids: each int in ``parts`` that many random ordinary ids (none special),
+    each list those ids as they are."""
+    from torchembed.tools.zoo import SPECIAL_IDS
+
+    vocab = model.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    row = [torch.randint(3, vocab - SPECIAL_IDS, (part,), generator=gen) if isinstance(part, int) else torch.tensor(part)
+           for part in parts]
+    return torch.cat(row)[None]
 
 
 def _patch_grid(model: nn.Module, side: int, channels: int = 3) -> tuple[Tensor, Tensor]:
@@ -56,8 +70,20 @@ def _gemma4_vision(model: nn.Module) -> dict[str, Tensor]:
     return {"pixel_values": pixels, "pixel_position_ids": positions}
 
 
+def _glm_image(model: nn.Module) -> dict[str, Tensor]:
+    # image to image: the source image's tokens between image start and end, the target's grid last
+    # (upstream takes every grid but the last as a source image)
+    config, vision = model.config, model.config.vision_config
+    gen = torch.Generator().manual_seed(1)
+    pixels = torch.randn(4, vision.in_channels * vision.patch_size**2, generator=gen)
+    start, end = config.image_start_token_id, config.image_end_token_id
+    ids = _text_ids(model, 3, [start] + [config.image_token_id] * 4 + [end], 6, [start])
+    return {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2]])}
+
+
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "gemma4_vision": _gemma4_vision,  # flattened patches with their (x, y) positions, as Gemma 4's processor makes
+    "glm_image": _glm_image,
 }
 
 
