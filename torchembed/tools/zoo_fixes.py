@@ -39,6 +39,9 @@ CONFIG: dict[str, ConfigFix] = {
     "glm_image": {"vq_config": {"num_embeddings": 64}},
     # Gemma 4's vision tower: a learned (2, position_embedding_size, hidden) position table, 10240 rows by default
     "gemma4_vision": {"position_embedding_size": 16},
+    # HunYuanVL: the attention reads text_config.head_dim as is (default None); the vision tower's learned
+    # position grid is (max_image_size / patch_size)^2 rows (65536 by default)
+    "hunyuan_vl": {"text_config": {"head_dim": 16}, "vision_config": {"max_image_size": 64}},
 }
 
 
