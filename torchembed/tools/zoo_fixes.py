@@ -42,6 +42,14 @@ CONFIG: dict[str, ConfigFix] = {
     # HunYuanVL: the attention reads text_config.head_dim as is (default None); the vision tower's learned
     # position grid is (max_image_size / patch_size)^2 rows (65536 by default)
     "hunyuan_vl": {"text_config": {"head_dim": 16}, "vision_config": {"max_image_size": 64}},
+    # Inkling 2: the sliding-window layers have their own head counts and width, the relative-position
+    # tables their own extents; the vision merger's hidden width is not a width the generic rules know
+    "inkling2": {
+        "text_config": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16,
+                        "sliding_window_size": 32, "rel_extent": 64, "n_layers_per_attn_res_block": 2},
+        "vision_config": {"projection_hidden_dim": 64},
+    },
+    "inkling2_vision": {"projection_hidden_dim": 64, "text_hidden_size": 64},
 }
 
 
@@ -84,9 +92,24 @@ def _glm_image(model: nn.Module) -> dict[str, Tensor]:
     return {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2]])}
 
 
+def _inkling2_images(vision: Any) -> dict[str, Tensor]:
+    # one 2 x 2-token image: each token's (merge * patch)^2 pixels channels last, the grid counted in tokens
+    side = vision.spatial_merge_size * vision.patch_size
+    gen = torch.Generator().manual_seed(1)
+    pixels = torch.rand(4, side, side, vision.num_channels, generator=gen) * 2 - 1
+    return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, 2, 2]])}
+
+
+def _inkling2(model: nn.Module) -> dict[str, Tensor]:
+    images = _inkling2_images(model.config.vision_config)
+    return {"input_ids": _text_ids(model, 3, [model.config.image_token_id] * 4, 9), **images}
+
+
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "gemma4_vision": _gemma4_vision,  # flattened patches with their (x, y) positions, as Gemma 4's processor makes
     "glm_image": _glm_image,
+    "inkling2": _inkling2,  # Inkling 2: pixels per image token, channels last, in a grid of tokens
+    "inkling2_vision": lambda model: _inkling2_images(model.config),
 }
 
 
