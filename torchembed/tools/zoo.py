@@ -380,8 +380,10 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
     taken = {v for k, v in small.items() if k in ("pad_token_id", "bos_token_id", "eos_token_id")}
     spare = iter(i for i in range(vocab - 1, vocab - SPECIAL_IDS - 1, -1) if i not in taken)
     for key, value in original.items():  # image, video, audio, vision-start ... token ids
-        if (key.endswith(("token_id", "token_index")) and isinstance(value, int) and not isinstance(value, bool)
-                and value >= vocab and small.get(key, value) == value):
+        # (an image token id left to the processor, MiniCPM-V's None, gets one too: the zoo writes the prompt)
+        unset = value is None and key == "image_token_id" and "vision_config" in original
+        if (unset or (key.endswith(("token_id", "token_index")) and isinstance(value, int) and not isinstance(value, bool)
+                      and value >= vocab)) and small.get(key, value) == value:
             small[key] = next(spare, vocab - 1)
 
 

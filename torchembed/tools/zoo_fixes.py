@@ -50,6 +50,13 @@ CONFIG: dict[str, ConfigFix] = {
         "vision_config": {"projection_hidden_dim": 64},
     },
     "inkling2_vision": {"projection_hidden_dim": 64, "text_hidden_size": 64},
+    # MiniCPM-V: the window merger follows vision layer insert_layer_id (6 by default, past the 4 of the tiny tower)
+    "minicpmv4_6": {"insert_layer_id": 1},
+    # ... and 4.7's canvas M-RoPE finds each image by its marker tokens, whose ids the tokenizer gives (None
+    # by default): here ids among the small vocabulary's top 16, which the zoo keeps for special tokens
+    "minicpmv4_7": {"insert_layer_id": 1, "image_start_id": 120, "image_end_id": 121, "slice_start_id": 122,
+                    "slice_end_id": 123, "newline_id": 124},
+    "minicpmv4_7_vision": {"insert_layer_id": 1},
 }
 
 
@@ -105,11 +112,33 @@ def _inkling2(model: nn.Module) -> dict[str, Tensor]:
     return {"input_ids": _text_ids(model, 3, [model.config.image_token_id] * 4, 9), **images}
 
 
+def _minicpm_v_image(vision: Any) -> dict[str, Tensor]:
+    # one 8 x 8-patch image, NaViT-packed as the processor packs it: (1, channels, patch, patches * patch);
+    # the merger merges 2 x 2 of it, and in "16x" mode the window merger 2 x 2 before
+    patch = vision.patch_size
+    gen = torch.Generator().manual_seed(1)
+    return {"pixel_values": torch.randn(1, vision.num_channels, patch, 64 * patch, generator=gen),
+            "target_sizes": torch.tensor([[8, 8]])}
+
+
+def _minicpm_v(model: nn.Module) -> dict[str, Tensor]:
+    config = model.config
+    marks = [getattr(config, name, None) for name in ("image_start_id", "image_end_id")]
+    image = [config.image_token_id] * (4 if config.downsample_mode == "16x" else 16)
+    row = _text_ids(model, 3, marks[:1] + image + marks[1:] if None not in marks else image, 8)
+    kind = (row == config.image_token_id).int()
+    return {"input_ids": row, "mm_token_type_ids": kind, **_minicpm_v_image(config.vision_config)}
+
+
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "gemma4_vision": _gemma4_vision,  # flattened patches with their (x, y) positions, as Gemma 4's processor makes
     "glm_image": _glm_image,
     "inkling2": _inkling2,  # Inkling 2: pixels per image token, channels last, in a grid of tokens
     "inkling2_vision": lambda model: _inkling2_images(model.config),
+    "minicpm_ocr": _minicpm_v,  # MiniCPM-V: NaViT-packed patches with their grid (target_sizes)
+    "minicpmv4_6": _minicpm_v,
+    "minicpmv4_7": _minicpm_v,
+    "minicpmv4_7_vision": lambda model: _minicpm_v_image(model.config),
 }
 
 
