@@ -57,6 +57,11 @@ CONFIG: dict[str, ConfigFix] = {
     "minicpmv4_7": {"insert_layer_id": 1, "image_start_id": 120, "image_end_id": 121, "slice_start_id": 122,
                     "slice_end_id": 123, "newline_id": 124},
     "minicpmv4_7_vision": {"insert_layer_id": 1},
+    # Molmo 2: the adapter pools the outputs of the vision layers it lists ([24, 18] by default); the
+    # vision tower's image size is a list, and its learned position table one row per patch of it; the
+    # image token's id (image_patch_id, not named like a token id) inside the small vocabulary's top 16
+    "molmo2": {"image_patch_id": 122, "adapter_config": {"vision_feature_layer": [3, 2], "text_hidden_size": 64},
+               "vision_config": {"image_size": [16, 16], "num_position_embeddings": 4}},
 }
 
 
@@ -130,6 +135,17 @@ def _minicpm_v(model: nn.Module) -> dict[str, Tensor]:
     return {"input_ids": row, "mm_token_type_ids": kind, **_minicpm_v_image(config.vision_config)}
 
 
+def _molmo2(model: nn.Module) -> dict[str, Tensor]:
+    # one crop of 2 x 2 patches (flattened, one row per position-table entry), pooled two patches per
+    # image token; image_grids gives each image's (low-res h, w, high-res h, w) token grids
+    vision = model.config.vision_config
+    gen = torch.Generator().manual_seed(1)
+    pixels = torch.randn(1, 4, vision.num_channels * vision.patch_size**2, generator=gen)
+    row = _text_ids(model, 3, [model.config.image_token_id] * 2, 9)
+    return {"input_ids": row, "pixel_values": pixels, "image_token_pooling": torch.tensor([[0, 1], [2, 3]]),
+            "image_grids": torch.tensor([[1, 1, 1, 1]]), "mm_token_type_ids": (row == model.config.image_token_id).long()}
+
+
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "gemma4_vision": _gemma4_vision,  # flattened patches with their (x, y) positions, as Gemma 4's processor makes
     "glm_image": _glm_image,
@@ -139,6 +155,7 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "minicpmv4_6": _minicpm_v,
     "minicpmv4_7": _minicpm_v,
     "minicpmv4_7_vision": lambda model: _minicpm_v_image(model.config),
+    "molmo2": _molmo2,  # Molmo 2: patches per crop, and which of them each image token pools
 }
 
 
