@@ -718,7 +718,7 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
     patch = _first(vision, "patch_size", default=8)
     if "image_grid_thw" in params:
         merge = _first(vision, "spatial_merge_size", "merge_size", default=1)
-        temporal = _first(vision, "temporal_patch_size", default=1)
+        temporal = _first(vision, "temporal_patch_size", "patch_temporal", default=1)  # Muse Spark: patch_temporal
         side = 2 * merge
         yield {"pixel_values": torch.randn(side * side, channels * temporal * patch * patch, generator=gen),
                "image_grid_thw": torch.tensor([[1, side, side]])}
@@ -950,8 +950,8 @@ class ModelTypeStatus:
 
     ``state``: ``"patched"``; ``"refused"`` (the patch layer's reason); ``"no tiny model"`` (it has
     a rotary component but no tiny model of it runs: the reason names the attribute or upstream's
-    error); ``"partly patched"`` (the patch leaves some of upstream's rotations running: a bug,
-    named); ``"part of"`` (a sub-config with no model class of its own, checked within its
+    error); ``"partly patched"`` (the patch leaves some of upstream's rotations running, or its
+    forward fails where upstream's runs: a bug, named); ``"part of"`` (a sub-config with no model class of its own, checked within its
     composite model); ``"no rotary component"``.
     """
 
@@ -1021,8 +1021,12 @@ def status_of(model_type: str) -> ModelTypeStatus:
         return ModelTypeStatus(model_type, "no tiny model", "upstream's rotations do not run on the tiny inputs ("
                                f"{', '.join(sorted(case.inputs))}); they are in {', '.join(where[:3]) or 'modules not run'}")
     patched = patch(copy.deepcopy(model))
-    with count_calls(codes) as left:
-        outputs_of(patched, case.inputs)
+    failed: Exception | None = None
+    try:
+        with count_calls(codes) as left:
+            outputs_of(patched, case.inputs)
+    except Exception as err:  # noqa: BLE001 - a patch that breaks upstream's forward: a bug, reported
+        failed = err
     family = family_for(model.config)
     kinds = sorted({c.kind for c in components})
     how = ("discovered: " if family.discovered else "") + f"{family.encoding}; " + ", ".join(
@@ -1030,6 +1034,9 @@ def status_of(model_type: str) -> ModelTypeStatus:
     )
     rotations = sorted({c.replacement.split("(", 1)[-1].rstrip(")") for c in components if c.kind == "rope-apply"})
     how += f" ({'; '.join(rotations)})" if rotations else ""
+    if failed is not None:  # never reported as patched (nor left to crash the survey)
+        return ModelTypeStatus(model_type, "partly patched", f"the patched forward fails on the tiny inputs, where "
+                               f"upstream's runs ({type(failed).__name__}: {_clip(str(failed), 120)}); {how}")
     if left:  # a rotation the patch left to upstream (or handed back to it): never reported as patched
         calls = ", ".join(f"{name} ({n} calls)" for name, n in sorted(left.items()))
         return ModelTypeStatus(model_type, "partly patched", f"upstream's {calls} still run(s) in a patched forward; {how}")

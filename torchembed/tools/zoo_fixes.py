@@ -62,6 +62,17 @@ CONFIG: dict[str, ConfigFix] = {
     # image token's id (image_patch_id, not named like a token id) inside the small vocabulary's top 16
     "molmo2": {"image_patch_id": 122, "adapter_config": {"vision_feature_layer": [3, 2], "text_hidden_size": 64},
                "vision_config": {"image_size": [16, 16], "num_position_embeddings": 4}},
+    # Muse Glimmer: as Muse Spark's (below), without the audio tower and MoE
+    "muse_glimmer": {"out_hidden_size": 256, "projector_hidden_size": 64,
+                     "vision_config": {"pos_emb_height": 2, "pos_emb_width": 2, "max_position_embeddings": 4}},
+    "muse_glimmer_vision": {"pos_emb_height": 2, "pos_emb_width": 2, "max_position_embeddings": 4},
+    # Muse Spark: the vision adapter's input is the tower's width after its 2 x 2 pixel shuffle (4 x 64), its
+    # hidden width and the MoE's are not ones the generic rules know, nor the audio tower's per-stage widths
+    # (a list); the vision tower's window is its position grid (32 x 32 patches by default)
+    "muse_spark": {"out_hidden_size": 256, "projector_hidden_size": 64, "text_config": {"moe_hidden_size": 64},
+                   "vision_config": {"pos_emb_height": 2, "pos_emb_width": 2, "max_position_embeddings": 4},
+                   "audio_config": {"hidden_sizes": [8, 16, 32, 64], "depths": [1, 1, 1, 1], "out_hidden_size": 64}},
+    "muse_spark_vision": {"pos_emb_height": 2, "pos_emb_width": 2, "max_position_embeddings": 4},
 }
 
 
@@ -146,6 +157,16 @@ def _molmo2(model: nn.Module) -> dict[str, Tensor]:
             "image_grids": torch.tensor([[1, 1, 1, 1]]), "mm_token_type_ids": (row == model.config.image_token_id).long()}
 
 
+def _muse_glimmer_assistant(model: nn.Module) -> dict[str, Tensor]:
+    # a block of noise embeddings to denoise, after the context: the target model's hidden states at the
+    # layers target_layer_ids names, concatenated (the keys run over context and block, the queries the block)
+    config = model.config
+    gen = torch.Generator().manual_seed(1)
+    context = torch.randn(1, 8, len(config.target_layer_ids) * config.hidden_size, generator=gen)
+    return {"noise_embeds": torch.randn(1, config.block_size, config.hidden_size, generator=gen),
+            "context_hidden_states": context}
+
+
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "gemma4_vision": _gemma4_vision,  # flattened patches with their (x, y) positions, as Gemma 4's processor makes
     "glm_image": _glm_image,
@@ -155,7 +176,8 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "minicpmv4_6": _minicpm_v,
     "minicpmv4_7": _minicpm_v,
     "minicpmv4_7_vision": lambda model: _minicpm_v_image(model.config),
-    "molmo2": _molmo2,  # Molmo 2: patches per crop, and which of them each image token pools
+    "molmo2": _molmo2,
+    "muse_glimmer_assistant": _muse_glimmer_assistant,  # a drafter: noise embeddings and the target's context  # Molmo 2: patches per crop, and which of them each image token pools
 }
 
 
