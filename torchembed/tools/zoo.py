@@ -951,8 +951,8 @@ class ModelTypeStatus:
     ``state``: ``"patched"``; ``"refused"`` (the patch layer's reason); ``"no tiny model"`` (it has
     a rotary component but no tiny model of it runs: the reason names the attribute or upstream's
     error); ``"partly patched"`` (the patch leaves some of upstream's rotations running, or its
-    forward fails where upstream's runs: a bug, named); ``"part of"`` (a sub-config with no model class of its own, checked within its
-    composite model); ``"no rotary component"``.
+    forward fails where upstream's runs: a bug, named); ``"part of"`` (a sub-config with no model
+    class of its own, checked within its composite model); ``"no rotary component"``.
     """
 
     model_type: str
