@@ -73,6 +73,8 @@ CONFIG: dict[str, ConfigFix] = {
                    "vision_config": {"pos_emb_height": 2, "pos_emb_width": 2, "max_position_embeddings": 4},
                    "audio_config": {"hidden_sizes": [8, 16, 32, 64], "depths": [1, 1, 1, 1], "out_hidden_size": 64}},
     "muse_spark_vision": {"pos_emb_height": 2, "pos_emb_width": 2, "max_position_embeddings": 4},
+    # Nemotron-H Omni: RADIO's learned position grid is (max_img_size / patch_size)^2 rows (65536 by default)
+    "nemotron_h_omni": {"vision_config": {"max_img_size": 64}},
 }
 
 
@@ -167,6 +169,15 @@ def _muse_glimmer_assistant(model: nn.Module) -> dict[str, Tensor]:
             "context_hidden_states": context}
 
 
+def _nemotron_h_omni(model: nn.Module) -> dict[str, Tensor]:
+    # one 4 x 4-patch image as flattened patches with its (h, w) grid; the 2 x 2 pixel shuffle makes 4 tokens
+    vision = model.config.vision_config
+    gen = torch.Generator().manual_seed(1)
+    pixels = torch.randn(16, vision.num_channels * vision.patch_size**2, generator=gen)
+    return {"input_ids": _text_ids(model, 3, [model.config.image_token_id] * 4, 9), "pixel_values": pixels,
+            "image_grid_hw": torch.tensor([[4, 4]])}
+
+
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "gemma4_vision": _gemma4_vision,  # flattened patches with their (x, y) positions, as Gemma 4's processor makes
     "glm_image": _glm_image,
@@ -177,7 +188,8 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "minicpmv4_7": _minicpm_v,
     "minicpmv4_7_vision": lambda model: _minicpm_v_image(model.config),
     "molmo2": _molmo2,
-    "muse_glimmer_assistant": _muse_glimmer_assistant,  # a drafter: noise embeddings and the target's context  # Molmo 2: patches per crop, and which of them each image token pools
+    "muse_glimmer_assistant": _muse_glimmer_assistant,  # a drafter: noise embeddings and the target's context
+    "nemotron_h_omni": _nemotron_h_omni,  # RADIO's flattened patches, with an (h, w) grid  # Molmo 2: patches per crop, and which of them each image token pools
 }
 
 
