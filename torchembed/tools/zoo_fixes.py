@@ -73,8 +73,10 @@ CONFIG: dict[str, ConfigFix] = {
                    "vision_config": {"pos_emb_height": 2, "pos_emb_width": 2, "max_position_embeddings": 4},
                    "audio_config": {"hidden_sizes": [8, 16, 32, 64], "depths": [1, 1, 1, 1], "out_hidden_size": 64}},
     "muse_spark_vision": {"pos_emb_height": 2, "pos_emb_width": 2, "max_position_embeddings": 4},
-    # Nemotron-H Omni: RADIO's learned position grid is (max_img_size / patch_size)^2 rows (65536 by default)
-    "nemotron_h_omni": {"vision_config": {"max_img_size": 64}},
+    # Nemotron-H Omni: RADIO's learned position grid is (max_img_size / patch_size)^2 rows (65536 by default);
+    # its Mamba mixer's heads go by names the generic rules do not know
+    "nemotron_h_omni": {"vision_config": {"max_img_size": 64},
+                        "text_config": {"mamba_num_heads": 4, "mamba_head_dim": 16}},
 }
 
 
