@@ -709,8 +709,8 @@ def _first(config: Any, *keys: str, default: Any = None) -> Any:
 
 
 def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tensor]]:
-    """Tiny images in the layouts vision towers take: flattened patches with their (t, h, w) grid
-    (Qwen2-VL and kin), (1, channels, size, size) pixels (with their ``image_sizes`` where the
+    """Tiny images in the layouts vision towers take: patches with their (t, h, w) grid, flattened
+    (Qwen2-VL and kin) or not, (1, channels, size, size) pixels (with their ``image_sizes`` where the
     forward takes them), or (1, 1, channels, size, size)."""
     vision = _vision_config(config) or config
     gen = torch.Generator().manual_seed(1)
@@ -720,8 +720,10 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
         merge = _first(vision, "spatial_merge_size", "merge_size", default=1)
         temporal = _first(vision, "temporal_patch_size", "patch_temporal", default=1)  # Muse Spark: patch_temporal
         side = 2 * merge
-        yield {"pixel_values": torch.randn(side * side, channels * temporal * patch * patch, generator=gen),
-               "image_grid_thw": torch.tensor([[1, side, side]])}
+        flat, grid = torch.randn(side * side, channels * temporal * patch * patch, generator=gen), torch.tensor([[1, side, side]])
+        yield {"pixel_values": flat, "image_grid_thw": grid}
+        if temporal == 1:  # PaddleOCR-VL: each patch as a (channels, patch, patch) image
+            yield {"pixel_values": flat.view(-1, channels, patch, patch), "image_grid_thw": grid}
     size = _first(vision, "image_size", default=2 * patch)
     pixels = torch.randn(1, channels, size, size, generator=gen)
     sizes = {"image_sizes": torch.tensor([[size, size]])} if "image_sizes" in params else {}

@@ -77,6 +77,8 @@ CONFIG: dict[str, ConfigFix] = {
     # its Mamba mixer's heads go by names the generic rules do not know
     "nemotron_h_omni": {"vision_config": {"max_img_size": 64},
                         "text_config": {"mamba_num_heads": 4, "mamba_head_dim": 16}},
+    # PaddleOCR-VL: the text model's M-RoPE sections default to [16, 24, 24] in its modeling code, not its config
+    "paddleocr_vl": {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}},
 }
 
 
