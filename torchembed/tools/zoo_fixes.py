@@ -79,6 +79,11 @@ CONFIG: dict[str, ConfigFix] = {
                         "text_config": {"mamba_num_heads": 4, "mamba_head_dim": 16}},
     # PaddleOCR-VL: the text model's M-RoPE sections default to [16, 24, 24] in its modeling code, not its config
     "paddleocr_vl": {"text_config": {"rope_parameters": {"mrope_section": [2, 3, 3]}}},
+    # Unlimited OCR: as DeepSeek-OCR-2's, SAM's downsampling neck feeds the CLIP encoder, so ends at its width;
+    # the text model's eager attention does not repeat kv heads (its default has as many as query heads)
+    "unlimited_ocr": {"text_config": {"num_key_value_heads": 4},
+                      "vision_config": {"sam_config": {"output_channels": 32, "downsample_channels": [32, 64],
+                                                       "mlp_dim": 128}}},
 }
 
 
