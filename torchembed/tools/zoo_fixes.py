@@ -187,6 +187,19 @@ def _nemotron_h_omni(model: nn.Module) -> dict[str, Tensor]:
             "image_grid_hw": torch.tensor([[4, 4]])}
 
 
+def _video_llama_3_image(vision: Any) -> dict[str, Tensor]:
+    # one image of 4 x 4 flattened patches with its (t, h, w) grid, merged 2 x 2 into 4 tokens
+    gen = torch.Generator().manual_seed(1)
+    pixels = torch.randn(16, vision.num_channels * vision.patch_size**2, generator=gen)
+    return {"pixel_values": pixels, "grid_thw": torch.tensor([[1, 4, 4]]), "merge_sizes": torch.tensor([2])}
+
+
+def _video_llama_3(model: nn.Module) -> dict[str, Tensor]:
+    image = _video_llama_3_image(model.config.vision_config)
+    return {"input_ids": _text_ids(model, 3, [model.config.image_token_id] * 4, 9), "pixel_values": image["pixel_values"],
+            "image_grid_thw": image["grid_thw"], "image_merge_sizes": image["merge_sizes"]}
+
+
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "gemma4_vision": _gemma4_vision,  # flattened patches with their (x, y) positions, as Gemma 4's processor makes
     "glm_image": _glm_image,
@@ -198,7 +211,9 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "minicpmv4_7_vision": lambda model: _minicpm_v_image(model.config),
     "molmo2": _molmo2,
     "muse_glimmer_assistant": _muse_glimmer_assistant,  # a drafter: noise embeddings and the target's context
-    "nemotron_h_omni": _nemotron_h_omni,  # RADIO's flattened patches, with an (h, w) grid  # Molmo 2: patches per crop, and which of them each image token pools
+    "nemotron_h_omni": _nemotron_h_omni,  # RADIO's flattened patches, with an (h, w) grid
+    "video_llama_3": _video_llama_3,  # VideoLLaMA 3: flattened patches with their grid and merge size per image
+    "video_llama_3_vision": lambda model: _video_llama_3_image(model.config),  # Molmo 2: patches per crop, and which of them each image token pools
 }
 
 
