@@ -84,7 +84,8 @@ _DERIVED = ("per_layer_config",)  # rebuilt by the config class from the (shrunk
 _ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "vocab_size")
 _DEPTHS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")  # what layer-index lists index
 _TASKS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
-          "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
+          "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES",
+          "MODEL_FOR_DECISION_MAPPING_NAMES")  # the last: JEV's decision head has no other class
 
 
 # -- which model types ---------------------------------------------------------------------------------
@@ -850,10 +851,13 @@ def _required(model: nn.Module) -> str:
 
 
 def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
-    """The model's main output on ``inputs``: logits where it has them, else the last hidden state."""
+    """The model's main output on ``inputs``: logits where it has them, else the last hidden state
+    (or the tensor it returns: JEV's decision scores)."""
     device = next(model.parameters()).device
     with torch.no_grad():
         out = model(**{k: v.to(device) for k, v in inputs.items()})
+    if isinstance(out, Tensor):
+        return out
     for name in ("logits", "last_hidden_state", "prediction_logits"):
         value = getattr(out, name, None)
         if isinstance(value, Tensor):

@@ -200,10 +200,19 @@ def _video_llama_3(model: nn.Module) -> dict[str, Tensor]:
             "image_grid_thw": image["grid_thw"], "image_merge_sizes": image["merge_sizes"]}
 
 
+def _jev(model: nn.Module) -> dict[str, Tensor]:
+    # a prompt with a choice question (type 1 of noul, choice, score) marked after each of its tokens:
+    # the head scores 16 options from each mark's previous token
+    marks = torch.arange(2, 17)[None]
+    return {"input_ids": _text_ids(model, 16), "marks": marks, "num_options": torch.full_like(marks, 16),
+            "question_type_ids": torch.ones_like(marks)}
+
+
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "gemma4_vision": _gemma4_vision,  # flattened patches with their (x, y) positions, as Gemma 4's processor makes
     "glm_image": _glm_image,
-    "inkling2": _inkling2,  # Inkling 2: pixels per image token, channels last, in a grid of tokens
+    "inkling2": _inkling2,
+    "jev": _jev,  # JEV: a decision head, scoring the options of questions at their marks  # Inkling 2: pixels per image token, channels last, in a grid of tokens
     "inkling2_vision": lambda model: _inkling2_images(model.config),
     "minicpm_ocr": _minicpm_v,  # MiniCPM-V: NaViT-packed patches with their grid (target_sizes)
     "minicpmv4_6": _minicpm_v,
