@@ -238,6 +238,10 @@ def generic_tiny_config(model_type: str) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _tiny_config(model_type: str) -> Any:
+    return _build(model_type, _tiny_kwargs(model_type))
+
+
+def _tiny_kwargs(model_type: str) -> dict[str, Any]:
     from transformers import AutoConfig
 
     with _quiet():
@@ -247,7 +251,21 @@ def _tiny_config(model_type: str) -> Any:
     if isinstance(kind, str) and "rot" not in kind and "rope" not in kind and rotary_code_of(model_type):
         kwargs["position_embedding_type"] = "rotary"  # ESM's default is absolute; its checkpoints rotate
     apply_config_fix(model_type, default, kwargs)
-    return _build(model_type, kwargs)
+    return kwargs
+
+
+def _builds_without_rotary(model_type: str) -> bool:
+    """Whether the model of the tiny config builds (on the meta device, not run) and holds no rotary
+    module (GLM-Image's VQ-VAE, which shares its modeling file with GLM-Image, and has no forward)."""
+    from transformers import AutoConfig
+
+    try:
+        with _quiet(), torch.device("meta"):
+            config = AutoConfig.for_model(model_type, **_tiny_kwargs(model_type))
+            model = model_class(config)(config)
+    except Exception:  # noqa: BLE001 - no answer: the reason stays upstream's error
+        return False
+    return not rotary_modules(model)
 
 
 def _small_kwargs(default: Any) -> dict[str, Any]:
@@ -997,10 +1015,12 @@ def status_of(model_type: str) -> ModelTypeStatus:
                                    f"its own; checked within {parents[0]} ({status_of(parents[0]).state})")
     try:
         case = zoo_case(model_type)
-    except TinyModelError as err:
-        return ModelTypeStatus(model_type, "no tiny model", str(err))
     except Exception as err:  # noqa: BLE001 - reported, not raised
-        return ModelTypeStatus(model_type, "no tiny model", f"{type(err).__name__}: {_clip(str(err))}")
+        why = str(err) if isinstance(err, TinyModelError) else f"{type(err).__name__}: {_clip(str(err))}"
+        if _builds_without_rotary(model_type):
+            return ModelTypeStatus(model_type, "no rotary component", f"its tiny model (built, not run: {why}) "
+                                   f"uses none of {', '.join(code[:3])} (default config)")
+        return ModelTypeStatus(model_type, "no tiny model", why)
     model = case.model
     if not rotary_modules(model):
         return ModelTypeStatus(model_type, "no rotary component",
