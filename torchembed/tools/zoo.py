@@ -401,8 +401,9 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
     for key, value in original.items():  # image, video, audio, vision-start ... token ids
         # (an image token id left to the processor, MiniCPM-V's None, gets one too: the zoo writes the prompt)
         unset = value is None and key == "image_token_id" and "vision_config" in original
-        if (unset or (key.endswith(("token_id", "token_index")) and isinstance(value, int) and not isinstance(value, bool)
-                      and value >= vocab)) and small.get(key, value) == value:
+        large = (key.endswith(("token_id", "token_index")) and isinstance(value, int) and not isinstance(value, bool)
+                 and value >= vocab)
+        if (unset or large) and small.get(key, value) == value:
             small[key] = next(spare, vocab - 1)
 
 
@@ -739,7 +740,8 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
         merge = _first(vision, "spatial_merge_size", "merge_size", default=1)
         temporal = _first(vision, "temporal_patch_size", "patch_temporal", default=1)  # Muse Spark: patch_temporal
         side = 2 * merge
-        flat, grid = torch.randn(side * side, channels * temporal * patch * patch, generator=gen), torch.tensor([[1, side, side]])
+        flat = torch.randn(side * side, channels * temporal * patch * patch, generator=gen)
+        grid = torch.tensor([[1, side, side]])
         yield {"pixel_values": flat, "image_grid_thw": grid}
         if temporal == 1:  # PaddleOCR-VL: each patch as a (channels, patch, patch) image
             yield {"pixel_values": flat.view(-1, channels, patch, patch), "image_grid_thw": grid}
