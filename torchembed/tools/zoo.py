@@ -86,7 +86,7 @@ _DEPTHS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")  # what
 # the last: retrieval models (ColPali, ColQwen2, ColModernVBert) are in no other mapping
 _TASKS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
           "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES",
-          "MODEL_FOR_PRETRAINING_MAPPING_NAMES")
+          "MODEL_FOR_PRETRAINING_MAPPING_NAMES", "MODEL_FOR_DECISION_MAPPING_NAMES")  # JEV's decision head: no other class
 
 
 # -- which model types ---------------------------------------------------------------------------------
@@ -239,6 +239,10 @@ def generic_tiny_config(model_type: str) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _tiny_config(model_type: str) -> Any:
+    return _build(model_type, _tiny_kwargs(model_type))
+
+
+def _tiny_kwargs(model_type: str) -> dict[str, Any]:
     from transformers import AutoConfig
 
     with _quiet():
@@ -248,7 +252,21 @@ def _tiny_config(model_type: str) -> Any:
     if isinstance(kind, str) and "rot" not in kind and "rope" not in kind and rotary_code_of(model_type):
         kwargs["position_embedding_type"] = "rotary"  # ESM's default is absolute; its checkpoints rotate
     apply_config_fix(model_type, default, kwargs)
-    return _build(model_type, kwargs)
+    return kwargs
+
+
+def _builds_without_rotary(model_type: str) -> bool:
+    """Whether the model of the tiny config builds (on the meta device, not run) and holds no rotary
+    module (GLM-Image's VQ-VAE, which shares its modeling file with GLM-Image, and has no forward)."""
+    from transformers import AutoConfig
+
+    try:
+        with _quiet(), torch.device("meta"):
+            config = AutoConfig.for_model(model_type, **_tiny_kwargs(model_type))
+            model = model_class(config)(config)
+    except Exception:  # noqa: BLE001 - no answer: the reason stays upstream's error
+        return False
+    return not rotary_modules(model)
 
 
 def _small_kwargs(default: Any) -> dict[str, Any]:
@@ -400,8 +418,11 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
     taken = {v for k, v in small.items() if k in ("pad_token_id", "bos_token_id", "eos_token_id")}
     spare = iter(i for i in range(vocab - 1, vocab - SPECIAL_IDS - 1, -1) if i not in taken)
     for key, value in original.items():  # image, video, audio, vision-start ... token ids
-        if (key.endswith(("token_id", "token_index")) and isinstance(value, int) and not isinstance(value, bool)
-                and value >= vocab and small.get(key, value) == value):
+        # (an image token id left to the processor, MiniCPM-V's None, gets one too: the zoo writes the prompt)
+        unset = value is None and key == "image_token_id" and "vision_config" in original
+        large = (key.endswith(("token_id", "token_index")) and isinstance(value, int) and not isinstance(value, bool)
+                 and value >= vocab)
+        if (unset or large) and small.get(key, value) == value:
             small[key] = next(spare, vocab - 1)
 
 
@@ -560,9 +581,10 @@ def _cache_file() -> str:
 
     from torchembed.tools import zoo_fixes
 
+    fixes = os.path.dirname(zoo_fixes.__file__)
     digest = hashlib.sha256()
-    for file in (__file__, zoo_fixes.__file__):  # a change to either searches afresh
-        with open(file, "rb") as f:
+    for file in (__file__, *sorted(os.path.join(fixes, f) for f in os.listdir(fixes) if f.endswith(".py"))):
+        with open(file, "rb") as f:  # a change to any searches afresh
             digest.update(f.read())
     digest = digest.hexdigest()[:12]
     return str(default_cache_dir() / "zoo" / f"transformers{transformers.__version__}-torch{torch.__version__}-{digest}.json")
@@ -730,8 +752,8 @@ def _first(config: Any, *keys: str, default: Any = None) -> Any:
 
 
 def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tensor]]:
-    """Tiny images in the layouts vision towers take: flattened patches with their (t, h, w) grid
-    (Qwen2-VL and kin), (1, channels, size, size) pixels (with their ``image_sizes`` where the
+    """Tiny images in the layouts vision towers take: patches with their (t, h, w) grid, flattened
+    (Qwen2-VL and kin) or not, (1, channels, size, size) pixels (with their ``image_sizes`` where the
     forward takes them), or (1, 1, channels, size, size)."""
     vision = _vision_config(config) or config
     gen = torch.Generator().manual_seed(1)
@@ -740,12 +762,13 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
     if "image_grid_thw" in params:
         kernel = getattr(vision, "merge_kernel_size", None)  # Kimi K2.5: (height, width)
         merge = _first(vision, "spatial_merge_size", "merge_size", default=kernel[0] if isinstance(kernel, (list, tuple)) else 1)
-        temporal = _first(vision, "temporal_patch_size", default=1)
+        temporal = _first(vision, "temporal_patch_size", "patch_temporal", default=1)  # Muse Spark: patch_temporal
         side = 2 * merge
         flat = torch.randn(side * side, channels * temporal * patch * patch, generator=gen)
-        yield {"pixel_values": flat, "image_grid_thw": torch.tensor([[1, side, side]])}
-        if temporal == 1:  # Kimi K2.5: each patch a (channels, patch, patch) image
-            yield {"pixel_values": flat.view(-1, channels, patch, patch), "image_grid_thw": torch.tensor([[1, side, side]])}
+        grid = torch.tensor([[1, side, side]])
+        yield {"pixel_values": flat, "image_grid_thw": grid}
+        if temporal == 1:  # Kimi K2.5, PaddleOCR-VL: each patch as a (channels, patch, patch) image
+            yield {"pixel_values": flat.view(-1, channels, patch, patch), "image_grid_thw": grid}
     if "spatial_shapes" in params:  # SigLIP 2's NaFlex (LFM2-VL): flattened patches, their grid, the real ones
         side = 2 * _first(config, "downsample_factor", default=1)
         yield {"pixel_values": torch.randn(1, side * side, channels * patch * patch, generator=gen),
@@ -896,10 +919,13 @@ def _required(model: nn.Module) -> str:
 
 
 def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
-    """The model's main output on ``inputs``: logits where it has them, else the last hidden state."""
+    """The model's main output on ``inputs``: logits where it has them, else the last hidden state
+    (or the tensor it returns: JEV's decision scores)."""
     device = next(model.parameters()).device
     with torch.no_grad():
         out = model(**{k: v.to(device) for k, v in inputs.items()})
+    if isinstance(out, Tensor):
+        return out
     for name in ("logits", "last_hidden_state", "prediction_logits"):
         value = getattr(out, name, None)
         if isinstance(value, Tensor):
@@ -998,9 +1024,9 @@ class ModelTypeStatus:
 
     ``state``: ``"patched"``; ``"refused"`` (the patch layer's reason); ``"no tiny model"`` (it has
     a rotary component but no tiny model of it runs: the reason names the attribute or upstream's
-    error); ``"partly patched"`` (the patch leaves some of upstream's rotations running: a bug,
-    named); ``"part of"`` (a sub-config with no model class of its own, checked within its
-    composite model); ``"no rotary component"``.
+    error); ``"partly patched"`` (the patch leaves some of upstream's rotations running, or its
+    forward fails where upstream's runs: a bug, named); ``"part of"`` (a sub-config with no model
+    class of its own, checked within its composite model); ``"no rotary component"``.
     """
 
     model_type: str
@@ -1039,10 +1065,12 @@ def status_of(model_type: str) -> ModelTypeStatus:
                                    f"its own; checked within {parents[0]} ({status_of(parents[0]).state})")
     try:
         case = zoo_case(model_type)
-    except TinyModelError as err:
-        return ModelTypeStatus(model_type, "no tiny model", str(err))
     except Exception as err:  # noqa: BLE001 - reported, not raised
-        return ModelTypeStatus(model_type, "no tiny model", f"{type(err).__name__}: {_clip(str(err))}")
+        why = str(err) if isinstance(err, TinyModelError) else f"{type(err).__name__}: {_clip(str(err))}"
+        if _builds_without_rotary(model_type):
+            return ModelTypeStatus(model_type, "no rotary component", f"its tiny model (built, not run: {why}) "
+                                   f"uses none of {', '.join(code[:3])} (default config)")
+        return ModelTypeStatus(model_type, "no tiny model", why)
     model = case.model
     if not rotary_modules(model):
         return ModelTypeStatus(model_type, "no rotary component",
@@ -1069,8 +1097,12 @@ def status_of(model_type: str) -> ModelTypeStatus:
         return ModelTypeStatus(model_type, "no tiny model", "upstream's rotations do not run on the tiny inputs ("
                                f"{', '.join(sorted(case.inputs))}); they are in {', '.join(where[:3]) or 'modules not run'}")
     patched = patch(copy.deepcopy(model))
-    with count_calls(codes) as left:
-        outputs_of(patched, case.inputs)
+    failed: Exception | None = None
+    try:
+        with count_calls(codes) as left:
+            outputs_of(patched, case.inputs)
+    except Exception as err:  # noqa: BLE001 - a patch that breaks upstream's forward: a bug, reported
+        failed = err
     family = family_for(model.config)
     kinds = sorted({c.kind for c in components})
     how = ("discovered: " if family.discovered else "") + f"{family.encoding}; " + ", ".join(
@@ -1078,6 +1110,9 @@ def status_of(model_type: str) -> ModelTypeStatus:
     )
     rotations = sorted({c.replacement.split("(", 1)[-1].rstrip(")") for c in components if c.kind == "rope-apply"})
     how += f" ({'; '.join(rotations)})" if rotations else ""
+    if failed is not None:  # never reported as patched (nor left to crash the survey)
+        return ModelTypeStatus(model_type, "partly patched", f"the patched forward fails on the tiny inputs, where "
+                               f"upstream's runs ({type(failed).__name__}: {_clip(str(failed), 120)}); {how}")
     if left:  # a rotation the patch left to upstream (or handed back to it): never reported as patched
         calls = ", ".join(f"{name} ({n} calls)" for name, n in sorted(left.items()))
         return ModelTypeStatus(model_type, "partly patched", f"upstream's {calls} still run(s) in a patched forward; {how}")
