@@ -550,13 +550,14 @@ class RotaryHelper:
             ids = values[rotation.indexed]
             first, second = first[ids], second[ids]
         c, s = self._half(first, second)
+        full = self._own_tables(first, second)
         u = values.get(_UNSQUEEZE, rotation.unsqueeze_default) if rotation.broadcast == "param" else None
         xs = [values[name] for name in rotation.rotated]
         if rotation.sections:
             return self._rotate_sections(xs[0], first, second, values[rotation.sections].shape[-1],
                                          rotation.unsqueeze_default if u is None else u)
         given = [x for x in xs if x is not None]
-        rotated = iter(self.rotate(given, c, s, u))
+        rotated = iter(self.rotate(given, c, s, u, full))
         out = tuple(None if x is None else next(rotated) for x in xs)
         return out[0] if rotation.single and len(given) == 1 else out
 
@@ -597,10 +598,22 @@ class RotaryHelper:
             self._tables = (first, second, c, s)
         return c, s
 
-    def rotate(self, xs: list[Tensor], c: Tensor, s: Tensor, unsqueeze: int | None) -> list[Tensor]:
+    def _own_tables(self, first: Tensor, second: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """The helper's own ``(cos, sin)`` where it multiplies each feature by its own entry (``cat``
+        tables with half-split pairing, ``repeat`` tables with interleaved pairing), else None. The PyTorch path multiplies by them as upstream does, so it
+        computes upstream's function also where a feature pair's two entries differ (HunYuan-VL's
+        M-RoPE sections span both halves of the head: at an image token they are two axes' angles)."""
+        rotation = self.rotation
+        if not ((rotation.layout == "cat" and rotation.pairing in ("half", "deinterleave"))
+                or (rotation.layout == "repeat" and rotation.pairing == "interleaved")):
+            return None  # (other pairings of these layouts rearrange the tables inside the helper)
+        return (first, second) if self.rotation.tables[0] == "cos" else (second, first)
+
+    def rotate(self, xs: list[Tensor], c: Tensor, s: Tensor, unsqueeze: int | None,
+               full: tuple[Tensor, Tensor] | None = None) -> list[Tensor]:
         """``xs`` rotated by half tables ``c``/``s`` ``(..., s, r/2)`` (broadcast as the helper does,
-        ``unsqueeze``: its unsqueeze_dim argument): on the kernel (one launch for two tensors) where
-        the layout allows and the kernel runs, else in PyTorch.
+        ``unsqueeze``: its unsqueeze_dim argument; ``full``: :meth:`_own_tables`): on the kernel (one launch
+        for two tensors) where the layout allows and the kernel runs, else in PyTorch.
 
         Raises:
             ValueError: a tensor narrower than the rotated features, or wider for a helper that
@@ -615,11 +628,12 @@ class RotaryHelper:
                 raise ValueError(f"{self.__name__}: a tensor of {width} features for tables of {rot} rotated features "
                                  f"(upstream {rotation.describe()})")
         if rotation.trailing:  # rotate the last rot features, the leading ones pass through
-            tails = self._rotate_leading([x[..., -rot:] for x in xs], c, s, unsqueeze)
+            tails = self._rotate_leading([x[..., -rot:] for x in xs], c, s, unsqueeze, full)
             return [torch.cat((x[..., :-rot], tail), dim=-1) for x, tail in zip(xs, tails)]
-        return self._rotate_leading(xs, c, s, unsqueeze)
+        return self._rotate_leading(xs, c, s, unsqueeze, full)
 
-    def _rotate_leading(self, xs: list[Tensor], c: Tensor, s: Tensor, unsqueeze: int | None) -> list[Tensor]:
+    def _rotate_leading(self, xs: list[Tensor], c: Tensor, s: Tensor, unsqueeze: int | None,
+                        full: tuple[Tensor, Tensor] | None) -> list[Tensor]:
         rotation = self.rotation
         rot = 2 * c.shape[-1]
         pairing = rotation.pairing
@@ -630,6 +644,7 @@ class RotaryHelper:
         rule = "param" if rotation.broadcast == "param" else rotation.rule_for(xs[0], c)
         if rule != "param":  # tables as (n, S, r/2) rows, whatever singleton axes they carry
             c, s = _rows(c, xs[0], rule), _rows(s, xs[0], rule)
+            full = None if full is None else (_rows(full[0], xs[0], rule), _rows(full[1], xs[0], rule))
         views = self._kernel_views(xs, c, unsqueeze, rule) if use_kernel(self.fused, xs[0], "the fused RoPE kernel") else None
         if views is None and self.fused:
             raise FusedUnavailableError(f"fused=True: {self.__name__} was called with tensors of shapes "
@@ -649,28 +664,36 @@ class RotaryHelper:
                                                      conjugate=rotation.conjugate)[0])
                     i += 1
             return [_back(x, unsqueeze, rule)(o) for x, o in zip(xs, outs)]
-        return self._arithmetic(xs, c, s, unsqueeze, interleaved, rule)
+        return self._arithmetic(xs, c, s, full, unsqueeze, interleaved, rule)
 
-    def _arithmetic(self, xs: list[Tensor], c: Tensor, s: Tensor, unsqueeze: int | None, interleaved: bool,
-                    rule: str) -> list[Tensor]:
+    def _arithmetic(self, xs: list[Tensor], c: Tensor, s: Tensor, full: tuple[Tensor, Tensor] | None,
+                    unsqueeze: int | None, interleaved: bool, rule: str) -> list[Tensor]:
         """The PyTorch path: ``x * cos + partner(x) * sin'`` over the rotated features, where
         ``partner`` swaps each feature with its pair (a roll by ``r/2``, or a flip of adjacent features)
         and ``sin'`` carries the rotation's signs. float32: upstream's products and sum, bit for bit,
         in four operations. bf16/fp16 tensors and tables (HF casts its tables to the model dtype):
         ``addcmul(x * cos, partner, sin')`` in that dtype, three operations whose arithmetic is
         float32 inside, rounded twice (upstream's five operations round three times). The full-width
-        tables are made once per forward."""
+        tables (the helper's own where it has them, ``full``) are made once per forward."""
         rot = 2 * c.shape[-1]
         low = c.dtype in (torch.float16, torch.bfloat16) and all(x.dtype == c.dtype for x in xs)
         kept = self._full
         if kept is None or kept[0] is not c or kept[1] is not s or kept[2] != (unsqueeze, rule, low):
             compute = c.dtype if low else torch.promote_types(c.dtype, torch.float32)
-            cf, sf = c.to(compute), s.to(compute)
-            sf = -sf if self.rotation.conjugate else sf
-            if interleaved:
-                full_c, signed = cf.repeat_interleave(2, dim=-1), torch.stack((-sf, sf), dim=-1).flatten(-2)
+            if full is not None:  # one entry per feature: the pair's two features may differ
+                full_c, sf = full[0].to(compute), full[1].to(compute)
+                sf = -sf if self.rotation.conjugate else sf
+                if interleaved:
+                    signed = torch.stack((-sf[..., 0::2], sf[..., 1::2]), dim=-1).flatten(-2)
+                else:
+                    signed = torch.cat((-sf[..., : rot // 2], sf[..., rot // 2 :]), dim=-1)
             else:
-                full_c, signed = torch.cat((cf, cf), dim=-1), torch.cat((-sf, sf), dim=-1)
+                cf, sf = c.to(compute), s.to(compute)
+                sf = -sf if self.rotation.conjugate else sf
+                if interleaved:
+                    full_c, signed = cf.repeat_interleave(2, dim=-1), torch.stack((-sf, sf), dim=-1).flatten(-2)
+                else:
+                    full_c, signed = torch.cat((cf, cf), dim=-1), torch.cat((-sf, sf), dim=-1)
             kept = (c, s, (unsqueeze, rule, low), *(_broadcast(t, rule, unsqueeze) for t in (full_c, signed)))
             if not torch.compiler.is_compiling():
                 self._full = kept
@@ -729,7 +752,7 @@ class RotaryHelper:
         if self.fused is True:
             return None
         c, s = self._half(cos, sin)
-        q, k = self._arithmetic([q, k], c, s, 1, False, self.rotation.broadcast)
+        q, k = self._arithmetic([q, k], c, s, (cos, sin), 1, False, self.rotation.broadcast)
         return q, k
 
 
