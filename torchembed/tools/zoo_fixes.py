@@ -24,7 +24,17 @@ __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
 
 ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 
-CONFIG: dict[str, ConfigFix] = {}
+# Qwen4-Exp: every full-attention layer has a QSA indexer, which needs all five indexer sizes (its
+# rotary part no wider than the indexer's heads); a budget of 2 blocks of 2 tokens of 12 selects some
+_QWEN4_EXP_TEXT = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4,
+                   "indexer_compress_ratio": 2, "hc_lowrank": 8,
+                   "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4}
+
+CONFIG: dict[str, ConfigFix] = {
+    "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT},
+    "qwen4_exp_text": _QWEN4_EXP_TEXT,
+}
 
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {}
 
