@@ -339,6 +339,13 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
         if (key not in small or small[key] is value) and _is_index_list(key, value, old_depth) and new_depth:
             # layer indices (deepstack, full-attention blocks, MoE layers): the same share of the new depth
             small[key] = sorted({min(new_depth - 1, v * new_depth // old_depth) for v in value})
+        elif (old_depth and new_depth and old_depth > new_depth and isinstance(value, list) and len(value) == old_depth
+                and key not in _RECOMPUTED and (key not in small or small[key] is value)):
+            # one value per layer (Gemma 3n's intermediate sizes, activation sparsity): one per tiny layer
+            small[key] = [SMALL[key]] * new_depth if key in SMALL else [value[i * old_depth // new_depth] for i in range(new_depth)]
+    shared = original.get("num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared < (old_depth or 0) and new_depth:  # Gemma 3n: the last layers reuse
+        small["num_kv_shared_layers"] = new_depth // 2  # the kv of the first, which must hold every layer type
     ratio = original.get("pixel_shuffle_ratio")
     if isinstance(ratio, float) and 0 < ratio < 1 and isinstance(small.get("hidden_size"), int) and "intermediate_size" in small:
         small["intermediate_size"] = int(small["hidden_size"] / ratio**2)  # Llama 4: the shuffled patches' width
