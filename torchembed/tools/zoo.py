@@ -55,7 +55,7 @@ SMALL: dict[str, Any] = {
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 4,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "moe_num_experts": 4, "moe_k": 4,
-    "moe_topk": 4, "num_shared_experts": 1, "expert_intermediate_size": 32,
+    "moe_topk": 4, "moe_top_k": 4, "num_shared_experts": 1, "expert_intermediate_size": 32,
     # multi-head latent attention (DeepSeek-V2/V3 and kin)
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     # windows and other lengths that must stay below max_position_embeddings

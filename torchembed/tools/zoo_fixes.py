@@ -32,6 +32,9 @@ _QWEN4_EXP_TEXT = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_di
                    "linear_num_value_heads": 4}
 
 CONFIG: dict[str, ConfigFix] = {
+    # DBRX: the attention reads rope_theta from attn_config, whose class does not define it, and clamps q, k, v
+    # to clip_qkv, None by default (checkpoints set both)
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 128}},
     "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT},
     "qwen4_exp_text": _QWEN4_EXP_TEXT,
 }
