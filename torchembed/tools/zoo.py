@@ -62,7 +62,7 @@ SMALL: dict[str, Any] = {
     "sliding_window": 32, "attention_chunk_size": 32, "original_max_position_embeddings": 64,
     "rotary_dim": 8,  # GPT-J / CodeGen: rotated features per head
     # state-space layers of hybrid models (their CPU path materialises chunk x chunk x state tensors)
-    "mamba_d_state": 16, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_chunk_size": 16, "mamba_d_ssm": 64,
+    "mamba_d_state": 16, "mamba_n_heads": 4, "n_mamba_heads": 4, "mamba_d_head": 16, "mamba_chunk_size": 16, "mamba_d_ssm": 64,
     "mamba_n_groups": 1, "ssm_state_size": 16, "state_size": 16, "chunk_size": 16, "n_groups": 1,
     "mamba_headdim": 16, "time_step_rank": 8, "mamba_expand": 1,
     # hybrid models: attention (and MoE) every other layer of the 4 (Jamba's period 8, offset 4 has none)
