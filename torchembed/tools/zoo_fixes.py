@@ -35,6 +35,15 @@ CONFIG: dict[str, ConfigFix] = {
     # DBRX: the attention reads rope_theta from attn_config, whose class does not define it, and clamps q, k, v
     # to clip_qkv, None by default (checkpoints set both)
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 128}},
+    # dots.llm1: the expert counts default to None (its checkpoints set them)
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
+    # Granite 4.0 hybrid: all-Mamba and no rotation by default; its checkpoints with attention layers set
+    # position_embedding_type="rope" (any layer type other than linear_attention is attention)
+    "granitemoehybrid": {"position_embedding_type": "rope", "shared_intermediate_size": 64,
+                         "layer_types": ["linear_attention", "full_attention"] * 2,
+                         "layers_block_type": ["linear_attention", "full_attention"] * 2},
+    # LFM2-MoE: no default layer_types (its checkpoints list them: short convolutions and attention)
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"] * 2, "num_dense_layers": 1},
     "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT},
     "qwen4_exp_text": _QWEN4_EXP_TEXT,
 }
