@@ -24,6 +24,11 @@ __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
 
 ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 
+# GLM-5-Next: its latent attention is NoPE (qk_rope_head_dim 0) with as many kv heads as query heads, and
+# its DSA indexer selects index_topk positions in pools of index_kpool
+_GLM5_NEXT_TEXT = {"qk_rope_head_dim": 0, "num_key_value_heads": 4, "index_topk": 4, "index_kpool": 2,
+                   "index_n_heads": 2, "index_head_dim": 16, "linear_head_dim": 16, "linear_num_heads": 4}
+
 # Qwen4-Exp: every full-attention layer has a QSA indexer, which needs all five indexer sizes (its
 # rotary part no wider than the indexer's heads); a budget of 2 blocks of 2 tokens of 12 selects some
 _QWEN4_EXP_TEXT = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4,
@@ -37,6 +42,8 @@ CONFIG: dict[str, ConfigFix] = {
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 128}},
     # dots.llm1: the expert counts default to None (its checkpoints set them)
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
+    "glm5_next": {"text_config": _GLM5_NEXT_TEXT, "vision_config": {"projection_intermediate_size": 128}},
+    "glm5_next_text": _GLM5_NEXT_TEXT,
     # Granite 4.0 hybrid: all-Mamba and no rotation by default; its checkpoints with attention layers set
     # position_embedding_type="rope" (any layer type other than linear_attention is attention)
     "granitemoehybrid": {"position_embedding_type": "rope", "shared_intermediate_size": 64,
