@@ -53,6 +53,10 @@ CONFIG: dict[str, ConfigFix] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"] * 2, "num_dense_layers": 1},
     "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT},
     "qwen4_exp_text": _QWEN4_EXP_TEXT,
+    # Step 3.7: its text model always builds a sliding-window mask, so sliding_window must be set (its
+    # checkpoints alternate sliding and full attention, the sliding layers with their own head count)
+    "step3p7": {"text_config": {"sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"] * 2,
+                                "num_sliding_attention_heads": 4, "share_expert_dim": 32}},
 }
 
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {}
