@@ -37,6 +37,10 @@ _QWEN4_EXP_TEXT = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_di
                    "linear_num_value_heads": 4}
 
 CONFIG: dict[str, ConfigFix] = {
+    # BLT: its forward makes DynamicCache(config=BltConfig), which reads num_hidden_layers (BltConfig has none);
+    # the local models' hidden_size_global is the global transformer's width
+    "blt": {"num_hidden_layers": 4, "encoder_config": {"hidden_size_global": 64},
+            "decoder_config": {"hidden_size_global": 64}},
     # DBRX: the attention reads rope_theta from attn_config, whose class does not define it, and clamps q, k, v
     # to clip_qkv, None by default (checkpoints set both)
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 128}},
