@@ -61,6 +61,8 @@ CONFIG: dict[str, ConfigFix] = {
     # checkpoints alternate sliding and full attention, the sliding layers with their own head count)
     "step3p7": {"text_config": {"sliding_window": 32, "layer_types": ["sliding_attention", "full_attention"] * 2,
                                 "num_sliding_attention_heads": 4, "share_expert_dim": 32}},
+    # T5Gemma 2 encoder: its text model reads dropout_rate, which only the composite T5Gemma2Config sets
+    "t5gemma2_encoder": {"text_config": {"dropout_rate": 0.0}},
 }
 
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {}
