@@ -24,6 +24,13 @@ __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
 
 ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 
+def _cohere_compass_text(default: Any, kwargs: dict[str, Any]) -> None:
+    """Cohere Compass: no default rope_parameters; its rotary reads them per layer type, M-RoPE sections included."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    kwargs["layer_types"] = ["sliding_attention", "full_attention"] * 2
+    kwargs["rope_parameters"] = {"sliding_attention": dict(rope), "full_attention": {**rope, "rope_theta": 50000.0}}
+
+
 # GLM-5-Next: its latent attention is NoPE (qk_rope_head_dim 0) with as many kv heads as query heads, and
 # its DSA indexer selects index_topk positions in pools of index_kpool
 _GLM5_NEXT_TEXT = {"qk_rope_head_dim": 0, "num_key_value_heads": 4, "index_topk": 4, "index_kpool": 2,
@@ -44,6 +51,8 @@ CONFIG: dict[str, ConfigFix] = {
     # DBRX: the attention reads rope_theta from attn_config, whose class does not define it, and clamps q, k, v
     # to clip_qkv, None by default (checkpoints set both)
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 128}},
+    "cohere_compass": lambda default, kwargs: _cohere_compass_text(default.text_config, kwargs["text_config"]),
+    "cohere_compass_text": _cohere_compass_text,
     # dots.llm1: the expert counts default to None (its checkpoints set them)
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
     "glm5_next": {"text_config": _GLM5_NEXT_TEXT, "vision_config": {"projection_intermediate_size": 128}},
@@ -55,6 +64,9 @@ CONFIG: dict[str, ConfigFix] = {
                          "layers_block_type": ["linear_attention", "full_attention"] * 2},
     # LFM2-MoE: no default layer_types (its checkpoints list them: short convolutions and attention)
     "lfm2_moe": {"layer_types": ["conv", "full_attention"] * 2, "num_dense_layers": 1},
+    # Qwen3-Omni: the talker's shared expert reads shared_expert_intermediate_size, which its text config
+    # class does not define (checkpoints set it)
+    "qwen3_omni_moe": {"talker_config": {"text_config": {"shared_expert_intermediate_size": 32}, "spatial_merge_size": 2}},
     "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT},
     "qwen4_exp_text": _QWEN4_EXP_TEXT,
     # Step 3.7: its text model always builds a sliding-window mask, so sliding_window must be set (its
