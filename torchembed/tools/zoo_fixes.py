@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Union
 
+import torch
 from torch import Tensor, nn
 
 __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
@@ -30,6 +31,15 @@ def _cohere_compass_text(default: Any, kwargs: dict[str, Any]) -> None:
     kwargs["layer_types"] = ["sliding_attention", "full_attention"] * 2
     kwargs["rope_parameters"] = {"sliding_attention": dict(rope), "full_attention": {**rope, "rope_theta": 50000.0}}
 
+
+# dots3 Note: per-layer latent attention, its sizes not readable from the class defaults (the sliding layers'
+# come as swa_* keys); as many kv heads as query heads, and an indexer no narrower than the rotated part
+_DOTS3_NOTE_TEXT = {
+    "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+    "head_dim": 16, "v_head_dim": 16, "index_topk": 4, "index_head_dim": 16, "index_n_heads": 2,
+    "shared_experts_intermediate_size": 32, "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4,
+    "swa_q_lora_rank": 32, "swa_kv_lora_rank": 16, "swa_head_dim": 16, "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 16,
+}
 
 # GLM-5-Next: its latent attention is NoPE (qk_rope_head_dim 0) with as many kv heads as query heads, and
 # its DSA indexer selects index_topk positions in pools of index_kpool
@@ -53,6 +63,11 @@ CONFIG: dict[str, ConfigFix] = {
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 128}},
     "cohere_compass": lambda default, kwargs: _cohere_compass_text(default.text_config, kwargs["text_config"]),
     "cohere_compass_text": _cohere_compass_text,
+    "dots3_note": {"text_config": _DOTS3_NOTE_TEXT, "vision_config": {"adapter_out_dim": 64},
+                   # conv_output_size = downsample_hidden_size * ceil(feature_size / 8), kept as given
+                   "audio_config": {"adapter_out_dim": 64, "feature_size": 16, "downsample_hidden_size": 32,
+                                    "conv_output_size": 64}},
+    "dots3_note_text": _DOTS3_NOTE_TEXT,
     # dots.llm1: the expert counts default to None (its checkpoints set them)
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
     "glm5_next": {"text_config": _GLM5_NEXT_TEXT, "vision_config": {"projection_intermediate_size": 128}},
@@ -77,7 +92,30 @@ CONFIG: dict[str, ConfigFix] = {
     "t5gemma2_encoder": {"text_config": {"dropout_rate": 0.0}},
 }
 
-INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {}
+def _dots3_note_inputs(model: nn.Module) -> dict[str, Tensor]:
+    """dots3 Note: one tiny image (flattened patches and their grid) and one tiny audio chunk (log-mel frames
+    and its sample count), their placeholder tokens in the ids (its ForConditionalGeneration has no
+    get_image_features for the generic builder to count them with)."""
+    config, gen = model.config, torch.Generator().manual_seed(1)
+    vision, audio = config.vision_config, config.audio_config
+    side = 2 * vision.spatial_merge_size
+    pixels = torch.randn(side * side, vision.num_channels * vision.patch_size**2, generator=gen)
+    grid = torch.tensor([[1, side, side]])
+    features = torch.randn(1, audio.feature_size, 16, generator=gen)
+    samples = torch.tensor([16 * audio.hop_length])
+    with torch.no_grad():
+        images = sum(len(t) for t in model.model.get_image_features(pixels, grid).pooler_output)
+        sounds = len(model.get_audio_features(features, samples).pooler_output)
+    ids = torch.randint(3, config.text_config.vocab_size - 16, (1, 12), generator=gen)
+    special = torch.tensor([[config.image_token_id] * images + [config.audio_token_id] * sounds])
+    ids = torch.cat((ids[:, :3], special, ids[:, 3:]), dim=-1)
+    return {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": grid, "input_features": features,
+            "chunk_sample_lengths": samples}
+
+
+INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
+    "dots3_note": _dots3_note_inputs,
+}
 
 
 def _merge(into: dict[str, Any], values: dict[str, Any]) -> None:
