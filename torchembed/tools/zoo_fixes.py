@@ -32,6 +32,10 @@ def _cohere_compass_text(default: Any, kwargs: dict[str, Any]) -> None:
     kwargs["rope_parameters"] = {"sliding_attention": dict(rope), "full_attention": {**rope, "rope_theta": 50000.0}}
 
 
+# image tokenizers (VQ-GAN) of Chameleon and Emu3: narrow convolutions (at least GroupNorm's 32 groups), one
+# residual block a level
+_VQ = {"base_channels": 32, "embed_dim": 8, "latent_channels": 8, "num_res_blocks": 1}
+
 # dots3 Note: per-layer latent attention, its sizes not readable from the class defaults (the sliding layers'
 # come as swa_* keys); as many kv heads as query heads, and an indexer no narrower than the rotated part
 _DOTS3_NOTE_TEXT = {
@@ -61,6 +65,9 @@ CONFIG: dict[str, ConfigFix] = {
     # DBRX: the attention reads rope_theta from attn_config, whose class does not define it, and clamps q, k, v
     # to clip_qkv, None by default (checkpoints set both)
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 128}},
+    # Chameleon: the model maps VQ codes to BPE ids through vocabulary_map (None by default); no image tokens
+    # in it, as the logits of image tokens are set to the float minimum (text inputs only)
+    "chameleon": {"vocabulary_map": {"<image>": 127}, "vq_config": {**_VQ, "num_embeddings": 16, "resolution": 16}},
     "cohere_compass": lambda default, kwargs: _cohere_compass_text(default.text_config, kwargs["text_config"]),
     "cohere_compass_text": _cohere_compass_text,
     "dots3_note": {"text_config": _DOTS3_NOTE_TEXT, "vision_config": {"adapter_out_dim": 64},
@@ -72,6 +79,8 @@ CONFIG: dict[str, ConfigFix] = {
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
     "glm5_next": {"text_config": _GLM5_NEXT_TEXT, "vision_config": {"projection_intermediate_size": 128}},
     "glm5_next_text": _GLM5_NEXT_TEXT,
+    # Emu3: as Chameleon, and its end-of-line token
+    "emu3": {"vocabulary_map": {"<image>": 127, "<|extra_200|>": 126}, "vq_config": {**_VQ, "codebook_size": 16}},
     # Granite 4.0 hybrid: all-Mamba and no rotation by default; its checkpoints with attention layers set
     # position_embedding_type="rope" (any layer type other than linear_attention is attention)
     "granitemoehybrid": {"position_embedding_type": "rope", "shared_intermediate_size": 64,
