@@ -122,8 +122,26 @@ def _dots3_note_inputs(model: nn.Module) -> dict[str, Tensor]:
             "chunk_sample_lengths": samples}
 
 
+def _pi0_inputs(model: nn.Module) -> dict[str, Tensor]:
+    """PI0: a robot state, the noisy action chunk and its flow-matching time (fixed: else drawn at random),
+    and a prompt of one camera image's tokens and text, the image flagged present in pixel_attention_mask."""
+    config, gen = model.config, torch.Generator().manual_seed(1)
+    vlm = config.vlm_config
+    size = vlm.vision_config.image_size
+    pixels = torch.randn(2, 1, vlm.vision_config.num_channels, size, size, generator=gen)
+    with torch.no_grad():
+        tokens = model.model.vlm.get_image_features(pixels[:, 0]).pooler_output.shape[1]
+    text = torch.randint(3, vlm.text_config.vocab_size - 16, (2, 8), generator=gen)
+    ids = torch.cat((torch.full((2, tokens), vlm.image_token_id), text), dim=-1)
+    return {"input_ids": ids, "pixel_values": pixels, "pixel_attention_mask": torch.ones(2, 1, dtype=torch.bool),
+            "state": torch.randn(2, config.max_state_dim, generator=gen),
+            "noise": torch.randn(2, config.chunk_size, config.max_action_dim, generator=gen),
+            "timestep": torch.tensor([0.3, 0.7])}
+
+
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "dots3_note": _dots3_note_inputs,
+    "pi0": _pi0_inputs,
 }
 
 
