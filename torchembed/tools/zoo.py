@@ -739,7 +739,8 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
 def _image_tokens(model: nn.Module, images: dict[str, Tensor]) -> int:
     """How many image-token embeddings the vision tower makes of ``images`` (0 if it has no
     ``get_image_features``, or it fails on them)."""
-    get = getattr(model, "get_image_features", None)
+    # on the model itself, or on its base model only (Janus' ForConditionalGeneration)
+    get = getattr(model, "get_image_features", None) or getattr(getattr(model, "model", None), "get_image_features", None)
     if get is None:
         return 0
     hidden = model.config.get_text_config().hidden_size

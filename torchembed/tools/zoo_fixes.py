@@ -32,7 +32,7 @@ def _cohere_compass_text(default: Any, kwargs: dict[str, Any]) -> None:
     kwargs["rope_parameters"] = {"sliding_attention": dict(rope), "full_attention": {**rope, "rope_theta": 50000.0}}
 
 
-# image tokenizers (VQ-GAN) of Chameleon and Emu3: narrow convolutions (at least GroupNorm's 32 groups), one
+# image tokenizers (VQ-GAN) of Chameleon, Emu3 and Janus: narrow convolutions (at least GroupNorm's 32 groups), one
 # residual block a level
 _VQ = {"base_channels": 32, "embed_dim": 8, "latent_channels": 8, "num_res_blocks": 1}
 
@@ -86,6 +86,11 @@ CONFIG: dict[str, ConfigFix] = {
     "granitemoehybrid": {"position_embedding_type": "rope", "shared_intermediate_size": 64,
                          "layer_types": ["linear_attention", "full_attention"] * 2,
                          "layers_block_type": ["linear_attention", "full_attention"] * 2},
+    # Janus: the aligners and the generation head project to the text width (projection_dim,
+    # image_token_embed_dim); one image's token count (num_image_tokens) is the tiny image's patch count
+    "janus": {"vision_config": {"projection_dim": 64, "num_image_tokens": 4},
+              "vq_config": {**_VQ, "num_embeddings": 16, "projection_dim": 64, "image_token_embed_dim": 64,
+                            "num_patches": 2}},
     # LFM2-MoE: no default layer_types (its checkpoints list them: short convolutions and attention)
     "lfm2_moe": {"layer_types": ["conv", "full_attention"] * 2, "num_dense_layers": 1},
     # Qwen3-Omni: the talker's shared expert reads shared_expert_intermediate_size, which its text config
