@@ -25,6 +25,7 @@ __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
 
 ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 
+
 def _cohere_compass_text(default: Any, kwargs: dict[str, Any]) -> None:
     """Cohere Compass: no default rope_parameters; its rotary reads them per layer type, M-RoPE sections included."""
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
@@ -62,25 +63,32 @@ CONFIG: dict[str, ConfigFix] = {
     # the local models' hidden_size_global is the global transformer's width
     "blt": {"num_hidden_layers": 4, "encoder_config": {"hidden_size_global": 64},
             "decoder_config": {"hidden_size_global": 64}},
-    # DBRX: the attention reads rope_theta from attn_config, whose class does not define it, and clamps q, k, v
-    # to clip_qkv, None by default (checkpoints set both)
-    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 128}},
     # Chameleon: the model maps VQ codes to BPE ids through vocabulary_map (None by default); no image tokens
     # in it, as the logits of image tokens are set to the float minimum (text inputs only)
     "chameleon": {"vocabulary_map": {"<image>": 127}, "vq_config": {**_VQ, "num_embeddings": 16, "resolution": 16}},
+    # Cohere Compass: see _cohere_compass_text
     "cohere_compass": lambda default, kwargs: _cohere_compass_text(default.text_config, kwargs["text_config"]),
     "cohere_compass_text": _cohere_compass_text,
+    # DBRX: the attention reads rope_theta from attn_config, whose class does not define it, and clamps q, k, v
+    # to clip_qkv, None by default (checkpoints set both)
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 128}},
+    # DiffusionGemma: every layer has a router and experts, whose counts default to None; the full-attention
+    # layers' head dim is global_head_dim (512 by default)
+    "diffusion_gemma": {"text_config": {"num_experts": 4, "top_k_experts": 4, "moe_intermediate_size": 32,
+                                        "global_head_dim": 32}},
+    # dots3 Note: see _DOTS3_NOTE_TEXT; the towers' adapters project to the text width, and the audio stem's
+    # conv_output_size (downsample_hidden_size * ceil(feature_size / 8)) is kept as given
     "dots3_note": {"text_config": _DOTS3_NOTE_TEXT, "vision_config": {"adapter_out_dim": 64},
-                   # conv_output_size = downsample_hidden_size * ceil(feature_size / 8), kept as given
                    "audio_config": {"adapter_out_dim": 64, "feature_size": 16, "downsample_hidden_size": 32,
                                     "conv_output_size": 64}},
     "dots3_note_text": _DOTS3_NOTE_TEXT,
     # dots.llm1: the expert counts default to None (its checkpoints set them)
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
-    "glm5_next": {"text_config": _GLM5_NEXT_TEXT, "vision_config": {"projection_intermediate_size": 128}},
-    "glm5_next_text": _GLM5_NEXT_TEXT,
     # Emu3: as Chameleon, and its end-of-line token
     "emu3": {"vocabulary_map": {"<image>": 127, "<|extra_200|>": 126}, "vq_config": {**_VQ, "codebook_size": 16}},
+    # GLM-5-Next: see _GLM5_NEXT_TEXT; the vision merger's width
+    "glm5_next": {"text_config": _GLM5_NEXT_TEXT, "vision_config": {"projection_intermediate_size": 128}},
+    "glm5_next_text": _GLM5_NEXT_TEXT,
     # Granite 4.0 hybrid: all-Mamba and no rotation by default; its checkpoints with attention layers set
     # position_embedding_type="rope" (any layer type other than linear_attention is attention)
     "granitemoehybrid": {"position_embedding_type": "rope", "shared_intermediate_size": 64,
@@ -93,9 +101,11 @@ CONFIG: dict[str, ConfigFix] = {
                             "num_patches": 2}},
     # LFM2-MoE: no default layer_types (its checkpoints list them: short convolutions and attention)
     "lfm2_moe": {"layer_types": ["conv", "full_attention"] * 2, "num_dense_layers": 1},
-    # Qwen3-Omni: the talker's shared expert reads shared_expert_intermediate_size, which its text config
-    # class does not define (checkpoints set it)
-    "qwen3_omni_moe": {"talker_config": {"text_config": {"shared_expert_intermediate_size": 32}, "spatial_merge_size": 2}},
+    # Qwen3-Omni: the talker's shared expert reads shared_expert_intermediate_size, and the talker
+    # spatial_merge_size, which their config classes do not define (checkpoints set them)
+    "qwen3_omni_moe": {"talker_config": {"text_config": {"shared_expert_intermediate_size": 32},
+                                         "spatial_merge_size": 2}},
+    # Qwen4-Exp: see _QWEN4_EXP_TEXT
     "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT},
     "qwen4_exp_text": _QWEN4_EXP_TEXT,
     # Step 3.7: its text model always builds a sliding-window mask, so sliding_window must be set (its
@@ -105,6 +115,16 @@ CONFIG: dict[str, ConfigFix] = {
     # T5Gemma 2 encoder: its text model reads dropout_rate, which only the composite T5Gemma2Config sets
     "t5gemma2_encoder": {"text_config": {"dropout_rate": 0.0}},
 }
+
+
+def _diffusion_gemma_inputs(model: nn.Module) -> dict[str, Tensor]:
+    """DiffusionGemma: a prompt for the encoder and a canvas for the decoder to refine (drawn at random
+    from the global generator when not given)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.text_config.vocab_size
+    return {"input_ids": torch.randint(3, vocab - 16, (2, 12), generator=gen),
+            "decoder_input_ids": torch.randint(3, vocab - 16, (2, 8), generator=gen)}
+
 
 def _dots3_note_inputs(model: nn.Module) -> dict[str, Tensor]:
     """dots3 Note: one tiny image (flattened patches and their grid) and one tiny audio chunk (log-mel frames
@@ -145,6 +165,7 @@ def _pi0_inputs(model: nn.Module) -> dict[str, Tensor]:
 
 
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
+    "diffusion_gemma": _diffusion_gemma_inputs,
     "dots3_note": _dots3_note_inputs,
     "pi0": _pi0_inputs,
 }
