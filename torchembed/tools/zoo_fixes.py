@@ -72,6 +72,8 @@ CONFIG: dict[str, ConfigFix] = {
     # DBRX: the attention reads rope_theta from attn_config, whose class does not define it, and clamps q, k, v
     # to clip_qkv, None by default (checkpoints set both)
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 128}},
+    # Dia: the decoder's cross-attention has its own head count and width
+    "dia": {"decoder_config": {"cross_num_attention_heads": 4, "cross_head_dim": 16, "cross_num_key_value_heads": 4}},
     # DiffusionGemma: every layer has a router and experts, whose counts default to None; the full-attention
     # layers' head dim is global_head_dim (512 by default)
     "diffusion_gemma": {"text_config": {"num_experts": 4, "top_k_experts": 4, "moe_intermediate_size": 32,
@@ -115,6 +117,15 @@ CONFIG: dict[str, ConfigFix] = {
     # T5Gemma 2 encoder: its text model reads dropout_rate, which only the composite T5Gemma2Config sets
     "t5gemma2_encoder": {"text_config": {"dropout_rate": 0.0}},
 }
+
+
+def _dia_inputs(model: nn.Module) -> dict[str, Tensor]:
+    """Dia: byte ids for the encoder, and audio codes of every channel (batch, frames, channels) for the
+    decoder, below its special ids."""
+    gen = torch.Generator().manual_seed(0)
+    decoder = model.config.decoder_config
+    return {"input_ids": torch.randint(3, model.config.encoder_config.vocab_size - 16, (2, 12), generator=gen),
+            "decoder_input_ids": torch.randint(3, decoder.vocab_size - 16, (2, 6, decoder.num_channels), generator=gen)}
 
 
 def _diffusion_gemma_inputs(model: nn.Module) -> dict[str, Tensor]:
@@ -165,6 +176,7 @@ def _pi0_inputs(model: nn.Module) -> dict[str, Tensor]:
 
 
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
+    "dia": _dia_inputs,
     "diffusion_gemma": _diffusion_gemma_inputs,
     "dots3_note": _dots3_note_inputs,
     "pi0": _pi0_inputs,
