@@ -69,6 +69,10 @@ CONFIG: dict[str, ConfigFix] = {
     # Cohere Compass: see _cohere_compass_text
     "cohere_compass": lambda default, kwargs: _cohere_compass_text(default.text_config, kwargs["text_config"]),
     "cohere_compass_text": _cohere_compass_text,
+    # CSM: its Mimi codec's upsampling convolution has upsample_groups groups, one per channel of its width;
+    # a narrow SEANet (num_filters) and quantizer
+    "csm": {"codec_config": {"upsample_groups": 64, "num_filters": 8, "codebook_dim": 16,
+                             "vector_quantization_hidden_dimension": 16}},
     # DBRX: the attention reads rope_theta from attn_config, whose class does not define it, and clamps q, k, v
     # to clip_qkv, None by default (checkpoints set both)
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}, "ffn_config": {"ffn_hidden_size": 128}},
