@@ -37,6 +37,10 @@ def _cohere_compass_text(default: Any, kwargs: dict[str, Any]) -> None:
 # residual block a level
 _VQ = {"base_channels": 32, "embed_dim": 8, "latent_channels": 8, "num_res_blocks": 1}
 
+_CLVP_ENCODER = {"hidden_size": 128, "num_attention_heads": 2, "projection_dim": 64}
+
+_CLVP_ENCODER = {"hidden_size": 128, "num_attention_heads": 2, "projection_dim": 64}
+
 # dots3 Note: per-layer latent attention, its sizes not readable from the class defaults (the sliding layers'
 # come as swa_* keys); as many kv heads as query heads, and an indexer no narrower than the rotated part
 _DOTS3_NOTE_TEXT = {
@@ -69,6 +73,9 @@ CONFIG: dict[str, ConfigFix] = {
     # Cohere Compass: see _cohere_compass_text
     "cohere_compass": lambda default, kwargs: _cohere_compass_text(default.text_config, kwargs["text_config"]),
     "cohere_compass_text": _cohere_compass_text,
+    # CLVP: the encoders rotate max(projection_dim // (2 * heads), 32) features of each head (partially, as its
+    # checkpoints' 64-wide heads): heads wider than 32
+    "clvp": {"text_config": _CLVP_ENCODER, "speech_config": _CLVP_ENCODER},
     # CSM: its Mimi codec's upsampling convolution has upsample_groups groups, one per channel of its width;
     # a narrow SEANet (num_filters) and quantizer
     "csm": {"codec_config": {"upsample_groups": 64, "num_filters": 8, "codebook_dim": 16,
@@ -121,6 +128,14 @@ CONFIG: dict[str, ConfigFix] = {
     # T5Gemma 2 encoder: its text model reads dropout_rate, which only the composite T5Gemma2Config sets
     "t5gemma2_encoder": {"text_config": {"dropout_rate": 0.0}},
 }
+
+
+def _clvp_inputs(model: nn.Module) -> dict[str, Tensor]:
+    """CLVP: text ids and the log-mel frames of the speech that conditions its decoder."""
+    gen = torch.Generator().manual_seed(0)
+    config = model.config
+    return {"input_ids": torch.randint(3, config.text_config.vocab_size - 16, (2, 12), generator=gen),
+            "input_features": torch.randn(2, config.decoder_config.feature_size, 16, generator=gen)}
 
 
 def _dia_inputs(model: nn.Module) -> dict[str, Tensor]:
@@ -180,6 +195,7 @@ def _pi0_inputs(model: nn.Module) -> dict[str, Tensor]:
 
 
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
+    "clvp": _clvp_inputs,
     "dia": _dia_inputs,
     "diffusion_gemma": _diffusion_gemma_inputs,
     "dots3_note": _dots3_note_inputs,
