@@ -606,7 +606,28 @@ def model_class(config: Any) -> type:
             mapping = _LazyAutoMapping(CONFIG_MAPPING_NAMES, names)
             with contextlib.suppress(KeyError):
                 return mapping[type(config)]
+    own = _own_model_classes(config)
+    if own:  # a sub-config's model, not in the auto mappings (Qwen3-Omni's talker text model, code predictor)
+        return own[0]
     raise KeyError(f"transformers maps no model class to {type(config).__name__} ({config.model_type!r})")
+
+
+def _own_model_classes(config: Any) -> list[type]:
+    """The model classes that the modeling module of ``config``'s package builds from ``config``'s class
+    alone, heads first (``...ForConditionalGeneration``, ``...ForCausalLM``), base pretrained classes left out."""
+    import importlib
+
+    from transformers import PreTrainedModel
+
+    name = type(config).__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        return []
+    found = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
+             and c.__module__ == name and getattr(c, "config_class", None) is type(config)
+             and not c.__name__.endswith("PreTrainedModel")]
+    return sorted(found, key=lambda c: ("For" not in c.__name__, c.__name__))
 
 
 def _size(config: Any) -> tuple[int, str]:
@@ -892,7 +913,7 @@ def _prompt(model: nn.Module, inputs: dict[str, Tensor]) -> dict[str, Tensor] | 
     if "pixel_values" in inputs:  # one row already, and its image tokens complete
         prompt = dict(inputs)
     else:
-        prompt = {k: v[:1, :6] for k, v in inputs.items()}
+        prompt = {k: v[:1, :6] if v.dim() > 1 else v for k, v in inputs.items()}  # a 0-d step stays
     try:
         with torch.no_grad(), _quiet():
             model.generate(**prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)

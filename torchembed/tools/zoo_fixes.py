@@ -118,6 +118,7 @@ CONFIG: dict[str, ConfigFix] = {
     # spatial_merge_size, which their config classes do not define (checkpoints set them)
     "qwen3_omni_moe": {"talker_config": {"text_config": {"shared_expert_intermediate_size": 32},
                                          "spatial_merge_size": 2}},
+    "qwen3_omni_moe_talker_text": {"shared_expert_intermediate_size": 32},
     # Qwen4-Exp: see _QWEN4_EXP_TEXT
     "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT},
     "qwen4_exp_text": _QWEN4_EXP_TEXT,
@@ -194,12 +195,29 @@ def _pi0_inputs(model: nn.Module) -> dict[str, Tensor]:
             "timestep": torch.tensor([0.3, 0.7])}
 
 
+def _qwen3_omni_code_predictor_inputs(model: nn.Module) -> dict[str, Tensor]:
+    """Qwen3-Omni's code predictor: codes of one codebook and the generation step that picks the codebook's
+    embedding (step - 1) and head (step), as its generate passes it (an integer; a 0-d tensor indexes alike)."""
+    gen = torch.Generator().manual_seed(0)
+    return {"input_ids": torch.randint(3, model.config.vocab_size - 16, (2, 12), generator=gen),
+            "generation_steps": torch.tensor(1)}
+
+
+def _qwen3_omni_talker_inputs(model: nn.Module) -> dict[str, Tensor]:
+    """Qwen3-Omni's talker text model: it embeds nothing itself (its caller projects the thinker's states), so
+    input embeddings."""
+    gen = torch.Generator().manual_seed(0)
+    return {"inputs_embeds": torch.randn(2, 12, model.config.hidden_size, generator=gen)}
+
+
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "clvp": _clvp_inputs,
     "dia": _dia_inputs,
     "diffusion_gemma": _diffusion_gemma_inputs,
     "dots3_note": _dots3_note_inputs,
     "pi0": _pi0_inputs,
+    "qwen3_omni_moe_talker_code_predictor": _qwen3_omni_code_predictor_inputs,
+    "qwen3_omni_moe_talker_text": _qwen3_omni_talker_inputs,
 }
 
 
