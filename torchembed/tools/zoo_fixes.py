@@ -115,9 +115,11 @@ CONFIG: dict[str, ConfigFix] = {
     # LFM2-MoE: no default layer_types (its checkpoints list them: short convolutions and attention)
     "lfm2_moe": {"layer_types": ["conv", "full_attention"] * 2, "num_dense_layers": 1},
     # Qwen3-Omni: the talker's shared expert reads shared_expert_intermediate_size, and the talker
-    # spatial_merge_size, which their config classes do not define (checkpoints set them)
+    # spatial_merge_size, which their config classes do not define (checkpoints set them); a narrow
+    # code2wav decoder (decoder_dim) and codebook
     "qwen3_omni_moe": {"talker_config": {"text_config": {"shared_expert_intermediate_size": 32},
-                                         "spatial_merge_size": 2}},
+                                         "spatial_merge_size": 2},
+                       "code2wav_config": {"decoder_dim": 32, "codebook_size": 16}},
     "qwen3_omni_moe_talker_text": {"shared_expert_intermediate_size": 32},
     # Qwen4-Exp: see _QWEN4_EXP_TEXT
     "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT},
@@ -195,6 +197,13 @@ def _pi0_inputs(model: nn.Module) -> dict[str, Tensor]:
             "timestep": torch.tensor([0.3, 0.7])}
 
 
+def _qwen3_omni_inputs(model: nn.Module) -> dict[str, Tensor]:
+    """Qwen3-Omni as a whole: none; its parts are checked as model types of their own (qwen3_omni_moe_thinker,
+    qwen3_omni_moe_talker_text, qwen3_omni_moe_talker_code_predictor)."""
+    raise ValueError(f"{type(model).__name__} has no forward, only generate; its thinker, talker text model "
+                     "and code predictor are checked as model types of their own")
+
+
 def _qwen3_omni_code_predictor_inputs(model: nn.Module) -> dict[str, Tensor]:
     """Qwen3-Omni's code predictor: codes of one codebook and the generation step that picks the codebook's
     embedding (step - 1) and head (step), as its generate passes it (an integer; a 0-d tensor indexes alike)."""
@@ -216,6 +225,7 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "diffusion_gemma": _diffusion_gemma_inputs,
     "dots3_note": _dots3_note_inputs,
     "pi0": _pi0_inputs,
+    "qwen3_omni_moe": _qwen3_omni_inputs,
     "qwen3_omni_moe_talker_code_predictor": _qwen3_omni_code_predictor_inputs,
     "qwen3_omni_moe_talker_text": _qwen3_omni_talker_inputs,
 }
