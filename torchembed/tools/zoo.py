@@ -875,15 +875,28 @@ def _required(model: nn.Module) -> str:
 
 
 def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
-    """The model's main output on ``inputs``: logits where it has them, else the last hidden state."""
+    """The model's main output on ``inputs``: logits where it has them, else the last hidden state.
+
+    The forward runs with the global generator seeded (and restored after), so that a model that draws
+    from it (ESMFold2's initial pair state) draws the same numbers in every run."""
     device = next(model.parameters()).device
-    with torch.no_grad():
-        out = model(**{k: v.to(device) for k, v in inputs.items()})
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        out = model(**{k: _to(v, device) for k, v in inputs.items()})
     for name in ("logits", "last_hidden_state", "prediction_logits"):
         value = getattr(out, name, None)
         if isinstance(value, Tensor):
             return value
     return next(_tensors(out if isinstance(out, tuple) else out.to_tuple()))
+
+
+def _to(value: Any, device: torch.device | str) -> Any:
+    """``value`` on ``device``: a tensor, or a dataclass of tensors (ESMFold2's atom inputs)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _to(getattr(value, f.name), device) for f in dataclasses.fields(value)})
+    return value.to(device)
 
 
 def matches(out: Tensor, ref: Tensor, rel: float = FP32_REL_TOL) -> bool:
@@ -939,7 +952,7 @@ def zoo_case(model_type: str, device: str | torch.device = "cpu") -> ZooCase:
     case = _case(model_type)
     if torch.device(device) == torch.device("cpu"):
         return case
-    move = (lambda values: None if values is None else {k: v.to(device) for k, v in values.items()})
+    move = (lambda values: None if values is None else {k: _to(v, device) for k, v in values.items()})
     return ZooCase(model_type, copy.deepcopy(case.model).to(device), move(case.inputs), move(case.prompt))
 
 

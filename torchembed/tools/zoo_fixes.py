@@ -50,6 +50,9 @@ _DOTS3_NOTE_TEXT = {
     "swa_q_lora_rank": 32, "swa_kv_lora_rank": 16, "swa_head_dim": 16, "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 16,
 }
 
+# ESMFold2's atom encoders: the 3D rotation's pairs (3 axes and the atom's group id) fit in a 16-wide head
+_ESMFOLD2_ATOMS = {"num_spatial_rope_pairs_per_axis": 2, "num_uid_rope_pairs": 1}
+
 # GLM-5-Next: its latent attention is NoPE (qk_rope_head_dim 0) with as many kv heads as query heads, and
 # its DSA indexer selects index_topk positions in pools of index_kpool
 _GLM5_NEXT_TEXT = {"qk_rope_head_dim": 0, "num_key_value_heads": 4, "index_topk": 4, "index_kpool": 2,
@@ -102,6 +105,14 @@ CONFIG: dict[str, ConfigFix] = {
     # GLM-5-Next: see _GLM5_NEXT_TEXT; the vision merger's width
     "glm5_next": {"text_config": _GLM5_NEXT_TEXT, "vision_config": {"projection_intermediate_size": 128}},
     "glm5_next_text": _GLM5_NEXT_TEXT,
+    # ESMFold2: its ESMC backbone has no grouped-query attention; the single inputs are the atom encoder's
+    # output and the residue features (single_inputs_size = output_dim + 2 * num_res_types + 1); one trunk
+    # loop of a shallow trunk, and no LM dropout (resampled in every loop, even in eval mode); see _ESMFOLD2_ATOMS
+    "esmfold2": {"esmc_config": {"num_key_value_heads": 4}, "single_inputs_size": 64 + 2 * 33 + 1, "num_loops": 0,
+                 "folding_trunk_num_hidden_layers": 2, "parcae_num_coda_layers": 1,
+                 "pair_transition_intermediate_size": 128, "lm_encoder": {"lm_dropout": 0.0},
+                 "msa_encoder": {"outer_hidden_size": 8},
+                 "atom_encoder": _ESMFOLD2_ATOMS, "structure_head": {"diffusion_module": {"atom_encoder": _ESMFOLD2_ATOMS}}},
     # Granite 4.0 hybrid: all-Mamba and no rotation by default; its checkpoints with attention layers set
     # position_embedding_type="rope" (any layer type other than linear_attention is attention)
     "granitemoehybrid": {"position_embedding_type": "rope", "shared_intermediate_size": 64,
@@ -180,6 +191,29 @@ def _dots3_note_inputs(model: nn.Module) -> dict[str, Tensor]:
             "chunk_sample_lengths": samples}
 
 
+def _esmfold2_inputs(model: nn.Module) -> dict[str, Any]:
+    """ESMFold2: one protein chain of 6 residues of 2 atoms each, its sequence (for the ESMC backbone) and
+    its reference-conformer atoms (their positions feed the atom encoder's spatial rotation)."""
+    from transformers.models.esmfold2.modeling_esmfold2 import EsmFold2AtomInputs
+
+    config, gen = model.config, torch.Generator().manual_seed(0)
+    tokens, atoms = 6, 12
+    index = torch.arange(tokens)[None]
+    zeros = torch.zeros(1, tokens, dtype=torch.long)
+    owner = torch.arange(tokens).repeat_interleave(atoms // tokens)[None]
+    atom_inputs = EsmFold2AtomInputs(
+        ref_pos=torch.randn(1, atoms, 3, generator=gen), ref_charge=torch.zeros(1, atoms),
+        atom_attention_mask=torch.ones(1, atoms, dtype=torch.bool),
+        ref_element=torch.randint(1, 10, (1, atoms), generator=gen),
+        ref_atom_name_chars=torch.randint(0, config.char_vocab_size, (1, atoms, config.max_chars), generator=gen),
+        ref_space_uid=owner, atom_to_token=owner)
+    return {"token_index": index, "residue_index": index, "asym_id": zeros, "sym_id": zeros, "entity_id": zeros,
+            "mol_type": zeros, "res_type": torch.randint(0, 20, (1, tokens), generator=gen),
+            "token_bonds": torch.zeros(1, tokens, tokens, 1), "attention_mask": torch.ones(1, tokens, dtype=torch.long),
+            "atom_inputs": atom_inputs,
+            "input_ids": torch.randint(3, config.esmc_config.vocab_size - 16, (1, tokens), generator=gen)}
+
+
 def _pi0_inputs(model: nn.Module) -> dict[str, Tensor]:
     """PI0: a robot state, the noisy action chunk and its flow-matching time (fixed: else drawn at random),
     and a prompt of one camera image's tokens and text, the image flagged present in pixel_attention_mask."""
@@ -219,11 +253,12 @@ def _qwen3_omni_talker_inputs(model: nn.Module) -> dict[str, Tensor]:
     return {"inputs_embeds": torch.randn(2, 12, model.config.hidden_size, generator=gen)}
 
 
-INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
+INPUTS: dict[str, Callable[[nn.Module], dict[str, Any]]] = {  # tensors (or a dataclass of them)
     "clvp": _clvp_inputs,
     "dia": _dia_inputs,
     "diffusion_gemma": _diffusion_gemma_inputs,
     "dots3_note": _dots3_note_inputs,
+    "esmfold2": _esmfold2_inputs,
     "pi0": _pi0_inputs,
     "qwen3_omni_moe": _qwen3_omni_inputs,
     "qwen3_omni_moe_talker_code_predictor": _qwen3_omni_code_predictor_inputs,
