@@ -340,8 +340,10 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
             # layer indices (deepstack, full-attention blocks, MoE layers): the same share of the new depth
             small[key] = sorted({min(new_depth - 1, v * new_depth // old_depth) for v in value})
         elif (old_depth and new_depth and old_depth > new_depth and isinstance(value, list) and len(value) == old_depth
-                and key not in _RECOMPUTED and (key not in small or small[key] is value)):
-            # one value per layer (Gemma 3n's intermediate sizes, activation sparsity): one per tiny layer
+                and key not in _RECOMPUTED and (key not in small or small[key] is value)
+                and (key in SMALL or not any(isinstance(v, int) for v in value))):
+            # one size (in SMALL) or rate per layer (Gemma 3n's intermediate sizes, activation sparsity): one per
+            # tiny layer; other per-layer integers (Sapiens2's kv heads) are left to the model
             small[key] = [SMALL[key]] * new_depth if key in SMALL else [value[i * old_depth // new_depth] for i in range(new_depth)]
     shared = original.get("num_kv_shared_layers")
     if isinstance(shared, int) and 0 < shared < (old_depth or 0) and new_depth:  # Gemma 3n: the last layers reuse

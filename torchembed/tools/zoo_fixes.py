@@ -33,6 +33,15 @@ def _cohere_compass_text(default: Any, kwargs: dict[str, Any]) -> None:
     kwargs["rope_parameters"] = {"sliding_attention": dict(rope), "full_attention": {**rope, "rope_theta": 50000.0}}
 
 
+def _granitemoehybrid(default: Any, kwargs: dict[str, Any]) -> None:
+    """Granite 4.0 hybrid: all-Mamba and no rotation by default; its checkpoints with attention layers set
+    position_embedding_type="rope". Mamba and attention layers alternate, named as the release names them
+    (4.x: "mamba" / "attention"; 5.x: "linear_attention" / any other, here "full_attention")."""
+    mamba = (default.layers_block_type or ["mamba"])[0]  # 4.x: None by default
+    kinds = [mamba, "attention" if mamba == "mamba" else "full_attention"] * 2
+    kwargs.update(position_embedding_type="rope", shared_intermediate_size=64, layer_types=kinds, layers_block_type=kinds)
+
+
 # image tokenizers (VQ-GAN) of Chameleon, Emu3 and Janus: narrow convolutions (at least GroupNorm's 32 groups), one
 # residual block a level
 _VQ = {"base_channels": 32, "embed_dim": 8, "latent_channels": 8, "num_res_blocks": 1}
@@ -113,11 +122,8 @@ CONFIG: dict[str, ConfigFix] = {
                  "pair_transition_intermediate_size": 128, "lm_encoder": {"lm_dropout": 0.0},
                  "msa_encoder": {"outer_hidden_size": 8},
                  "atom_encoder": _ESMFOLD2_ATOMS, "structure_head": {"diffusion_module": {"atom_encoder": _ESMFOLD2_ATOMS}}},
-    # Granite 4.0 hybrid: all-Mamba and no rotation by default; its checkpoints with attention layers set
-    # position_embedding_type="rope" (any layer type other than linear_attention is attention)
-    "granitemoehybrid": {"position_embedding_type": "rope", "shared_intermediate_size": 64,
-                         "layer_types": ["linear_attention", "full_attention"] * 2,
-                         "layers_block_type": ["linear_attention", "full_attention"] * 2},
+    # Granite 4.0 hybrid: see _granitemoehybrid
+    "granitemoehybrid": _granitemoehybrid,
     # Janus: the aligners and the generation head project to the text width (projection_dim,
     # image_token_embed_dim); one image's token count (num_image_tokens) is the tiny image's patch count
     "janus": {"vision_config": {"projection_dim": 64, "num_image_tokens": 4},
