@@ -8,7 +8,8 @@ builder does not make, one entry here says what differs, and why:
   (a dict value into a sub-config's dict, recursively); a callable ``fix(default, kwargs)`` edits
   them in place (``default``: the class-default config, for reading what this release has).
 * :data:`INPUTS`: ``model_type -> inputs(model)``, the tiny inputs to run the built model on
-  (replacing :func:`torchembed.tools.zoo.tiny_inputs`' generic choice).
+  (replacing :func:`torchembed.tools.zoo.tiny_inputs`' generic choice): tensors, or a dataclass of
+  tensors where the forward takes one.
 
 Keep entries in alphabetical order, each with a comment naming the upstream rule it satisfies.
 """
@@ -82,12 +83,12 @@ CONFIG: dict[str, ConfigFix] = {
     # Chameleon: the model maps VQ codes to BPE ids through vocabulary_map (None by default); no image tokens
     # in it, as the logits of image tokens are set to the float minimum (text inputs only)
     "chameleon": {"vocabulary_map": {"<image>": 127}, "vq_config": {**_VQ, "num_embeddings": 16, "resolution": 16}},
-    # Cohere Compass: see _cohere_compass_text
-    "cohere_compass": lambda default, kwargs: _cohere_compass_text(default.text_config, kwargs["text_config"]),
-    "cohere_compass_text": _cohere_compass_text,
     # CLVP: the encoders rotate max(projection_dim // (2 * heads), 32) features of each head (partially, as its
     # checkpoints' 64-wide heads): heads wider than 32
     "clvp": {"text_config": _CLVP_ENCODER, "speech_config": _CLVP_ENCODER},
+    # Cohere Compass: see _cohere_compass_text
+    "cohere_compass": lambda default, kwargs: _cohere_compass_text(default.text_config, kwargs["text_config"]),
+    "cohere_compass_text": _cohere_compass_text,
     # CSM: its Mimi codec's upsampling convolution has upsample_groups groups, one per channel of its width;
     # a narrow SEANet (num_filters) and quantizer
     "csm": {"codec_config": {"upsample_groups": 64, "num_filters": 8, "codebook_dim": 16,
@@ -101,19 +102,16 @@ CONFIG: dict[str, ConfigFix] = {
     # layers' head dim is global_head_dim (512 by default)
     "diffusion_gemma": {"text_config": {"num_experts": 4, "top_k_experts": 4, "moe_intermediate_size": 32,
                                         "global_head_dim": 32}},
+    # dots.llm1: the expert counts default to None (its checkpoints set them)
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
     # dots3 Note: see _DOTS3_NOTE_TEXT; the towers' adapters project to the text width, and the audio stem's
     # conv_output_size (downsample_hidden_size * ceil(feature_size / 8)) is kept as given
     "dots3_note": {"text_config": _DOTS3_NOTE_TEXT, "vision_config": {"adapter_out_dim": 64},
                    "audio_config": {"adapter_out_dim": 64, "feature_size": 16, "downsample_hidden_size": 32,
                                     "conv_output_size": 64}},
     "dots3_note_text": _DOTS3_NOTE_TEXT,
-    # dots.llm1: the expert counts default to None (its checkpoints set them)
-    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
     # Emu3: as Chameleon, and its end-of-line token
     "emu3": {"vocabulary_map": {"<image>": 127, "<|extra_200|>": 126}, "vq_config": {**_VQ, "codebook_size": 16}},
-    # GLM-5-Next: see _GLM5_NEXT_TEXT; the vision merger's width
-    "glm5_next": {"text_config": _GLM5_NEXT_TEXT, "vision_config": {"projection_intermediate_size": 128}},
-    "glm5_next_text": _GLM5_NEXT_TEXT,
     # ESMFold2: its ESMC backbone has no grouped-query attention; the single inputs are the atom encoder's
     # output and the residue features (single_inputs_size = output_dim + 2 * num_res_types + 1); one trunk
     # loop of a shallow trunk, and no LM dropout (resampled in every loop, even in eval mode); see _ESMFOLD2_ATOMS
@@ -122,6 +120,9 @@ CONFIG: dict[str, ConfigFix] = {
                  "pair_transition_intermediate_size": 128, "lm_encoder": {"lm_dropout": 0.0},
                  "msa_encoder": {"outer_hidden_size": 8},
                  "atom_encoder": _ESMFOLD2_ATOMS, "structure_head": {"diffusion_module": {"atom_encoder": _ESMFOLD2_ATOMS}}},
+    # GLM-5-Next: see _GLM5_NEXT_TEXT; the vision merger's width
+    "glm5_next": {"text_config": _GLM5_NEXT_TEXT, "vision_config": {"projection_intermediate_size": 128}},
+    "glm5_next_text": _GLM5_NEXT_TEXT,
     # Granite 4.0 hybrid: see _granitemoehybrid
     "granitemoehybrid": _granitemoehybrid,
     # Janus: the aligners and the generation head project to the text width (projection_dim,
