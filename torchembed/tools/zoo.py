@@ -55,14 +55,14 @@ SMALL: dict[str, Any] = {
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 4,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "moe_num_experts": 4, "moe_k": 4,
-    "moe_topk": 4, "num_shared_experts": 1, "expert_intermediate_size": 32,
+    "moe_topk": 4, "moe_top_k": 4, "num_shared_experts": 1, "expert_intermediate_size": 32,
     # multi-head latent attention (DeepSeek-V2/V3 and kin)
     "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     # windows and other lengths that must stay below max_position_embeddings
     "sliding_window": 32, "attention_chunk_size": 32, "original_max_position_embeddings": 64,
     "rotary_dim": 8,  # GPT-J / CodeGen: rotated features per head
     # state-space layers of hybrid models (their CPU path materialises chunk x chunk x state tensors)
-    "mamba_d_state": 16, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_chunk_size": 16, "mamba_d_ssm": 64,
+    "mamba_d_state": 16, "mamba_n_heads": 4, "n_mamba_heads": 4, "mamba_d_head": 16, "mamba_chunk_size": 16, "mamba_d_ssm": 64,
     "mamba_n_groups": 1, "ssm_state_size": 16, "state_size": 16, "chunk_size": 16, "n_groups": 1,
     "mamba_headdim": 16, "time_step_rank": 8, "mamba_expand": 1,
     # hybrid models: attention (and MoE) every other layer of the 4 (Jamba's period 8, offset 4 has none)
@@ -365,6 +365,15 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
         if (key not in small or small[key] is value) and _is_index_list(key, value, old_depth) and new_depth:
             # layer indices (deepstack, full-attention blocks, MoE layers): the same share of the new depth
             small[key] = sorted({min(new_depth - 1, v * new_depth // old_depth) for v in value})
+        elif (old_depth and new_depth and old_depth > new_depth and isinstance(value, list) and len(value) == old_depth
+                and key not in _RECOMPUTED and (key not in small or small[key] is value)
+                and (key in SMALL or not any(isinstance(v, int) for v in value))):
+            # one size (in SMALL) or rate per layer (Gemma 3n's intermediate sizes, activation sparsity): one per
+            # tiny layer; other per-layer integers (Sapiens2's kv heads) are left to the model
+            small[key] = [SMALL[key]] * new_depth if key in SMALL else [value[i * old_depth // new_depth] for i in range(new_depth)]
+    shared = original.get("num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared < (old_depth or 0) and new_depth:  # Gemma 3n: the last layers reuse
+        small["num_kv_shared_layers"] = new_depth // 2  # the kv of the first, which must hold every layer type
     vision, tiny_vision = original.get("vision_config"), small.get("vision_config")
     factor = next((original[k] for k in ("scale_factor", "pixel_shuffle_factor") if isinstance(original.get(k), int)), 1)
     tower = tiny_vision if isinstance(tiny_vision, dict) else small
@@ -644,7 +653,28 @@ def model_class(config: Any) -> type:
             mapping = _LazyAutoMapping(CONFIG_MAPPING_NAMES, names)
             with contextlib.suppress(KeyError):
                 return mapping[type(config)]
+    own = _own_model_classes(config)
+    if own:  # a sub-config's model, not in the auto mappings (Qwen3-Omni's talker text model, code predictor)
+        return own[0]
     raise KeyError(f"transformers maps no model class to {type(config).__name__} ({config.model_type!r})")
+
+
+def _own_model_classes(config: Any) -> list[type]:
+    """The model classes that the modeling module of ``config``'s package builds from ``config``'s class
+    alone, heads first (``...ForConditionalGeneration``, ``...ForCausalLM``), base pretrained classes left out."""
+    import importlib
+
+    from transformers import PreTrainedModel
+
+    name = type(config).__module__.replace(".configuration_", ".modeling_")
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        return []
+    found = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
+             and c.__module__ == name and getattr(c, "config_class", None) is type(config)
+             and not c.__name__.endswith("PreTrainedModel")]
+    return sorted(found, key=lambda c: ("For" not in c.__name__, c.__name__))
 
 
 def _size(config: Any) -> tuple[int, str]:
@@ -798,8 +828,10 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
 def _image_tokens(model: nn.Module, images: dict[str, Tensor]) -> int:
     """How many image-token embeddings the vision tower makes of ``images`` (0 if it has no
     ``get_image_features``, or it fails on them)."""
-    # a head without it (DeepSeek-VL, ModernVBert's masked LM) has its base model's
-    get = getattr(model, "get_image_features", None) or getattr(getattr(model, "base_model", None), "get_image_features", None)
+    # a head without it has its base model's (DeepSeek-VL, ModernVBert's masked LM, Janus)
+    get = next((g for g in (getattr(model, "get_image_features", None),
+                            getattr(getattr(model, "base_model", None), "get_image_features", None),
+                            getattr(getattr(model, "model", None), "get_image_features", None)) if g is not None), None)
     if get is None:
         return 0
     hidden = model.config.get_text_config().hidden_size
@@ -920,10 +952,14 @@ def _required(model: nn.Module) -> str:
 
 def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     """The model's main output on ``inputs``: logits where it has them, else the last hidden state
-    (or the tensor it returns: JEV's decision scores)."""
+    (or the tensor it returns: JEV's decision scores).
+
+    The forward runs with the global generator seeded (and restored after), so that a model that draws
+    from it (ESMFold2's initial pair state) draws the same numbers in every run."""
     device = next(model.parameters()).device
-    with torch.no_grad():
-        out = model(**{k: v.to(device) for k, v in inputs.items()})
+    with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        out = model(**{k: _to(v, device) for k, v in inputs.items()})
     if isinstance(out, Tensor):
         return out
     for name in ("logits", "last_hidden_state", "prediction_logits"):
@@ -931,6 +967,15 @@ def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
         if isinstance(value, Tensor):
             return value
     return next(_tensors(out if isinstance(out, tuple) else out.to_tuple()))
+
+
+def _to(value: Any, device: torch.device | str) -> Any:
+    """``value`` on ``device``: a tensor, or a dataclass of tensors (ESMFold2's atom inputs)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _to(getattr(value, f.name), device) for f in dataclasses.fields(value)})
+    return value.to(device)
 
 
 def matches(out: Tensor, ref: Tensor, rel: float = FP32_REL_TOL) -> bool:
@@ -960,7 +1005,7 @@ def _prompt(model: nn.Module, inputs: dict[str, Tensor]) -> dict[str, Tensor] | 
     if "pixel_values" in inputs:  # one row already, and its image tokens complete
         prompt = dict(inputs)
     else:
-        prompt = {k: v[:1, :6] for k, v in inputs.items()}
+        prompt = {k: v[:1, :6] if v.dim() > 1 else v for k, v in inputs.items()}  # a 0-d step stays
     try:
         with torch.no_grad(), _quiet():
             model.generate(**prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
@@ -986,7 +1031,7 @@ def zoo_case(model_type: str, device: str | torch.device = "cpu") -> ZooCase:
     case = _case(model_type)
     if torch.device(device) == torch.device("cpu"):
         return case
-    move = (lambda values: None if values is None else {k: v.to(device) for k, v in values.items()})
+    move = (lambda values: None if values is None else {k: _to(v, device) for k, v in values.items()})
     return ZooCase(model_type, copy.deepcopy(case.model).to(device), move(case.inputs), move(case.prompt))
 
 

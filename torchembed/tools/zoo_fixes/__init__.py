@@ -20,14 +20,14 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
-from torchembed.tools.zoo_fixes import vision_language
+from torchembed.tools.zoo_fixes import text, vision_language
 from torchembed.tools.zoo_fixes._common import ConfigFix, merge
 
 __all__ = ["CONFIG", "INPUTS", "MODULES", "apply_config_fix"]
 
-MODULES: tuple[ModuleType, ...] = (vision_language,)
+MODULES: tuple[ModuleType, ...] = (text, vision_language)
 
 
 def _union(name: str) -> dict[str, Any]:
@@ -42,7 +42,7 @@ def _union(name: str) -> dict[str, Any]:
 
 
 CONFIG: dict[str, ConfigFix] = _union("CONFIG")
-INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = _union("INPUTS")
+INPUTS: dict[str, Callable[[nn.Module], Any]] = _union("INPUTS")  # tensors by name (or a dataclass of them)
 
 
 def apply_config_fix(model_type: str, default: Any, kwargs: dict[str, Any]) -> None:
