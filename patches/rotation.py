@@ -82,6 +82,8 @@ class Rotation:
     sections: str = ""  # the parameter whose last dim counts the feature sections (multidimensional RoPE)
     mrope: str = ""  # the parameter of M-RoPE sections: tables (3, ..., w), one axis per section (transformers 4.x)
     indexed: str = ""  # the parameter of position ids that index (T, w) tables (older transformers)
+    tail: bool = False  # a first tensor with fewer tokens than the tables takes their last rows (a drafter's
+    # queries over keys that carry the target model's context: Muse Glimmer's assistant)
     # (rule, rank of x, rank of the tables) of every probe the helper passed: a helper that inserts the
     # heads axis at a fixed place broadcasts (s, w) tables against (s, h, d) as "sh", (b, s, w) as "hs"
     patterns: tuple[tuple[str, int, int], ...] = ()
@@ -325,8 +327,9 @@ def _probe_plain(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
         return None, f"it takes {', '.join(unknown)}, which torchembed's rotation does not model"
     defaults = dict(roles.defaults)
     patterns = () if param else tuple(dict.fromkeys((p[0], len(p[1]) + 1, len(p[2]) + 1) for _, (p, _, _) in found))
+    tail = _takes_last_rows(helper, roles, layout, half, probe, (pairing, conjugate), param, gen)
     return Rotation(roles.names, roles.rotated, roles.tables, layout, pairing, rule, partial, conjugate, trailing,
-                    roles.optional, single, int(defaults.get(_UNSQUEEZE, 1)), ignored, patterns=patterns), ""
+                    roles.optional, single, int(defaults.get(_UNSQUEEZE, 1)), ignored, patterns=patterns, tail=tail), ""
 
 
 def merge_mrope(table: Tensor, sections: Any) -> Tensor:
@@ -448,6 +451,32 @@ def _single(helper: Any, roles: _Parameters, layout: str, half: int, probe: tupl
     return isinstance(out, Tensor)
 
 
+def _takes_last_rows(helper: Any, roles: _Parameters, layout: str, half: int, probe: tuple, way: tuple, param: bool,
+                     gen: torch.Generator) -> bool:
+    """Whether a first tensor of 3 tokens, beside others of 5 and tables of 5, is rotated by the tables'
+    last 3 rows (the others as usual)."""
+    if len(roles.rotated) < 2 or probe[0] not in ("hs", "sh"):
+        return False
+    rule, x_lead, t_lead = ("hs", *_PROBES[0][1:]) if param else probe
+    seq = -2 if rule == "hs" else -3
+    theta = torch.rand(*t_lead, half, generator=gen, dtype=torch.float64) * 6.0 - 3.0
+    first = torch.randn(*x_lead[:len(x_lead) + seq + 1], 3, *x_lead[len(x_lead) + seq + 2:], 2 * half, generator=gen)
+    xs = [first] + [torch.randn(*x_lead, 2 * half, generator=gen) for _ in roles.rotated[1:]]
+    tables = _tables(theta, layout)
+    args = dict(zip(roles.rotated, xs), **dict(zip(roles.tables, tables if roles.tables[0] != "sin" else tables[::-1])))
+    try:
+        with torch.no_grad():
+            got = _outputs(helper(**args, **({_UNSQUEEZE: 1} if param else {})), len(xs))
+    except Exception:  # the helper rejects unequal lengths
+        return False
+    pairing, conjugate = way
+    want = []
+    for x, angles in zip(xs, [theta[..., -3:, :]] + [theta] * (len(xs) - 1)):
+        c, s = (_broadcast(t, rule, 1 if param else None) for t in (angles.cos(), angles.sin()))
+        want.append(reference_rotate(x.double(), c, s, pairing, conjugate))
+    return got is not None and _close(got, want)
+
+
 def _ignores_positions(helper: Any, roles: _Parameters, layout: str, half: int, gen: torch.Generator) -> bool:
     """The result with random ``position_ids`` equals the one without (upstream's deprecated argument)."""
     _, x_lead, t_lead = _PROBES[0]
@@ -494,7 +523,8 @@ class RotaryHelper:
         self._usual = (len(rotation.rotated) == 2 and rotation.params[2:4] == ("cos", "sin")
                        and rotation.layout == "cat" and rotation.pairing == "half" and not rotation.conjugate
                        and not rotation.trailing and rotation.broadcast in ("hs", "param")
-                       and rotation.unsqueeze_default == 1 and not rotation.mrope and not rotation.indexed)
+                       and rotation.unsqueeze_default == 1 and not rotation.mrope and not rotation.indexed
+                       and not rotation.tail)
         self._tables: tuple | None = None  # the last tables and their half tables (one forward's)
         self._full: tuple | None = None  # the last half tables and the PyTorch path's full-width ones
         self._mrope: tuple | None = None  # the last M-RoPE tables and their merged ones
@@ -557,7 +587,13 @@ class RotaryHelper:
             return self._rotate_sections(xs[0], first, second, values[rotation.sections].shape[-1],
                                          rotation.unsqueeze_default if u is None else u)
         given = [x for x in xs if x is not None]
-        rotated = iter(self.rotate(given, c, s, u, full))
+        first = given[0].shape[-2 if rotation.broadcast == "hs" or u == 1 else -3] if given else 0
+        if rotation.tail and len(given) > 1 and first < c.shape[-2]:  # the first tensor: the tables' last rows
+            last = (lambda t: t[..., -first:, :]) if first else (lambda t: t[..., :0, :])
+            rotated = iter(self.rotate(given[:1], last(c), last(s), u, full and (last(full[0]), last(full[1])))
+                           + self.rotate(given[1:], c, s, u, full))
+        else:
+            rotated = iter(self.rotate(given, c, s, u, full))
         out = tuple(None if x is None else next(rotated) for x in xs)
         return out[0] if rotation.single and len(given) == 1 else out
 
