@@ -84,7 +84,10 @@ _DERIVED = ("per_layer_config",)  # rebuilt by the config class from the (shrunk
 _ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "vocab_size")
 _DEPTHS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")  # what layer-index lists index
 _TASKS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
-          "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
+          "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES",
+          # vision models with a task head and no bare model class (CHMv2, EoMT-DINOv3, PP-DocLayoutV2)
+          "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES", "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES",
+          "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES")
 
 
 # -- which model types ---------------------------------------------------------------------------------
@@ -335,6 +338,14 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
     indices, sections of the rotary features (M-RoPE), head counts, special token ids."""
     old_depth = next((original[k] for k in _DEPTHS if isinstance(original.get(k), int) and original[k] > 0), None)
     new_depth = next((small[k] for k in _DEPTHS if isinstance(small.get(k), int) and small[k] > 0), None)
+    names = original.get("stage_names")
+    if isinstance(names, list) and old_depth and new_depth and len(names) == old_depth + 1 != new_depth + 1:
+        # a ViT backbone's stages are its stem and layers (DINOv3 in CHMv2): the class names the new
+        # stages; its outputs are the same share of them
+        small.pop("stage_names", None)
+        small.pop("out_features", None)
+        if isinstance(original.get("out_indices"), list):
+            small["out_indices"] = sorted({max(1, v * new_depth // old_depth) for v in original["out_indices"]})
     for key, value in original.items():
         if (key not in small or small[key] is value) and _is_index_list(key, value, old_depth) and new_depth:
             # layer indices (deepstack, full-attention blocks, MoE layers): the same share of the new depth
@@ -846,7 +857,8 @@ def _required(model: nn.Module) -> str:
 
 
 def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
-    """The model's main output on ``inputs``: logits where it has them, else the last hidden state."""
+    """The model's main output on ``inputs``: logits where it has them, else the last hidden state,
+    else its first floating-point output."""
     device = next(model.parameters()).device
     with torch.no_grad():
         out = model(**{k: v.to(device) for k, v in inputs.items()})
@@ -854,7 +866,9 @@ def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
         value = getattr(out, name, None)
         if isinstance(value, Tensor):
             return value
-    return next(_tensors(out if isinstance(out, tuple) else out.to_tuple()))
+    tensors = list(_tensors(out if isinstance(out, tuple) else out.to_tuple()))
+    # the first floating one: integer outputs (LightGlue's matched indices) cannot show a small error
+    return next((t for t in tensors if t.is_floating_point()), tensors[0])
 
 
 def matches(out: Tensor, ref: Tensor, rel: float = FP32_REL_TOL) -> bool:

@@ -18,15 +18,62 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Union
 
+import torch
 from torch import Tensor, nn
 
 __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
 
 ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 
-CONFIG: dict[str, ConfigFix] = {}
+CONFIG: dict[str, ConfigFix] = {
+    # CHMv2: its DPT head's widths are lists and sizes of its own (1024-channel 3 x 3 convolutions)
+    "chmv2": {"post_process_channels": [8, 16, 32, 64], "fusion_hidden_size": 32, "head_hidden_size": 16,
+              "number_output_channels": 16},
+    # EfficientLoFTR: hidden_size is the last stage's channels; its rotary table is hidden_size / 2 wide and
+    # rotates all heads' features at once, so the rotated dims (head_dim x partial_rotary_factor 4) must be
+    # hidden_size / 4: 8 heads of 8, and as many kv heads (keys are viewed hidden_size wide too). Its
+    # BatchNorm scales are drawn N(0, initializer_range): at 0.02 the image's detail is lost, leaving
+    # features that differ little between positions; attention over the unaggregated features (1 x 1)
+    "efficientloftr": {"out_features": [16, 16, 32, 64], "stage_num_blocks": [1, 1, 1, 1],
+                       "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8, "initializer_range": 0.5,
+                       "q_aggregation_kernel_size": 1, "q_aggregation_stride": 1,
+                       "kv_aggregation_kernel_size": 1, "kv_aggregation_stride": 1},
+    # LightGlue: its width is descriptor_dim (hidden_size follows it); its SuperPoint detector's widths are
+    # lists; no early stop or pruning of keypoints (thresholds on confidences), every mutual match kept
+    "lightglue": {"descriptor_dim": 64, "depth_confidence": 0.0, "width_confidence": 0.0, "filter_threshold": 0.0,
+                  "keypoint_detector_config": {"encoder_hidden_sizes": [8, 8, 16, 16], "decoder_hidden_size": 32,
+                                               "descriptor_decoder_dim": 32}},
+    # PP-DocLayoutV2: an HGNetV2 backbone of lists of channels, a decoder fed its stages 2-4 and the encoder's
+    # width; the detections' thresholds and reading order are per class (None by default: no checkpoint)
+    "pp_doclayout_v2": {
+        "backbone_config": {"stem_channels": [3, 8, 8], "stage_in_channels": [8, 16, 32, 64],
+                            "stage_mid_channels": [8, 16, 32, 32], "stage_out_channels": [16, 32, 64, 128],
+                            "hidden_sizes": [16, 32, 64, 128], "stage_num_blocks": [1, 1, 1, 1],
+                            "stage_numb_of_layers": [2, 2, 2, 2]},
+        "encoder_in_channels": [32, 64, 128], "decoder_in_channels": [64, 64, 64], "num_queries": 8,
+        "class_thresholds": [0.0, 0.0], "class_order": [0, 1],
+        "reading_order_config": {"coordinate_size": 16, "shape_size": 16, "global_pointer_head_size": 16},
+    },
+}
 
-INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {}
+
+def _image(size: int, channels: int = 3, seed: int = 1) -> Tensor:
+    return torch.randn(1, channels, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def _image_pair(size: int) -> dict[str, Tensor]:
+    """Keypoint matchers' input: (batch, 2 images, channels, height, width)."""
+    return {"pixel_values": torch.stack((_image(size, seed=1), _image(size, seed=2)), dim=1)}
+
+
+INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
+    # EfficientLoFTR: its coarse features (stride 8) are the tokens: 64 per image of 64 x 64
+    "efficientloftr": lambda model: _image_pair(64),
+    # LightGlue: SuperPoint finds some 50 keypoints per random image of 64 x 64 (stride 8, NMS radius 4)
+    "lightglue": lambda model: _image_pair(64),
+    # PP-DocLayoutV2: its feature pyramid (strides 8, 16, 32) needs an image of at least 32 x 32 pixels
+    "pp_doclayout_v2": lambda model: {"pixel_values": _image(32)},
+}
 
 
 def _merge(into: dict[str, Any], values: dict[str, Any]) -> None:
