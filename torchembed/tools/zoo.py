@@ -744,6 +744,8 @@ def _image_tokens(model: nn.Module, images: dict[str, Tensor]) -> int:
     """How many image-token embeddings the vision tower makes of ``images`` (0 if it has no
     ``get_image_features``, or it fails on them)."""
     get = getattr(model, "get_image_features", None)
+    if get is None:  # a head without it, over a base model with it (PerceptionLM)
+        get = getattr(getattr(model, "base_model", None), "get_image_features", None)
     if get is None:
         return 0
     hidden = model.config.get_text_config().hidden_size

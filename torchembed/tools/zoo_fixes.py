@@ -25,6 +25,49 @@ __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
 
 ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 
+def _vit(**extra: Any) -> Any:
+    """A tiny ViT (2 x 2 patches and a class token), with ``num_labels`` or other ``extra`` attributes."""
+    from transformers import ViTConfig
+
+    return ViTConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
+                     image_size=16, patch_size=8, **extra)
+
+
+def _vitdet() -> Any:
+    """A tiny ViTDet: its output is a (batch, channels, height, width) map, as hybrid timm towers' are."""
+    from transformers import VitDetConfig
+
+    return VitDetConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, mlp_ratio=2, image_size=16,
+                        pretrain_image_size=16, patch_size=8)
+
+
+def _without_timm(tower: Callable[[], Any]) -> Callable[[Any, dict[str, Any]], None]:
+    """A fix that makes every timm vision tower in the config tree ``tower()``: timm imports torchvision,
+    whose compiled operators (PyPI's wheels link CUDA's torch libraries) do not load beside a CPU torch.
+    The rotary parts of these models are elsewhere (their text model, a temporal encoder)."""
+
+    def fix(default: Any, kwargs: dict[str, Any]) -> None:
+        for key, value in kwargs.items():
+            if isinstance(value, dict) and value.get("model_type") == "timm_wrapper":
+                kwargs[key] = tower()
+            elif isinstance(value, dict):
+                fix(default, value)
+
+    return fix
+
+
+def _perception_encoder(default: Any, kwargs: dict[str, Any]) -> None:
+    """PE audio / video: a ViT classifier for the per-frame timm tower (its logits are the frame's
+    features), and a DAC audio codec of 4 to 64 channels (16 samples a frame) instead of 64 to 1024."""
+    _without_timm(lambda: _vit(num_labels=16))(default, kwargs)
+    dac = {"encoder_hidden_size": 4, "downsampling_ratios": [2, 2, 2, 2], "hop_length": 16, "codebook_dim": 16}
+    for value in kwargs.values():
+        if isinstance(value, dict):
+            _perception_encoder(default, value)
+    if isinstance(kwargs.get("dac_config"), dict):
+        kwargs["dac_config"].update(dac)
+
+
 CONFIG: dict[str, ConfigFix] = {
     # CHMv2: its DPT head's widths are lists and sizes of its own (1024-channel 3 x 3 convolutions)
     "chmv2": {"post_process_channels": [8, 16, 32, 64], "fusion_hidden_size": 32, "head_hidden_size": 16,
@@ -38,11 +81,21 @@ CONFIG: dict[str, ConfigFix] = {
                        "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8, "initializer_range": 0.5,
                        "q_aggregation_kernel_size": 1, "q_aggregation_stride": 1,
                        "kv_aggregation_kernel_size": 1, "kv_aggregation_stride": 1},
+    # FastVLM: its timm FastViT tower (see _without_timm) makes a (batch, channels, height, width) map
+    "fast_vlm": _without_timm(_vitdet),
     # LightGlue: its width is descriptor_dim (hidden_size follows it); its SuperPoint detector's widths are
     # lists; no early stop or pruning of keypoints (thresholds on confidences), every mutual match kept
     "lightglue": {"descriptor_dim": 64, "depth_confidence": 0.0, "width_confidence": 0.0, "filter_threshold": 0.0,
                   "keypoint_detector_config": {"encoder_hidden_sizes": [8, 8, 16, 16], "decoder_hidden_size": 32,
                                                "descriptor_decoder_dim": 32}},
+    # PE audio / video (see _perception_encoder)
+    "pe_audio_video": _perception_encoder,
+    "pe_audio_video_encoder": _perception_encoder,
+    "pe_video": _perception_encoder,
+    "pe_video_encoder": _perception_encoder,
+    # PerceptionLM: its timm tower (see _without_timm) makes a class token and patch tokens, of the width
+    # named in its model_args
+    "perception_lm": _without_timm(lambda: _vit(model_args={"embed_dim": 64})),
     # PP-DocLayoutV2: an HGNetV2 backbone of lists of channels, a decoder fed its stages 2-4 and the encoder's
     # width; the detections' thresholds and reading order are per class (None by default: no checkpoint)
     "pp_doclayout_v2": {
@@ -66,11 +119,29 @@ def _image_pair(size: int) -> dict[str, Tensor]:
     return {"pixel_values": torch.stack((_image(size, seed=1), _image(size, seed=2)), dim=1)}
 
 
+def _video(frames: int = 4, size: int = 16) -> Tensor:
+    return torch.randn(1, frames, 3, size, size, generator=torch.Generator().manual_seed(3))
+
+
+def _ids(rows: int = 2, length: int = 12, vocab: int = 100) -> Tensor:
+    return torch.randint(3, vocab, (rows, length), generator=torch.Generator().manual_seed(0))
+
+
+def _audio(samples: int = 128) -> Tensor:
+    """(batch, 1 channel, samples) of a waveform: 8 frames of _perception_encoder's DAC codec."""
+    return torch.randn(1, 1, samples, generator=torch.Generator().manual_seed(4))
+
+
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     # EfficientLoFTR: its coarse features (stride 8) are the tokens: 64 per image of 64 x 64
     "efficientloftr": lambda model: _image_pair(64),
     # LightGlue: SuperPoint finds some 50 keypoints per random image of 64 x 64 (stride 8, NMS radius 4)
     "lightglue": lambda model: _image_pair(64),
+    # PE audio / video: a video of 4 frames, 8 frames of audio, and (to the models with a text model) text
+    "pe_audio_video": lambda model: {"input_ids": _ids(rows=1), "pixel_values_videos": _video(), "input_values": _audio()},
+    "pe_audio_video_encoder": lambda model: {"pixel_values_videos": _video(), "input_values": _audio()},
+    "pe_video": lambda model: {"input_ids": _ids(rows=4), "pixel_values_videos": _video()},
+    "pe_video_encoder": lambda model: {"pixel_values_videos": _video()},
     # PP-DocLayoutV2: its feature pyramid (strides 8, 16, 32) needs an image of at least 32 x 32 pixels
     "pp_doclayout_v2": lambda model: {"pixel_values": _image(32)},
 }
