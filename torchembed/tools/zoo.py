@@ -859,12 +859,12 @@ def _required(model: nn.Module) -> str:
 
 
 def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
-    """The model's main output on ``inputs``: logits where it has them, else the last hidden state,
-    else its first floating-point output."""
+    """The model's main output on ``inputs``: logits where it has them, else the last hidden state
+    (or predicted masks), else its first floating-point output."""
     device = next(model.parameters()).device
     with torch.no_grad():
         out = model(**{k: v.to(device) for k, v in inputs.items()})
-    for name in ("logits", "last_hidden_state", "prediction_logits"):
+    for name in ("logits", "last_hidden_state", "prediction_logits", "pred_masks"):  # pred_masks: SAM's
         value = getattr(out, name, None)
         if isinstance(value, Tensor):
             return value

@@ -68,6 +68,11 @@ def _perception_encoder(default: Any, kwargs: dict[str, Any]) -> None:
         kwargs["dac_config"].update(dac)
 
 
+# SAM 3's vision model: the neck's feature sizes are the ViT's grid (image_size / patch_size: 2 x 2)
+# times 4, 2, 1; attention windows of 2 x 2 patches; position embeddings pretrained at the tiny size
+_SAM3_VISION = {"backbone_feature_sizes": [[8, 8], [4, 4], [2, 2]],
+                "backbone_config": {"window_size": 2, "pretrain_image_size": 16}}
+
 CONFIG: dict[str, ConfigFix] = {
     # CHMv2: its DPT head's widths are lists and sizes of its own (1024-channel 3 x 3 convolutions)
     "chmv2": {"post_process_channels": [8, 16, 32, 64], "fusion_hidden_size": 32, "head_hidden_size": 16,
@@ -107,6 +112,14 @@ CONFIG: dict[str, ConfigFix] = {
         "class_thresholds": [0.0, 0.0], "class_order": [0, 1],
         "reading_order_config": {"coordinate_size": 16, "shape_size": 16, "global_pointer_head_size": 16},
     },
+    # SAM 3 (see _SAM3_VISION)
+    "sam3": {"vision_config": _SAM3_VISION},
+    "sam3_lite_text": {"vision_config": _SAM3_VISION},
+    "sam3_tracker": {"vision_config": _SAM3_VISION, "mask_decoder_config": {"mlp_dim": 128}},
+    # V-JEPA 2: its predictor's sizes are pred_*; the rotary grid is crop_size / patch_size square and
+    # frames_per_clip / tubelet_size deep (positions of a larger clip would wrap around it)
+    "vjepa2": {"pred_hidden_size": 48, "pred_num_attention_heads": 4, "pred_num_hidden_layers": 2,
+               "crop_size": 16, "frames_per_clip": 4, "num_pooler_layers": 1},
 }
 
 
@@ -144,6 +157,11 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "pe_video_encoder": lambda model: {"pixel_values_videos": _video()},
     # PP-DocLayoutV2: its feature pyramid (strides 8, 16, 32) needs an image of at least 32 x 32 pixels
     "pp_doclayout_v2": lambda model: {"pixel_values": _image(32)},
+    # SAM 3: an image and a text prompt (its token ids)
+    "sam3": lambda model: {"pixel_values": _image(16), "input_ids": _ids(rows=1, length=8)},
+    "sam3_lite_text": lambda model: {"pixel_values": _image(16), "input_ids": _ids(rows=1, length=8)},
+    # V-JEPA 2: a video (batch, frames, channels, height, width) of 2 tubelets of 2 x 2 patches
+    "vjepa2": lambda model: {"pixel_values_videos": _video()},
 }
 
 
