@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torchembed.tools.zoo_fixes import INPUTS, apply_config_fix
+from torchembed.tools.zoo_fixes import INPUTS, RUNS, apply_config_fix
 
 __all__ = [
     "SMALL", "FP32_REL_TOL", "ModelTypeStatus", "TinyModelError", "ZooCase", "model_types", "rotary_model_types",
@@ -860,10 +860,15 @@ def _required(model: nn.Module) -> str:
 
 def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     """The model's main output on ``inputs``: logits where it has them, else the last hidden state
-    (or predicted masks), else its first floating-point output."""
+    (or predicted masks), else its first floating-point output. (A model whose forward takes more than
+    tensors is run by its :data:`~torchembed.tools.zoo_fixes.RUNS` entry.)"""
     device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    run = RUNS.get(getattr(getattr(model, "config", None), "model_type", None))
     with torch.no_grad():
-        out = model(**{k: v.to(device) for k, v in inputs.items()})
+        out = model(**inputs) if run is None else run(model, inputs)
+    if isinstance(out, Tensor):
+        return out
     for name in ("logits", "last_hidden_state", "prediction_logits", "pred_masks"):  # pred_masks: SAM's
         value = getattr(out, name, None)
         if isinstance(value, Tensor):

@@ -9,19 +9,23 @@ builder does not make, one entry here says what differs, and why:
   them in place (``default``: the class-default config, for reading what this release has).
 * :data:`INPUTS`: ``model_type -> inputs(model)``, the tiny inputs to run the built model on
   (replacing :func:`torchembed.tools.zoo.tiny_inputs`' generic choice).
+* :data:`RUNS`: ``model_type -> run(model, inputs)``, the model's main output on those inputs, where
+  its forward takes more than tensors (a video tracker's inference session): replaces
+  ``model(**inputs)`` in :func:`torchembed.tools.zoo.outputs_of`.
 
 Keep entries in alphabetical order, each with a comment naming the upstream rule it satisfies.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
+__all__ = ["CONFIG", "INPUTS", "RUNS", "apply_config_fix"]
 
 ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 
@@ -73,10 +77,36 @@ def _perception_encoder(default: Any, kwargs: dict[str, Any]) -> None:
 _SAM3_VISION = {"backbone_feature_sizes": [[8, 8], [4, 4], [2, 2]],
                 "backbone_config": {"window_size": 2, "pretrain_image_size": 16}}
 
+# SAM 2 video and kin at 64 x 64 pixels: a Hiera of 4 one-block stages (no global attention: a global
+# block that also pools queries has no window to pad to), the neck's feature sizes its stages' grids at
+# strides 4, 8, 16, rotary tables of the stride-16 grid. The memory encoder's 64 channels are the image
+# cross-attention's fixed key width, and below the hidden width (object pointers are split into
+# memory-width tokens only where it is smaller)
+_SAM2_VIDEO: dict[str, Any] = {
+    "image_size": 64,
+    "vision_config": {"backbone_config": {"hidden_size": 16, "num_attention_heads": 1, "image_size": [64, 64],
+                                          "window_positional_embedding_background_size": [2, 2],
+                                          "blocks_per_stage": [1, 1, 1, 1], "embed_dim_per_stage": [16, 32, 64, 128],
+                                          "num_attention_heads_per_stage": [1, 1, 2, 2],
+                                          "window_size_per_stage": [4, 4, 4, 4], "global_attention_blocks": []},
+                      "backbone_channel_list": [128, 64, 32, 16], "backbone_feature_sizes": [[16, 16], [8, 8], [4, 4]],
+                      "fpn_hidden_size": 128},
+    "prompt_encoder_config": {"hidden_size": 128, "image_size": 64, "patch_size": 16},
+    "mask_decoder_config": {"hidden_size": 128, "mlp_dim": 128, "num_attention_heads": 2, "iou_head_hidden_dim": 32},
+    "memory_attention_hidden_size": 128, "memory_attention_num_layers": 2, "memory_attention_rope_feat_sizes": [4, 4],
+    "memory_encoder_hidden_size": 128, "memory_encoder_output_channels": 64, "mask_downsampler_embed_dim": 128,
+    "memory_fuser_embed_dim": 128, "memory_fuser_intermediate_dim": 128,
+}
+
 CONFIG: dict[str, ConfigFix] = {
     # CHMv2: its DPT head's widths are lists and sizes of its own (1024-channel 3 x 3 convolutions)
     "chmv2": {"post_process_channels": [8, 16, 32, 64], "fusion_hidden_size": 32, "head_hidden_size": 16,
               "number_output_channels": 16},
+    # EdgeTAM video (see _SAM2_VIDEO): its perceiver resampler's 2-D latents are the memory's rotary
+    # key grid (2 x 2)
+    "edgetam_video": {**_SAM2_VIDEO, "memory_attention_mlp_hidden_size": 128, "memory_attention_rope_k_sizes": [2, 2],
+                      "perceiver_resampler_num_latents": 4, "perceiver_resampler_num_latents_2d": 4,
+                      "perceiver_resampler_mlp_intermediate_size": 128},
     # EfficientLoFTR: hidden_size is the last stage's channels; its rotary table is hidden_size / 2 wide and
     # rotates all heads' features at once, so the rotated dims (head_dim x partial_rotary_factor 4) must be
     # hidden_size / 4: 8 heads of 8, and as many kv heads (keys are viewed hidden_size wide too). Its
@@ -112,6 +142,8 @@ CONFIG: dict[str, ConfigFix] = {
         "class_thresholds": [0.0, 0.0], "class_order": [0, 1],
         "reading_order_config": {"coordinate_size": 16, "shape_size": 16, "global_pointer_head_size": 16},
     },
+    # SAM 2 video (see _SAM2_VIDEO)
+    "sam2_video": {**_SAM2_VIDEO, "memory_attention_feed_forward_hidden_size": 128},
     # SAM 3 (see _SAM3_VISION)
     "sam3": {"vision_config": _SAM3_VISION},
     "sam3_lite_text": {"vision_config": _SAM3_VISION},
@@ -146,6 +178,8 @@ def _audio(samples: int = 128) -> Tensor:
 
 
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
+    # EdgeTAM video: 3 frames of 64 x 64 pixels and a point on the first (run by _track)
+    "edgetam_video": lambda model: {"pixel_values_videos": _video(frames=3, size=64), **_point_prompt(64)},
     # EfficientLoFTR: its coarse features (stride 8) are the tokens: 64 per image of 64 x 64
     "efficientloftr": lambda model: _image_pair(64),
     # LightGlue: SuperPoint finds some 50 keypoints per random image of 64 x 64 (stride 8, NMS radius 4)
@@ -157,11 +191,40 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "pe_video_encoder": lambda model: {"pixel_values_videos": _video()},
     # PP-DocLayoutV2: its feature pyramid (strides 8, 16, 32) needs an image of at least 32 x 32 pixels
     "pp_doclayout_v2": lambda model: {"pixel_values": _image(32)},
+    # SAM 2 video: 3 frames of 64 x 64 pixels and a point on the first (run by _track)
+    "sam2_video": lambda model: {"pixel_values_videos": _video(frames=3, size=64), **_point_prompt(64)},
     # SAM 3: an image and a text prompt (its token ids)
     "sam3": lambda model: {"pixel_values": _image(16), "input_ids": _ids(rows=1, length=8)},
     "sam3_lite_text": lambda model: {"pixel_values": _image(16), "input_ids": _ids(rows=1, length=8)},
     # V-JEPA 2: a video (batch, frames, channels, height, width) of 2 tubelets of 2 x 2 patches
     "vjepa2": lambda model: {"pixel_values_videos": _video()},
+}
+
+
+
+def _track(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
+    """A video tracker's masks of every frame of ``inputs``' video, from a point prompt on its first
+    frame, in a fresh inference session (the frames after the first run the memory attention, where
+    the rotary embedding is; a fresh session each call, so that every call computes the same)."""
+    session_class = inspect.signature(type(model).forward).parameters["inference_session"].annotation
+    video = inputs["pixel_values_videos"][0]
+    device = video.device
+    session = session_class(video=video, video_height=video.shape[-2], video_width=video.shape[-1], dtype=video.dtype,
+                            inference_device=device, inference_state_device=device, video_storage_device=device)
+    obj_idx = session.obj_id_to_idx(1)
+    session.add_point_inputs(obj_idx, 0, {"point_coords": inputs["input_points"], "point_labels": inputs["input_labels"]})
+    session.obj_with_new_inputs = [1]
+    return torch.stack([model(inference_session=session, frame_idx=i).pred_masks for i in range(len(video))])
+
+
+def _point_prompt(size: int) -> dict[str, Tensor]:
+    """One positive point (a tracker's prompt) at a third of an image of ``size`` pixels."""
+    return {"input_points": torch.tensor([[[[size / 4, size / 3]]]]), "input_labels": torch.tensor([[[1]]], dtype=torch.int32)}
+
+
+RUNS: dict[str, Callable[[nn.Module, dict[str, Tensor]], Tensor]] = {
+    "edgetam_video": _track,
+    "sam2_video": _track,
 }
 
 
