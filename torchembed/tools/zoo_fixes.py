@@ -148,6 +148,17 @@ CONFIG: dict[str, ConfigFix] = {
     "sam3": {"vision_config": _SAM3_VISION},
     "sam3_lite_text": {"vision_config": _SAM3_VISION},
     "sam3_tracker": {"vision_config": _SAM3_VISION, "mask_decoder_config": {"mlp_dim": 128}},
+    # SAM 3 tracker video at 32 x 32 pixels: the memory's sizes as _SAM2_VIDEO's; the ViT's grid of 4 x 4
+    # patches is the memory's grid (the masks are downsampled 16 times from 4 x the grid)
+    "sam3_tracker_video": {
+        "image_size": 32,
+        "vision_config": {"backbone_config": {"image_size": 32, "patch_size": 8, "window_size": 2, "pretrain_image_size": 32},
+                          "backbone_feature_sizes": [[16, 16], [8, 8], [4, 4]], "fpn_hidden_size": 128},
+        "prompt_encoder_config": {"hidden_size": 128, "image_size": 32, "patch_size": 8},
+        "mask_decoder_config": _SAM2_VIDEO["mask_decoder_config"],
+        **{k: v for k, v in _SAM2_VIDEO.items() if k.startswith(("memory_", "mask_downsampler"))},
+        "memory_attention_feed_forward_hidden_size": 128,
+    },
     # V-JEPA 2: its predictor's sizes are pred_*; the rotary grid is crop_size / patch_size square and
     # frames_per_clip / tubelet_size deep (positions of a larger clip would wrap around it)
     "vjepa2": {"pred_hidden_size": 48, "pred_num_attention_heads": 4, "pred_num_hidden_layers": 2,
@@ -196,6 +207,8 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     # SAM 3: an image and a text prompt (its token ids)
     "sam3": lambda model: {"pixel_values": _image(16), "input_ids": _ids(rows=1, length=8)},
     "sam3_lite_text": lambda model: {"pixel_values": _image(16), "input_ids": _ids(rows=1, length=8)},
+    # SAM 3 tracker video: 3 frames of 32 x 32 pixels and a point on the first (run by _track)
+    "sam3_tracker_video": lambda model: {"pixel_values_videos": _video(frames=3, size=32), **_point_prompt(32)},
     # V-JEPA 2: a video (batch, frames, channels, height, width) of 2 tubelets of 2 x 2 patches
     "vjepa2": lambda model: {"pixel_values_videos": _video()},
 }
@@ -225,6 +238,7 @@ def _point_prompt(size: int) -> dict[str, Tensor]:
 RUNS: dict[str, Callable[[nn.Module, dict[str, Tensor]], Tensor]] = {
     "edgetam_video": _track,
     "sam2_video": _track,
+    "sam3_tracker_video": _track,
 }
 
 
