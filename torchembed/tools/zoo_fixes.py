@@ -98,6 +98,18 @@ _SAM2_VIDEO: dict[str, Any] = {
     "memory_fuser_embed_dim": 128, "memory_fuser_intermediate_dim": 128,
 }
 
+# SAM 3 tracker video at 32 x 32 pixels: the memory's sizes as _SAM2_VIDEO's; the ViT's grid of 4 x 4
+# patches is the memory's grid (the masks are downsampled 16 times from 4 x the grid)
+_SAM3_TRACKER_VIDEO: dict[str, Any] = {
+    "image_size": 32,
+    "vision_config": {"backbone_config": {"image_size": 32, "patch_size": 8, "window_size": 2, "pretrain_image_size": 32},
+                      "backbone_feature_sizes": [[16, 16], [8, 8], [4, 4]], "fpn_hidden_size": 128},
+    "prompt_encoder_config": {"hidden_size": 128, "image_size": 32, "patch_size": 8},
+    "mask_decoder_config": _SAM2_VIDEO["mask_decoder_config"],
+    **{k: v for k, v in _SAM2_VIDEO.items() if k.startswith(("memory_", "mask_downsampler"))},
+    "memory_attention_feed_forward_hidden_size": 128,
+}
+
 CONFIG: dict[str, ConfigFix] = {
     # CHMv2: its DPT head's widths are lists and sizes of its own (1024-channel 3 x 3 convolutions)
     "chmv2": {"post_process_channels": [8, 16, 32, 64], "fusion_hidden_size": 32, "head_hidden_size": 16,
@@ -148,16 +160,21 @@ CONFIG: dict[str, ConfigFix] = {
     "sam3": {"vision_config": _SAM3_VISION},
     "sam3_lite_text": {"vision_config": _SAM3_VISION},
     "sam3_tracker": {"vision_config": _SAM3_VISION, "mask_decoder_config": {"mlp_dim": 128}},
-    # SAM 3 tracker video at 32 x 32 pixels: the memory's sizes as _SAM2_VIDEO's; the ViT's grid of 4 x 4
-    # patches is the memory's grid (the masks are downsampled 16 times from 4 x the grid)
-    "sam3_tracker_video": {
-        "image_size": 32,
-        "vision_config": {"backbone_config": {"image_size": 32, "patch_size": 8, "window_size": 2, "pretrain_image_size": 32},
-                          "backbone_feature_sizes": [[16, 16], [8, 8], [4, 4]], "fpn_hidden_size": 128},
-        "prompt_encoder_config": {"hidden_size": 128, "image_size": 32, "patch_size": 8},
-        "mask_decoder_config": _SAM2_VIDEO["mask_decoder_config"],
-        **{k: v for k, v in _SAM2_VIDEO.items() if k.startswith(("memory_", "mask_downsampler"))},
-        "memory_attention_feed_forward_hidden_size": 128,
+    # SAM 3 tracker video (see _SAM3_TRACKER_VIDEO)
+    "sam3_tracker_video": _SAM3_TRACKER_VIDEO,
+    # SAM 3 video: SAM 3's detector (see _SAM3_VISION) at the tracker's 32 x 32 pixels and its hidden width
+    # (the tracker's neck is built from the detector's vision config), 4 queries; every query is a
+    # detection (a score threshold of 0: random weights score near 0); the masks at 4 x the grid
+    "sam3_video": {
+        "image_size": 32, "low_res_mask_size": 16, "score_threshold_detection": 0.0, "new_det_thresh": 0.0,
+        "detector_config": {
+            "image_size": 32,
+            "vision_config": {"backbone_config": {"patch_size": 8, "window_size": 2, "pretrain_image_size": 32},
+                              "backbone_feature_sizes": [[16, 16], [8, 8], [4, 4]], "fpn_hidden_size": 128},
+            "detr_encoder_config": {"hidden_size": 128}, "detr_decoder_config": {"hidden_size": 128, "num_queries": 4},
+            "geometry_encoder_config": {"hidden_size": 128, "roi_size": 2}, "mask_decoder_config": {"hidden_size": 128},
+        },
+        "tracker_config": _SAM3_TRACKER_VIDEO,
     },
     # V-JEPA 2: its predictor's sizes are pred_*; the rotary grid is crop_size / patch_size square and
     # frames_per_clip / tubelet_size deep (positions of a larger clip would wrap around it)
@@ -209,6 +226,8 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "sam3_lite_text": lambda model: {"pixel_values": _image(16), "input_ids": _ids(rows=1, length=8)},
     # SAM 3 tracker video: 3 frames of 32 x 32 pixels and a point on the first (run by _track)
     "sam3_tracker_video": lambda model: {"pixel_values_videos": _video(frames=3, size=32), **_point_prompt(32)},
+    # SAM 3 video: 3 frames of 32 x 32 pixels and a text prompt (run by _detect_and_track)
+    "sam3_video": lambda model: {"pixel_values_videos": _video(frames=3, size=32), "input_ids": _ids(rows=1, length=8)},
     # V-JEPA 2: a video (batch, frames, channels, height, width) of 2 tubelets of 2 x 2 patches
     "vjepa2": lambda model: {"pixel_values_videos": _video()},
 }
@@ -230,6 +249,24 @@ def _track(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     return torch.stack([model(inference_session=session, frame_idx=i).pred_masks for i in range(len(video))])
 
 
+def _detect_and_track(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
+    """SAM 3 video's masks of every object in every frame of ``inputs``' video, found by its text prompt
+    (token ids) and tracked, in a fresh inference session (flattened: the number of objects varies)."""
+    session_class = inspect.signature(type(model).forward).parameters["inference_session"].annotation
+    video = inputs["pixel_values_videos"][0]
+    device = video.device
+    session = session_class(video=video, video_height=video.shape[-2], video_width=video.shape[-1], dtype=video.dtype,
+                            inference_device=device, inference_state_device=device, video_storage_device=device)
+    prompt = session.add_prompt("tiny")
+    session.prompt_input_ids[prompt] = inputs["input_ids"]
+    session.prompt_attention_masks[prompt] = torch.ones_like(inputs["input_ids"])
+    masks = []
+    for i in range(len(video)):
+        out = model(inference_session=session, frame_idx=i)
+        masks += [mask.flatten() for mask in out.obj_id_to_mask.values()]
+    return torch.cat(masks)
+
+
 def _point_prompt(size: int) -> dict[str, Tensor]:
     """One positive point (a tracker's prompt) at a third of an image of ``size`` pixels."""
     return {"input_points": torch.tensor([[[[size / 4, size / 3]]]]), "input_labels": torch.tensor([[[1]]], dtype=torch.int32)}
@@ -239,6 +276,7 @@ RUNS: dict[str, Callable[[nn.Module, dict[str, Tensor]], Tensor]] = {
     "edgetam_video": _track,
     "sam2_video": _track,
     "sam3_tracker_video": _track,
+    "sam3_video": _detect_and_track,
 }
 
 
