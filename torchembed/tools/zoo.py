@@ -133,7 +133,8 @@ def _sub_model_types(model_type: str) -> tuple[str, ...]:
             config = AutoConfig.for_model(model_type)
     except Exception:  # noqa: BLE001 - a config class that cannot be made with its defaults
         return ()
-    subs = (getattr(config, key, None) for key in config.sub_configs)
+    # an optional sub-config (None by default: Gemma 4 unified's vision and audio towers) by its class
+    subs = (getattr(config, key, None) or config.sub_configs[key] for key in config.sub_configs)
     return tuple(dict.fromkeys(t for t in (getattr(s, "model_type", None) for s in subs) if t and t != model_type))
 
 
