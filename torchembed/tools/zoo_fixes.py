@@ -18,6 +18,7 @@ Keep entries in alphabetical order, each with a comment naming the upstream rule
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from typing import Any, Union
@@ -28,6 +29,12 @@ from torch import Tensor, nn
 __all__ = ["CONFIG", "INPUTS", "RUNS", "apply_config_fix"]
 
 ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
+
+
+def _sub_configs(kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+    """``kwargs`` and every sub-config dict in it, recursively."""
+    return [kwargs] + [d for value in kwargs.values() if isinstance(value, dict) for d in _sub_configs(value)]
+
 
 def _vit(**extra: Any) -> Any:
     """A tiny ViT (2 x 2 patches and a class token), with ``num_labels`` or other ``extra`` attributes."""
@@ -51,11 +58,10 @@ def _without_timm(tower: Callable[[], Any]) -> Callable[[Any, dict[str, Any]], N
     The rotary parts of these models are elsewhere (their text model, a temporal encoder)."""
 
     def fix(default: Any, kwargs: dict[str, Any]) -> None:
-        for key, value in kwargs.items():
-            if isinstance(value, dict) and value.get("model_type") == "timm_wrapper":
-                kwargs[key] = tower()
-            elif isinstance(value, dict):
-                fix(default, value)
+        for config in _sub_configs(kwargs):
+            for key, value in config.items():
+                if isinstance(value, dict) and value.get("model_type") == "timm_wrapper":
+                    config[key] = tower()
 
     return fix
 
@@ -64,12 +70,10 @@ def _perception_encoder(default: Any, kwargs: dict[str, Any]) -> None:
     """PE audio / video: a ViT classifier for the per-frame timm tower (its logits are the frame's
     features), and a DAC audio codec of 4 to 64 channels (16 samples a frame) instead of 64 to 1024."""
     _without_timm(lambda: _vit(num_labels=16))(default, kwargs)
-    dac = {"encoder_hidden_size": 4, "downsampling_ratios": [2, 2, 2, 2], "hop_length": 16, "codebook_dim": 16}
-    for value in kwargs.values():
-        if isinstance(value, dict):
-            _perception_encoder(default, value)
-    if isinstance(kwargs.get("dac_config"), dict):
-        kwargs["dac_config"].update(dac)
+    for config in _sub_configs(kwargs):
+        if isinstance(config.get("dac_config"), dict):
+            config["dac_config"].update(encoder_hidden_size=4, downsampling_ratios=[2, 2, 2, 2], hop_length=16,
+                                        codebook_dim=16)
 
 
 # SAM 3's vision model: the neck's feature sizes are the ViT's grid (image_size / patch_size: 2 x 2)
@@ -102,7 +106,8 @@ _SAM2_VIDEO: dict[str, Any] = {
 # patches is the memory's grid (the masks are downsampled 16 times from 4 x the grid)
 _SAM3_TRACKER_VIDEO: dict[str, Any] = {
     "image_size": 32,
-    "vision_config": {"backbone_config": {"image_size": 32, "patch_size": 8, "window_size": 2, "pretrain_image_size": 32},
+    "vision_config": {"backbone_config": {"image_size": 32, "patch_size": 8, "window_size": 2,
+                                          "pretrain_image_size": 32},
                       "backbone_feature_sizes": [[16, 16], [8, 8], [4, 4]], "fpn_hidden_size": 128},
     "prompt_encoder_config": {"hidden_size": 128, "image_size": 32, "patch_size": 8},
     "mask_decoder_config": _SAM2_VIDEO["mask_decoder_config"],
@@ -183,6 +188,7 @@ CONFIG: dict[str, ConfigFix] = {
 }
 
 
+
 def _image(size: int, channels: int = 3, seed: int = 1) -> Tensor:
     return torch.randn(1, channels, size, size, generator=torch.Generator().manual_seed(seed))
 
@@ -205,6 +211,12 @@ def _audio(samples: int = 128) -> Tensor:
     return torch.randn(1, 1, samples, generator=torch.Generator().manual_seed(4))
 
 
+def _point_prompt(size: int) -> dict[str, Tensor]:
+    """One positive point (a tracker's prompt) at a third of an image of ``size`` pixels."""
+    return {"input_points": torch.tensor([[[[size / 4, size / 3]]]]),
+            "input_labels": torch.tensor([[[1]]], dtype=torch.int32)}
+
+
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     # EdgeTAM video: 3 frames of 64 x 64 pixels and a point on the first (run by _track)
     "edgetam_video": lambda model: {"pixel_values_videos": _video(frames=3, size=64), **_point_prompt(64)},
@@ -213,7 +225,8 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     # LightGlue: SuperPoint finds some 50 keypoints per random image of 64 x 64 (stride 8, NMS radius 4)
     "lightglue": lambda model: _image_pair(64),
     # PE audio / video: a video of 4 frames, 8 frames of audio, and (to the models with a text model) text
-    "pe_audio_video": lambda model: {"input_ids": _ids(rows=1), "pixel_values_videos": _video(), "input_values": _audio()},
+    "pe_audio_video": lambda model: {"input_ids": _ids(rows=1), "pixel_values_videos": _video(),
+                                     "input_values": _audio()},
     "pe_audio_video_encoder": lambda model: {"pixel_values_videos": _video(), "input_values": _audio()},
     "pe_video": lambda model: {"input_ids": _ids(rows=4), "pixel_values_videos": _video()},
     "pe_video_encoder": lambda model: {"pixel_values_videos": _video()},
@@ -233,30 +246,32 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
 }
 
 
+def _session(model: nn.Module, video: Tensor) -> Any:
+    """A fresh inference session of a video model (the class its forward takes) on ``video``'s frames:
+    a fresh one each call, so that every call computes the same."""
+    session_class = inspect.signature(type(model).forward).parameters["inference_session"].annotation
+    device = video.device
+    return session_class(video=video, video_height=video.shape[-2], video_width=video.shape[-1], dtype=video.dtype,
+                         inference_device=device, inference_state_device=device, video_storage_device=device)
+
 
 def _track(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     """A video tracker's masks of every frame of ``inputs``' video, from a point prompt on its first
-    frame, in a fresh inference session (the frames after the first run the memory attention, where
-    the rotary embedding is; a fresh session each call, so that every call computes the same)."""
-    session_class = inspect.signature(type(model).forward).parameters["inference_session"].annotation
+    frame (the frames after it run the memory attention, where the rotary embedding is)."""
     video = inputs["pixel_values_videos"][0]
-    device = video.device
-    session = session_class(video=video, video_height=video.shape[-2], video_width=video.shape[-1], dtype=video.dtype,
-                            inference_device=device, inference_state_device=device, video_storage_device=device)
+    session = _session(model, video)
     obj_idx = session.obj_id_to_idx(1)
-    session.add_point_inputs(obj_idx, 0, {"point_coords": inputs["input_points"], "point_labels": inputs["input_labels"]})
+    prompt = {"point_coords": inputs["input_points"], "point_labels": inputs["input_labels"]}
+    session.add_point_inputs(obj_idx, 0, prompt)
     session.obj_with_new_inputs = [1]
     return torch.stack([model(inference_session=session, frame_idx=i).pred_masks for i in range(len(video))])
 
 
 def _detect_and_track(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     """SAM 3 video's masks of every object in every frame of ``inputs``' video, found by its text prompt
-    (token ids) and tracked, in a fresh inference session (flattened: the number of objects varies)."""
-    session_class = inspect.signature(type(model).forward).parameters["inference_session"].annotation
+    (token ids) and tracked (flattened: the number of objects varies)."""
     video = inputs["pixel_values_videos"][0]
-    device = video.device
-    session = session_class(video=video, video_height=video.shape[-2], video_width=video.shape[-1], dtype=video.dtype,
-                            inference_device=device, inference_state_device=device, video_storage_device=device)
+    session = _session(model, video)
     prompt = session.add_prompt("tiny")
     session.prompt_input_ids[prompt] = inputs["input_ids"]
     session.prompt_attention_masks[prompt] = torch.ones_like(inputs["input_ids"])
@@ -267,25 +282,20 @@ def _detect_and_track(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     return torch.cat(masks)
 
 
-def _point_prompt(size: int) -> dict[str, Tensor]:
-    """One positive point (a tracker's prompt) at a third of an image of ``size`` pixels."""
-    return {"input_points": torch.tensor([[[[size / 4, size / 3]]]]), "input_labels": torch.tensor([[[1]]], dtype=torch.int32)}
-
-
 RUNS: dict[str, Callable[[nn.Module, dict[str, Tensor]], Tensor]] = {
+    # video models: their forward takes an inference session (see _session)
     "edgetam_video": _track,
     "sam2_video": _track,
     "sam3_tracker_video": _track,
     "sam3_video": _detect_and_track,
 }
 
-
 def _merge(into: dict[str, Any], values: dict[str, Any]) -> None:
     for key, value in values.items():
         if isinstance(value, dict) and isinstance(into.get(key), dict):
             _merge(into[key], value)
         else:
-            into[key] = value
+            into[key] = copy.deepcopy(value)  # the fixes' dicts are shared between entries
 
 
 def apply_config_fix(model_type: str, default: Any, kwargs: dict[str, Any]) -> None:
