@@ -26,6 +26,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import io
 import math
 import os
 import re
@@ -938,8 +939,9 @@ def zoo_case(model_type: str, device: str | torch.device = "cpu") -> ZooCase:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """No warnings, no transformers logging, and no hub: a default config that would download a
-    part (EdgeTAM's timm backbone) fails at once instead of retrying the network."""
+    """No warnings, no transformers logging or prints (PE video's docstring check at each build), and
+    no hub: a default config that would download a part (EdgeTAM's timm backbone) fails at once
+    instead of retrying the network."""
     import huggingface_hub.constants
     import transformers.utils.hub
     from transformers.utils import logging
@@ -951,7 +953,7 @@ def _quiet() -> Iterator[None]:
     if offline[1] is not None:
         transformers.utils.hub._is_offline_mode = True
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:
