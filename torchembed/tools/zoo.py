@@ -26,6 +26,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import io
 import math
 import os
 import re
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torchembed.tools.zoo_fixes import INPUTS, apply_config_fix
+from torchembed.tools.zoo_fixes import INPUTS, RUNS, apply_config_fix
 
 __all__ = [
     "SMALL", "FP32_REL_TOL", "ModelTypeStatus", "TinyModelError", "ZooCase", "model_types", "rotary_model_types",
@@ -86,7 +87,10 @@ _DEPTHS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")  # what
 # the last: retrieval models (ColPali, ColQwen2, ColModernVBert) are in no other mapping
 _TASKS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
           "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES",
-          "MODEL_FOR_PRETRAINING_MAPPING_NAMES", "MODEL_FOR_DECISION_MAPPING_NAMES")  # JEV's decision head: no other class
+          "MODEL_FOR_PRETRAINING_MAPPING_NAMES", "MODEL_FOR_DECISION_MAPPING_NAMES",  # JEV's decision head: no other class
+          # vision models with a task head and no bare model class (CHMv2, EoMT-DINOv3, PP-DocLayoutV2)
+          "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES", "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES",
+          "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES")
 
 
 # -- which model types ---------------------------------------------------------------------------------
@@ -132,7 +136,8 @@ def _sub_model_types(model_type: str) -> tuple[str, ...]:
             config = AutoConfig.for_model(model_type)
     except Exception:  # noqa: BLE001 - a config class that cannot be made with its defaults
         return ()
-    subs = (getattr(config, key, None) for key in config.sub_configs)
+    # an optional sub-config (None by default: Gemma 4 unified's vision and audio towers) by its class
+    subs = (getattr(config, key, None) or config.sub_configs[key] for key in config.sub_configs)
     return tuple(dict.fromkeys(t for t in (getattr(s, "model_type", None) for s in subs) if t and t != model_type))
 
 
@@ -361,6 +366,14 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
     indices, sections of the rotary features (M-RoPE), head counts, special token ids."""
     old_depth = next((original[k] for k in _DEPTHS if isinstance(original.get(k), int) and original[k] > 0), None)
     new_depth = next((small[k] for k in _DEPTHS if isinstance(small.get(k), int) and small[k] > 0), None)
+    names = original.get("stage_names")
+    if isinstance(names, list) and old_depth and new_depth and len(names) == old_depth + 1 != new_depth + 1:
+        # a ViT backbone's stages are its stem and layers (DINOv3 in CHMv2): the class names the new
+        # stages; its outputs are the same share of them
+        small.pop("stage_names", None)
+        small.pop("out_features", None)
+        if isinstance(original.get("out_indices"), list):
+            small["out_indices"] = sorted({max(1, v * new_depth // old_depth) for v in original["out_indices"]})
     for key, value in original.items():
         if (key not in small or small[key] is value) and _is_index_list(key, value, old_depth) and new_depth:
             # layer indices (deepstack, full-attention blocks, MoE layers): the same share of the new depth
@@ -828,7 +841,7 @@ def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tenso
 def _image_tokens(model: nn.Module, images: dict[str, Tensor]) -> int:
     """How many image-token embeddings the vision tower makes of ``images`` (0 if it has no
     ``get_image_features``, or it fails on them)."""
-    # a head without it has its base model's (DeepSeek-VL, ModernVBert's masked LM, Janus)
+    # a head without it has its base model's (DeepSeek-VL, ModernVBert's masked LM, PerceptionLM, Janus)
     get = next((g for g in (getattr(model, "get_image_features", None),
                             getattr(getattr(model, "base_model", None), "get_image_features", None),
                             getattr(getattr(model, "model", None), "get_image_features", None)) if g is not None), None)
@@ -952,21 +965,27 @@ def _required(model: nn.Module) -> str:
 
 def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     """The model's main output on ``inputs``: logits where it has them, else the last hidden state
-    (or the tensor it returns: JEV's decision scores).
+    (or the tensor it returns: JEV's decision scores; or predicted masks), else its first floating-point
+    output. (A model whose forward takes more than tensors is run by its
+    :data:`~torchembed.tools.zoo_fixes.RUNS` entry.)
 
     The forward runs with the global generator seeded (and restored after), so that a model that draws
     from it (ESMFold2's initial pair state) draws the same numbers in every run."""
     device = next(model.parameters()).device
+    inputs = {k: _to(v, device) for k, v in inputs.items()}
+    run = RUNS.get(getattr(getattr(model, "config", None), "model_type", None))
     with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        out = model(**{k: _to(v, device) for k, v in inputs.items()})
+        out = model(**inputs) if run is None else run(model, inputs)
     if isinstance(out, Tensor):
         return out
-    for name in ("logits", "last_hidden_state", "prediction_logits"):
+    for name in ("logits", "last_hidden_state", "prediction_logits", "pred_masks"):  # pred_masks: SAM's
         value = getattr(out, name, None)
         if isinstance(value, Tensor):
             return value
-    return next(_tensors(out if isinstance(out, tuple) else out.to_tuple()))
+    tensors = list(_tensors(out if isinstance(out, tuple) else out.to_tuple()))
+    # the first floating one: integer outputs (LightGlue's matched indices) cannot show a small error
+    return next((t for t in tensors if t.is_floating_point()), tensors[0])
 
 
 def _to(value: Any, device: torch.device | str) -> Any:
@@ -1037,8 +1056,9 @@ def zoo_case(model_type: str, device: str | torch.device = "cpu") -> ZooCase:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """No warnings, no transformers logging, and no hub: a default config that would download a
-    part (EdgeTAM's timm backbone) fails at once instead of retrying the network."""
+    """No warnings, no transformers logging or prints (PE video's docstring check at each build), and
+    no hub: a default config that would download a part (EdgeTAM's timm backbone) fails at once
+    instead of retrying the network."""
     import huggingface_hub.constants
     import transformers.utils.hub
     from transformers.utils import logging
@@ -1050,7 +1070,7 @@ def _quiet() -> Iterator[None]:
     if offline[1] is not None:
         transformers.utils.hub._is_offline_mode = True
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:

@@ -9,6 +9,9 @@ builder does not make, one entry says what differs, and why, in the module of it
   them in place (``default``: the class-default config, for reading what this release has).
 * ``INPUTS``: ``model_type -> inputs(model)``, the tiny inputs to run the built model on
   (replacing :func:`torchembed.tools.zoo.tiny_inputs`' generic choice).
+* ``RUNS``: ``model_type -> run(model, inputs)``, the model's main output on those inputs, where its
+  forward takes more than tensors (a video tracker's inference session): replaces ``model(**inputs)``
+  in :func:`torchembed.tools.zoo.outputs_of`.
 
 Each module keeps its entries in alphabetical order, each with a comment naming the upstream rule
 it satisfies; a model type has an entry in one module only.
@@ -22,18 +25,18 @@ from typing import Any
 
 from torch import nn
 
-from torchembed.tools.zoo_fixes import text, vision_language
+from torchembed.tools.zoo_fixes import text, vision, vision_language
 from torchembed.tools.zoo_fixes._common import ConfigFix, merge
 
-__all__ = ["CONFIG", "INPUTS", "MODULES", "apply_config_fix"]
+__all__ = ["CONFIG", "INPUTS", "MODULES", "RUNS", "apply_config_fix"]
 
-MODULES: tuple[ModuleType, ...] = (text, vision_language)
+MODULES: tuple[ModuleType, ...] = (text, vision, vision_language)
 
 
 def _union(name: str) -> dict[str, Any]:
     table: dict[str, Any] = {}
     for module in MODULES:
-        entries = getattr(module, name)
+        entries = getattr(module, name, {})
         twice = sorted(set(table) & set(entries))
         if twice:
             raise RuntimeError(f"zoo fixes: {twice} in {module.__name__} and in an earlier module")
@@ -43,6 +46,7 @@ def _union(name: str) -> dict[str, Any]:
 
 CONFIG: dict[str, ConfigFix] = _union("CONFIG")
 INPUTS: dict[str, Callable[[nn.Module], Any]] = _union("INPUTS")  # tensors by name (or a dataclass of them)
+RUNS: dict[str, Callable[[nn.Module, dict[str, Any]], Any]] = _union("RUNS")
 
 
 def apply_config_fix(model_type: str, default: Any, kwargs: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -17,4 +18,4 @@ def merge(into: dict[str, Any], values: dict[str, Any]) -> None:
         if isinstance(value, dict) and isinstance(into.get(key), dict):
             merge(into[key], value)
         else:
-            into[key] = value
+            into[key] = copy.deepcopy(value)  # (the fixes' dicts may be shared between entries)
