@@ -84,6 +84,8 @@ class Rotation:
     indexed: str = ""  # the parameter of position ids that index (T, w) tables (older transformers)
     tail: bool = False  # a first tensor with fewer tokens than the tables takes their last rows (a drafter's
     # queries over keys that carry the target model's context: Muse Glimmer's assistant)
+    prefix: bool = False  # tensors with more tokens than the tables: the leading ones pass (DINOv3's cls and registers)
+    keywords: bool = False  # the helper takes **kwargs (never given by the attentions: a call with any is refused)
     # (rule, rank of x, rank of the tables) of every probe the helper passed: a helper that inserts the
     # heads axis at a fixed place broadcasts (s, w) tables against (s, h, d) as "sh", (b, s, w) as "hs"
     patterns: tuple[tuple[str, int, int], ...] = ()
@@ -112,6 +114,8 @@ class Rotation:
         part = (", partial (trailing features)" if self.trailing else ", partial") if self.partial else ""
         part += f", M-RoPE sections merged from ({self.mrope})" if self.mrope else ""
         part += f", tables indexed by {self.indexed}" if self.indexed else ""
+        part += ", queries at the tables' last rows" if self.tail else ""
+        part += ", leading tokens passed through" if self.prefix else ""
         sign = ", by -theta" if self.conjugate else ""
         layout = "complex frequencies" if self.layout == "complex" else f"{self.layout} tables"
         return f"{layout}, {self.pairing} pairing{part}{sign}"
@@ -139,6 +143,7 @@ class _Parameters:
     extras: tuple[str, ...] = ()
     defaults: tuple[tuple[str, Any], ...] = ()
     why: str = ""
+    keywords: bool = False  # **kwargs
 
 
 def _roles(helper: Any) -> _Parameters:
@@ -146,8 +151,7 @@ def _roles(helper: Any) -> _Parameters:
     if signature is None:
         return _Parameters(why="it has no inspectable signature")
     params = list(signature.parameters.values())
-    variadic = [p.name for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or
-                (p.kind == p.KEYWORD_ONLY and p.default is p.empty)]
+    variadic = [p.name for p in params if p.kind == p.VAR_POSITIONAL or (p.kind == p.KEYWORD_ONLY and p.default is p.empty)]
     if variadic:
         return _Parameters(why=f"it takes {', '.join(variadic)} ({signature}), arguments whose meaning torchembed "
                            "cannot probe")
@@ -169,7 +173,8 @@ def _roles(helper: Any) -> _Parameters:
     optional = tuple(n for n in rotated if n in defaults and defaults[n] is None)
     if rotated[0] in optional:
         return _Parameters(why=f"its first rotated tensor {rotated[0]!r} is optional")
-    return _Parameters(names, rotated, tables, optional, extras, tuple(defaults.items()))
+    keywords = any(p.kind == p.VAR_KEYWORD for p in params)
+    return _Parameters(names, rotated, tables, optional, extras, tuple(defaults.items()), keywords=keywords)
 
 
 # Probe shapes: (broadcast rule, x shape, table shape) for batch 2, 3 heads, 5 tokens. "flat": no
@@ -327,9 +332,13 @@ def _probe_plain(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
         return None, f"it takes {', '.join(unknown)}, which torchembed's rotation does not model"
     defaults = dict(roles.defaults)
     patterns = () if param else tuple(dict.fromkeys((p[0], len(p[1]) + 1, len(p[2]) + 1) for _, (p, _, _) in found))
-    tail = _takes_last_rows(helper, roles, layout, half, probe, (pairing, conjugate), param, gen)
+    tail, prefix = (_uneven(helper, roles, layout, half, probe, (pairing, conjugate), param, gen, kind)
+                    for kind in ("tail", "prefix"))
+    if not param:  # the ranks these calls broadcast by
+        patterns += tuple(p for p in (tail, prefix) if p is not None and p not in patterns)
     return Rotation(roles.names, roles.rotated, roles.tables, layout, pairing, rule, partial, conjugate, trailing,
-                    roles.optional, single, int(defaults.get(_UNSQUEEZE, 1)), ignored, patterns=patterns, tail=tail), ""
+                    roles.optional, single, int(defaults.get(_UNSQUEEZE, 1)), ignored, patterns=patterns, tail=tail is not None,
+                    prefix=prefix is not None, keywords=roles.keywords), ""
 
 
 def merge_mrope(table: Tensor, sections: Any) -> Tensor:
@@ -451,30 +460,46 @@ def _single(helper: Any, roles: _Parameters, layout: str, half: int, probe: tupl
     return isinstance(out, Tensor)
 
 
-def _takes_last_rows(helper: Any, roles: _Parameters, layout: str, half: int, probe: tuple, way: tuple, param: bool,
-                     gen: torch.Generator) -> bool:
-    """Whether a first tensor of 3 tokens, beside others of 5 and tables of 5, is rotated by the tables'
-    last 3 rows (the others as usual)."""
-    if len(roles.rotated) < 2 or probe[0] not in ("hs", "sh"):
-        return False
-    rule, x_lead, t_lead = ("hs", *_PROBES[0][1:]) if param else probe
-    seq = -2 if rule == "hs" else -3
-    theta = torch.rand(*t_lead, half, generator=gen, dtype=torch.float64) * 6.0 - 3.0
-    first = torch.randn(*x_lead[:len(x_lead) + seq + 1], 3, *x_lead[len(x_lead) + seq + 2:], 2 * half, generator=gen)
-    xs = [first] + [torch.randn(*x_lead, 2 * half, generator=gen) for _ in roles.rotated[1:]]
-    tables = _tables(theta, layout)
-    args = dict(zip(roles.rotated, xs), **dict(zip(roles.tables, tables if roles.tables[0] != "sin" else tables[::-1])))
-    try:
-        with torch.no_grad():
-            got = _outputs(helper(**args, **({_UNSQUEEZE: 1} if param else {})), len(xs))
-    except Exception:  # the helper rejects unequal lengths
-        return False
+# Probe shapes of tensors whose tokens differ from the tables': (rule, x shape without its tokens'
+# axis and features, table shape without its rows and features)
+_UNEVEN_PROBES = (("hs", (2, 3), (2,)), ("hs", (2, 3), ()), ("hs", (2, 3), (1,)), ("sh", (2, 3), (2,)), ("sh", (2, 3), ()))
+
+
+def _uneven(helper: Any, roles: _Parameters, layout: str, half: int, probe: tuple, way: tuple, param: bool,
+            gen: torch.Generator, kind: str) -> tuple | None:
+    """The probe ``(rule, x rank, table rank)`` on which the helper rotates tensors whose token count
+    differs from the tables' (5 rows) this way, or None: ``"tail"``: a first tensor of 3 tokens by the
+    tables' last 3 rows, the others (5 tokens) as usual; ``"prefix"``: tensors of 7 tokens, the first
+    2 passed through, the last 5 rotated."""
+    if kind == "tail" and len(roles.rotated) < 2:
+        return None
     pairing, conjugate = way
-    want = []
-    for x, angles in zip(xs, [theta[..., -3:, :]] + [theta] * (len(xs) - 1)):
-        c, s = (_broadcast(t, rule, 1 if param else None) for t in (angles.cos(), angles.sin()))
-        want.append(reference_rotate(x.double(), c, s, pairing, conjugate))
-    return got is not None and _close(got, want)
+    tokens = [3] + [5] * (len(roles.rotated) - 1) if kind == "tail" else [7] * len(roles.rotated)
+    for rule, x_lead, t_lead in _UNEVEN_PROBES:
+        if param and rule != "hs":
+            continue
+        at = len(x_lead) if rule == "hs" else 1  # the tokens' axis: (b, h, s, d) or (b, s, h, d)
+        xs = [torch.randn(*x_lead[:at], n, *x_lead[at:], 2 * half, generator=gen) for n in tokens]
+        theta = torch.rand(*t_lead, 5, half, generator=gen, dtype=torch.float64) * 6.0 - 3.0
+        tables = _tables(theta, layout)
+        args = dict(zip(roles.rotated, xs), **dict(zip(roles.tables, tables if roles.tables[0] != "sin" else tables[::-1])))
+        try:
+            with torch.no_grad():
+                got = _outputs(helper(**args, **({_UNSQUEEZE: 1} if param else {})), len(xs))
+        except Exception:  # the helper rejects these inputs
+            continue
+        want = []
+        for i, x in enumerate(xs):
+            angles = theta[..., -3:, :] if kind == "tail" and i == 0 else theta
+            c, s = (_broadcast(t, rule, 1 if param else None) for t in (angles.cos(), angles.sin()))
+            if kind == "prefix":
+                passed, rotated = x.double().split((2, 5), dim=at)
+                want.append(torch.cat((passed, reference_rotate(rotated, c, s, pairing, conjugate)), dim=at))
+            else:
+                want.append(reference_rotate(x.double(), c, s, pairing, conjugate))
+        if got is not None and _close(got, want):
+            return rule, 4, len(t_lead) + 2
+    return None
 
 
 def _ignores_positions(helper: Any, roles: _Parameters, layout: str, half: int, gen: torch.Generator) -> bool:
@@ -524,7 +549,7 @@ class RotaryHelper:
                        and rotation.layout == "cat" and rotation.pairing == "half" and not rotation.conjugate
                        and not rotation.trailing and rotation.broadcast in ("hs", "param")
                        and rotation.unsqueeze_default == 1 and not rotation.mrope and not rotation.indexed
-                       and not rotation.tail)
+                       and not rotation.tail and not rotation.prefix)
         self._tables: tuple | None = None  # the last tables and their half tables (one forward's)
         self._full: tuple | None = None  # the last half tables and the PyTorch path's full-width ones
         self._mrope: tuple | None = None  # the last M-RoPE tables and their merged ones
@@ -559,6 +584,9 @@ class RotaryHelper:
         values = dict(zip(params, args))
         for name, value in kwargs.items():
             if name not in self._names:
+                if self.rotation.keywords:  # upstream would take it into **kwargs, with a meaning not probed
+                    raise TypeError(f"{self.__name__}(): upstream's helper takes **kwargs, and torchembed's rotation "
+                                    f"does not know what {name!r} means to it; unpatch to call it with {name!r}")
                 raise TypeError(f"{self.__name__}() got an unexpected keyword argument {name!r}")
             if name in values:
                 raise TypeError(f"{self.__name__}() got multiple values for argument {name!r}")
@@ -587,8 +615,15 @@ class RotaryHelper:
             return self._rotate_sections(xs[0], first, second, values[rotation.sections].shape[-1],
                                          rotation.unsqueeze_default if u is None else u)
         given = [x for x in xs if x is not None]
-        first = given[0].shape[-2 if rotation.broadcast == "hs" or u == 1 else -3] if given else 0
-        if rotation.tail and len(given) > 1 and first < c.shape[-2]:  # the first tensor: the tables' last rows
+        rule = {1: "hs", 2: "sh"}.get(u) if rotation.broadcast == "param" else rotation.rule_for(given[0], c) if given else ""
+        at = -2 if rule == "hs" else -3  # the tokens' axis (tail, prefix)
+        first = given[0].shape[at] if given else 0
+        if rotation.prefix and given and first > c.shape[-2]:  # the leading tokens pass through
+            lead = first - c.shape[-2]
+            parts = [x.split((lead, x.shape[at] - lead), dim=at) for x in given]
+            rotated = iter(torch.cat((p, r), dim=at) for p, r in
+                           zip((p for p, _ in parts), self.rotate([r for _, r in parts], c, s, u, full)))
+        elif rotation.tail and len(given) > 1 and first < c.shape[-2]:  # the first tensor: the tables' last rows
             last = (lambda t: t[..., -first:, :]) if first else (lambda t: t[..., :0, :])
             rotated = iter(self.rotate(given[:1], last(c), last(s), u, full and (last(full[0]), last(full[1])))
                            + self.rotate(given[1:], c, s, u, full))

@@ -216,18 +216,57 @@ def test_helpers_whose_inputs_cannot_be_modelled_are_not_recognised_and_say_why(
     def mrope_ignoring_its_sections(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
         return apply_rotary_pos_emb(q, k, cos[0], sin[0], unsqueeze_dim)
 
-    def takes_kwargs(q, k, cos, sin, **kwargs):
-        return q, k
-
     def depends_on_positions(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
         return (q, k) if position_ids is None else (q.roll(1, -2), k)
 
-    for helper, why in ((needs_grid, "needs grid"), (takes_kwargs, "takes kwargs"),
+    for helper, why in ((needs_grid, "needs grid"),
                         (mrope_ignoring_its_sections, "does not select one position axis per feature section"),
                         (depends_on_positions, "depends on position_ids")):
         assert recognize(helper) is None
         assert why in explain(helper)
+
+
+def _prefixed(q, k, cos, sin, **kwargs):
+    """DINOv3's helper: the tokens before the tables' rows (cls, registers) pass through."""
+    lead = q.shape[-2] - sin.shape[-2]
+    (qp, qr), (kp, kr) = q.split((lead, sin.shape[-2]), dim=-2), k.split((lead, sin.shape[-2]), dim=-2)
+    qr, kr = qr * cos + _rotate_half(qr) * sin, kr * cos + _rotate_half(kr) * sin  # (s, d) tables as they are
+    return torch.cat((qp, qr), dim=-2), torch.cat((kp, kr), dim=-2)
+
+
+def _drafter(q, k, cos, sin, unsqueeze_dim=1):
+    """Muse Glimmer's assistant's helper: queries over the last rows of keys that carry a context."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    n = q.shape[-2]
+    return q * cos[..., -n:, :] + _rotate_half(q) * sin[..., -n:, :], k * cos + _rotate_half(k) * sin
+
+
+@pytest.mark.parametrize("helper, q_tokens, k_tokens, table_rows", [(_prefixed, 9, 9, 6), (_drafter, 4, 10, 10)])
+def test_tokens_that_differ_from_the_tables_rows_are_served_as_upstream_does(helper, q_tokens, k_tokens, table_rows):
+    """Leading tokens passed through (DINOv3) and queries at the tables' last rows (a drafter): found by
+    probing, computed as upstream does, never by upstream's helper."""
+    rotation = recognize(helper)
+    assert rotation is not None and (rotation.prefix, rotation.tail) == (helper is _prefixed, helper is _drafter)
+    mine = RotaryHelper.get(rotation, helper, None)
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 3, q_tokens, 16, generator=gen), torch.randn(2, 3, k_tokens, 16, generator=gen)
+    theta = torch.randn(table_rows, 8, generator=gen) if helper is _prefixed else torch.randn(2, table_rows, 8, generator=gen)
+    cos, sin = torch.cat((theta, theta), -1).cos(), torch.cat((theta, theta), -1).sin()
+    with counting_calls([helper]) as calls:
+        got = mine(q, k, cos, sin)
+    assert not calls
+    for a, b in zip(got, helper(q, k, cos, sin)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_a_helper_with_kwargs_refuses_a_keyword_it_cannot_know():
+    """``**kwargs`` do not stop recognition (no attention passes any); a call that does pass one is a
+    clear TypeError, never a silent guess."""
+    mine = RotaryHelper.get(recognize(_prefixed), _prefixed, None)
+    q = torch.randn(1, 2, 5, 16)
+    with pytest.raises(TypeError, match="takes \\*\\*kwargs"):
+        mine(q, q, torch.ones(5, 16), torch.zeros(5, 16), num_prefix=1)
 
 
 def _rotate_half(x):
