@@ -242,9 +242,11 @@ def _tiny_config(model_type: str) -> Any:
     with _quiet():
         default = AutoConfig.for_model(model_type)
     kwargs = _small_kwargs(default)
-    kind = _attr(default, "position_embedding_type")
-    if isinstance(kind, str) and "rot" not in kind and "rope" not in kind and rotary_code_of(model_type):
-        kwargs["position_embedding_type"] = "rotary"  # ESM's default is absolute; its checkpoints rotate
+    for key in ("position_embedding_type", "position_embeddings_type"):
+        kind = _attr(default, key)
+        if isinstance(kind, str) and "rot" not in kind and "rope" not in kind and rotary_code_of(model_type):
+            # ESM's default is absolute, Wav2Vec2-Conformer's relative; their checkpoints (some) rotate
+            kwargs[key] = "rotary"
     apply_config_fix(model_type, default, kwargs)
     return _build(model_type, kwargs)
 
@@ -776,7 +778,9 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
         return fix(model)
     params = _forward_parameters(model)
     if "input_ids" not in params:
-        return _vision_inputs(model, params)
+        if {"pixel_values", "hidden_states"} & params or not set(_AUDIO) & params:
+            return _vision_inputs(model, params)
+        return _audio_inputs(model, params, seq_len)
     vocab = config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(seed)
     inputs: dict[str, Tensor] = {}
@@ -837,6 +841,88 @@ def _vision_inputs(model: nn.Module, params: set[str]) -> dict[str, Tensor]:
             continue
         return inputs
     raise ValueError(f"no tiny image layout runs {type(model).__name__} ({type(first).__name__}: {first})")
+
+
+_AUDIO = ("input_features", "audio_mel", "input_values", "past_values", "latents", "inputs_embeds")  # by precedence
+_AUDIO_MASKS = ("attention_mask", "input_features_mask", "padding_mask", "past_values_padding")
+# where the feature (mel) width of an audio tower is kept, in its config or a sub-config
+_AUDIO_FEATURES = ("num_mel_bins", "input_feat_size", "input_dim", "feature_projection_input_dim", "feature_size")
+AUDIO_FRAMES = 64  # feature frames of the tiny audio: a few positions left after 4x or 8x subsampling
+
+
+def _deep_first(config: Any, keys: tuple[str, ...]) -> int | None:
+    """The first of ``keys`` that ``config`` (or else, breadth first, one of its sub-configs) sets to an int."""
+    level = [config.to_dict() if hasattr(config, "to_dict") else config]
+    while level:
+        for key in keys:
+            for values in level:
+                value = values.get(key)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    return value
+        level = [v for values in level for v in values.values() if isinstance(v, dict)]
+    return None
+
+
+def _hop(config: Any) -> int:
+    """Waveform samples per frame of an audio tower: the product of its convolutions' strides."""
+    level = [config.to_dict()]
+    while level:
+        for values in level:
+            for key in ("downsampling_ratios", "upsampling_ratios", "conv_stride", "patch_sizes"):
+                value = values.get(key)
+                if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
+                    return math.prod(value)
+            if isinstance(values.get("hop_length"), int):
+                return values["hop_length"]
+        level = [v for values in level for v in values.values() if isinstance(v, dict)]
+    return 1
+
+
+def _audio_candidates(model: nn.Module, params: set[str], seq_len: int) -> Iterator[dict[str, Tensor]]:
+    """Tiny audio in the layouts audio towers take: log-mel features ``(1, frames, mel)`` or
+    ``(1, mel, frames)``, a waveform ``(1, samples)`` or ``(1, channels, samples)`` of a few frames
+    of the tower's hop, a time series ``(1, length)``, or latents / embeddings ``(1, frames, width)``
+    either way round; each without, then with, all-valid masks (and the decoder's token ids of an
+    encoder-decoder)."""
+    config = model.config
+    gen = torch.Generator().manual_seed(2)
+    name = next(n for n in _AUDIO if n in params)
+    if name in ("input_features", "audio_mel"):
+        width = _deep_first(config, _AUDIO_FEATURES) or SMALL["num_mel_bins"]
+        length, first = AUDIO_FRAMES, torch.randn(1, AUDIO_FRAMES, width, generator=gen)
+        layouts = [first, first.transpose(1, 2)]
+    elif name in ("input_values", "past_values"):
+        channels = _first(config, "audio_channels", "channels", "in_channels", default=1)
+        length = max(_hop(config), 1) * 16
+        wave = torch.randn(1, channels, length, generator=gen)
+        layouts = [wave, wave[:, 0]] if channels > 1 else [wave[:, 0], wave]
+    else:  # latents of a codec's decoder, embeddings of an encoder
+        width = _first(config, "hidden_size", "d_model", default=SMALL["hidden_size"])
+        length, first = AUDIO_FRAMES // 4, torch.randn(1, AUDIO_FRAMES // 4, width, generator=gen)
+        layouts = [first, first.transpose(1, 2)]
+    decoder = {}
+    if "decoder_input_ids" in params:
+        vocab = config.get_text_config(decoder=True).vocab_size
+        decoder["decoder_input_ids"] = torch.randint(3, vocab - SPECIAL_IDS, (1, seq_len), generator=gen)
+    masks = {m: torch.ones(1, length, dtype=torch.long) for m in _AUDIO_MASKS if m in params}
+    for layout in layouts:
+        yield {name: layout, **decoder}
+        if masks:
+            yield {name: layout, **masks, **decoder}
+
+
+def _audio_inputs(model: nn.Module, params: set[str], seq_len: int) -> dict[str, Tensor]:
+    """An audio model's inputs: the first of :func:`_audio_candidates` its forward runs on."""
+    first: Exception | None = None
+    for inputs in _audio_candidates(model, params, seq_len):
+        try:
+            with torch.no_grad(), _quiet():
+                model(**inputs)
+        except Exception as err:  # noqa: BLE001 - try the next layout
+            first = first or err
+            continue
+        return inputs
+    raise ValueError(f"no tiny audio layout runs {type(model).__name__} ({type(first).__name__}: {_clip(str(first))})")
 
 
 def _required(model: nn.Module) -> str:
