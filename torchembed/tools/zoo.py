@@ -893,7 +893,7 @@ def _audio_candidates(model: nn.Module, params: set[str], seq_len: int) -> Itera
         layouts = [first, first.transpose(1, 2)]
     elif name in ("input_values", "past_values"):
         channels = _first(config, "audio_channels", "channels", "in_channels", default=1)
-        length = max(_hop(config), 1) * 16
+        length = max(_hop(config), 320) * 16  # 16 frames (at least 320 samples each: 20 ms at 16 kHz)
         wave = torch.randn(1, channels, length, generator=gen)
         layouts = [wave, wave[:, 0]] if channels > 1 else [wave[:, 0], wave]
     else:  # latents of a codec's decoder, embeddings of an encoder

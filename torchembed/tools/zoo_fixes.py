@@ -18,15 +18,30 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Union
 
+import torch
 from torch import Tensor, nn
 
 __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
 
 ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 
-CONFIG: dict[str, ConfigFix] = {}
+CONFIG: dict[str, ConfigFix] = {
+    # Gemma 4 audio: the mel width is subsampling_conv_channels[0] (the projection takes channels[0] // 4 x
+    # channels[1] features after two stride-2 convolutions); 16 mel bins, as the generic audio has
+    "gemma4_audio": {"subsampling_conv_channels": [16, 8]},
+}
 
-INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {}
+
+def _gemma3n_audio(model: nn.Module) -> dict[str, Tensor]:
+    from torchembed.tools.zoo import AUDIO_FRAMES
+
+    mel = torch.randn(1, AUDIO_FRAMES, model.config.input_feat_size, generator=torch.Generator().manual_seed(2))
+    return {"audio_mel": mel, "audio_mel_mask": torch.zeros(1, AUDIO_FRAMES, dtype=torch.bool)}
+
+
+INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
+    "gemma3n_audio": _gemma3n_audio,  # Gemma 3n's audio encoder: a required audio_mel_mask, True where padded
+}
 
 
 def _merge(into: dict[str, Any], values: dict[str, Any]) -> None:
