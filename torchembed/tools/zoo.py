@@ -72,6 +72,10 @@ SMALL: dict[str, Any] = {
     "vision_output_dim": 64, "projector_input_dim": 64, "projector_output_dim": 64, "mm_tokens_per_image": 4,
     "num_mel_bins": 16, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
     "decoder_attention_heads": 4, "d_model": 64, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+    "num_filters": 8,  # audio codecs' first convolution (SEANet: Mimi, EnCodec ...), doubled at each downsampling
+    # not a size: the LayerScale of Mimi's (and kin's) transformer layers, 0.01 by default, which leaves
+    # those layers (and their rotation) almost out of the outputs of a random-weight model
+    "layer_scale_initial_scale": 1.0,
     # token ids inside the small vocabulary
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }
@@ -281,7 +285,7 @@ def _small_kwargs(default: Any) -> dict[str, Any]:
 
 
 _WIDTHS = ("hidden_size", "d_model", "embed_dim", "out_hidden_size", "intermediate_size")  # first: the widths
-_DEPENDENT = re.compile(r"hidden|_dim$|_size$|channels|features")
+_DEPENDENT = re.compile(r"hidden|_dim$|_size$|channels|features|_groups$")  # groups: a depthwise convolution's
 
 
 def _shrunk_sizes(original: dict[str, Any], small: dict[str, Any], sizes: dict[int, int]) -> dict[int, int]:
@@ -868,8 +872,10 @@ def _hop(config: Any) -> int:
     level = [config.to_dict()]
     while level:
         for values in level:
-            for key in ("downsampling_ratios", "upsampling_ratios", "conv_stride", "patch_sizes"):
+            for key in ("downsampling_ratios", "upsampling_ratios", "conv_stride", "patch_sizes", "patch_length"):
                 value = values.get(key)
+                if isinstance(value, int) and not isinstance(value, bool):  # a time series' patch
+                    return value
                 if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
                     return math.prod(value)
             if isinstance(values.get("hop_length"), int):
@@ -893,7 +899,8 @@ def _audio_candidates(model: nn.Module, params: set[str], seq_len: int) -> Itera
         layouts = [first, first.transpose(1, 2)]
     elif name in ("input_values", "past_values"):
         channels = _first(config, "audio_channels", "channels", "in_channels", default=1)
-        length = max(_hop(config), 320) * 16  # 16 frames (at least 320 samples each: 20 ms at 16 kHz)
+        hop = _hop(config)
+        length = 16 * (hop if name == "past_values" else max(hop, 320))  # 16 frames (waveforms: of 20 ms at 16 kHz or more)
         wave = torch.randn(1, channels, length, generator=gen)
         layouts = [wave, wave[:, 0]] if channels > 1 else [wave[:, 0], wave]
     else:  # latents of a codec's decoder, embeddings of an encoder
@@ -932,7 +939,8 @@ def _required(model: nn.Module) -> str:
 
 
 def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
-    """The model's main output on ``inputs``: logits where it has them, else the last hidden state."""
+    """The model's main output on ``inputs``: logits where it has them, else the last hidden state, else
+    its first floating-point tensor."""
     device = next(model.parameters()).device
     with torch.no_grad():
         out = model(**{k: v.to(device) for k, v in inputs.items()})
@@ -940,7 +948,9 @@ def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
         value = getattr(out, name, None)
         if isinstance(value, Tensor):
             return value
-    return next(_tensors(out if isinstance(out, tuple) else out.to_tuple()))
+    tensors = list(_tensors(out if isinstance(out, tuple) else out.to_tuple()))
+    # the first floating one: a codec's integer codes (before its decoded audio) cannot show a small error
+    return next((t for t in tensors if t.is_floating_point()), tensors[0])
 
 
 def matches(out: Tensor, ref: Tensor, rel: float = FP32_REL_TOL) -> bool:
