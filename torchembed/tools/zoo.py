@@ -654,7 +654,9 @@ def strong_init(model: nn.Module, seed: int = 0, gain: float = 2.0) -> nn.Module
     """Draw every weight matrix (and convolution kernel, expert stack) of ``model`` from
     ``N(0, gain^2 / fan_in)`` and every embedding from ``N(0, 1)``, in place; vectors (norm
     scales, biases, state-space decay rates) keep upstream's init, except those it leaves all zero
-    (a key temperature, a gate, a bias): ``N(0, 0.25)``, so that none switches a path off.
+    (a key temperature, a gate, a bias): ``N(0, 0.25)``, so that none switches a path off. A vector
+    quantizer's codebook kept as a buffer and all zero until trained (Mimi's ``embed_sum``) is drawn
+    from ``N(0, 1)`` like an embedding (its own random stream), so that its decoder does not decode silence.
 
     HF's default ``initializer_range=0.02`` leaves tiny models with nearly uniform attention, where
     a wrong rotation moves the logits by less than float32's check can see; this init keeps the
@@ -678,6 +680,10 @@ def strong_init(model: nn.Module, seed: int = 0, gain: float = 2.0) -> nn.Module
                     std = gain / math.sqrt(param.shape[-1])
                 values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
                 param.copy_(values.to(param.dtype))
+        codebooks = torch.Generator().manual_seed(seed + 1)
+        for name, buffer in model.named_buffers():
+            if "embed" in name.rsplit(".", 1)[-1] and buffer.is_floating_point() and buffer.dim() == 2 and not buffer.any():
+                buffer.copy_(torch.randn(buffer.shape, generator=codebooks).to(buffer.dtype))
     return model
 
 
@@ -901,7 +907,7 @@ def _audio_candidates(model: nn.Module, params: set[str], seq_len: int) -> Itera
         channels = _first(config, "audio_channels", "channels", "in_channels", default=1)
         hop = _hop(config)
         length = 16 * (hop if name == "past_values" else max(hop, 320))  # 16 frames (waveforms: of 20 ms at 16 kHz or more)
-        wave = torch.randn(1, channels, length, generator=gen)
+        wave = torch.randn(1, channels, length, generator=gen) * (0.1 if name == "input_values" else 1.0)  # speech-level audio
         layouts = [wave, wave[:, 0]] if channels > 1 else [wave[:, 0], wave]
     else:  # latents of a codec's decoder, embeddings of an encoder
         width = _first(config, "hidden_size", "d_model", default=SMALL["hidden_size"])

@@ -25,10 +25,22 @@ __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
 
 ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 
+# NeMo's streaming Fast Conformer: its eager attention fills -inf where the float (additive) mask is *not*
+# zero, which leaves a row with nothing masked all -inf (NaN); chunks of 2 frames (lookahead 1) and a left
+# context of 2 chunks (sliding window 5) mask some frames in every row of the tiny audio's 9 frames
+_NEMO_STREAMING = {"sliding_window": 5, "default_num_lookahead_tokens": 1}
+
 CONFIG: dict[str, ConfigFix] = {
     # Gemma 4 audio: the mel width is subsampling_conv_channels[0] (the projection takes channels[0] // 4 x
     # channels[1] features after two stride-2 convolutions); 16 mel bins, as the generic audio has
     "gemma4_audio": {"subsampling_conv_channels": [16, 8]},
+    # Kyutai STT: its decoder's MLP width is ffn_dim (a GLU: fc2 takes ffn_dim // 2)
+    "kyutai_speech_to_text": {"ffn_dim": 256},
+    # Moonshine Streaming: its decoder reads num_key_value_heads, which its config class does not define
+    "moonshine_streaming": {"num_key_value_heads": 4},
+    "nemotron3_5_asr": {"encoder_config": _NEMO_STREAMING},
+    "nemotron_asr_streaming": {"encoder_config": _NEMO_STREAMING},
+    "nemotron_asr_streaming_encoder": _NEMO_STREAMING,
 }
 
 
@@ -39,8 +51,17 @@ def _gemma3n_audio(model: nn.Module) -> dict[str, Tensor]:
     return {"audio_mel": mel, "audio_mel_mask": torch.zeros(1, AUDIO_FRAMES, dtype=torch.bool)}
 
 
+def _kyutai_speech_to_text(model: nn.Module) -> dict[str, Tensor]:
+    config, gen = model.config, torch.Generator().manual_seed(0)
+    text = torch.randint(3, config.vocab_size - 16, (2, 12, 1), generator=gen)
+    codes = torch.randint(0, config.codebook_vocab_size - 1, (2, 12, config.num_codebooks), generator=gen)
+    return {"input_ids": torch.cat((text, codes), dim=-1)}
+
+
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "gemma3n_audio": _gemma3n_audio,  # Gemma 3n's audio encoder: a required audio_mel_mask, True where padded
+    # Kyutai STT: each position's ids are a text token and one audio code per codebook, (batch, seq, 1 + codebooks)
+    "kyutai_speech_to_text": _kyutai_speech_to_text,
 }
 
 
