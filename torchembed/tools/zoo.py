@@ -383,7 +383,8 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
             if "section" in key and isinstance(value, list) and value and all(isinstance(v, int) for v in value):
                 rope[key] = _sections(value, rotary // 2)  # M-RoPE: the sections split the rotated features / 2
     vocab = small.get("vocab_size") if isinstance(small.get("vocab_size"), int) else SMALL["vocab_size"]
-    taken = {v for k, v in small.items() if k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    taken = {i for k, v in small.items() if k in ("pad_token_id", "bos_token_id", "eos_token_id")
+             for i in (v if isinstance(v, list) else [v])}  # a list of eos ids: GLM-ASR's text model
     spare = iter(i for i in range(vocab - 1, vocab - SPECIAL_IDS - 1, -1) if i not in taken)
     for key, value in original.items():  # image, video, audio, vision-start ... token ids
         if (key.endswith(("token_id", "token_index")) and isinstance(value, int) and not isinstance(value, bool)
@@ -493,11 +494,21 @@ def _variants(kwargs: dict[str, Any]) -> list[dict[str, Any]]:
         variants += [mha, {k: v for k, v in mha.items() if k not in _RECOMPUTED}]
     # models that read token ids their config class does not define (5.0's Phi, StableLM, EXAONE 4)
     variants.append({**kwargs, **{k: SMALL[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id") if k not in kwargs}})
+    # ... and in every sub-config too (Nemotron 3 diarization's audio tower projects values to every query head)
+    variants.append(_all_heads(kwargs))
     unique: list[dict[str, Any]] = []
     for variant in variants:
         if variant not in unique:
             unique.append(variant)
     return unique
+
+
+def _all_heads(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with as many kv heads as query heads wherever (in it or a sub-config) both are set."""
+    out = {k: _all_heads(v) if isinstance(v, dict) else v for k, v in kwargs.items()}
+    if isinstance(out.get("num_key_value_heads"), int) and isinstance(out.get("num_attention_heads"), int):
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    return out
 
 
 def _build(model_type: str, kwargs: dict[str, Any]) -> Any:
@@ -821,6 +832,12 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
             if name in params:
                 inputs[name] = kind
                 break
+    elif set(_AUDIO[:3]) & params and _special(config, "audio_token_id", "audio_token_index") is not None:
+        audio, count = _speech(model, params, seq_len)  # a speech LM: its audio tokens in row 0, and the audio
+        ids = torch.randint(3, vocab - SPECIAL_IDS, (1, seq_len), generator=gen)
+        audio_id = _special(config, "audio_token_id", "audio_token_index")
+        ids = torch.cat((ids[:, :3], torch.full((1, count), audio_id), ids[:, 3:]), dim=-1)
+        inputs.update(audio)
     else:
         ids = torch.randint(3, vocab - SPECIAL_IDS, (2, seq_len), generator=gen)
     inputs["input_ids"] = ids
@@ -854,7 +871,7 @@ def _vision_inputs(model: nn.Module, params: set[str]) -> dict[str, Tensor]:
 
 
 _AUDIO = ("input_features", "audio_mel", "input_values", "past_values", "latents", "inputs_embeds")  # by precedence
-_AUDIO_MASKS = ("attention_mask", "input_features_mask", "padding_mask", "past_values_padding")
+_AUDIO_MASKS = ("attention_mask", "input_features_mask", "feature_attention_mask", "padding_mask", "past_values_padding")
 # where the feature (mel) width of an audio tower is kept, in its config or a sub-config
 _AUDIO_FEATURES = ("num_mel_bins", "input_feat_size", "input_dim", "feature_projection_input_dim", "feature_size")
 AUDIO_FRAMES = 64  # feature frames of the tiny audio: a few positions left after 4x or 8x subsampling
@@ -922,6 +939,30 @@ def _audio_candidates(model: nn.Module, params: set[str], seq_len: int) -> Itera
         yield {name: layout, **decoder}
         if masks:
             yield {name: layout, **masks, **decoder}
+
+
+def _speech(model: nn.Module, params: set[str], seq_len: int) -> tuple[dict[str, Tensor], int]:
+    """A speech LM's tiny audio in the first layout its ``get_audio_features`` runs on, and how many
+    audio-token embeddings it makes of it."""
+    get = getattr(model, "get_audio_features", None)
+    if get is None:
+        raise ValueError(f"{type(model).__name__} takes audio but has no get_audio_features")
+    takes = set(inspect.signature(get).parameters)
+    hidden = model.config.get_text_config().hidden_size
+    first: Exception | None = None
+    for audio in _audio_candidates(model, params - {"attention_mask"}, seq_len):  # attention_mask: the tokens'
+        try:
+            with torch.no_grad(), _quiet():
+                out = get(**{k: v for k, v in audio.items() if k in takes})
+        except Exception as err:  # noqa: BLE001 - try the next layout
+            first = first or err
+            continue
+        found = [out] if isinstance(out, Tensor) else list(_tensors(getattr(out, "pooler_output", None)))
+        count = sum(t.numel() for t in found) // hidden
+        if count:
+            return audio, count
+    raise ValueError(f"no tiny audio layout runs {type(model).__name__}'s audio tower "
+                     f"({type(first).__name__}: {_clip(str(first))})" if first else "no audio-token embeddings")
 
 
 def _audio_inputs(model: nn.Module, params: set[str], seq_len: int) -> dict[str, Tensor]:
