@@ -944,7 +944,9 @@ def _audio_candidates(model: nn.Module, params: set[str], seq_len: int) -> Itera
 def _speech(model: nn.Module, params: set[str], seq_len: int) -> tuple[dict[str, Tensor], int]:
     """A speech LM's tiny audio in the first layout its ``get_audio_features`` runs on, and how many
     audio-token embeddings it makes of it."""
-    get = getattr(model, "get_audio_features", None)
+    getters = (getattr(m, "get_audio_features", None) for m in (model, getattr(model, "model", None)))
+    # the first that names its audio argument (a wrapper passing *args, **kwargs on: its inner model's)
+    get = next((g for g in getters if g is not None and set(_AUDIO) & set(inspect.signature(g).parameters)), None)
     if get is None:
         raise ValueError(f"{type(model).__name__} takes audio but has no get_audio_features")
     takes = set(inspect.signature(get).parameters)

@@ -30,10 +30,20 @@ ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 # context of 2 chunks (sliding window 5) mask some frames in every row of the tiny audio's 9 frames
 _NEMO_STREAMING = {"sliding_window": 5, "default_num_lookahead_tokens": 1}
 
+# Granite Speech: its Conformer encoder's sizes are hidden_dim / num_layers / dim_head, and its Q-Former
+# projector cross-attends to the encoder's output (encoder_hidden_size = the encoder's hidden_dim)
+_GRANITE_SPEECH = {"encoder_config": {"hidden_dim": 64, "num_layers": 2, "num_heads": 4, "dim_head": 16},
+                   "projector_config": {"encoder_hidden_size": 64}}
+
 CONFIG: dict[str, ConfigFix] = {
+    # Fun-ASR-Nano: its config requires adaptor_config.intermediate_size == text_config.hidden_size // 4; its
+    # audio tower takes num_mel_bins x num_stacked_frames features a frame (one frame: the generic audio's width)
+    "fun_asr_nano": {"adaptor_config": {"intermediate_size": 16}, "audio_config": {"num_stacked_frames": 1}},
     # Gemma 4 audio: the mel width is subsampling_conv_channels[0] (the projection takes channels[0] // 4 x
     # channels[1] features after two stride-2 convolutions); 16 mel bins, as the generic audio has
     "gemma4_audio": {"subsampling_conv_channels": [16, 8]},
+    "granite_speech": _GRANITE_SPEECH,
+    "granite_speech_plus": _GRANITE_SPEECH,
     # Kyutai STT: its decoder's MLP width is ffn_dim (a GLU: fc2 takes ffn_dim // 2)
     "kyutai_speech_to_text": {"ffn_dim": 256},
     # Moonshine Streaming: its decoder reads num_key_value_heads, which its config class does not define
