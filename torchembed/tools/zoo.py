@@ -158,15 +158,28 @@ def rotary_model_types() -> tuple[str, ...]:
 def has_model_class(model_type: str) -> bool:
     """Whether transformers maps a model class to ``model_type`` (sub-configs such as a vision
     tower's often have none: they exist only inside their composite model)."""
-    from transformers.models.auto import modeling_auto
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return any(model_type in (getattr(modeling_auto, task, None) or {}) for task in _TASKS)
+    try:  # a mapped class that its package does not define (5.23's VoxtralRealtimeTextModel) is none
+        _mapped_class(CONFIG_MAPPING[model_type])
+    except KeyError:
+        return False
+    except Exception:  # noqa: BLE001 - one that does not import here: reported when the zoo builds it
+        return True
+    return True
 
 
 @functools.lru_cache(maxsize=None)
 def composites_of(model_type: str) -> tuple[str, ...]:
-    """The model types whose default config holds ``model_type`` as a sub-config."""
-    return tuple(t for t in rotary_model_types() if model_type in _sub_model_types(t))
+    """The model types whose default config holds ``model_type`` as a sub-config, or whose config class
+    takes it as an optional one (None by default: Gemma 4 unified's audio embedder)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    def optional(parent: str) -> tuple[str, ...]:
+        classes = (getattr(CONFIG_MAPPING[parent], "sub_configs", None) or {}).values()
+        return tuple(getattr(c, "model_type", None) for c in classes)
+
+    return tuple(t for t in rotary_model_types() if model_type in _sub_model_types(t) + optional(t))
 
 
 def rotary_modules(model: nn.Module) -> list[str]:
@@ -606,17 +619,21 @@ def model_class(config: Any) -> type:
     Raises:
         KeyError: transformers maps no model class to this config class.
     """
+    return _mapped_class(type(config))
+
+
+def _mapped_class(config_class: type) -> type:
     from transformers.models.auto import modeling_auto
     from transformers.models.auto.auto_factory import _LazyAutoMapping
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     for task in _TASKS:
         names = getattr(modeling_auto, task, None)
-        if names and config.model_type in names:
+        if names and config_class.model_type in names:
             mapping = _LazyAutoMapping(CONFIG_MAPPING_NAMES, names)
-            with contextlib.suppress(KeyError):
-                return mapping[type(config)]
-    raise KeyError(f"transformers maps no model class to {type(config).__name__} ({config.model_type!r})")
+            with contextlib.suppress(KeyError, ValueError):  # ValueError: a mapped name its package lacks
+                return mapping[config_class]
+    raise KeyError(f"transformers maps no model class to {config_class.__name__} ({config_class.model_type!r})")
 
 
 def _size(config: Any) -> tuple[int, str]:

@@ -68,10 +68,21 @@ def _kyutai_speech_to_text(model: nn.Module) -> dict[str, Tensor]:
     return {"input_ids": torch.cat((text, codes), dim=-1)}
 
 
+def _voxtral_realtime(model: nn.Module) -> dict[str, Tensor]:
+    from torchembed.tools.zoo import SPECIAL_IDS, _forward_parameters, _speech
+
+    audio, count = _speech(model, _forward_parameters(model), 12)
+    ids = torch.randint(3, model.config.get_text_config().vocab_size - SPECIAL_IDS, (1, count),
+                        generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, **audio}
+
+
 INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "gemma3n_audio": _gemma3n_audio,  # Gemma 3n's audio encoder: a required audio_mel_mask, True where padded
     # Kyutai STT: each position's ids are a text token and one audio code per codebook, (batch, seq, 1 + codebooks)
     "kyutai_speech_to_text": _kyutai_speech_to_text,
+    # Voxtral Realtime: one audio embedding is added to each token's (no audio tokens): as many tokens as frames
+    "voxtral_realtime": _voxtral_realtime,
 }
 
 
