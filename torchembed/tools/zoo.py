@@ -361,6 +361,8 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
     ratio = original.get("pixel_shuffle_ratio")
     if isinstance(ratio, float) and 0 < ratio < 1 and isinstance(small.get("hidden_size"), int) and "intermediate_size" in small:
         small["intermediate_size"] = int(small["hidden_size"] / ratio**2)  # Llama 4: the shuffled patches' width
+    if isinstance(original.get("downsampling_ratios"), list) and isinstance(original.get("encoder_hidden_size"), int):
+        small["encoder_hidden_size"] = 8  # a codec's first convolution, doubled at each downsampling (DAC, X-Codec 2)
     heads = small.get("num_attention_heads") or small.get("num_heads")
     for key in ("num_key_value_heads",):
         if isinstance(small.get(key), int) and heads and heads % small[key]:

@@ -49,8 +49,11 @@ CONFIG: dict[str, ConfigFix] = {
     # Moonshine Streaming: its decoder reads num_key_value_heads, which its config class does not define
     "moonshine_streaming": {"num_key_value_heads": 4},
     "nemotron3_5_asr": {"encoder_config": _NEMO_STREAMING},
+    # NeuCodec: its quantizer's width is the acoustic plus the semantic encoder's hidden_size (64 + 64)
+    "neucodec": {"quantization_dim": 128},
     "nemotron_asr_streaming": {"encoder_config": _NEMO_STREAMING},
     "nemotron_asr_streaming_encoder": _NEMO_STREAMING,
+    "xcodec2": {"quantization_dim": 128},  # X-Codec 2: as NeuCodec
 }
 
 
@@ -68,6 +71,21 @@ def _kyutai_speech_to_text(model: nn.Module) -> dict[str, Tensor]:
     return {"input_ids": torch.cat((text, codes), dim=-1)}
 
 
+def _codec_with_semantics(model: nn.Module) -> dict[str, Tensor]:
+    gen, config = torch.Generator().manual_seed(2), model.config
+    frames, width = 16, config.semantic_model_config.feature_projection_input_dim
+    return {"input_values": torch.randn(1, 1, frames * config.hop_length, generator=gen) * 0.1,
+            "input_features": torch.randn(1, frames, width, generator=gen)}
+
+
+def _pe_audio(model: nn.Module) -> dict[str, Tensor]:
+    from torchembed.tools.zoo import SPECIAL_IDS, tiny_inputs
+
+    vocab = model.config.text_config.vocab_size
+    ids = torch.randint(3, vocab - SPECIAL_IDS, (2, 12), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, **tiny_inputs(model.audio_encoder)}
+
+
 def _voxtral_realtime(model: nn.Module) -> dict[str, Tensor]:
     from torchembed.tools.zoo import SPECIAL_IDS, _forward_parameters, _speech
 
@@ -81,8 +99,13 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "gemma3n_audio": _gemma3n_audio,  # Gemma 3n's audio encoder: a required audio_mel_mask, True where padded
     # Kyutai STT: each position's ids are a text token and one audio code per codebook, (batch, seq, 1 + codebooks)
     "kyutai_speech_to_text": _kyutai_speech_to_text,
+    # NeuCodec: a waveform and, for its semantic (Wav2Vec2-BERT) encoder, features at the acoustic frame rate
+    "neucodec": _codec_with_semantics,
+    # PE Audio: a text-audio dual encoder, which takes both: text, and its audio tower's own tiny audio
+    "pe_audio": _pe_audio,
     # Voxtral Realtime: one audio embedding is added to each token's (no audio tokens): as many tokens as frames
     "voxtral_realtime": _voxtral_realtime,
+    "xcodec2": _codec_with_semantics,  # X-Codec 2: as NeuCodec
 }
 
 
