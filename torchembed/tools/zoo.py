@@ -361,8 +361,12 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
     ratio = original.get("pixel_shuffle_ratio")
     if isinstance(ratio, float) and 0 < ratio < 1 and isinstance(small.get("hidden_size"), int) and "intermediate_size" in small:
         small["intermediate_size"] = int(small["hidden_size"] / ratio**2)  # Llama 4: the shuffled patches' width
-    if isinstance(original.get("downsampling_ratios"), list) and isinstance(original.get("encoder_hidden_size"), int):
-        small["encoder_hidden_size"] = 8  # a codec's first convolution, doubled at each downsampling (DAC, X-Codec 2)
+    if isinstance(original.get("downsampling_ratios"), list):  # an audio codec's convolutional encoder
+        for key in ("encoder_hidden_size", "num_filters"):  # its first convolution (DAC, X-Codec 2, VibeVoice)
+            if isinstance(original.get(key), int):  # ... doubled at each downsampling: 128 at most at the end
+                small[key] = max(1, 128 >> len(original["downsampling_ratios"]))
+        if isinstance(original.get("depths"), list):
+            small["depths"] = [1] * len(original["depths"])  # blocks per stage (VibeVoice's tokenizers)
     heads = small.get("num_attention_heads") or small.get("num_heads")
     for key in ("num_key_value_heads",):
         if isinstance(small.get(key), int) and heads and heads % small[key]:

@@ -49,6 +49,9 @@ CONFIG: dict[str, ConfigFix] = {
     # Moonshine Streaming: its decoder reads num_key_value_heads, which its config class does not define
     "moonshine_streaming": {"num_key_value_heads": 4},
     "nemotron3_5_asr": {"encoder_config": _NEMO_STREAMING},
+    # Nemotron 3.5 word timestamps: its output is inputs_embeds + residual_scale x its layers' (0.1 by default,
+    # under which a random-weight model's layers, and their rotation, barely move the output)
+    "nemotron3_5_transcribe_word_timestamp": {"residual_scale": 10.0},
     # NeuCodec: its quantizer's width is the acoustic plus the semantic encoder's hidden_size (64 + 64)
     "neucodec": {"quantization_dim": 128},
     "nemotron_asr_streaming": {"encoder_config": _NEMO_STREAMING},
