@@ -52,10 +52,19 @@ CONFIG: dict[str, ConfigFix] = {
     # Nemotron 3.5 word timestamps: its output is inputs_embeds + residual_scale x its layers' (0.1 by default,
     # under which a random-weight model's layers, and their rotation, barely move the output)
     "nemotron3_5_transcribe_word_timestamp": {"residual_scale": 10.0},
+    # Muse Spark audio: a convolutional tower, its stages' widths and depths in hidden_sizes / depths
+    "muse_spark_audio": {"hidden_sizes": [8, 16, 32, 64], "depths": [1, 1, 1, 1]},
     # NeuCodec: its quantizer's width is the acoustic plus the semantic encoder's hidden_size (64 + 64)
     "neucodec": {"quantization_dim": 128},
     "nemotron_asr_streaming": {"encoder_config": _NEMO_STREAMING},
     "nemotron_asr_streaming_encoder": _NEMO_STREAMING,
+    # SeamlessM4T: the speech encoder's, text-to-unit model's and vocoder's sizes have their own prefixed names
+    "seamless_m4t": {
+        "speech_encoder_layers": 2, "speech_encoder_attention_heads": 4, "speech_encoder_intermediate_size": 128,
+        "t2u_encoder_layers": 1, "t2u_encoder_ffn_dim": 128, "t2u_encoder_attention_heads": 4,
+        "t2u_decoder_layers": 1, "t2u_decoder_ffn_dim": 128, "t2u_decoder_attention_heads": 4,
+        "upsample_initial_channel": 32, "unit_embed_dim": 32, "lang_embed_dim": 16, "spkr_embed_dim": 16,
+    },
     "xcodec2": {"quantization_dim": 128},  # X-Codec 2: as NeuCodec
 }
 
