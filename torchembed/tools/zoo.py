@@ -820,6 +820,8 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
     fix = INPUTS.get(getattr(config, "model_type", None))
     if fix is not None:
         return fix(model)
+    if type(model).forward is nn.Module.forward:
+        raise ValueError(f"{type(model).__name__} has no forward (it only generates, from its parts)")
     params = _forward_parameters(model)
     if "input_ids" not in params:
         if {"pixel_values", "hidden_states"} & params or not set(_AUDIO) & params:
@@ -866,6 +868,8 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
     inputs["input_ids"] = ids
     if "decoder_input_ids" in params and getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = ids
+    if "sample" in params:  # VibeVoice's audio VAE: its mean, not a draw (the same outputs each run)
+        inputs["sample"] = torch.tensor(False)
     return inputs
 
 
@@ -922,8 +926,8 @@ def _hop(config: Any) -> int:
                 value = values.get(key)
                 if isinstance(value, int) and not isinstance(value, bool):  # a time series' patch
                     return value
-                if isinstance(value, (list, tuple)) and value and all(isinstance(v, int) for v in value):
-                    return math.prod(value)
+                if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+                    return math.prod(value)  # 1 for none
             if isinstance(values.get("hop_length"), int):
                 return values["hop_length"]
         level = [v for values in level for v in values.values() if isinstance(v, dict)]
@@ -1049,7 +1053,7 @@ def _prompt(model: nn.Module, inputs: dict[str, Tensor]) -> dict[str, Tensor] | 
     can = getattr(model, "can_generate", None)
     if not (can and can()) or getattr(model.config, "is_encoder_decoder", False):
         return None
-    if "pixel_values" in inputs:  # one row already, and its image tokens complete
+    if "pixel_values" in inputs or set(_AUDIO[:3]) & set(inputs):  # one row already, its image (audio) tokens complete
         prompt = dict(inputs)
     else:
         prompt = {k: v[:1, :6] for k, v in inputs.items()}

@@ -35,6 +35,11 @@ _NEMO_STREAMING = {"sliding_window": 5, "default_num_lookahead_tokens": 1}
 _GRANITE_SPEECH = {"encoder_config": {"hidden_dim": 64, "num_layers": 2, "num_heads": 4, "dim_head": 16},
                    "projector_config": {"encoder_hidden_size": 64}}
 
+# PE Audio: its DAC front end has no normalisation, and each downsampling block's 3 residual units grow a
+# random-weight model's activations about 100-fold, until its transformer's layers (and their rotation) are
+# lost in float32 next to them: no downsampling block (waveform samples are the transformer's frames)
+_PE_AUDIO_DAC = {"downsampling_ratios": [], "hop_length": 1}
+
 CONFIG: dict[str, ConfigFix] = {
     # Fun-ASR-Nano: its config requires adaptor_config.intermediate_size == text_config.hidden_size // 4; its
     # audio tower takes num_mel_bins x num_stacked_frames features a frame (one frame: the generic audio's width)
@@ -58,6 +63,14 @@ CONFIG: dict[str, ConfigFix] = {
     "neucodec": {"quantization_dim": 128},
     "nemotron_asr_streaming": {"encoder_config": _NEMO_STREAMING},
     "nemotron_asr_streaming_encoder": _NEMO_STREAMING,
+    "pe_audio": {"audio_config": {"dac_config": _PE_AUDIO_DAC}},
+    "pe_audio_encoder": {"dac_config": _PE_AUDIO_DAC},
+    # Qwen2.5-Omni's token2wav: a DiT (codec vocabulary num_embeds, an ECAPA speaker encoder enc_*) and a
+    # BigVGAN vocoder, whose width halves at each of its 6 upsamplings from upsample_initial_channel
+    "qwen2_5_omni": {"token2wav_config": {
+        "dit_config": {"num_embeds": 128, "emb_dim": 32, "enc_emb_dim": 32, "enc_dim": 32,
+                       "enc_channels": [32, 32, 32, 32, 96], "enc_attention_channels": 16, "enc_se_channels": 16},
+        "bigvgan_config": {"upsample_initial_channel": 64}}},
     # SeamlessM4T: the speech encoder's, text-to-unit model's and vocoder's sizes have their own prefixed names
     "seamless_m4t": {
         "speech_encoder_layers": 2, "speech_encoder_attention_heads": 4, "speech_encoder_intermediate_size": 128,
@@ -98,6 +111,10 @@ def _pe_audio(model: nn.Module) -> dict[str, Tensor]:
     return {"input_ids": ids, **tiny_inputs(model.audio_encoder)}
 
 
+def _pe_audio_encoder(model: nn.Module) -> dict[str, Tensor]:
+    return {"input_values": torch.randn(1, 1, 16, generator=torch.Generator().manual_seed(2)) * 0.1}
+
+
 def _voxtral_realtime(model: nn.Module) -> dict[str, Tensor]:
     from torchembed.tools.zoo import SPECIAL_IDS, _forward_parameters, _speech
 
@@ -115,6 +132,7 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "neucodec": _codec_with_semantics,
     # PE Audio: a text-audio dual encoder, which takes both: text, and its audio tower's own tiny audio
     "pe_audio": _pe_audio,
+    "pe_audio_encoder": _pe_audio_encoder,  # PE Audio's encoder: 16 samples, 16 frames without a downsampling block
     # Voxtral Realtime: one audio embedding is added to each token's (no audio tokens): as many tokens as frames
     "voxtral_realtime": _voxtral_realtime,
     "xcodec2": _codec_with_semantics,  # X-Codec 2: as NeuCodec
