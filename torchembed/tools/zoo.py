@@ -820,7 +820,7 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
     fix = INPUTS.get(getattr(config, "model_type", None))
     if fix is not None:
         return fix(model)
-    if type(model).forward is nn.Module.forward:
+    if _parts_only(model):
         raise ValueError(f"{type(model).__name__} has no forward (it only generates, from its parts)")
     params = _forward_parameters(model)
     if "input_ids" not in params:
@@ -1017,9 +1017,13 @@ def _required(model: nn.Module) -> str:
 def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     """The model's main output on ``inputs``: logits where it has them, else the last hidden state, else
     its first floating-point tensor."""
+    if _parts_only(model):  # a generate-only composite (Qwen2.5-Omni): its parts' outputs, in turn, flattened
+        return torch.cat([outputs_of(model.get_submodule(path), part).flatten() for path, part in inputs.items()])
     device = next(model.parameters()).device
     with torch.no_grad():
-        out = model(**{k: v.to(device) for k, v in inputs.items()})
+        out = model(**_to(inputs, device))
+    if isinstance(out, Tensor):  # a bare module's (Qwen2.5-Omni's DiT)
+        return out
     for name in ("logits", "last_hidden_state", "prediction_logits"):
         value = getattr(out, name, None)
         if isinstance(value, Tensor):
@@ -1027,6 +1031,16 @@ def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     tensors = list(_tensors(out if isinstance(out, tuple) else out.to_tuple()))
     # the first floating one: a codec's integer codes (before its decoded audio) cannot show a small error
     return next((t for t in tensors if t.is_floating_point()), tensors[0])
+
+
+def _parts_only(model: nn.Module) -> bool:
+    """``model`` has no forward of its own: it only generates, calling its parts (Qwen2.5-Omni's thinker,
+    talker and token2wav), so the zoo runs those (inputs: ``{part's path: its inputs}``)."""
+    return type(model).forward is nn.Module.forward
+
+
+def _to(inputs: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    return {k: _to(v, device) if isinstance(v, dict) else v.to(device) for k, v in inputs.items()}
 
 
 def matches(out: Tensor, ref: Tensor, rel: float = FP32_REL_TOL) -> bool:
@@ -1044,14 +1058,14 @@ class ZooCase:
 
     model_type: str
     model: nn.Module
-    inputs: dict[str, Tensor]
+    inputs: dict[str, Any]  # tensors (a generate-only composite's: each part's path -> its tensors)
     prompt: dict[str, Tensor] | None = None
 
 
 def _prompt(model: nn.Module, inputs: dict[str, Tensor]) -> dict[str, Tensor] | None:
     """Row 0 of the inputs (its first 6 tokens for text), if upstream generates from it."""
     can = getattr(model, "can_generate", None)
-    if not (can and can()) or getattr(model.config, "is_encoder_decoder", False):
+    if not (can and can()) or getattr(model.config, "is_encoder_decoder", False) or _parts_only(model):
         return None
     if "pixel_values" in inputs or set(_AUDIO[:3]) & set(inputs):  # one row already, its image (audio) tokens complete
         prompt = dict(inputs)
@@ -1082,7 +1096,7 @@ def zoo_case(model_type: str, device: str | torch.device = "cpu") -> ZooCase:
     case = _case(model_type)
     if torch.device(device) == torch.device("cpu"):
         return case
-    move = (lambda values: None if values is None else {k: v.to(device) for k, v in values.items()})
+    move = (lambda values: None if values is None else _to(values, device))
     return ZooCase(model_type, copy.deepcopy(case.model).to(device), move(case.inputs), move(case.prompt))
 
 

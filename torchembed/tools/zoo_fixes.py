@@ -115,6 +115,29 @@ def _pe_audio_encoder(model: nn.Module) -> dict[str, Tensor]:
     return {"input_values": torch.randn(1, 1, 16, generator=torch.Generator().manual_seed(2)) * 0.1}
 
 
+def _qwen2_5_omni(model: nn.Module) -> dict[str, Any]:
+    from torchembed.tools.zoo import SPECIAL_IDS, tiny_inputs
+
+    gen, config, length = torch.Generator().manual_seed(0), model.config, 12
+    talker, dit = config.talker_config, config.token2wav_config.dit_config
+    text_vocab = config.thinker_config.text_config.vocab_size
+    return {
+        "thinker": tiny_inputs(model.thinker),
+        # codec ids, with the thinker's reply (its text ids place the M-RoPE positions) added to their embeddings
+        "talker": {"input_ids": torch.randint(3, talker.vocab_size - SPECIAL_IDS, (1, length), generator=gen),
+                   "input_text_ids": torch.randint(3, text_vocab - SPECIAL_IDS, (1, length), generator=gen),
+                   "attention_mask": torch.ones(1, length, dtype=torch.long),
+                   "thinker_reply_part": torch.randn(1, 1, talker.embedding_size, generator=gen)},
+        # one step of token2wav's flow matching: a noisy mel, a reference mel, the speaker, codec codes, the time
+        "token2wav.code2wav_dit_model": {
+            "hidden_states": torch.randn(1, length * dit.repeats, dit.mel_dim, generator=gen),
+            "condition_vector": torch.randn(1, length * dit.repeats, dit.mel_dim, generator=gen),
+            "speaker_embedding": torch.randn(1, length * dit.repeats, dit.enc_emb_dim, generator=gen),
+            "quantized_code": torch.randint(0, dit.num_embeds, (1, length), generator=gen),
+            "time_step": torch.tensor(0.5)},
+    }
+
+
 def _voxtral_realtime(model: nn.Module) -> dict[str, Tensor]:
     from torchembed.tools.zoo import SPECIAL_IDS, _forward_parameters, _speech
 
@@ -124,7 +147,7 @@ def _voxtral_realtime(model: nn.Module) -> dict[str, Tensor]:
     return {"input_ids": ids, **audio}
 
 
-INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
+INPUTS: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
     "gemma3n_audio": _gemma3n_audio,  # Gemma 3n's audio encoder: a required audio_mel_mask, True where padded
     # Kyutai STT: each position's ids are a text token and one audio code per codebook, (batch, seq, 1 + codebooks)
     "kyutai_speech_to_text": _kyutai_speech_to_text,
@@ -132,7 +155,9 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "neucodec": _codec_with_semantics,
     # PE Audio: a text-audio dual encoder, which takes both: text, and its audio tower's own tiny audio
     "pe_audio": _pe_audio,
-    "pe_audio_encoder": _pe_audio_encoder,  # PE Audio's encoder: 16 samples, 16 frames without a downsampling block
+    "pe_audio_encoder": _pe_audio_encoder,
+    # Qwen2.5-Omni only generates: the zoo runs its parts (thinker, talker, token2wav's DiT), each on its inputs
+    "qwen2_5_omni": _qwen2_5_omni,  # PE Audio's encoder: 16 samples, 16 frames without a downsampling block
     # Voxtral Realtime: one audio embedding is added to each token's (no audio tokens): as many tokens as frames
     "voxtral_realtime": _voxtral_realtime,
     "xcodec2": _codec_with_semantics,  # X-Codec 2: as NeuCodec
