@@ -88,7 +88,9 @@ _DERIVED = ("per_layer_config",)  # rebuilt by the config class from the (shrunk
 _ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "vocab_size")
 _DEPTHS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")  # what layer-index lists index
 _TASKS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
-          "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES")
+          "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES",
+          # 4.x maps Granite Speech and Qwen2.5-Omni only here
+          "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING_NAMES")
 
 
 # -- which model types ---------------------------------------------------------------------------------
@@ -1040,7 +1042,8 @@ def _parts_only(model: nn.Module) -> bool:
 
 
 def _to(inputs: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-    return {k: _to(v, device) if isinstance(v, dict) else v.to(device) for k, v in inputs.items()}
+    """Copies of ``inputs`` on ``device`` (Qwen2.5-Omni's talker adds to its ``inputs_embeds`` in place)."""
+    return {k: _to(v, device) if isinstance(v, dict) else v.to(device, copy=True) for k, v in inputs.items()}
 
 
 def matches(out: Tensor, ref: Tensor, rel: float = FP32_REL_TOL) -> bool:

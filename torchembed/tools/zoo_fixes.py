@@ -40,6 +40,18 @@ _GRANITE_SPEECH = {"encoder_config": {"hidden_dim": 64, "num_layers": 2, "num_he
 # lost in float32 next to them: no downsampling block (waveform samples are the transformer's frames)
 _PE_AUDIO_DAC = {"downsampling_ratios": [], "hop_length": 1}
 
+def _qwen2_5_omni_config(default: Any, kwargs: dict[str, Any]) -> None:
+    # its token2wav: a DiT (codec vocabulary num_embeds, an ECAPA speaker encoder enc_*) and a BigVGAN
+    # vocoder, whose width halves at each of its 6 upsamplings from upsample_initial_channel
+    _merge(kwargs, {"token2wav_config": {
+        "dit_config": {"num_embeds": 128, "emb_dim": 32, "enc_emb_dim": 32, "enc_dim": 32,
+                       "enc_channels": [32, 32, 32, 32, 96], "enc_attention_channels": 16, "enc_se_channels": 16},
+        "bigvgan_config": {"upsample_initial_channel": 64}}})
+    talker = kwargs["talker_config"]
+    if "rope_scaling" in talker and talker["rope_scaling"] is None:  # 4.x: its talker's M-RoPE sections, no default
+        talker["rope_scaling"] = {"rope_type": "default", "mrope_section": [2, 3, 3]}
+
+
 CONFIG: dict[str, ConfigFix] = {
     # Fun-ASR-Nano: its config requires adaptor_config.intermediate_size == text_config.hidden_size // 4; its
     # audio tower takes num_mel_bins x num_stacked_frames features a frame (one frame: the generic audio's width)
@@ -65,12 +77,7 @@ CONFIG: dict[str, ConfigFix] = {
     "nemotron_asr_streaming_encoder": _NEMO_STREAMING,
     "pe_audio": {"audio_config": {"dac_config": _PE_AUDIO_DAC}},
     "pe_audio_encoder": {"dac_config": _PE_AUDIO_DAC},
-    # Qwen2.5-Omni's token2wav: a DiT (codec vocabulary num_embeds, an ECAPA speaker encoder enc_*) and a
-    # BigVGAN vocoder, whose width halves at each of its 6 upsamplings from upsample_initial_channel
-    "qwen2_5_omni": {"token2wav_config": {
-        "dit_config": {"num_embeds": 128, "emb_dim": 32, "enc_emb_dim": 32, "enc_dim": 32,
-                       "enc_channels": [32, 32, 32, 32, 96], "enc_attention_channels": 16, "enc_se_channels": 16},
-        "bigvgan_config": {"upsample_initial_channel": 64}}},
+    "qwen2_5_omni": _qwen2_5_omni_config,
     # SeamlessM4T: the speech encoder's, text-to-unit model's and vocoder's sizes have their own prefixed names
     "seamless_m4t": {
         "speech_encoder_layers": 2, "speech_encoder_attention_heads": 4, "speech_encoder_intermediate_size": 128,
@@ -123,11 +130,10 @@ def _qwen2_5_omni(model: nn.Module) -> dict[str, Any]:
     text_vocab = config.thinker_config.text_config.vocab_size
     return {
         "thinker": tiny_inputs(model.thinker),
-        # codec ids, with the thinker's reply (its text ids place the M-RoPE positions) added to their embeddings
-        "talker": {"input_ids": torch.randint(3, talker.vocab_size - SPECIAL_IDS, (1, length), generator=gen),
+        # the thinker's embedded prompt (its text ids place the M-RoPE positions), as the talker's first step
+        "talker": {"inputs_embeds": torch.randn(1, length, talker.embedding_size, generator=gen),
                    "input_text_ids": torch.randint(3, text_vocab - SPECIAL_IDS, (1, length), generator=gen),
-                   "attention_mask": torch.ones(1, length, dtype=torch.long),
-                   "thinker_reply_part": torch.randn(1, 1, talker.embedding_size, generator=gen)},
+                   "attention_mask": torch.ones(1, length, dtype=torch.long)},
         # one step of token2wav's flow matching: a noisy mel, a reference mel, the speaker, codec codes, the time
         "token2wav.code2wav_dit_model": {
             "hidden_states": torch.randn(1, length * dit.repeats, dit.mel_dim, generator=gen),
