@@ -14,7 +14,8 @@ a config that runs is done once per release of transformers and torch (its resul
 cache folder, ``$TORCHEMBED_CACHE/zoo``; ``TORCHEMBED_ZOO_CACHE=0`` searches afresh). Weights are drawn with a variance-preserving init
 (:func:`strong_init`) instead of HF's ``initializer_range=0.02``, under which attention is nearly
 uniform and a wrong rotation barely moves the logits. Inputs (:func:`tiny_inputs`) are token ids,
-plus a tiny image where the model has a vision tower, so that the tower's rotation runs too.
+plus a tiny image where the model has a vision tower (tiny audio where it has an audio tower), so that
+the tower's rotation runs too; an audio model's own inputs are tiny audio in the layout it takes.
 
 Used by ``torchembed list --all`` (what is patched and why not), ``torchembed compare --all`` and
 the tests (:func:`zoo_case`: the model and the inputs to run).
@@ -718,7 +719,8 @@ def strong_init(model: nn.Module, seed: int = 0, gain: float = 2.0) -> nn.Module
                 param.copy_(values.to(param.dtype))
         codebooks = torch.Generator().manual_seed(seed + 1)
         for name, buffer in model.named_buffers():
-            if "embed" in name.rsplit(".", 1)[-1] and buffer.is_floating_point() and buffer.dim() == 2 and not buffer.any():
+            codebook = "embed" in name.rsplit(".", 1)[-1] and buffer.is_floating_point() and buffer.dim() == 2
+            if codebook and not buffer.any():
                 buffer.copy_(torch.randn(buffer.shape, generator=codebooks).to(buffer.dtype))
     return model
 
@@ -812,11 +814,13 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
     """The inputs the zoo runs ``model`` on: ``input_ids`` (2 rows of ``seq_len`` ids, none of them
     special), and for a model with a vision tower one tiny image in the layout it takes, its image
     tokens in row 0 (between the vision start/end tokens where the config has them) and the token
-    type ids that mark them; for a vision tower of its own, just the image.
+    type ids that mark them; for a vision tower of its own, just the image. Likewise for a speech LM:
+    tiny audio and its audio tokens in row 0; for an audio model of its own (encoder, codec, time
+    series), just the audio. :data:`~torchembed.tools.zoo_fixes.INPUTS` replaces this per model type.
 
     Raises:
-        ValueError: the model takes neither ``input_ids`` nor an image (audio models), or no image
-            layout tried runs its vision tower.
+        ValueError: the model takes neither ``input_ids`` nor an image or audio, or no image (audio)
+            layout tried runs its vision (audio) tower.
     """
     config = model.config
     fix = INPUTS.get(getattr(config, "model_type", None))
@@ -859,10 +863,9 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
             if name in params:
                 inputs[name] = kind
                 break
-    elif set(_AUDIO[:3]) & params and _special(config, "audio_token_id", "audio_token_index") is not None:
+    elif set(_AUDIO[:3]) & params and (audio_id := _special(config, "audio_token_id", "audio_token_index")) is not None:
         audio, count = _speech(model, params, seq_len)  # a speech LM: its audio tokens in row 0, and the audio
         ids = torch.randint(3, vocab - SPECIAL_IDS, (1, seq_len), generator=gen)
-        audio_id = _special(config, "audio_token_id", "audio_token_index")
         ids = torch.cat((ids[:, :3], torch.full((1, count), audio_id), ids[:, 3:]), dim=-1)
         inputs.update(audio)
     else:
@@ -920,7 +923,8 @@ def _deep_first(config: Any, keys: tuple[str, ...]) -> int | None:
 
 
 def _hop(config: Any) -> int:
-    """Waveform samples per frame of an audio tower: the product of its convolutions' strides."""
+    """Waveform samples per frame of an audio tower: the product of its convolutions' strides (1 where
+    its config names none)."""
     level = [config.to_dict()]
     while level:
         for values in level:
@@ -951,9 +955,9 @@ def _audio_candidates(model: nn.Module, params: set[str], seq_len: int) -> Itera
         layouts = [first, first.transpose(1, 2)]
     elif name in ("input_values", "past_values"):
         channels = _first(config, "audio_channels", "channels", "in_channels", default=1)
-        hop = _hop(config)
-        length = 16 * (hop if name == "past_values" else max(hop, 320))  # 16 frames (waveforms: of 20 ms at 16 kHz or more)
-        wave = torch.randn(1, channels, length, generator=gen) * (0.1 if name == "input_values" else 1.0)  # speech-level audio
+        hop = _hop(config) if name == "past_values" else max(_hop(config), 320)  # waveforms: 20 ms at 16 kHz or more
+        length = 16 * hop  # 16 frames
+        wave = torch.randn(1, channels, length, generator=gen) * (0.1 if name == "input_values" else 1.0)  # speech level
         layouts = [wave, wave[:, 0]] if channels > 1 else [wave[:, 0], wave]
     else:  # latents of a codec's decoder, embeddings of an encoder
         width = _first(config, "hidden_size", "d_model", default=SMALL["hidden_size"])
@@ -1007,7 +1011,8 @@ def _audio_inputs(model: nn.Module, params: set[str], seq_len: int) -> dict[str,
             first = first or err
             continue
         return inputs
-    raise ValueError(f"no tiny audio layout runs {type(model).__name__} ({type(first).__name__}: {_clip(str(first))})")
+    raise ValueError(f"no tiny audio layout runs {type(model).__name__} "
+                     f"({type(first).__name__}: {_clip(str(first))})")
 
 
 def _required(model: nn.Module) -> str:

@@ -25,20 +25,21 @@ __all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
 
 ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
 
-# NeMo's streaming Fast Conformer: its eager attention fills -inf where the float (additive) mask is *not*
-# zero, which leaves a row with nothing masked all -inf (NaN); chunks of 2 frames (lookahead 1) and a left
-# context of 2 chunks (sliding window 5) mask some frames in every row of the tiny audio's 9 frames
-_NEMO_STREAMING = {"sliding_window": 5, "default_num_lookahead_tokens": 1}
-
 # Granite Speech: its Conformer encoder's sizes are hidden_dim / num_layers / dim_head, and its Q-Former
 # projector cross-attends to the encoder's output (encoder_hidden_size = the encoder's hidden_dim)
 _GRANITE_SPEECH = {"encoder_config": {"hidden_dim": 64, "num_layers": 2, "num_heads": 4, "dim_head": 16},
                    "projector_config": {"encoder_hidden_size": 64}}
 
+# NeMo's streaming Fast Conformer: its eager attention fills -inf where the float (additive) mask is *not*
+# zero, which leaves a row with nothing masked all -inf (NaN); chunks of 2 frames (lookahead 1) and a left
+# context of 2 chunks (sliding window 5) mask some frames in every row of the tiny audio's 9 frames
+_NEMO_STREAMING = {"sliding_window": 5, "default_num_lookahead_tokens": 1}
+
 # PE Audio: its DAC front end has no normalisation, and each downsampling block's 3 residual units grow a
 # random-weight model's activations about 100-fold, until its transformer's layers (and their rotation) are
 # lost in float32 next to them: no downsampling block (waveform samples are the transformer's frames)
 _PE_AUDIO_DAC = {"downsampling_ratios": [], "hop_length": 1}
+
 
 def _qwen2_5_omni_config(default: Any, kwargs: dict[str, Any]) -> None:
     # its token2wav: a DiT (codec vocabulary num_embeds, an ECAPA speaker encoder enc_*) and a BigVGAN
@@ -65,16 +66,16 @@ CONFIG: dict[str, ConfigFix] = {
     "kyutai_speech_to_text": {"ffn_dim": 256},
     # Moonshine Streaming: its decoder reads num_key_value_heads, which its config class does not define
     "moonshine_streaming": {"num_key_value_heads": 4},
-    "nemotron3_5_asr": {"encoder_config": _NEMO_STREAMING},
+    # Muse Spark audio: a convolutional tower, its stages' widths and depths in hidden_sizes / depths
+    "muse_spark_audio": {"hidden_sizes": [8, 16, 32, 64], "depths": [1, 1, 1, 1]},
+    "nemotron3_5_asr": {"encoder_config": _NEMO_STREAMING},  # NeMo's streaming Fast Conformer encoder
     # Nemotron 3.5 word timestamps: its output is inputs_embeds + residual_scale x its layers' (0.1 by default,
     # under which a random-weight model's layers, and their rotation, barely move the output)
     "nemotron3_5_transcribe_word_timestamp": {"residual_scale": 10.0},
-    # Muse Spark audio: a convolutional tower, its stages' widths and depths in hidden_sizes / depths
-    "muse_spark_audio": {"hidden_sizes": [8, 16, 32, 64], "depths": [1, 1, 1, 1]},
-    # NeuCodec: its quantizer's width is the acoustic plus the semantic encoder's hidden_size (64 + 64)
-    "neucodec": {"quantization_dim": 128},
     "nemotron_asr_streaming": {"encoder_config": _NEMO_STREAMING},
     "nemotron_asr_streaming_encoder": _NEMO_STREAMING,
+    # NeuCodec: its quantizer's width is the acoustic plus the semantic encoder's hidden_size (64 + 64)
+    "neucodec": {"quantization_dim": 128},
     "pe_audio": {"audio_config": {"dac_config": _PE_AUDIO_DAC}},
     "pe_audio_encoder": {"dac_config": _PE_AUDIO_DAC},
     "qwen2_5_omni": _qwen2_5_omni_config,
@@ -89,6 +90,13 @@ CONFIG: dict[str, ConfigFix] = {
 }
 
 
+def _codec_with_semantics(model: nn.Module) -> dict[str, Tensor]:
+    gen, config = torch.Generator().manual_seed(2), model.config
+    frames, width = 16, config.semantic_model_config.feature_projection_input_dim
+    return {"input_values": torch.randn(1, 1, frames * config.hop_length, generator=gen) * 0.1,
+            "input_features": torch.randn(1, frames, width, generator=gen)}
+
+
 def _gemma3n_audio(model: nn.Module) -> dict[str, Tensor]:
     from torchembed.tools.zoo import AUDIO_FRAMES
 
@@ -97,17 +105,12 @@ def _gemma3n_audio(model: nn.Module) -> dict[str, Tensor]:
 
 
 def _kyutai_speech_to_text(model: nn.Module) -> dict[str, Tensor]:
+    from torchembed.tools.zoo import SPECIAL_IDS
+
     config, gen = model.config, torch.Generator().manual_seed(0)
-    text = torch.randint(3, config.vocab_size - 16, (2, 12, 1), generator=gen)
+    text = torch.randint(3, config.vocab_size - SPECIAL_IDS, (2, 12, 1), generator=gen)
     codes = torch.randint(0, config.codebook_vocab_size - 1, (2, 12, config.num_codebooks), generator=gen)
     return {"input_ids": torch.cat((text, codes), dim=-1)}
-
-
-def _codec_with_semantics(model: nn.Module) -> dict[str, Tensor]:
-    gen, config = torch.Generator().manual_seed(2), model.config
-    frames, width = 16, config.semantic_model_config.feature_projection_input_dim
-    return {"input_values": torch.randn(1, 1, frames * config.hop_length, generator=gen) * 0.1,
-            "input_features": torch.randn(1, frames, width, generator=gen)}
 
 
 def _pe_audio(model: nn.Module) -> dict[str, Tensor]:
@@ -161,9 +164,9 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
     "neucodec": _codec_with_semantics,
     # PE Audio: a text-audio dual encoder, which takes both: text, and its audio tower's own tiny audio
     "pe_audio": _pe_audio,
-    "pe_audio_encoder": _pe_audio_encoder,
+    "pe_audio_encoder": _pe_audio_encoder,  # PE Audio's encoder: 16 samples, 16 frames without a downsampling block
     # Qwen2.5-Omni only generates: the zoo runs its parts (thinker, talker, token2wav's DiT), each on its inputs
-    "qwen2_5_omni": _qwen2_5_omni,  # PE Audio's encoder: 16 samples, 16 frames without a downsampling block
+    "qwen2_5_omni": _qwen2_5_omni,
     # Voxtral Realtime: one audio embedding is added to each token's (no audio tokens): as many tokens as frames
     "voxtral_realtime": _voxtral_realtime,
     "xcodec2": _codec_with_semantics,  # X-Codec 2: as NeuCodec
