@@ -150,7 +150,10 @@ def _qwen2_5_omni(model: nn.Module) -> dict[str, Any]:
 def _voxtral_realtime(model: nn.Module) -> dict[str, Tensor]:
     from torchembed.tools.zoo import SPECIAL_IDS, _forward_parameters, _speech
 
-    audio, count = _speech(model, _forward_parameters(model), 12)
+    speech = _speech(model, _forward_parameters(model), 12)
+    if speech is None:
+        raise ValueError("no tiny audio layout runs Voxtral Realtime's audio tower")
+    audio, count = speech
     ids = torch.randint(3, model.config.get_text_config().vocab_size - SPECIAL_IDS, (1, count),
                         generator=torch.Generator().manual_seed(0))
     return {"input_ids": ids, **audio}
