@@ -655,20 +655,23 @@ class RotaryHelper:
                     rule: str) -> list[Tensor]:
         """The PyTorch path: ``x * cos + partner(x) * sin'`` over the rotated features, where
         ``partner`` swaps each feature with its pair (a roll by ``r/2``, or a flip of adjacent features)
-        and ``sin'`` carries the rotation's signs -- upstream's float32 products and sum, bit for bit,
-        in four operations (bf16/fp16 inputs: float32 math, rounded once into the output). The
-        full-width tables are made once per forward."""
+        and ``sin'`` carries the rotation's signs. float32: upstream's products and sum, bit for bit,
+        in four operations. bf16/fp16 tensors and tables (HF casts its tables to the model dtype):
+        ``addcmul(x * cos, partner, sin')`` in that dtype, three operations whose arithmetic is
+        float32 inside, rounded twice (upstream's five operations round three times). The full-width
+        tables are made once per forward."""
         rot = 2 * c.shape[-1]
+        low = c.dtype in (torch.float16, torch.bfloat16) and all(x.dtype == c.dtype for x in xs)
         kept = self._full
-        if kept is None or kept[0] is not c or kept[1] is not s or kept[2] != (unsqueeze, rule):
-            compute = torch.promote_types(c.dtype, torch.float32)
+        if kept is None or kept[0] is not c or kept[1] is not s or kept[2] != (unsqueeze, rule, low):
+            compute = c.dtype if low else torch.promote_types(c.dtype, torch.float32)
             cf, sf = c.to(compute), s.to(compute)
             sf = -sf if self.rotation.conjugate else sf
             if interleaved:
                 full_c, signed = cf.repeat_interleave(2, dim=-1), torch.stack((-sf, sf), dim=-1).flatten(-2)
             else:
                 full_c, signed = torch.cat((cf, cf), dim=-1), torch.cat((-sf, sf), dim=-1)
-            kept = (c, s, (unsqueeze, rule), *(_broadcast(t, rule, unsqueeze) for t in (full_c, signed)))
+            kept = (c, s, (unsqueeze, rule, low), *(_broadcast(t, rule, unsqueeze) for t in (full_c, signed)))
             if not torch.compiler.is_compiling():
                 self._full = kept
         full_c, signed = kept[3], kept[4]
@@ -677,7 +680,9 @@ class RotaryHelper:
             xr = x if x.shape[-1] == rot else x[..., :rot]
             partner = xr.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) if interleaved else torch.roll(xr, rot // 2, -1)
             y = xr * full_c
-            if y.dtype == x.dtype:
+            if low:
+                y = torch.addcmul(y, partner, signed)
+            elif y.dtype == x.dtype:
                 y += partner * signed
             else:
                 y = torch.addcmul(y, partner, signed, out=torch.empty_like(xr))

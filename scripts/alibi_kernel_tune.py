@@ -32,8 +32,13 @@ from pathlib import Path
 import torch
 
 # head dim -> candidates (BLOCK_M, BLOCK_N, num_warps, num_stages); decode: (BLOCK_R, BLOCK_N, ...)
-FWD = {64: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 4)],
-       128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4)]}
+FWD = {64: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 3), (64, 32, 4, 3),
+            (128, 128, 8, 3)],
+       128: [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 3), (64, 32, 4, 3),
+             (128, 128, 8, 2)]}
+# forward variants (name, keys/values through tensor descriptors where the GPU has them), each timed
+# with every FWD candidate; the fastest variant is kept for the rest of the run
+FWD_VARIANTS = [("tma", True), ("pointers", False)]
 DKDV = {64: [(64, 64, 8, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3), (128, 128, 8, 2)],
         128: [(64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (32, 128, 4, 2)]}
 DQ = {64: [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 32, 4, 3), (128, 128, 8, 2)],
@@ -137,9 +142,10 @@ def _jobs(smoke: bool) -> list[tuple]:
     prefill = _SMOKE_PREFILL if smoke else PREFILL_SHAPE
     decode = _SMOKE_DECODE if smoke else DECODE_SHAPES
     for dim in (64, 128):
-        for cfg in FWD[dim]:
-            jobs.append(("fwd", dim, cfg, prefill[dim], False))
-        jobs.append(("fwd", dim, FWD[dim][0], prefill[dim], True))
+        for variant in FWD_VARIANTS:
+            for cfg in FWD[dim]:
+                jobs.append(("fwd", dim, cfg, prefill[dim], False, variant))
+            jobs.append(("fwd", dim, FWD[dim][0], prefill[dim], True, variant))
         for cfg in DKDV[dim]:
             jobs.append(("dkdv", dim, cfg, prefill[dim], False))
         for cfg in DQ[dim]:
@@ -160,11 +166,13 @@ def _run_job(job: tuple) -> str:
         return _run_check_job(job[1])
     if job[0] == "flex":
         return _run_flex_job(job[1])
-    kind, dim, cfg, shape, masked = job
+    kind, dim, cfg, shape, masked, *variant = job
     try:
         from torchembed.kernels.alibi_flash import clear_plans
 
         K = _kernels()
+        if variant:
+            _use_variant(variant[0])
         K.CONFIGS[(kind, K.block_d(dim), masked)] = cfg
         clear_plans()
         q, k, v, bias, keep = _case(*shape, torch.bfloat16, _device(), masked=masked, key_bias=masked,
@@ -210,6 +218,11 @@ def _run_flex_job(shape: tuple) -> str:
         return f"ok flex {shape}"
     except Exception as exc:
         return f"FAILED flex {shape}: {type(exc).__name__}: {str(exc)[:300]}"
+
+
+def _use_variant(variant: tuple) -> None:
+    K = _kernels()
+    _, K.USE_TMA = variant
 
 
 def _worker_init() -> None:
@@ -362,18 +375,19 @@ def sweep(args) -> dict:
     prefill = _SMOKE_PREFILL if args.smoke else PREFILL_SHAPE
     decode = _SMOKE_DECODE if args.smoke else DECODE_SHAPES
 
-    def pick(kind, dim, masked, candidates, timer):
+    def pick(kind, dim, masked, candidates, timer, variant=""):
         key = (kind, K.block_d(dim), masked)
         best = None
+        name = f"{kind}:{variant}" if variant else kind
         for cfg in candidates:
             K.CONFIGS[key] = cfg
             clear_plans()
             try:
                 ms = timer()
             except Exception as exc:
-                table.append((kind, dim, masked, cfg, f"failed: {type(exc).__name__}: {str(exc)[:120]}"))
+                table.append((name, dim, masked, cfg, f"failed: {type(exc).__name__}: {str(exc)[:120]}"))
                 continue
-            table.append((kind, dim, masked, cfg, ms))
+            table.append((name, dim, masked, cfg, ms))
             if best is None or ms < best[1]:
                 best = (cfg, ms)
         if best is not None:
@@ -382,16 +396,27 @@ def sweep(args) -> dict:
             chosen[f"{kind},{K.block_d(dim)},{int(masked)}"] = list(best[0])
         return best
 
+    variants = {}
     for dim in (64, 128):
         shape = prefill[dim]
         q, k, v, bias, keep = _case(*shape, torch.bfloat16, device)
-        with torch.no_grad():
-            pick("fwd", dim, False, FWD[dim],
-                 lambda: _bench(lambda: _launch_forward(q, k, v, bias, None, False)))
         qm, km, vm, kbm, keepm = _case(*shape, torch.bfloat16, device, masked=True, key_bias=True)
-        with torch.no_grad():
-            pick("fwd", dim, True, FWD[dim][:3] if dim == 64 else FWD[dim][:1],
-                 lambda: _bench(lambda: _launch_forward(qm, km, vm, kbm, keepm, True)))
+        for variant in FWD_VARIANTS:
+            _use_variant(variant)
+            with torch.no_grad():
+                best = pick("fwd", dim, False, FWD[dim],
+                            lambda: _bench(lambda: _launch_forward(q, k, v, bias, None, False)), variant[0])
+                masked = pick("fwd", dim, True, FWD[dim][:3] if dim == 64 else FWD[dim][:1],
+                              lambda: _bench(lambda: _launch_forward(qm, km, vm, kbm, keepm, True)), variant[0])
+            variants[(dim, variant)] = (best, masked)
+        winner = min(FWD_VARIANTS, key=lambda var: variants[(dim, var)][0][1])
+        for masked in (False, True):
+            cfg = variants[(dim, winner)][masked][0]
+            K.CONFIGS[("fwd", K.block_d(dim), masked)] = cfg
+            chosen[f"fwd,{K.block_d(dim)},{int(masked)}"] = list(cfg)
+        chosen[f"fwd-variant,{K.block_d(dim)}"] = winner[0]
+        _use_variant(winner)  # (the variant of the last head dim stays on for the later phases)
+        clear_plans()
         pick("dkdv", dim, False, DKDV[dim], lambda: _time_backward(q, k, v, bias, None, False))
         pick("dq", dim, False, DQ[dim], lambda: _time_backward(q, k, v, bias, None, False))
         for masked in (True,):  # the masked backward takes the causal winners
@@ -412,7 +437,7 @@ def sweep(args) -> dict:
     print("sweep (ms; decode: the sum over its shapes):", flush=True)
     for kind, dim, masked, cfg, ms in table:
         shown = f"{ms:.4f}" if isinstance(ms, float) else ms
-        print(f"  {kind:6s} d{dim:<4d} {'mask' if masked else 'causal':6s} {str(cfg):18s} {shown}", flush=True)
+        print(f"  {kind:24s} d{dim:<4d} {'mask' if masked else 'causal':6s} {str(cfg):18s} {shown}", flush=True)
     result = {"chosen": chosen, "table": [[str(c) for c in row] for row in table]}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "alibi-kernel-tune.json").write_text(json.dumps(result, indent=1))
@@ -426,6 +451,9 @@ def apply(chosen: dict) -> None:
     clear_plans()
     K = _kernels()
     for key, cfg in chosen.items():
+        if key.startswith("fwd-variant"):
+            _use_variant(next(v for v in FWD_VARIANTS if v[0] == cfg))
+            continue
         kind, bd, masked = key.split(",")
         K.CONFIGS[(kind, int(bd), bool(int(masked)))] = tuple(cfg)
         if kind in ("dkdv", "dq", "decode"):

@@ -157,6 +157,18 @@ def test_small_prefill_materialises_the_bias_once_per_forward(monkeypatch, dtype
     assert len(kernel) == 1
 
 
+def test_a_call_without_a_forward_cache_takes_the_kernel_at_any_size(monkeypatch):
+    """The materialised bias pays off when the layers of one forward share it (``cache``); a call of
+    its own (``ALiBiEmbedding.attention``) would build it for itself alone: the kernel, at every size."""
+    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
+    built, kernel = _count(monkeypatch, module, "prefill_bias"), _count(monkeypatch, module, "attempt")
+    q, k, v, key_bias, keep = _case(1, 2, 24, 24, 16, torch.float32, pad=0)
+    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 2**40)
+    out = alibi_attention(q, k, v, key_bias, keep, scale=0.25)
+    torch.testing.assert_close(out.double(), _truth(q, k, v, key_bias, keep, 0.25), atol=2e-5, rtol=2e-5)
+    assert (len(built), len(kernel)) == (0, 1)
+
+
 def test_gradients_keep_the_materialised_bias_longer(monkeypatch):
     """With gradients recorded the bound is ``DENSE_GRAD_MAX_ELEMENTS`` (the kernel's backward measured
     slower there), and the gradients match float64."""
@@ -169,7 +181,7 @@ def test_gradients_keep_the_materialised_bias_longer(monkeypatch):
     assert module.dense_prefill(*leaves[:2])
     kernel = _count(monkeypatch, module, "attempt")
     grad = torch.randn_like(q)
-    alibi_attention(*leaves, key_bias, keep, scale=0.25).backward(grad)
+    alibi_attention(*leaves, key_bias, keep, scale=0.25, cache=MaskCache().store(keep, keep)).backward(grad)
     assert not kernel
     ref = [x.double().requires_grad_() for x in (q, k, v)]
     _truth(*ref, key_bias, keep, 0.25).backward(grad.double())

@@ -135,6 +135,47 @@ def test_mask_with_holes_reads_the_mask():
     _check(q, k, v, alibi_slopes(h, DEV), keep=keep)
 
 
+@pytest.mark.parametrize("case", ["causal", "chunked", "grouped", "padded_dim", "key_bias_padding", "holes"])
+def test_tensor_descriptor_loads_compute_the_same(case, monkeypatch):
+    """Keys and values read through tensor descriptors (the TMA path of Hopper GPUs; on CPU the
+    interpreter models them): ragged key ends and padded head dims read as zeros, like the masked
+    pointer loads."""
+    from torchembed.kernels import alibi_flash as flash
+    from torchembed.kernels import alibi_flash_triton as kernels
+
+    monkeypatch.setattr(kernels, "_tma_device", lambda device: True)
+    monkeypatch.setattr(kernels, "USE_TMA", True)
+    flash.clear_plans()
+    launched = []
+    call = kernels._TmaLaunch.__call__
+    monkeypatch.setattr(kernels._TmaLaunch, "__call__", lambda self, t: launched.append(1) or call(self, t))
+    keep, key_bias = None, False
+    if case == "causal":
+        q, k, v = _inputs(2, 3, 3, 37, 37, 32, torch.bfloat16, seed=11)
+    elif case == "chunked":
+        q, k, v = _inputs(1, 2, 2, 24, 70, 32, torch.float32, seed=12)
+    elif case == "grouped":
+        q, k, v = _inputs(2, 4, 2, 33, 40, 16, torch.float32, seed=13)
+    elif case == "padded_dim":
+        q, k, v = _inputs(1, 2, 2, 20, 20, 80, torch.bfloat16, seed=14, layout="bhsd")
+    else:
+        b, m, n, h = 2, 30, 45, 2
+        keep = _left_padded_keep(b, m, n, [0, 3]).clone()
+        if case == "holes":
+            keep[1, 0, 10:, 20:23] = False
+        q, k, v = _inputs(b, h, h, m, n, 32, torch.float32, seed=15)
+        key_bias = case == "key_bias_padding"
+    h = q.shape[1]
+    bias = alibi_slopes(h, DEV)
+    if key_bias:
+        bias = (bias[None, :, None] * torch.arange(k.shape[2], device=DEV).float()).expand(q.shape[0], -1, -1)
+    try:
+        _check(q, k, v, bias, keep=keep, key_bias=key_bias)
+    finally:
+        flash.clear_plans()
+    assert launched  # the forward went through the descriptor launch
+
+
 def test_mask_rows_summary():
     keep = torch.zeros(2, 1, 4, 9, dtype=torch.bool, device=DEV)
     keep[0, 0, 0, 2:5] = True  # a range

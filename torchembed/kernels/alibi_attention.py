@@ -6,8 +6,10 @@ Press et al., arXiv:2108.12409. :func:`alibi_attention` takes, with ``fused=None
   inside from the slopes or read from a ``(b or 1, h, k)`` key bias, any mask summarised per row,
   GQA, forward and backward), for every prefill above the size below and for masks of any kind;
 * SDPA with the ``(b, h, q, k)`` bias materialised once per forward (one Triton write,
-  :mod:`torchembed.kernels.alibi_bias`) for prefills of at most ``DENSE_MAX_ELEMENTS`` bias elements
-  (``DENSE_GRAD_MAX_ELEMENTS`` when gradients are recorded): per layer the kernel is the faster one
+  :mod:`torchembed.kernels.alibi_bias`) for a model's prefills (``cache`` given: the layers of one
+  forward share the bias) of at most ``DENSE_MAX_ELEMENTS`` bias elements (``DENSE_GRAD_MAX_ELEMENTS``
+  when gradients are recorded); a call without ``cache`` (``ALiBiEmbedding.attention``) would build
+  the bias for itself alone and takes the kernel. Per layer the kernel is the faster one
   at every size on the H200 (``benchmarks/results/alibi-kernel.md``, 1 x 16 x 1024 x 64: 0.025 vs
   0.033 ms), but whole models at these sizes are bound by host time, and there the bias made once
   for all layers measured faster (``alibi-short.md``, the kernel at every prefill: BLOOM 1 x 2048
@@ -186,7 +188,7 @@ def alibi_attention(
         raise ValueError("alibi_attention needs key_bias (b or 1, h, k) or slopes (h,)")
     q_len = q.shape[-2]
     if fused or (fused is None and _PREFILL != "dense" and not (q_len == 1 and cache is not None)
-                 and not dense_prefill(q, k)):
+                 and not (cache is not None and dense_prefill(q, k))):
         why = "it has no dropout (dropout_p > 0)"
         if not dropout_p and use_kernel(fused, q, "the fused ALiBi attention kernel"):
             out = _flash(q, k, v, key_bias, slopes, keep, scale, cache)

@@ -9,9 +9,11 @@ dim (padded to a power of two ``BLOCK_D`` inside, masked).
 Scores are kept in base-2 units: ``s2 = log2(e) * (scale * q.k + bias)``, so each probability is one
 ``exp2``. The bias of query row ``i`` and key ``j`` is ``slope_h * (j - c_i)`` (``BIAS == 0``, from the
 ``(H,)`` slopes) or ``key_bias[b, h, j] - key_bias[b, h, c_i]`` (``BIAS == 1``, from a ``(B or 1, H, N)``
-float32 key bias). ``c_i`` is the row's last kept key; a per-row constant does not change softmax, and
-this one makes the bias exactly 0 at the row's newest key and small near it, where the weight is, so
-it rounds least there. Each tile adds it as ``kvec[j] + rvec[i]`` (two vectors, one add per score).
+float32 key bias). ``c_i`` is the row's last kept key. The bias splits into a key part ``kvec[j]``
+(relative to ``c0``, the last key any row of the query block keeps: small near the newest keys, where
+the weight is, so it rounds least there) and a row part ``rvec[i]``. A per-row constant does not change
+softmax: each score adds ``kvec[j]`` only (one fused multiply-add with the scale), and ``rvec`` enters
+once per row, into the log-sum-exp the backward reads (which subtracts it again per row).
 
 Which keys a row sees (``MASK``):
 
@@ -25,7 +27,10 @@ Which keys a row sees (``MASK``):
 
 Every key block a row cannot see is skipped: a query block visits ``[min lo, max hi)`` only, in up to
 three loops (masked, unmasked, masked), so the bulk of a causal prefill runs with no mask arithmetic.
-Every index is int64 before it meets a stride; all tensors take any strides. Matrix products take
+Every index is int64 before it meets a stride; all tensors take any strides. On Hopper and later GPUs
+the prefill kernel reads keys and values through tensor descriptors (``TMA``: the tensor memory
+accelerator copies each tile, zero-filling past the last key and the head dim) where their strides
+and pointers allow it (16-byte aligned), else through pointers. Matrix products take
 the input dtype (float32: full-precision products) and accumulate in float32; the softmax statistics
 are float32.
 
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import triton
@@ -178,30 +184,33 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m, row_ok, c0, kb0,
-              slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
+def _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base, keep_base, offs_m,
+              row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BIAS: tl.constexpr,
-              MASKED: tl.constexpr, HOLES: tl.constexpr, PREC: tl.constexpr):
+              MASKED: tl.constexpr, HOLES: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     """One key tile of the online softmax. ``MASKED``: the tile straddles some row's ``lo`` or ``hi``
     (or the end of the keys); ``HOLES``: it reads ``keep`` as well."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n64 = offs_n.to(tl.int64)
-    # addresses made afresh for each tile (a loop-carried tile of 64-bit pointers costs registers
-    # that the scores need)
-    kt_ptrs = k_base + n64[None, :] * skn + offs_d[:, None] * skd
-    v_ptrs = v_base + n64[:, None] * svn + offs_d[None, :] * svd
     if MASKED:
         n_ok = offs_n < N
-        kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-    elif HEAD_DIM == BLOCK_D:
-        kt = tl.load(kt_ptrs)
+    if TMA:  # tensor-memory-accelerator loads: keys past N and features past HEAD_DIM read as 0
+        kt = tl.trans(k_desc.load([start_n, 0]))
     else:
-        kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+        # addresses made afresh for each tile (a loop-carried tile of 64-bit pointers costs registers
+        # that the scores need)
+        kt_ptrs = k_base + n64[None, :] * skn + offs_d[:, None] * skd
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        elif HEAD_DIM == BLOCK_D:
+            kt = tl.load(kt_ptrs)
+        else:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
     qk = _dot(q, kt, PREC)
     kvec = _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS, MASKED)
-    s = qk * qk_scale + (kvec[None, :] + rvec[:, None])
+    s = qk * qk_scale + kvec[None, :]  # (the row part of the bias: added to the log-sum-exp at the end)
     if MASKED:
         keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
         if HOLES:
@@ -214,12 +223,16 @@ def _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, k
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if MASKED:
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    elif HEAD_DIM == BLOCK_D:
-        v = tl.load(v_ptrs)
+    if TMA:
+        v = v_desc.load([start_n, 0])
     else:
-        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        v_ptrs = v_base + n64[:, None] * svn + offs_d[None, :] * svd
+        if MASKED:
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif HEAD_DIM == BLOCK_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
     acc = _dot_acc(p.to(v.dtype), v, acc, PREC)
     return acc, l_i, m_new
 
@@ -260,6 +273,7 @@ def _fwd_kernel(
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, STORE_LSE: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (causal) blocks first
     bh = tl.program_id(1).to(tl.int64)
@@ -279,30 +293,35 @@ def _fwd_kernel(
     bias_base = b * sbb + h * sbh
     slope2 = _head_slope(Bias, h, sbh, BIAS)
     kb0 = _bias_at(Bias, bias_base, sbn, c0, BIAS)
-    rvec = _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
+    if TMA:
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[N, HEAD_DIM], strides=[skn, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[N, HEAD_DIM], strides=[svn, 1], block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_desc, v_desc = k_base, v_base  # (unused)
     keep_base = Keep + b * smb
     if holes:  # (rows mode only) some row has holes in its range: every tile masked, reading keep
         for t in range(0, n_b):  # (from full_hi = first)
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base,
-                                      offs_m, row_ok, c0, kb0, slope2, full_hi + t * BLOCK_N, N, skn, skd, svn, svd, sbn,
-                                      smm, smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, True, PREC)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base,
+                                      keep_base, offs_m, row_ok, c0, kb0, slope2, full_hi + t * BLOCK_N, N, skn, skd, svn,
+                                      svd, sbn, smm, smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, True, PREC,
+                                      TMA)
     else:
         for start_n in range(full_lo, full_hi, BLOCK_N):  # the bulk: no mask arithmetic
             start_n = tl.multiple_of(start_n, BLOCK_N)
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base,
-                                      offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn,
-                                      qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False, False, PREC)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base,
+                                      keep_base, offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm,
+                                      smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False, False, PREC, TMA)
         for t in range(0, n_a + n_b):  # the tiles some row starts or ends inside (causal: the diagonal)
             start_n = tl.where(t < n_a, first + t * BLOCK_N, full_hi + (t - n_a) * BLOCK_N)
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base,
-                                      offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn,
-                                      qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base,
+                                      keep_base, offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm,
+                                      smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC, TMA)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -311,6 +330,7 @@ def _fwd_kernel(
     if STORE_LSE:
         # +inf for a row that sees nothing: the backward's exp2(s - lse) is then 0 there
         lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+        lse += _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS)  # (left out of the scores)
         tl.store(Lse + bh * M + offs_m, lse, mask=row_ok)
 
 
@@ -494,8 +514,9 @@ def _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, b
             lse = tl.load(Lse + bh * M + offs_m, mask=row_ok, other=float("inf"))
             delta = tl.load(Delta + bh * M + offs_m, mask=row_ok, other=0.0)
             c = tl.maximum(hi - 1, 0)
-            rvec = _row_bias(Bias, bias_base, sbn, c, kvec_c0, kb0, slope2, row_ok, BIAS)
-            st = _dot(k, tl.trans(q), PREC) * qk_scale + (kvec[:, None] + rvec[None, :])  # (BLOCK_N, BLOCK_M)
+            # the row part of the bias (a per-row constant) taken off the log-sum-exp instead of each score
+            lse -= _row_bias(Bias, bias_base, sbn, c, kvec_c0, kb0, slope2, row_ok, BIAS)
+            st = _dot(k, tl.trans(q), PREC) * qk_scale + kvec[:, None]  # (BLOCK_N, BLOCK_M)
             if MASKED:
                 keep = (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
                 if MASK != 0:
@@ -575,7 +596,7 @@ def _bwd_dkdv_kernel(
 
 
 @triton.jit
-def _bwd_q_tile(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m, row_ok, c0,
+def _bwd_q_tile(dq, q, do, lse, delta, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m, row_ok, c0,
                 kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BIAS: tl.constexpr,
                 MASKED: tl.constexpr, HOLES: tl.constexpr, PREC: tl.constexpr):
@@ -596,7 +617,7 @@ def _bwd_q_tile(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_
         k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
     kvec = _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS, MASKED)
-    s = _dot(q, tl.trans(k), PREC) * qk_scale + (kvec[None, :] + rvec[:, None])
+    s = _dot(q, tl.trans(k), PREC) * qk_scale + kvec[None, :]
     if MASKED:
         keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
         if HOLES:
@@ -642,25 +663,25 @@ def _bwd_dq_kernel(
     bias_base = b * sbb + h * sbh
     slope2 = _head_slope(Bias, h, sbh, BIAS)
     kb0 = _bias_at(Bias, bias_base, sbn, c0, BIAS)
-    rvec = _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS)
+    lse -= _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS)  # (see _bwd_kv_block)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
     keep_base = Keep + b * smb
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if holes:
         for t in range(0, n_b):  # (from full_hi = first)
-            dq = _bwd_q_tile(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
+            dq = _bwd_q_tile(dq, q, do, lse, delta, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
                              row_ok, c0, kb0, slope2, full_hi + t * BLOCK_N, N, skn, skd, svn, svd, sbn, smm, smn,
                              qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, True, PREC)
     else:
         for start_n in range(full_lo, full_hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
-            dq = _bwd_q_tile(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
+            dq = _bwd_q_tile(dq, q, do, lse, delta, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
                              row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
                              HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False, False, PREC)
         for t in range(0, n_a + n_b):
             start_n = tl.where(t < n_a, first + t * BLOCK_N, full_hi + (t - n_a) * BLOCK_N)
-            dq = _bwd_q_tile(dq, q, do, lse, delta, rvec, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
+            dq = _bwd_q_tile(dq, q, do, lse, delta, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
                              row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
                              HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
     tl.store(DQ + b * sdqb + h * sdqh + offs_m.to(tl.int64)[:, None] * sdqm + offs_d[None, :] * sdqd,
@@ -673,12 +694,13 @@ def _bwd_dq_kernel(
 
 # (kernel, BLOCK_D bucket, mask given?) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps, num_stages) for
 # float16/bfloat16: the fastest of scripts/alibi_kernel_tune.py's candidates on an H200 at head dims
-# 64 and 128 (benchmarks/results/alibi-kernel-tune.json; the masked backward and decode take the
-# causal winners, the masked forward at 128 the causal winner too); 16 and 32 take 64's, 256 the
-# largest tiles that compile without spilling much (not timed).
+# 64 and 128 (benchmarks/results/alibi-kernel-tune.json; the forward's with keys and values read
+# through tensor descriptors; the masked backward and decode take the causal winners); 16 and 32
+# take 64's, 256 the largest tiles that compile without spilling much (not timed).
 CONFIGS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
-    **{("fwd", bd, m): (128, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
-    **{("fwd", 128, m): (64, 64, 4, 3) for m in (False, True)},
+    **{("fwd", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
+    ("fwd", 128, False): (128, 128, 8, 3),
+    ("fwd", 128, True): (128, 64, 8, 3),
     **{("fwd", 256, m): (64, 64, 8, 2) for m in (False, True)},
     **{("dq", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
     **{("dq", 128, m): (64, 32, 4, 3) for m in (False, True)},
@@ -885,11 +907,60 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
             plan.main = lambda t, main=main: main((t[0], t[1], t[2], t[3], t[4], t[3], t[5], t[6], t[7]))
         return plan
     block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, masked)
-    plan.main = Launch(_fwd_kernel, (_cdiv(q_len, block_m), batch * heads, 1), (*strides, heads, group, q_len, k_len),
-                       (qk_scale,),
-                       {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
-                        "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "STORE_LSE": need_lse}, warps, stages)
+
+    def launch(tma: bool) -> Launch:
+        return Launch(_fwd_kernel, (_cdiv(q_len, block_m), batch * heads, 1), (*strides, heads, group, q_len, k_len),
+                      (qk_scale,),
+                      {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
+                       "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "STORE_LSE": need_lse,
+                       "TMA": tma}, warps, stages)
+
+    plan.main = launch(False)
+    if _tma_layout(k, v):  # keys and values through the tensor memory accelerator where aligned
+        plan.main = _TmaLaunch(launch(True), plan.main)
     return plan
+
+
+USE_TMA = os.environ.get("TORCHEMBED_ALIBI_TMA", "1") == "1"  # keys/values by TMA on Hopper and later
+
+
+def _tma_layout(k: Tensor, v: Tensor) -> bool:
+    """Keys and values can be read through tensor descriptors: a CUDA device of compute capability 9
+    or later, a Triton that makes them, unit last strides and 16-byte strides."""
+    if not (USE_TMA and hasattr(tl, "make_tensor_descriptor") and _tma_device(k.device)):
+        return False
+    size = k.element_size()
+    return all(t.stride(3) == 1 and all(t.stride(i) * size % 16 == 0 for i in range(3)) for t in (k, v))
+
+
+def _tma_device(device: torch.device) -> bool:
+    """A CUDA device with a tensor memory accelerator (compute capability 9 or later); tests stand
+    in the interpreter (which models descriptors) for one."""
+    return device.type == "cuda" and not _INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _allocate(size: int, alignment: int, stream: Optional[int]) -> Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+class _TmaLaunch:
+    """The TMA launch where the key and value pointers are 16-byte aligned (what a descriptor
+    needs), else the pointer launch; makes sure Triton has an allocator for the descriptors."""
+
+    __slots__ = ("tma", "plain")
+
+    def __init__(self, tma: Launch, plain: Launch) -> None:
+        self.tma, self.plain = tma, plain
+
+    def __call__(self, tensors: Sequence[Tensor]) -> None:
+        if (tensors[1].data_ptr() | tensors[2].data_ptr()) & 15:
+            self.plain(tensors)
+            return
+        from triton.runtime import _allocation
+
+        if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            triton.set_allocator(_allocate)
+        self.tma(tensors)
 
 
 class BackwardPlan:

@@ -91,6 +91,16 @@ def _rows(q_len: int, device: torch.device) -> Tensor:
     return torch.unique(torch.linspace(0, q_len - 1, n, device=device).round().long())
 
 
+def _allow_recompiles(limit: int = 64) -> None:
+    """Let FlexAttention compile for every benchmarked shape: past the recompile limit dynamo falls
+    back to the unfused implementation, which would be timed instead."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):  # (the name of older torch releases)
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(limit, getattr(torch._dynamo.config, name)))
+
+
 def _implementations(shape: tuple[int, int, int, int], q_len: int, dtype: torch.dtype, device: torch.device,
                      smoke: bool) -> dict[str, Callable[[Tensor, Tensor, Tensor], Tensor] | str]:
     """name -> f(q, k, v) on (b, h, s, d) views, or the reason it is not measured."""
@@ -115,6 +125,7 @@ def _implementations(shape: tuple[int, int, int, int], q_len: int, dtype: torch.
         except ImportError as err:
             impls["flex"] = f"unavailable ({err})"
         else:
+            _allow_recompiles()  # one compilation per shape and grad mode: past dynamo's default limit of 8
             flex = flex_attention if smoke else torch.compile(flex_attention, dynamic=False)
             mask = create_block_mask(lambda b_, h_, qi, ki: ki <= qi, None, None, s, s, device=device)
 

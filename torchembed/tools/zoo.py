@@ -88,8 +88,10 @@ _RECOMPUTED = ("layer_types", "mlp_layer_types", "no_rope_layers", "layers_block
 _DERIVED = ("per_layer_config",)  # rebuilt by the config class from the (shrunk) layer types: never passed
 _ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "vocab_size")
 _DEPTHS = ("num_hidden_layers", "depth", "num_layers", "encoder_layers")  # what layer-index lists index
+# the last: retrieval models (ColPali, ColQwen2, ColModernVBert) are in no other mapping
 _TASKS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES",
           "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES",
+          "MODEL_FOR_PRETRAINING_MAPPING_NAMES", "MODEL_FOR_DECISION_MAPPING_NAMES",  # JEV's decision head: no other class
           # 4.x maps Granite Speech and Qwen2.5-Omni only here
           "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING_NAMES")
 
@@ -257,6 +259,10 @@ def generic_tiny_config(model_type: str) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _tiny_config(model_type: str) -> Any:
+    return _build(model_type, _tiny_kwargs(model_type))
+
+
+def _tiny_kwargs(model_type: str) -> dict[str, Any]:
     from transformers import AutoConfig
 
     with _quiet():
@@ -268,7 +274,21 @@ def _tiny_config(model_type: str) -> Any:
             # ESM's default is absolute, Wav2Vec2-Conformer's relative; their checkpoints (some) rotate
             kwargs[key] = "rotary"
     apply_config_fix(model_type, default, kwargs)
-    return _build(model_type, kwargs)
+    return kwargs
+
+
+def _builds_without_rotary(model_type: str) -> bool:
+    """Whether the model of the tiny config builds (on the meta device, not run) and holds no rotary
+    module (GLM-Image's VQ-VAE, which shares its modeling file with GLM-Image, and has no forward)."""
+    from transformers import AutoConfig
+
+    try:
+        with _quiet(), torch.device("meta"):
+            config = AutoConfig.for_model(model_type, **_tiny_kwargs(model_type))
+            model = model_class(config)(config)
+    except Exception:  # noqa: BLE001 - no answer: the reason stays upstream's error
+        return False
+    return not rotary_modules(model)
 
 
 def _small_kwargs(default: Any) -> dict[str, Any]:
@@ -348,6 +368,12 @@ def _shrink(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = (list(dict.fromkeys(value)) * layers)[:layers]
         else:
             out[key] = value
+    # the text model of a composite uses multi-head latent attention (Kimi K2.5, Mistral Large 4): as many kv
+    # heads as query heads (the variants of a top-level config try that), and head_dim the rotary part
+    if "kv_lora_rank" in values and isinstance(out.get("num_key_value_heads"), int):
+        out["num_key_value_heads"] = out.get("num_attention_heads", SMALL["num_attention_heads"])
+    if isinstance(values.get("head_dim"), int) and values["head_dim"] == values.get("qk_rope_head_dim"):
+        out["head_dim"] = SMALL["qk_rope_head_dim"]
     _fit(values, out)
     return out
 
@@ -361,6 +387,18 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
         if (key not in small or small[key] is value) and _is_index_list(key, value, old_depth) and new_depth:
             # layer indices (deepstack, full-attention blocks, MoE layers): the same share of the new depth
             small[key] = sorted({min(new_depth - 1, v * new_depth // old_depth) for v in value})
+    vision, tiny_vision = original.get("vision_config"), small.get("vision_config")
+    factor = next((original[k] for k in ("scale_factor", "pixel_shuffle_factor") if isinstance(original.get(k), int)), 1)
+    tower = tiny_vision if isinstance(tiny_vision, dict) else small
+    if factor > 1 and isinstance(tower.get("image_size"), int) and isinstance(tower.get("patch_size"), int):
+        if (tower["image_size"] // tower["patch_size"]) % factor:  # a pixel shuffle folds factor x factor patches
+            tower["image_size"] = tower["patch_size"] * factor
+    pinpoints = original.get("image_grid_pinpoints")
+    if isinstance(vision, dict) and isinstance(tiny_vision, dict) and isinstance(pinpoints, list) and pinpoints:
+        # LLaVA-Next's anyres: the image resolutions it tiles, whole multiples of the tower's image size
+        old_size, new_size = vision.get("image_size"), tiny_vision.get("image_size")
+        if isinstance(old_size, int) and isinstance(new_size, int) and old_size != new_size:
+            small["image_grid_pinpoints"] = [[max(1, round(v / old_size)) * new_size for v in point] for point in pinpoints]
     ratio = original.get("pixel_shuffle_ratio")
     if isinstance(ratio, float) and 0 < ratio < 1 and isinstance(small.get("hidden_size"), int) and "intermediate_size" in small:
         small["intermediate_size"] = int(small["hidden_size"] / ratio**2)  # Llama 4: the shuffled patches' width
@@ -409,8 +447,11 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
              for i in (v if isinstance(v, list) else [v])}  # a list of eos ids: GLM-ASR's text model
     spare = iter(i for i in range(vocab - 1, vocab - SPECIAL_IDS - 1, -1) if i not in taken)
     for key, value in original.items():  # image, video, audio, vision-start ... token ids
-        if (key.endswith(("token_id", "token_index")) and isinstance(value, int) and not isinstance(value, bool)
-                and value >= vocab and small.get(key, value) == value):
+        # (an image token id left to the processor, MiniCPM-V's None, gets one too: the zoo writes the prompt)
+        unset = value is None and key == "image_token_id" and "vision_config" in original
+        large = (key.endswith(("token_id", "token_index")) and isinstance(value, int) and not isinstance(value, bool)
+                 and value >= vocab)
+        if (unset or large) and small.get(key, value) == value:
             small[key] = next(spare, vocab - 1)
 
 
@@ -579,9 +620,10 @@ def _cache_file() -> str:
 
     from torchembed.tools import zoo_fixes
 
+    fixes = os.path.dirname(zoo_fixes.__file__)
     digest = hashlib.sha256()
-    for file in (__file__, zoo_fixes.__file__):  # a change to either searches afresh
-        with open(file, "rb") as f:
+    for file in (__file__, *sorted(os.path.join(fixes, f) for f in os.listdir(fixes) if f.endswith(".py"))):
+        with open(file, "rb") as f:  # a change to any searches afresh
             digest.update(f.read())
     digest = digest.hexdigest()[:12]
     return str(default_cache_dir() / "zoo" / f"transformers{transformers.__version__}-torch{torch.__version__}-{digest}.json")
@@ -636,9 +678,12 @@ def _mapped_class(config_class: type) -> type:
     from transformers.models.auto.auto_factory import _LazyAutoMapping
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+    model_type = config_class.model_type
+    if model_type not in CONFIG_MAPPING_NAMES:  # 4.x's LFM2-VL config says "lfm2-vl", its mappings "lfm2_vl"
+        model_type = next((k for k, v in CONFIG_MAPPING_NAMES.items() if v == config_class.__name__), model_type)
     for task in _TASKS:
         names = getattr(modeling_auto, task, None)
-        if names and config_class.model_type in names:
+        if names and model_type in names:
             mapping = _LazyAutoMapping(CONFIG_MAPPING_NAMES, names)
             with contextlib.suppress(KeyError, ValueError):  # ValueError: a mapped name its package lacks
                 return mapping[config_class]
@@ -757,40 +802,65 @@ def _first(config: Any, *keys: str, default: Any = None) -> Any:
 
 
 def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tensor]]:
-    """Tiny images in the layouts vision towers take: flattened patches with their (t, h, w) grid
-    (Qwen2-VL and kin), (1, channels, size, size) pixels (with their ``image_sizes`` where the
+    """Tiny images in the layouts vision towers take: patches with their (t, h, w) grid, flattened
+    (Qwen2-VL and kin) or not, (1, channels, size, size) pixels (with their ``image_sizes`` where the
     forward takes them), or (1, 1, channels, size, size)."""
     vision = _vision_config(config) or config
     gen = torch.Generator().manual_seed(1)
     channels = _first(vision, "in_channels", "num_channels", "in_chans", default=3)
     patch = _first(vision, "patch_size", default=8)
     if "image_grid_thw" in params:
-        merge = _first(vision, "spatial_merge_size", "merge_size", default=1)
-        temporal = _first(vision, "temporal_patch_size", default=1)
+        kernel = getattr(vision, "merge_kernel_size", None)  # Kimi K2.5: (height, width)
+        merge = _first(vision, "spatial_merge_size", "merge_size", default=kernel[0] if isinstance(kernel, (list, tuple)) else 1)
+        temporal = _first(vision, "temporal_patch_size", "patch_temporal", default=1)  # Muse Spark: patch_temporal
         side = 2 * merge
-        yield {"pixel_values": torch.randn(side * side, channels * temporal * patch * patch, generator=gen),
-               "image_grid_thw": torch.tensor([[1, side, side]])}
+        flat = torch.randn(side * side, channels * temporal * patch * patch, generator=gen)
+        grid = torch.tensor([[1, side, side]])
+        yield {"pixel_values": flat, "image_grid_thw": grid}
+        if temporal == 1:  # Kimi K2.5, PaddleOCR-VL: each patch as a (channels, patch, patch) image
+            yield {"pixel_values": flat.view(-1, channels, patch, patch), "image_grid_thw": grid}
+    if "spatial_shapes" in params:  # SigLIP 2's NaFlex (LFM2-VL): flattened patches, their grid, the real ones
+        side = 2 * _first(config, "downsample_factor", default=1)
+        yield {"pixel_values": torch.randn(1, side * side, channels * patch * patch, generator=gen),
+               "spatial_shapes": torch.tensor([[side, side]]),
+               "pixel_attention_mask": torch.ones(1, side * side, dtype=torch.long)}
     size = _first(vision, "image_size", default=2 * patch)
+    pinpoints = getattr(config, "image_grid_pinpoints", None)
+    if "image_sizes" in params and pinpoints:  # anyres: an image of the first resolution, its tiles after the overview
+        height, width = pinpoints[0]
+        tiles = 1 + (height // size) * (width // size)
+        yield {"pixel_values": torch.randn(1, tiles, channels, size, size, generator=gen),
+               "image_sizes": torch.tensor([[height, width]])}
     pixels = torch.randn(1, channels, size, size, generator=gen)
     sizes = {"image_sizes": torch.tensor([[size, size]])} if "image_sizes" in params else {}
+    high = getattr(config, "high_res_vision_config", None)
+    if "high_res_pixel_values" in params and high is not None:  # DeepSeek-VL hybrid: the image again, for its SAM tower
+        high_size = _first(high, "image_size", default=size)
+        yield {"pixel_values": pixels, "high_res_pixel_values": torch.randn(1, channels, high_size, high_size, generator=gen)}
     for layout in (pixels, pixels[:, None]):  # (batch, images, channels, height, width): Idefics and kin
         yield {"pixel_values": layout, **sizes}
         if sizes:  # image_sizes is optional, and some towers do not take it (LLaVA's CLIP)
             yield {"pixel_values": layout}
+    if "pixel_attention_mask" in params:  # Granite-Docling: which of the (batch, tiles) are real
+        yield {"pixel_values": pixels[:, None], "pixel_attention_mask": torch.ones(1, 1, dtype=torch.bool)}
 
 
 def _image_tokens(model: nn.Module, images: dict[str, Tensor]) -> int:
     """How many image-token embeddings the vision tower makes of ``images`` (0 if it has no
     ``get_image_features``, or it fails on them)."""
-    get = getattr(model, "get_image_features", None)
+    # a head without it (DeepSeek-VL, ModernVBert's masked LM) has its base model's
+    get = getattr(model, "get_image_features", None) or getattr(getattr(model, "base_model", None), "get_image_features", None)
     if get is None:
         return 0
     hidden = model.config.get_text_config().hidden_size
     with torch.no_grad(), _quiet():
         out = get(**images)
-    tensors = [t for t in _tensors(getattr(out, "pooler_output", None) if not isinstance(out, (Tensor, list, tuple)) else out)]
-    if not tensors and not isinstance(out, (Tensor, list, tuple)):
-        tensors = list(_tensors(out[0]))
+    if isinstance(out, (Tensor, list, tuple)):
+        tensors = list(_tensors(out))
+    else:  # the pooled features, else the first layer's of per-layer ones (Granite 4 Vision), else the first output
+        tensors = list(_tensors(getattr(out, "pooler_output", None)))
+        tensors = tensors or list(_tensors(next(iter(getattr(out, "deepstack_features", None) or ()), None)))
+        tensors = tensors or list(_tensors(out[0]))
     return sum(t.numel() for t in tensors) // hidden
 
 
@@ -856,6 +926,9 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
             _special(config, "vision_end_token_id", "eoi_token_id", "eoi_token_index")
         row = [t for t in (start,) if t is not None] + [image_id] * count + [t for t in (end,) if t is not None]
         ids = torch.randint(3, vocab - SPECIAL_IDS, (1, seq_len), generator=gen)
+        media = {i for i in (image_id, _special(config, "video_token_id", "video_token_index")) if i is not None}
+        spare = next(i for i in range(3, vocab) if i not in media)  # not an image token id in the text (EXAONE 4.5's 67)
+        ids[torch.isin(ids, torch.tensor(sorted(media)))] = spare
         ids = torch.cat((ids[:, :3], torch.tensor([row]), ids[:, 3:]), dim=-1)
         inputs.update(images)
         kind = (ids == image_id).int()
@@ -1021,13 +1094,13 @@ def _required(model: nn.Module) -> str:
 
 def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     """The model's main output on ``inputs``: logits where it has them, else the last hidden state, else
-    its first floating-point tensor."""
+    its first floating-point tensor (or the tensor it returns: JEV's decision scores, Qwen2.5-Omni's DiT)."""
     if _parts_only(model):  # a generate-only composite (Qwen2.5-Omni): its parts' outputs, in turn, flattened
         return torch.cat([outputs_of(model.get_submodule(path), part).flatten() for path, part in inputs.items()])
     device = next(model.parameters()).device
     with torch.no_grad():
         out = model(**_to(inputs, device))
-    if isinstance(out, Tensor):  # a bare module's (Qwen2.5-Omni's DiT)
+    if isinstance(out, Tensor):
         return out
     for name in ("logits", "last_hidden_state", "prediction_logits"):
         value = getattr(out, name, None)
@@ -1140,9 +1213,9 @@ class ModelTypeStatus:
 
     ``state``: ``"patched"``; ``"refused"`` (the patch layer's reason); ``"no tiny model"`` (it has
     a rotary component but no tiny model of it runs: the reason names the attribute or upstream's
-    error); ``"partly patched"`` (the patch leaves some of upstream's rotations running: a bug,
-    named); ``"part of"`` (a sub-config with no model class of its own, checked within its
-    composite model); ``"no rotary component"``.
+    error); ``"partly patched"`` (the patch leaves some of upstream's rotations running, or its
+    forward fails where upstream's runs: a bug, named); ``"part of"`` (a sub-config with no model
+    class of its own, checked within its composite model); ``"no rotary component"``.
     """
 
     model_type: str
@@ -1181,10 +1254,12 @@ def status_of(model_type: str) -> ModelTypeStatus:
                                    f"its own; checked within {parents[0]} ({status_of(parents[0]).state})")
     try:
         case = zoo_case(model_type)
-    except TinyModelError as err:
-        return ModelTypeStatus(model_type, "no tiny model", str(err))
     except Exception as err:  # noqa: BLE001 - reported, not raised
-        return ModelTypeStatus(model_type, "no tiny model", f"{type(err).__name__}: {_clip(str(err))}")
+        why = str(err) if isinstance(err, TinyModelError) else f"{type(err).__name__}: {_clip(str(err))}"
+        if _builds_without_rotary(model_type):
+            return ModelTypeStatus(model_type, "no rotary component", f"its tiny model (built, not run: {why}) "
+                                   f"uses none of {', '.join(code[:3])} (default config)")
+        return ModelTypeStatus(model_type, "no tiny model", why)
     model = case.model
     if not rotary_modules(model):
         return ModelTypeStatus(model_type, "no rotary component",
@@ -1211,8 +1286,12 @@ def status_of(model_type: str) -> ModelTypeStatus:
         return ModelTypeStatus(model_type, "no tiny model", "upstream's rotations do not run on the tiny inputs ("
                                f"{', '.join(sorted(case.inputs))}); they are in {', '.join(where[:3]) or 'modules not run'}")
     patched = patch(copy.deepcopy(model))
-    with count_calls(codes) as left:
-        outputs_of(patched, case.inputs)
+    failed: Exception | None = None
+    try:
+        with count_calls(codes) as left:
+            outputs_of(patched, case.inputs)
+    except Exception as err:  # noqa: BLE001 - a patch that breaks upstream's forward: a bug, reported
+        failed = err
     family = family_for(model.config)
     kinds = sorted({c.kind for c in components})
     how = ("discovered: " if family.discovered else "") + f"{family.encoding}; " + ", ".join(
@@ -1220,6 +1299,9 @@ def status_of(model_type: str) -> ModelTypeStatus:
     )
     rotations = sorted({c.replacement.split("(", 1)[-1].rstrip(")") for c in components if c.kind == "rope-apply"})
     how += f" ({'; '.join(rotations)})" if rotations else ""
+    if failed is not None:  # never reported as patched (nor left to crash the survey)
+        return ModelTypeStatus(model_type, "partly patched", f"the patched forward fails on the tiny inputs, where "
+                               f"upstream's runs ({type(failed).__name__}: {_clip(str(failed), 120)}); {how}")
     if left:  # a rotation the patch left to upstream (or handed back to it): never reported as patched
         calls = ", ".join(f"{name} ({n} calls)" for name, n in sorted(left.items()))
         return ModelTypeStatus(model_type, "partly patched", f"upstream's {calls} still run(s) in a patched forward; {how}")

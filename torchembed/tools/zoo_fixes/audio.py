@@ -1,29 +1,15 @@
-"""Per-model-type fixes to the zoo's generic tiny models (:mod:`torchembed.tools.zoo`).
-
-The zoo makes a tiny config of every model type from its config class by generic rules. Where a
-class's defaults cannot be shrunk by those rules, or a model's forward takes inputs the generic
-builder does not make, one entry here says what differs, and why:
-
-* :data:`CONFIG`: ``model_type -> overrides``. A dict is merged into the generic keyword arguments
-  (a dict value into a sub-config's dict, recursively); a callable ``fix(default, kwargs)`` edits
-  them in place (``default``: the class-default config, for reading what this release has).
-* :data:`INPUTS`: ``model_type -> inputs(model)``, the tiny inputs to run the built model on
-  (replacing :func:`torchembed.tools.zoo.tiny_inputs`' generic choice).
-
-Keep entries in alphabetical order, each with a comment naming the upstream rule it satisfies.
-"""
+"""Zoo fixes of audio, speech and codec models (speech LMs, ASR encoders, codecs, a time-series model):
+their sizes the generic rules do not know, and inputs beyond the generic audio ones."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CONFIG", "INPUTS", "apply_config_fix"]
-
-ConfigFix = Union[dict[str, Any], Callable[[Any, dict[str, Any]], None]]
+from torchembed.tools.zoo_fixes._common import ConfigFix, merge
 
 # Granite Speech: its Conformer encoder's sizes are hidden_dim / num_layers / dim_head, and its Q-Former
 # projector cross-attends to the encoder's output (encoder_hidden_size = the encoder's hidden_dim)
@@ -44,7 +30,7 @@ _PE_AUDIO_DAC = {"downsampling_ratios": [], "hop_length": 1}
 def _qwen2_5_omni_config(default: Any, kwargs: dict[str, Any]) -> None:
     # its token2wav: a DiT (codec vocabulary num_embeds, an ECAPA speaker encoder enc_*) and a BigVGAN
     # vocoder, whose width halves at each of its 6 upsamplings from upsample_initial_channel
-    _merge(kwargs, {"token2wav_config": {
+    merge(kwargs, {"token2wav_config": {
         "dit_config": {"num_embeds": 128, "emb_dim": 32, "enc_emb_dim": 32, "enc_dim": 32,
                        "enc_channels": [32, 32, 32, 32, 96], "enc_attention_channels": 16, "enc_se_channels": 16},
         "bigvgan_config": {"upsample_initial_channel": 64}}})
@@ -174,22 +160,3 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Any]]] = {
     "voxtral_realtime": _voxtral_realtime,
     "xcodec2": _codec_with_semantics,  # X-Codec 2: as NeuCodec
 }
-
-
-def _merge(into: dict[str, Any], values: dict[str, Any]) -> None:
-    for key, value in values.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
-        else:
-            into[key] = value
-
-
-def apply_config_fix(model_type: str, default: Any, kwargs: dict[str, Any]) -> None:
-    """Apply :data:`CONFIG`'s entry for ``model_type`` (if any) to ``kwargs``, in place."""
-    fix = CONFIG.get(model_type)
-    if fix is None:
-        return
-    if callable(fix):
-        fix(default, kwargs)
-    else:
-        _merge(kwargs, fix)
