@@ -246,7 +246,7 @@ def test_list_all_says_for_each_rotary_model_type_patched_or_why_not(capsys, mon
 
     from torchembed.tools import zoo
 
-    picked = ("llama", "qwen2_vl_vision", "canary", "opt")  # patched, a sub-config, an audio model, no RoPE
+    picked = ("llama", "qwen2_vl_vision", "wav2vec2-conformer", "opt")  # patched, a sub-config, refused, no RoPE
     monkeypatch.setattr(zoo, "rotary_model_types", lambda: tuple(t for t in picked if zoo.rotary_code_of(t)))
     code, out, _ = run(capsys, "list", "--all")
     assert code == 0

@@ -14,7 +14,8 @@ a config that runs is done once per release of transformers and torch (its resul
 cache folder, ``$TORCHEMBED_CACHE/zoo``; ``TORCHEMBED_ZOO_CACHE=0`` searches afresh). Weights are drawn with a variance-preserving init
 (:func:`strong_init`) instead of HF's ``initializer_range=0.02``, under which attention is nearly
 uniform and a wrong rotation barely moves the logits. Inputs (:func:`tiny_inputs`) are token ids,
-plus a tiny image where the model has a vision tower, so that the tower's rotation runs too.
+plus a tiny image where the model has a vision tower (tiny audio where it has an audio tower), so that
+the tower's rotation runs too; an audio model's own inputs are tiny audio in the layout it takes.
 
 Used by ``torchembed list --all`` (what is patched and why not), ``torchembed compare --all`` and
 the tests (:func:`zoo_case`: the model and the inputs to run).
@@ -73,6 +74,10 @@ SMALL: dict[str, Any] = {
     "vision_output_dim": 64, "projector_input_dim": 64, "projector_output_dim": 64, "mm_tokens_per_image": 4,
     "num_mel_bins": 16, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
     "decoder_attention_heads": 4, "d_model": 64, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+    "num_filters": 8,  # audio codecs' first convolution (SEANet: Mimi, EnCodec ...), doubled at each downsampling
+    # not a size: the LayerScale of Mimi's (and kin's) transformer layers, 0.01 by default, which leaves
+    # those layers (and their rotation) almost out of the outputs of a random-weight model
+    "layer_scale_initial_scale": 1.0,
     # token ids inside the small vocabulary
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }
@@ -90,7 +95,9 @@ _TASKS = ("MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", "MODEL_FOR_MULTIMODAL_LM
           "MODEL_FOR_PRETRAINING_MAPPING_NAMES", "MODEL_FOR_DECISION_MAPPING_NAMES",  # JEV's decision head: no other class
           # vision models with a task head and no bare model class (CHMv2, EoMT-DINOv3, PP-DocLayoutV2)
           "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES", "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES",
-          "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES")
+          "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES",
+          # 4.x maps Granite Speech and Qwen2.5-Omni only here
+          "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES", "MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING_NAMES")
 
 
 # -- which model types ---------------------------------------------------------------------------------
@@ -161,15 +168,28 @@ def rotary_model_types() -> tuple[str, ...]:
 def has_model_class(model_type: str) -> bool:
     """Whether transformers maps a model class to ``model_type`` (sub-configs such as a vision
     tower's often have none: they exist only inside their composite model)."""
-    from transformers.models.auto import modeling_auto
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return any(model_type in (getattr(modeling_auto, task, None) or {}) for task in _TASKS)
+    try:  # a mapped class that its package does not define (5.23's VoxtralRealtimeTextModel) is none
+        _mapped_class(CONFIG_MAPPING[model_type])
+    except KeyError:
+        return False
+    except Exception:  # noqa: BLE001 - one that does not import here: reported when the zoo builds it
+        return True
+    return True
 
 
 @functools.lru_cache(maxsize=None)
 def composites_of(model_type: str) -> tuple[str, ...]:
-    """The model types whose default config holds ``model_type`` as a sub-config."""
-    return tuple(t for t in rotary_model_types() if model_type in _sub_model_types(t))
+    """The model types whose default config holds ``model_type`` as a sub-config, or whose config class
+    takes it as an optional one (None by default: Gemma 4 unified's audio embedder)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    def optional(parent: str) -> tuple[str, ...]:
+        classes = (getattr(CONFIG_MAPPING[parent], "sub_configs", None) or {}).values()
+        return tuple(getattr(c, "model_type", None) for c in classes)
+
+    return tuple(t for t in rotary_model_types() if model_type in _sub_model_types(t) + optional(t))
 
 
 def rotary_modules(model: nn.Module) -> list[str]:
@@ -253,9 +273,11 @@ def _tiny_kwargs(model_type: str) -> dict[str, Any]:
     with _quiet():
         default = AutoConfig.for_model(model_type)
     kwargs = _small_kwargs(default)
-    kind = _attr(default, "position_embedding_type")
-    if isinstance(kind, str) and "rot" not in kind and "rope" not in kind and rotary_code_of(model_type):
-        kwargs["position_embedding_type"] = "rotary"  # ESM's default is absolute; its checkpoints rotate
+    for key in ("position_embedding_type", "position_embeddings_type"):
+        kind = _attr(default, key)
+        if isinstance(kind, str) and "rot" not in kind and "rope" not in kind and rotary_code_of(model_type):
+            # ESM's default is absolute, Wav2Vec2-Conformer's relative; their checkpoints (some) rotate
+            kwargs[key] = "rotary"
     apply_config_fix(model_type, default, kwargs)
     return kwargs
 
@@ -304,7 +326,7 @@ def _small_kwargs(default: Any) -> dict[str, Any]:
 
 
 _WIDTHS = ("hidden_size", "d_model", "embed_dim", "out_hidden_size", "intermediate_size")  # first: the widths
-_DEPENDENT = re.compile(r"hidden|_dim$|_size$|channels|features")
+_DEPENDENT = re.compile(r"hidden|_dim$|_size$|channels|features|_groups$")  # groups: a depthwise convolution's
 
 
 def _shrunk_sizes(original: dict[str, Any], small: dict[str, Any], sizes: dict[int, int]) -> dict[int, int]:
@@ -402,6 +424,12 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
     ratio = original.get("pixel_shuffle_ratio")
     if isinstance(ratio, float) and 0 < ratio < 1 and isinstance(small.get("hidden_size"), int) and "intermediate_size" in small:
         small["intermediate_size"] = int(small["hidden_size"] / ratio**2)  # Llama 4: the shuffled patches' width
+    if isinstance(original.get("downsampling_ratios"), list):  # an audio codec's convolutional encoder
+        for key in ("encoder_hidden_size", "num_filters"):  # its first convolution (DAC, X-Codec 2, VibeVoice)
+            if isinstance(original.get(key), int):  # ... doubled at each downsampling: 128 at most at the end
+                small[key] = max(1, 128 >> len(original["downsampling_ratios"]))
+        if isinstance(original.get("depths"), list):
+            small["depths"] = [1] * len(original["depths"])  # blocks per stage (VibeVoice's tokenizers)
     heads = small.get("num_attention_heads") or small.get("num_heads")
     for key in ("num_key_value_heads",):
         if isinstance(small.get(key), int) and heads and heads % small[key]:
@@ -437,7 +465,8 @@ def _fit(original: dict[str, Any], small: dict[str, Any]) -> None:
             if "section" in key and isinstance(value, list) and value and all(isinstance(v, int) for v in value):
                 rope[key] = _sections(value, rotary // 2)  # M-RoPE: the sections split the rotated features / 2
     vocab = small.get("vocab_size") if isinstance(small.get("vocab_size"), int) else SMALL["vocab_size"]
-    taken = {v for k, v in small.items() if k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    taken = {i for k, v in small.items() if k in ("pad_token_id", "bos_token_id", "eos_token_id")
+             for i in (v if isinstance(v, list) else [v])}  # a list of eos ids: GLM-ASR's text model
     spare = iter(i for i in range(vocab - 1, vocab - SPECIAL_IDS - 1, -1) if i not in taken)
     for key, value in original.items():  # image, video, audio, vision-start ... token ids
         # (an image token id left to the processor, MiniCPM-V's None, gets one too: the zoo writes the prompt)
@@ -550,11 +579,21 @@ def _variants(kwargs: dict[str, Any]) -> list[dict[str, Any]]:
         variants += [mha, {k: v for k, v in mha.items() if k not in _RECOMPUTED}]
     # models that read token ids their config class does not define (5.0's Phi, StableLM, EXAONE 4)
     variants.append({**kwargs, **{k: SMALL[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id") if k not in kwargs}})
+    # ... and in every sub-config too (Nemotron 3 diarization's audio tower projects values to every query head)
+    variants.append(_all_heads(kwargs))
     unique: list[dict[str, Any]] = []
     for variant in variants:
         if variant not in unique:
             unique.append(variant)
     return unique
+
+
+def _all_heads(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with as many kv heads as query heads wherever (in it or a sub-config) both are set."""
+    out = {k: _all_heads(v) if isinstance(v, dict) else v for k, v in kwargs.items()}
+    if isinstance(out.get("num_key_value_heads"), int) and isinstance(out.get("num_attention_heads"), int):
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    return out
 
 
 def _build(model_type: str, kwargs: dict[str, Any]) -> Any:
@@ -653,39 +692,43 @@ def model_class(config: Any) -> type:
     Raises:
         KeyError: transformers maps no model class to this config class.
     """
+    return _mapped_class(type(config))
+
+
+def _mapped_class(config_class: type) -> type:
     from transformers.models.auto import modeling_auto
     from transformers.models.auto.auto_factory import _LazyAutoMapping
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    model_type = config.model_type
+    model_type = config_class.model_type
     if model_type not in CONFIG_MAPPING_NAMES:  # 4.x's LFM2-VL config says "lfm2-vl", its mappings "lfm2_vl"
-        model_type = next((k for k, v in CONFIG_MAPPING_NAMES.items() if v == type(config).__name__), model_type)
+        model_type = next((k for k, v in CONFIG_MAPPING_NAMES.items() if v == config_class.__name__), model_type)
     for task in _TASKS:
         names = getattr(modeling_auto, task, None)
         if names and model_type in names:
             mapping = _LazyAutoMapping(CONFIG_MAPPING_NAMES, names)
-            with contextlib.suppress(KeyError):
-                return mapping[type(config)]
-    own = _own_model_classes(config)
+            with contextlib.suppress(KeyError, ValueError):  # ValueError: a mapped name its package lacks
+                return mapping[config_class]
+    own = _own_model_classes(config_class)
     if own:  # a sub-config's model, not in the auto mappings (Qwen3-Omni's talker text model, code predictor)
         return own[0]
-    raise KeyError(f"transformers maps no model class to {type(config).__name__} ({config.model_type!r})")
+    raise KeyError(f"transformers maps no model class to {config_class.__name__} ({config_class.model_type!r})")
 
 
-def _own_model_classes(config: Any) -> list[type]:
-    """The model classes that the modeling module of ``config``'s package builds from ``config``'s class
+def _own_model_classes(config_class: type) -> list[type]:
+    """The model classes that the modeling module of ``config_class``'s package builds from that class
     alone, heads first (``...ForConditionalGeneration``, ``...ForCausalLM``), base pretrained classes left out."""
     import importlib
 
     from transformers import PreTrainedModel
 
-    name = type(config).__module__.replace(".configuration_", ".modeling_")
+    name = config_class.__module__.replace(".configuration_", ".modeling_")
     try:
         module = importlib.import_module(name)
     except ImportError:
         return []
     found = [c for c in vars(module).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
-             and c.__module__ == name and getattr(c, "config_class", None) is type(config)
+             and c.__module__ == name and getattr(c, "config_class", None) is config_class
              and not c.__name__.endswith("PreTrainedModel")]
     return sorted(found, key=lambda c: ("For" not in c.__name__, c.__name__))
 
@@ -736,7 +779,9 @@ def strong_init(model: nn.Module, seed: int = 0, gain: float = 2.0) -> nn.Module
     """Draw every weight matrix (and convolution kernel, expert stack) of ``model`` from
     ``N(0, gain^2 / fan_in)`` and every embedding from ``N(0, 1)``, in place; vectors (norm
     scales, biases, state-space decay rates) keep upstream's init, except those it leaves all zero
-    (a key temperature, a gate, a bias): ``N(0, 0.25)``, so that none switches a path off.
+    (a key temperature, a gate, a bias): ``N(0, 0.25)``, so that none switches a path off. A vector
+    quantizer's codebook kept as a buffer and all zero until trained (Mimi's ``embed_sum``) is drawn
+    from ``N(0, 1)`` like an embedding (its own random stream), so that its decoder does not decode silence.
 
     HF's default ``initializer_range=0.02`` leaves tiny models with nearly uniform attention, where
     a wrong rotation moves the logits by less than float32's check can see; this init keeps the
@@ -760,6 +805,11 @@ def strong_init(model: nn.Module, seed: int = 0, gain: float = 2.0) -> nn.Module
                     std = gain / math.sqrt(param.shape[-1])
                 values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
                 param.copy_(values.to(param.dtype))
+        codebooks = torch.Generator().manual_seed(seed + 1)
+        for name, buffer in model.named_buffers():
+            codebook = "embed" in name.rsplit(".", 1)[-1] and buffer.is_floating_point() and buffer.dim() == 2
+            if codebook and not buffer.any():
+                buffer.copy_(torch.randn(buffer.shape, generator=codebooks).to(buffer.dtype))
     return model
 
 
@@ -879,19 +929,25 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
     """The inputs the zoo runs ``model`` on: ``input_ids`` (2 rows of ``seq_len`` ids, none of them
     special), and for a model with a vision tower one tiny image in the layout it takes, its image
     tokens in row 0 (between the vision start/end tokens where the config has them) and the token
-    type ids that mark them; for a vision tower of its own, just the image.
+    type ids that mark them; for a vision tower of its own, just the image. Likewise for a speech LM:
+    tiny audio and its audio tokens in row 0; for an audio model of its own (encoder, codec, time
+    series), just the audio. :data:`~torchembed.tools.zoo_fixes.INPUTS` replaces this per model type.
 
     Raises:
-        ValueError: the model takes neither ``input_ids`` nor an image (audio models), or no image
-            layout tried runs its vision tower.
+        ValueError: the model takes neither ``input_ids`` nor an image or audio, or no image (audio)
+            layout tried runs its vision (audio) tower.
     """
     config = model.config
     fix = INPUTS.get(getattr(config, "model_type", None))
     if fix is not None:
         return fix(model)
+    if _parts_only(model):
+        raise ValueError(f"{type(model).__name__} has no forward (it only generates, from its parts)")
     params = _forward_parameters(model)
     if "input_ids" not in params:
-        return _vision_inputs(model, params)
+        if {"pixel_values", "hidden_states"} & params or not set(_AUDIO) & params:
+            return _vision_inputs(model, params)
+        return _audio_inputs(model, params, seq_len)
     vocab = config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(seed)
     inputs: dict[str, Tensor] = {}
@@ -925,11 +981,19 @@ def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[s
             if name in params:
                 inputs[name] = kind
                 break
-    else:
+    elif (set(_AUDIO[:3]) & params and (audio_id := _special(config, "audio_token_id", "audio_token_index")) is not None
+          and (speech := _speech(model, params, seq_len)) is not None):
+        audio, count = speech  # a speech LM: its audio tokens in row 0, and the audio
+        ids = torch.randint(3, vocab - SPECIAL_IDS, (1, seq_len), generator=gen)
+        ids = torch.cat((ids[:, :3], torch.full((1, count), audio_id), ids[:, 3:]), dim=-1)
+        inputs.update(audio)
+    else:  # text alone (also a speech LM whose audio tower no tiny audio runs, or which has none by default)
         ids = torch.randint(3, vocab - SPECIAL_IDS, (2, seq_len), generator=gen)
     inputs["input_ids"] = ids
     if "decoder_input_ids" in params and getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = ids
+    if "sample" in params:  # VibeVoice's audio VAE: its mean, not a draw (the same outputs each run)
+        inputs["sample"] = torch.tensor(False)
     return inputs
 
 
@@ -957,6 +1021,116 @@ def _vision_inputs(model: nn.Module, params: set[str]) -> dict[str, Tensor]:
     raise ValueError(f"no tiny image layout runs {type(model).__name__} ({type(first).__name__}: {first})")
 
 
+_AUDIO = ("input_features", "audio_mel", "input_values", "past_values", "latents", "inputs_embeds")  # by precedence
+_AUDIO_MASKS = ("attention_mask", "input_features_mask", "feature_attention_mask", "padding_mask", "past_values_padding")
+# where the feature (mel) width of an audio tower is kept, in its config or a sub-config
+_AUDIO_FEATURES = ("num_mel_bins", "input_feat_size", "input_dim", "feature_projection_input_dim", "feature_size")
+AUDIO_FRAMES = 64  # feature frames of the tiny audio: a few positions left after 4x or 8x subsampling
+
+
+def _deep_first(config: Any, keys: tuple[str, ...]) -> int | None:
+    """The first of ``keys`` that ``config`` (or else, breadth first, one of its sub-configs) sets to an int."""
+    level = [config.to_dict() if hasattr(config, "to_dict") else config]
+    while level:
+        for key in keys:
+            for values in level:
+                value = values.get(key)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    return value
+        level = [v for values in level for v in values.values() if isinstance(v, dict)]
+    return None
+
+
+def _hop(config: Any) -> int:
+    """Waveform samples per frame of an audio tower: the product of its convolutions' strides (1 where
+    its config names none)."""
+    level = [config.to_dict()]
+    while level:
+        for values in level:
+            for key in ("downsampling_ratios", "upsampling_ratios", "conv_stride", "patch_sizes", "patch_length"):
+                value = values.get(key)
+                if isinstance(value, int) and not isinstance(value, bool):  # a time series' patch
+                    return value
+                if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+                    return math.prod(value)  # 1 for none
+            if isinstance(values.get("hop_length"), int):
+                return values["hop_length"]
+        level = [v for values in level for v in values.values() if isinstance(v, dict)]
+    return 1
+
+
+def _audio_candidates(model: nn.Module, params: set[str], seq_len: int) -> Iterator[dict[str, Tensor]]:
+    """Tiny audio in the layouts audio towers take: log-mel features ``(1, frames, mel)`` or
+    ``(1, mel, frames)``, a waveform ``(1, samples)`` or ``(1, channels, samples)`` of a few frames
+    of the tower's hop, a time series ``(1, length)``, or latents / embeddings ``(1, frames, width)``
+    either way round; each without, then with, all-valid masks (and the decoder's token ids of an
+    encoder-decoder)."""
+    config = model.config
+    gen = torch.Generator().manual_seed(2)
+    name = next(n for n in _AUDIO if n in params)
+    if name in ("input_features", "audio_mel"):
+        width = _deep_first(config, _AUDIO_FEATURES) or SMALL["num_mel_bins"]
+        length, first = AUDIO_FRAMES, torch.randn(1, AUDIO_FRAMES, width, generator=gen)
+        layouts = [first, first.transpose(1, 2)]
+    elif name in ("input_values", "past_values"):
+        channels = _first(config, "audio_channels", "channels", "in_channels", default=1)
+        hop = _hop(config) if name == "past_values" else max(_hop(config), 320)  # waveforms: 20 ms at 16 kHz or more
+        length = 16 * hop  # 16 frames
+        wave = torch.randn(1, channels, length, generator=gen) * (0.1 if name == "input_values" else 1.0)  # speech level
+        layouts = [wave, wave[:, 0]] if channels > 1 else [wave[:, 0], wave]
+    else:  # latents of a codec's decoder, embeddings of an encoder
+        width = _first(config, "hidden_size", "d_model", default=SMALL["hidden_size"])
+        length, first = AUDIO_FRAMES // 4, torch.randn(1, AUDIO_FRAMES // 4, width, generator=gen)
+        layouts = [first, first.transpose(1, 2)]
+    decoder = {}
+    if "decoder_input_ids" in params:
+        vocab = config.get_text_config(decoder=True).vocab_size
+        decoder["decoder_input_ids"] = torch.randint(3, vocab - SPECIAL_IDS, (1, seq_len), generator=gen)
+    masks = {m: torch.ones(1, length, dtype=torch.long) for m in _AUDIO_MASKS if m in params}
+    for layout in layouts:
+        yield {name: layout, **decoder}
+        if masks:
+            yield {name: layout, **masks, **decoder}
+
+
+def _speech(model: nn.Module, params: set[str], seq_len: int) -> tuple[dict[str, Tensor], int] | None:
+    """A speech LM's tiny audio in the first layout its ``get_audio_features`` runs on, and how many
+    audio-token embeddings it makes of it (None if none runs: Gemma 4's default config has no audio tower)."""
+    getters = (getattr(m, "get_audio_features", None) for m in (model, getattr(model, "model", None)))
+    # the first that names its audio argument (a wrapper passing *args, **kwargs on: its inner model's)
+    get = next((g for g in getters if g is not None and set(_AUDIO) & set(inspect.signature(g).parameters)), None)
+    if get is None:
+        return None
+    takes = set(inspect.signature(get).parameters)
+    hidden = model.config.get_text_config().hidden_size
+    for audio in _audio_candidates(model, params - {"attention_mask"}, seq_len):  # attention_mask: the tokens'
+        try:
+            with torch.no_grad(), _quiet():
+                out = get(**{k: v for k, v in audio.items() if k in takes})
+        except Exception:  # noqa: BLE001 - try the next layout
+            continue
+        found = [out] if isinstance(out, Tensor) else list(_tensors(getattr(out, "pooler_output", None)))
+        count = sum(t.numel() for t in found) // hidden
+        if count:
+            return audio, count
+    return None
+
+
+def _audio_inputs(model: nn.Module, params: set[str], seq_len: int) -> dict[str, Tensor]:
+    """An audio model's inputs: the first of :func:`_audio_candidates` its forward runs on."""
+    first: Exception | None = None
+    for inputs in _audio_candidates(model, params, seq_len):
+        try:
+            with torch.no_grad(), _quiet():
+                model(**inputs)
+        except Exception as err:  # noqa: BLE001 - try the next layout
+            first = first or err
+            continue
+        return inputs
+    raise ValueError(f"no tiny audio layout runs {type(model).__name__} "
+                     f"({type(first).__name__}: {_clip(str(first))})")
+
+
 def _required(model: nn.Module) -> str:
     sig = inspect.signature(model.forward)
     names = [p.name for p in sig.parameters.values() if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
@@ -965,14 +1139,16 @@ def _required(model: nn.Module) -> str:
 
 def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     """The model's main output on ``inputs``: logits where it has them, else the last hidden state
-    (or the tensor it returns: JEV's decision scores; or predicted masks), else its first floating-point
-    output. (A model whose forward takes more than tensors is run by its
+    (or the tensor it returns: JEV's decision scores, Qwen2.5-Omni's DiT; or predicted masks), else its
+    first floating-point output. (A model whose forward takes more than tensors is run by its
     :data:`~torchembed.tools.zoo_fixes.RUNS` entry.)
 
     The forward runs with the global generator seeded (and restored after), so that a model that draws
     from it (ESMFold2's initial pair state) draws the same numbers in every run."""
+    if _parts_only(model):  # a generate-only composite (Qwen2.5-Omni): its parts' outputs, in turn, flattened
+        return torch.cat([outputs_of(model.get_submodule(path), part).flatten() for path, part in inputs.items()])
     device = next(model.parameters()).device
-    inputs = {k: _to(v, device) for k, v in inputs.items()}
+    inputs = _to(inputs, device)
     run = RUNS.get(getattr(getattr(model, "config", None), "model_type", None))
     with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
@@ -984,17 +1160,28 @@ def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
         if isinstance(value, Tensor):
             return value
     tensors = list(_tensors(out if isinstance(out, tuple) else out.to_tuple()))
-    # the first floating one: integer outputs (LightGlue's matched indices) cannot show a small error
+    # the first floating one: integer outputs (LightGlue's matched indices, a codec's codes) cannot show a
+    # small error
     return next((t for t in tensors if t.is_floating_point()), tensors[0])
 
 
+def _parts_only(model: nn.Module) -> bool:
+    """``model`` has no forward of its own: it only generates, calling its parts (Qwen2.5-Omni's thinker,
+    talker and token2wav), so the zoo runs those (inputs: ``{part's path: its inputs}``)."""
+    return type(model).forward is nn.Module.forward
+
+
 def _to(value: Any, device: torch.device | str) -> Any:
-    """``value`` on ``device``: a tensor, or a dataclass of tensors (ESMFold2's atom inputs)."""
+    """A copy of ``value`` on ``device`` (Qwen2.5-Omni's talker adds to its ``inputs_embeds`` in place): a
+    tensor, a dict of values (inputs; a composite's parts' inputs), or a dataclass of tensors (ESMFold2's
+    atom inputs)."""
     import dataclasses
 
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.replace(value, **{f.name: _to(getattr(value, f.name), device) for f in dataclasses.fields(value)})
-    return value.to(device)
+    return value.to(device, copy=True)
 
 
 def matches(out: Tensor, ref: Tensor, rel: float = FP32_REL_TOL) -> bool:
@@ -1012,16 +1199,16 @@ class ZooCase:
 
     model_type: str
     model: nn.Module
-    inputs: dict[str, Tensor]
+    inputs: dict[str, Any]  # tensors (a generate-only composite's: each part's path -> its tensors)
     prompt: dict[str, Tensor] | None = None
 
 
 def _prompt(model: nn.Module, inputs: dict[str, Tensor]) -> dict[str, Tensor] | None:
     """Row 0 of the inputs (its first 6 tokens for text), if upstream generates from it."""
     can = getattr(model, "can_generate", None)
-    if not (can and can()) or getattr(model.config, "is_encoder_decoder", False):
+    if not (can and can()) or getattr(model.config, "is_encoder_decoder", False) or _parts_only(model):
         return None
-    if "pixel_values" in inputs:  # one row already, and its image tokens complete
+    if "pixel_values" in inputs or set(_AUDIO[:3]) & set(inputs):  # one row already, its image (audio) tokens complete
         prompt = dict(inputs)
     else:
         prompt = {k: v[:1, :6] if v.dim() > 1 else v for k, v in inputs.items()}  # a 0-d step stays
@@ -1050,7 +1237,7 @@ def zoo_case(model_type: str, device: str | torch.device = "cpu") -> ZooCase:
     case = _case(model_type)
     if torch.device(device) == torch.device("cpu"):
         return case
-    move = (lambda values: None if values is None else {k: _to(v, device) for k, v in values.items()})
+    move = (lambda values: None if values is None else _to(values, device))
     return ZooCase(model_type, copy.deepcopy(case.model).to(device), move(case.inputs), move(case.prompt))
 
 

@@ -25,12 +25,12 @@ from typing import Any
 
 from torch import nn
 
-from torchembed.tools.zoo_fixes import text, vision, vision_language
+from torchembed.tools.zoo_fixes import audio, text, vision, vision_language
 from torchembed.tools.zoo_fixes._common import ConfigFix, merge
 
 __all__ = ["CONFIG", "INPUTS", "MODULES", "RUNS", "apply_config_fix"]
 
-MODULES: tuple[ModuleType, ...] = (text, vision, vision_language)
+MODULES: tuple[ModuleType, ...] = (audio, text, vision, vision_language)
 
 
 def _union(name: str) -> dict[str, Any]:
