@@ -723,16 +723,20 @@ class RotaryHelper:
                                         "kernel does not take; patch with fused=None")
         if views is not None:
             bhsd, tables_view = views
-            cb, sb = tables_view(c), tables_view(s)
+            halves = full is not None and not interleaved  # the helper's own rows: a pair's second feature its entries
+            if halves:
+                cb, sb = (tables_view(t).contiguous()[..., : rot // 2] for t in full)
+            else:
+                cb, sb = tables_view(c), tables_view(s)
             outs, i = [], 0
             while i < len(bhsd):  # two tensors per launch where they pair up
                 if i + 1 < len(bhsd) and _pairable(bhsd[i], bhsd[i + 1]):
                     outs += kernels.rotary_fused(bhsd[i], bhsd[i + 1], cb, sb, interleaved=interleaved,
-                                                 conjugate=rotation.conjugate)
+                                                 conjugate=rotation.conjugate, halves=halves)
                     i += 2
                 else:
                     outs.append(kernels.rotary_fused(bhsd[i], bhsd[i][:, :0], cb, sb, interleaved=interleaved,
-                                                     conjugate=rotation.conjugate)[0])
+                                                     conjugate=rotation.conjugate, halves=halves)[0])
                     i += 1
             return [_back(x, unsqueeze, rule)(o) for x, o in zip(xs, outs)]
         return self._arithmetic(xs, c, s, full, unsqueeze, interleaved, rule)
@@ -816,8 +820,8 @@ class RotaryHelper:
             c, s = self._half(cos, sin)
             # In place at inference; out of place where autograd records or torch.compile traces.
             inplace = not (torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
-            try:
-                return kernels.rotary_fused(q, k, c, s, inplace=inplace)
+            try:  # (c, s: views of the first halves of HF's rows; the kernel reads the second halves too)
+                return kernels.rotary_fused(q, k, c, s, inplace=inplace, halves=True)
             except ValueError:
                 return None
         if self.fused is True:

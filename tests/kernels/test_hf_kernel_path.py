@@ -208,3 +208,28 @@ def test_static_cache_generate_compiled_on_cuda_matches_upstream(name):
     assert counters["frames"]["ok"] > 0, "generate did not compile the forward"
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert torch.equal(got, expected) and torch.equal(again, expected)
+
+
+def test_tables_whose_halves_differ_on_the_kernel(monkeypatch):
+    """HunYuan-VL composes its M-RoPE sections across both halves of the head: at an image token a
+    pair's two features carry two axes' angles. On the kernel each feature reads its own entry
+    (``halves``): outputs and gradients as upstream's, image tokens included."""
+    from torchembed.tools.zoo import outputs_of, zoo_case
+
+    case = zoo_case("hunyuan_vl") if "hunyuan_vl" in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES else None
+    if case is None:
+        pytest.skip("the installed transformers has no HunYuan-VL")
+    upstream = copy.deepcopy(case.model).to(DEV)
+    patched = torchembed.patch(copy.deepcopy(upstream), fused=True)
+    calls = _spy(monkeypatch, "rotary_fused")
+    ref, out = outputs_of(upstream, case.inputs), outputs_of(patched, case.inputs)
+    assert calls and all(kw.get("halves") for _, kw in calls)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    inputs = {k: v.to(DEV) for k, v in case.inputs.items()}
+    grads = []
+    for model in (upstream, patched):
+        model.zero_grad()
+        model(**inputs).logits.pow(2).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    for name, want in grads[0].items():
+        torch.testing.assert_close(grads[1][name], want, rtol=1e-4, atol=1e-5 * want.abs().max().item() + 1e-12, msg=name)

@@ -823,7 +823,7 @@ def test_direct_launch_keys_alignment_and_table_dtype(monkeypatch):
 
 
 def _tables_keys() -> int:
-    return sum(1 for key in rope.LAUNCHES if key[-2] is True)  # kept in-place launches
+    return sum(1 for key in rope.LAUNCHES if key[-3] is True)  # kept in-place launches
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="the hot path replays compiled CUDA kernels")
@@ -991,3 +991,68 @@ def test_kept_launch_calls_the_python_wrapper_of_a_packed_launcher(monkeypatch):
     assert got[1:10] == (*grid, "stream", "function", "metadata", None, None, None)
     assert got[10:18] == tuple(t.data_ptr() for t in (q, k, q, k, cos, sin, q, q))
     assert got[18:] == tuple(args[8:]) + tuple(meta[name] for name in rope._CONSTEXPR_NAMES)
+
+
+# ------------------------------------------------------------------------------------------
+# halves: full-width table rows whose two halves differ (HF's arithmetic with its own tables)
+# ------------------------------------------------------------------------------------------
+
+
+def _oracle_halves(x, cos, sin, conjugate=False):
+    """float64 ``x * cos + rotate_half(x) * sin`` over the first ``R`` features with full-width
+    ``(Bc, S, R)`` tables (HF's formula), the rest passed through."""
+    x, c, s = x.double(), cos.double()[:, None], sin.double()[:, None]
+    s = -s if conjugate else s
+    rot = c.shape[-1]
+    h = rot // 2
+    x1, x2 = x[..., :h], x[..., h:rot]
+    y = torch.cat((x1 * c[..., :h] - x2 * s[..., :h], x2 * c[..., h:] + x1 * s[..., h:]), dim=-1)
+    return torch.cat((y, x[..., rot:]), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("rot, dim", [(16, 16), (8, 16)])
+@pytest.mark.parametrize("conjugate", [False, True])
+def test_halves_read_each_features_own_entries(dtype, inplace, rot, dim, conjugate):
+    """``halves=True``: tables given as the first halves (views) of full-width rows whose halves differ
+    (HunYuan-VL's M-RoPE at image tokens): the second feature of each pair takes its own entries."""
+    gen = torch.Generator().manual_seed(rot + dim + inplace)
+    B, Hq, Hk, S = 2, 3, 1, 7
+    q = torch.randn(B, S, Hq, dim, generator=gen).to(DEV, dtype).transpose(1, 2)
+    k = torch.randn(B, S, Hk, dim, generator=gen).to(DEV, dtype).transpose(1, 2)
+    angles = torch.rand(B, S, rot, generator=gen) * 6 - 3  # every entry its own angle: the halves differ
+    cos, sin = angles.cos().to(DEV), angles.sin().to(DEV)
+    want_q, want_k = _oracle_halves(q, cos, sin, conjugate), _oracle_halves(k, cos, sin, conjugate)
+    qo, ko = rotary_fused(q.clone() if inplace else q, k.clone() if inplace else k, cos[..., : rot // 2],
+                          sin[..., : rot // 2], halves=True, inplace=inplace, conjugate=conjugate)
+    torch.testing.assert_close(qo.double(), want_q, **TOL[dtype])
+    torch.testing.assert_close(ko.double(), want_k, **TOL[dtype])
+    # without halves the kernel reads one entry per pair: here a different function
+    plain, _ = rotary_fused(q, k, cos[..., : rot // 2], sin[..., : rot // 2], conjugate=conjugate)
+    assert (plain.double() - want_q).abs().max() > 1e-2
+
+
+def test_halves_backward_is_the_transpose():
+    """The gradient of the halves map is its transpose (the two halves' sines exchanged), against
+    float64 autograd of HF's formula."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, S, D = 1, 2, 5, 8
+    q = torch.randn(B, H, S, D, generator=gen, dtype=torch.float32).to(DEV).requires_grad_()
+    k = torch.randn(B, H, S, D, generator=gen, dtype=torch.float32).to(DEV).requires_grad_()
+    angles = torch.rand(B, S, D, generator=gen) * 6 - 3
+    cos, sin = angles.cos().to(DEV), angles.sin().to(DEV)
+    qo, ko = rotary_fused(q, k, cos[..., : D // 2], sin[..., : D // 2], halves=True)
+    gq, gk = torch.randn_like(qo), torch.randn_like(ko)
+    (qo * gq + ko * gk).sum().backward()
+    qd, kd = (t.detach().double().requires_grad_() for t in (q, k))
+    (_oracle_halves(qd, cos, sin) * gq.double() + _oracle_halves(kd, cos, sin) * gk.double()).sum().backward()
+    torch.testing.assert_close(q.grad.double(), qd.grad, **TOL[torch.float32])
+    torch.testing.assert_close(k.grad.double(), kd.grad, **TOL[torch.float32])
+
+
+def test_halves_needs_the_rows_second_halves():
+    """A table without room for the second halves (its own rows only) is a clear ValueError."""
+    q = torch.randn(1, 2, 4, 8, device=DEV)
+    with pytest.raises(ValueError, match="first halves of full-width table rows"):
+        rotary_fused(q, q.clone(), torch.ones(1, 4, 4, device=DEV), torch.zeros(1, 4, 4, device=DEV), halves=True)

@@ -52,7 +52,10 @@ class RopeArgs(NamedTuple):
     ``q (B, Hq, S, D)``, ``k (B, Hk, S, D)``; ``cos``/``sin`` tables or ``inv_freq (R/2,)``;
     ``positions`` a tensor (see the module docstring) or None, with ``offset`` the int offset (0 for
     tensor positions and per-token tables); ``scale`` multiplies cos and sin; ``interleaved`` pairs
-    features ``(2j, 2j + 1)`` instead of ``(j, j + R/2)``; ``conjugate`` rotates by ``-theta``.
+    features ``(2j, 2j + 1)`` instead of ``(j, j + R/2)``; ``conjugate`` rotates by ``-theta``;
+    ``halves`` (half-split pairing, tables): 1 where the tables are the first halves of full-width rows
+    whose second halves (``R/2`` further along each row) hold the entries of each pair's second
+    feature, 2 the same with the two halves' sines exchanged (the backward of 1), else 0.
     """
 
     q: Tensor
@@ -65,6 +68,7 @@ class RopeArgs(NamedTuple):
     scale: float
     interleaved: bool
     conjugate: bool
+    halves: int = 0
 
 
 # ------------------------------------------------------------------------------------------
@@ -82,7 +86,7 @@ _WARPS_GROUPED = 8  # warps of a program that rotates several heads
 # (H, D) rows in HF's (B, S, H, D) memory.
 _HEADS_FAST = True
 _CONSTEXPR_NAMES = ("HALF", "D", "BLOCK_D", "BLOCK_P", "BLOCK_S", "HPP", "POS_MODE", "USE_INV_FREQ", "INTERLEAVED",
-                    "CONJUGATE", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST")
+                    "CONJUGATE", "HALVES", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST")
 
 
 def _next_pow2(n: int) -> int:
@@ -106,7 +110,7 @@ def _config(a: RopeArgs, inplace: bool) -> tuple[tuple[int, int, int], dict, int
     meta = dict(
         HALF=half, D=D, BLOCK_D=block_d, BLOCK_P=_next_pow2(D - 2 * half) if has_pass else 1, BLOCK_S=block_s,
         HPP=hpp, POS_MODE=0 if a.positions is None else a.positions.dim(), USE_INV_FREQ=a.cos is None,
-        INTERLEAVED=a.interleaved, CONJUGATE=a.conjugate, HAS_PASS=has_pass, CDT="fp64" if a.q.dtype == torch.float64 else "fp32",
+        INTERLEAVED=a.interleaved, CONJUGATE=a.conjugate, HALVES=a.halves, HAS_PASS=has_pass, CDT="fp64" if a.q.dtype == torch.float64 else "fp32",
         # The interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest even.
         EMULATE_RTNE=not a.q.is_cuda and a.q.dtype == torch.bfloat16, HEADS_FAST=heads_fast,
         num_warps=_WARPS_GROUPED if hpp > 1 else 1 if lanes <= 128 else 2 if lanes <= 512 else 4,
@@ -137,7 +141,7 @@ def _tensor_key(t: Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
 
 
-def _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate) -> Optional[tuple]:
+def _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate, halves=0) -> Optional[tuple]:
     """What a call with these arguments is, for the launch cache; None for calls never kept (tensor
     subclasses, flags that are not bools, a scale that is not a Python number, a negative int offset
     or one past the end of a cache table, tensor positions indexing a CPU table: range-checked on
@@ -169,13 +173,13 @@ def _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conju
     else:
         return None
     return (q.shape, k.shape, q.stride(), k.stride(), q.dtype, k.dtype, q.device, k.device, angles, pos,
-            interleaved, inplace, conjugate)
+            interleaved, inplace, conjugate, halves)
 
 
 def _key_of(a: RopeArgs, inplace: bool) -> Optional[tuple]:
     """:func:`_key` of the call ``a`` was validated from (its position form as given)."""
     positions = a.positions if a.positions is not None else None if a.cos is not None and a.cos.dim() == 3 else a.offset
-    return _key(a.q, a.k, a.cos, a.sin, a.inv_freq, positions, a.scale, a.interleaved, inplace, a.conjugate)
+    return _key(a.q, a.k, a.cos, a.sin, a.inv_freq, positions, a.scale, a.interleaved, inplace, a.conjugate, a.halves)
 
 
 _triton = None  # rope_triton, imported with Triton on the first launch
@@ -290,7 +294,7 @@ def _fail(msg: str):
     raise ValueError(f"rotary_fused: {msg}")
 
 
-def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate) -> RopeArgs:
+def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate, halves=0) -> RopeArgs:
     """The arguments of ``rotary_fused`` as the kernel takes them, or a ValueError naming what is wrong.
 
     Tensor positions indexing cos/sin cache tables are range-checked on the host for CPU tensors
@@ -356,7 +360,13 @@ def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate
         # The kernel needs a unit last stride and one stride for both tables; tables are small, so a
         # copy here is cheap (q and k are never copied for this).
         st = cos.stride()
-        if st != sin.stride() or (st and st[-1] != 1):
+        if halves:
+            if halves not in (1, 2) or interleaved:
+                _fail(f"expected halves 0, 1 or 2 (half-split pairing only), got {halves!r} with interleaved={interleaved}")
+            if st != sin.stride() or not _has_second_halves(cos) or not _has_second_halves(sin):
+                _fail(f"expected with halves the first halves of full-width table rows (views, one stride for both), "
+                      f"got cos {tuple(cos.shape)} strides {st}, sin strides {sin.stride()}")
+        elif st != sin.stride() or (st and st[-1] != 1):
             cos, sin = cos.contiguous(), sin.contiguous()
     else:
         if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or not inv_freq.is_floating_point():
@@ -382,7 +392,26 @@ def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate
         _fail(f"expected a Python number scale, got {type(scale).__name__}")
     if not isinstance(interleaved, bool) or not isinstance(conjugate, bool):
         _fail(f"expected bool interleaved and conjugate, got {interleaved!r} and {conjugate!r}")
-    return RopeArgs(q, k, cos, sin, inv_freq, pos_t, offset, float(scale), interleaved, conjugate)
+    if halves and inv_freq is not None:
+        _fail("expected cos/sin tables with halves, got inv_freq")
+    return RopeArgs(q, k, cos, sin, inv_freq, pos_t, offset, float(scale), interleaved, conjugate, int(halves))
+
+
+def _has_second_halves(t: Tensor) -> bool:
+    """``t (..., R/2)`` (unit last stride) continues, ``R/2`` entries further along each of its rows,
+    with the row's second half: its rows are at least ``R`` apart and its storage holds the last one's."""
+    half = t.shape[-1]
+    if t.stride(-1) != 1 or (t.dim() > 1 and t.shape[-2] > 1 and t.stride(-2) < 2 * half):
+        return False
+    if torch.compiler.is_compiling():  # (storage is not traced; the eager call checked it)
+        return True
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    return last + half < t.untyped_storage().nbytes() // t.element_size()
+
+
+def _second_half_view(t: Tensor) -> Tensor:
+    """The view of the entries ``R/2`` further along each row of ``t`` (see :func:`_has_second_halves`)."""
+    return torch.as_strided(t, t.shape, t.stride(), t.storage_offset() + t.shape[-1])
 
 
 # ------------------------------------------------------------------------------------------
@@ -431,6 +460,18 @@ def _run(a: RopeArgs, qo: Tensor, ko: Tensor) -> None:
             _launch(a, qo, ko, key)
         return
     c, s = _reference_tables(a)
+    if a.halves:  # the second features' own entries
+        c2, s2 = _reference_tables(a._replace(cos=_second_half_view(a.cos), sin=_second_half_view(a.sin)))
+        s1, s2 = (s, s2) if a.halves == 1 else (s2, s)
+        sign = -1.0 if a.conjugate else 1.0
+        h = c.shape[-1]
+        for x, out in ((q, qo), (k, ko)):
+            x1, x2 = x[..., :h], x[..., h : 2 * h]
+            y1, y2 = x1 * c - sign * x2 * s1, x2 * c2 + sign * x1 * s2  # (before any write: out may be x)
+            out[..., :h], out[..., h : 2 * h] = y1, y2
+            if out is not x:
+                out[..., 2 * h :] = x[..., 2 * h :]
+        return
     for x, out in ((q, qo), (k, ko)):
         out.copy_(apply_rotary(x, c, s, interleaved=a.interleaved, conjugate=a.conjugate))
 
@@ -464,24 +505,24 @@ def _rotate_(a: RopeArgs) -> None:
 @torch.library.custom_op("torchembed::rotary", mutates_args=())
 def _rotary_op(q: Tensor, k: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], inv_freq: Optional[Tensor],
                positions: Optional[Tensor], pos_offset: int, scale: float, interleaved: bool,
-               conjugate: bool) -> Tuple[Tensor, Tensor]:
-    return _rotate(RopeArgs(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate))
+               conjugate: bool, halves: int = 0) -> Tuple[Tensor, Tensor]:
+    return _rotate(RopeArgs(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate, halves))
 
 
 @_rotary_op.register_fake
-def _rotary_fake(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
+def _rotary_fake(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate, halves=0):
     return _alloc_like(q), _alloc_like(k)
 
 
 @torch.library.custom_op("torchembed::rotary_", mutates_args=("q", "k"))
 def _rotary_inplace_op(q: Tensor, k: Tensor, cos: Optional[Tensor], sin: Optional[Tensor], inv_freq: Optional[Tensor],
                        positions: Optional[Tensor], pos_offset: int, scale: float, interleaved: bool,
-                       conjugate: bool) -> None:
-    _rotate_(RopeArgs(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate))
+                       conjugate: bool, halves: int = 0) -> None:
+    _rotate_(RopeArgs(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate, halves))
 
 
 @_rotary_inplace_op.register_fake
-def _rotary_inplace_fake(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate):
+def _rotary_inplace_fake(q, k, cos, sin, inv_freq, positions, pos_offset, scale, interleaved, conjugate, halves=0):
     return None
 
 
@@ -503,20 +544,22 @@ class _Rotary(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         a = RopeArgs(*inputs)
         ctx.save_for_backward(a.cos, a.sin, a.inv_freq, a.positions)
-        ctx.consts = (a.offset, a.scale, a.interleaved, a.conjugate)
+        ctx.consts = (a.offset, a.scale, a.interleaved, a.conjugate, a.halves)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         cos, sin, inv_freq, positions = ctx.saved_tensors
-        offset, scale, interleaved, conjugate = ctx.consts
-        a = RopeArgs(grad_q, grad_k, cos, sin, inv_freq, positions, offset, scale, interleaved, not conjugate)
+        offset, scale, interleaved, conjugate, halves = ctx.consts
+        # the transpose: the inverse rotation; with halves, the two halves' sines exchanged as well
+        a = RopeArgs(grad_q, grad_k, cos, sin, inv_freq, positions, offset, scale, interleaved, not conjugate,
+                     (0, 2, 1)[halves])
         if type(grad_q) is not Tensor or type(grad_k) is not Tensor or torch.compiler.is_compiling():
             dq, dk = torch.ops.torchembed.rotary(*a)  # traced (compile) or a tensor subclass: the op
         elif torch.is_grad_enabled():  # create_graph=True: stay differentiable
             dq, dk = _Rotary.apply(*a)
         else:
             dq, dk = _rotate(a)
-        return dq, dk, None, None, None, None, None, None, None, None
+        return dq, dk, None, None, None, None, None, None, None, None, None
 
 
 _rotary_op.register_autograd(_Rotary.backward, setup_context=_Rotary.setup_context)
@@ -539,6 +582,7 @@ def rotary_fused(
     interleaved: bool = False,
     inplace: bool = False,
     conjugate: bool = False,
+    halves: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """Rotate q and k by their positions' angles with one fused kernel launch.
 
@@ -556,6 +600,10 @@ def rotary_fused(
         interleaved: GPT-J pairing ``(2j, 2j + 1)`` instead of ``(j, j + R/2)``.
         inplace: write into q and k and return them; else new tensors (``empty_like`` layout).
         conjugate: rotate by ``-theta`` (the inverse rotation).
+        halves: cos/sin are the first halves of full-width tables (views of HF's ``cat`` rows), whose
+            second halves, ``R/2`` further along each row, hold the entries of each pair's second
+            feature: HF's arithmetic with its full tables also where the two halves differ (half-split
+            pairing only).
 
     Returns:
         ``(q_rot, k_rot)``, the input shapes and dtype; float32 math (float64 for float64 inputs),
@@ -567,14 +615,14 @@ def rotary_fused(
     compiling = torch.compiler.is_compiling()
     recorded = torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False))
     if not compiling and not recorded:  # a call like one launched before: that launch again, at once
-        key = _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate)
+        key = _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate, halves)
         kept = None if key is None else LAUNCHES.get(key)
         if kept is not None and not triton_disabled():
             qo, ko = (q, k) if inplace else (_empty_like(q), _empty_like(k))
             pos, offset = (None, positions) if type(positions) is int else (positions, 0)
             if kept(q, k, qo, ko, cos, sin, inv_freq, pos, offset, scale):
                 return qo, ko
-    a = _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate)
+    a = _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate, 1 if halves else 0)
     if not isinstance(inplace, bool):
         _fail(f"expected a bool inplace, got {inplace!r}")
     if not recorded:

@@ -8,6 +8,11 @@ token s) row of q or k and each pair index j < R/2 (R = rotary dim):
     y1 = x1 * c - x2 * s
     y2 = x2 * c + x1 * s               (s -> -s when CONJUGATE: the inverse rotation)
 
+With ``HALVES`` (half-split pairing, tables read from memory) the second feature of a pair takes its
+own entries, ``R/2`` further along the table row: ``y2 = x2 * c' + x1 * s'`` -- what HF computes with
+its full-width tables also where their two halves differ (HunYuan-VL's M-RoPE sections); ``HALVES == 2``
+exchanges ``s`` and ``s'`` (the backward of ``HALVES == 1``: the transpose of that map).
+
 Dims [R, D) pass through.  All math is float32 (float64 for float64 inputs); the result is
 rounded once, on store.
 
@@ -67,6 +72,8 @@ def _store_rotated(
     x2,
     c,  # [BLOCK_S, BLOCK_D] cos * scale, compute dtype
     s,  # [BLOCK_S, BLOCK_D] sin * scale (negated when conjugate), compute dtype
+    c2,  # the second features' cos and sin (c and s but with HALVES)
+    s2,
     s_mask,  # [BLOCK_S] token in range
     HALF: tl.constexpr,
     D: tl.constexpr,
@@ -80,7 +87,7 @@ def _store_rotated(
     m = s_mask[:, None] & j_mask[None, :]
     op = o_ptr + o_row[:, None]
     y1 = x1 * c - x2 * s
-    y2 = x2 * c + x1 * s
+    y2 = x2 * c2 + x1 * s2
     if EMULATE_RTNE:
         y1 = _round_f32_to_bf16_rtne(y1)
         y2 = _round_f32_to_bf16_rtne(y2)
@@ -97,8 +104,9 @@ def _store_rotated(
 @triton.jit
 def _cos_sin(cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, b, s64, s_mask, sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
              HALF: tl.constexpr, BLOCK_D: tl.constexpr, POS_MODE: tl.constexpr, USE_INV_FREQ: tl.constexpr,
-             CONJUGATE: tl.constexpr, CDT: tl.constexpr):
-    """cos * scale and sin * scale (negated when CONJUGATE) of BLOCK_S tokens, [BLOCK_S, BLOCK_D]."""
+             CONJUGATE: tl.constexpr, HALVES: tl.constexpr, CDT: tl.constexpr):
+    """cos * scale and sin * scale (negated when CONJUGATE) of BLOCK_S tokens, [BLOCK_S, BLOCK_D], for
+    the first and the second features of the pairs (the same but with HALVES)."""
     j = tl.arange(0, BLOCK_D)
     j_mask = j < HALF
     if POS_MODE == 0:
@@ -120,7 +128,15 @@ def _cos_sin(cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, b, s64, s_mask, sc_b, sc_s
         sn = tl.load(sin_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
     if CONJUGATE:
         sn = -sn
-    return c, sn
+    if HALVES == 0:
+        return c, sn, c, sn
+    c2 = tl.load(cos_ptr + t_off + HALF, mask=m, other=0.0).to(CDT) * scale
+    s2 = tl.load(sin_ptr + t_off + HALF, mask=m, other=0.0).to(CDT) * scale
+    if CONJUGATE:
+        s2 = -s2
+    if HALVES == 2:
+        return c, s2, c2, sn
+    return c, sn, c2, s2
 
 
 @triton.jit
@@ -130,7 +146,7 @@ def _rotate_heads(
     cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
     HALF: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, HPP: tl.constexpr,
     POS_MODE: tl.constexpr, USE_INV_FREQ: tl.constexpr, INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
-    HAS_PASS: tl.constexpr, CDT: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+    HALVES: tl.constexpr, HAS_PASS: tl.constexpr, CDT: tl.constexpr, EMULATE_RTNE: tl.constexpr,
 ):
     """Rotate heads h0 .. h0 + HPP - 1 of x into o for BLOCK_S tokens; cos/sin made once.  The first
     two heads' loads are issued before the positions / tables / angles work, so their memory latency
@@ -140,18 +156,18 @@ def _rotate_heads(
     x1, x2 = _load_pairs(x_ptr, x_row, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
     if HPP > 1:
         x1b, x2b = _load_pairs(x_ptr, x_row + sx_h, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
-    c, sn = _cos_sin(cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, b, s64, s_mask, sc_b, sc_s, sp_b, sp_s,
-                     pos_offset, scale, HALF, BLOCK_D, POS_MODE, USE_INV_FREQ, CONJUGATE, CDT)
-    _store_rotated(x_ptr, o_ptr, x_row, o_row, x1, x2, c, sn, s_mask,
+    c, sn, c2, s2 = _cos_sin(cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, b, s64, s_mask, sc_b, sc_s, sp_b, sp_s,
+                             pos_offset, scale, HALF, BLOCK_D, POS_MODE, USE_INV_FREQ, CONJUGATE, HALVES, CDT)
+    _store_rotated(x_ptr, o_ptr, x_row, o_row, x1, x2, c, sn, c2, s2, s_mask,
                    HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, EMULATE_RTNE)
     if HPP > 1:
-        _store_rotated(x_ptr, o_ptr, x_row + sx_h, o_row + so_h, x1b, x2b, c, sn, s_mask,
+        _store_rotated(x_ptr, o_ptr, x_row + sx_h, o_row + so_h, x1b, x2b, c, sn, c2, s2, s_mask,
                        HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, EMULATE_RTNE)
     for i in tl.static_range(2, HPP):
         x_row = b * sx_b + (h0 + i) * sx_h + s64 * sx_s
         o_row = b * so_b + (h0 + i) * so_h + s64 * so_s
         x1, x2 = _load_pairs(x_ptr, x_row, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
-        _store_rotated(x_ptr, o_ptr, x_row, o_row, x1, x2, c, sn, s_mask,
+        _store_rotated(x_ptr, o_ptr, x_row, o_row, x1, x2, c, sn, c2, s2, s_mask,
                        HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, EMULATE_RTNE)
 
 
@@ -196,6 +212,7 @@ def rope_kernel(
     USE_INV_FREQ: tl.constexpr,  # compute cos/sin from pos * inv_freq instead of loading a table
     INTERLEAVED: tl.constexpr,  # pairs (2j, 2j+1) instead of (j, j + R/2)
     CONJUGATE: tl.constexpr,  # rotate by -angle (inverse rotation; the backward pass)
+    HALVES: tl.constexpr,  # 0; 1: a pair's second feature reads its own entries, R/2 along the row; 2: sines exchanged
     HAS_PASS: tl.constexpr,  # copy dims [R, D) (out-of-place with R < D)
     CDT: tl.constexpr,  # compute dtype: float32 (float64 for float64 inputs)
     EMULATE_RTNE: tl.constexpr,  # interpreter-only bf16 rounding fix (see _round_f32_to_bf16_rtne)
@@ -217,7 +234,7 @@ def rope_kernel(
             q_ptr, qo_ptr, b, (pid_h * HPP).to(tl.int64), s64, s_mask,
             sq_b, sq_h, sq_s, sqo_b, sqo_h, sqo_s,
             cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
-            HALF, D, BLOCK_D, BLOCK_P, HPP, POS_MODE, USE_INV_FREQ, INTERLEAVED, CONJUGATE, HAS_PASS, CDT,
+            HALF, D, BLOCK_D, BLOCK_P, HPP, POS_MODE, USE_INV_FREQ, INTERLEAVED, CONJUGATE, HALVES, HAS_PASS, CDT,
             EMULATE_RTNE,
         )
     else:
@@ -225,6 +242,6 @@ def rope_kernel(
             k_ptr, ko_ptr, b, ((pid_h - NQG) * HPP).to(tl.int64), s64, s_mask,
             sk_b, sk_h, sk_s, sko_b, sko_h, sko_s,
             cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, sc_b, sc_s, sp_b, sp_s, pos_offset, scale,
-            HALF, D, BLOCK_D, BLOCK_P, HPP, POS_MODE, USE_INV_FREQ, INTERLEAVED, CONJUGATE, HAS_PASS, CDT,
+            HALF, D, BLOCK_D, BLOCK_P, HPP, POS_MODE, USE_INV_FREQ, INTERLEAVED, CONJUGATE, HALVES, HAS_PASS, CDT,
             EMULATE_RTNE,
         )
