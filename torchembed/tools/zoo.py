@@ -166,12 +166,12 @@ def rotary_model_types() -> tuple[str, ...]:
 
 
 def has_model_class(model_type: str) -> bool:
-    """Whether transformers maps a model class to ``model_type`` (sub-configs such as a vision
-    tower's often have none: they exist only inside their composite model)."""
+    """Whether transformers' auto mappings map a model class to ``model_type`` (sub-configs such as a
+    vision tower's often have none: they exist only inside their composite model)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:  # a mapped class that its package does not define (5.23's VoxtralRealtimeTextModel) is none
-        _mapped_class(CONFIG_MAPPING[model_type])
+        _mapped_class(CONFIG_MAPPING[model_type], own=False)
     except KeyError:
         return False
     except Exception:  # noqa: BLE001 - one that does not import here: reported when the zoo builds it
@@ -695,7 +695,7 @@ def model_class(config: Any) -> type:
     return _mapped_class(type(config))
 
 
-def _mapped_class(config_class: type) -> type:
+def _mapped_class(config_class: type, own: bool = True) -> type:
     from transformers.models.auto import modeling_auto
     from transformers.models.auto.auto_factory import _LazyAutoMapping
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -709,9 +709,9 @@ def _mapped_class(config_class: type) -> type:
             mapping = _LazyAutoMapping(CONFIG_MAPPING_NAMES, names)
             with contextlib.suppress(KeyError, ValueError):  # ValueError: a mapped name its package lacks
                 return mapping[config_class]
-    own = _own_model_classes(config_class)
-    if own:  # a sub-config's model, not in the auto mappings (Qwen3-Omni's talker text model, code predictor)
-        return own[0]
+    classes = _own_model_classes(config_class) if own else []
+    if classes:  # a sub-config's model, not in the auto mappings (Qwen3-Omni's talker text model, code predictor)
+        return classes[0]
     raise KeyError(f"transformers maps no model class to {config_class.__name__} ({config_class.model_type!r})")
 
 
@@ -1312,9 +1312,13 @@ def status_of(model_type: str) -> ModelTypeStatus:
         return ModelTypeStatus(model_type, "no rotary component", "its modeling code defines no rotary class or function")
     if not has_model_class(model_type):
         parents = composites_of(model_type)
-        if parents:
+        # checked within a composite that the zoo runs; else on its own, where its package has a class for it
+        # (Qwen3-Omni's talker: the composite only generates)
+        checked = next((p for p in parents if status_of(p).state != "no tiny model"), None)
+        if checked is not None or (parents and not _own_model_classes(_config_class(model_type))):
+            within = checked or parents[0]
             return ModelTypeStatus(model_type, "part of", f"a sub-config of {', '.join(parents)} with no model class of "
-                                   f"its own; checked within {parents[0]} ({status_of(parents[0]).state})")
+                                   f"its own; checked within {within} ({status_of(within).state})")
     try:
         case = zoo_case(model_type)
     except Exception as err:  # noqa: BLE001 - reported, not raised
