@@ -128,14 +128,19 @@ def _cos_sin(cos_ptr, sin_ptr, pos_ptr, inv_freq_ptr, b, s64, s_mask, sc_b, sc_s
         sn = tl.load(sin_ptr + t_off, mask=m, other=0.0).to(CDT) * scale
     if CONJUGATE:
         sn = -sn
+    # (constexpr branches assign, one return at the end: the compiler visits only the branch taken)
     if HALVES == 0:
-        return c, sn, c, sn
-    c2 = tl.load(cos_ptr + t_off + HALF, mask=m, other=0.0).to(CDT) * scale
-    s2 = tl.load(sin_ptr + t_off + HALF, mask=m, other=0.0).to(CDT) * scale
-    if CONJUGATE:
-        s2 = -s2
-    if HALVES == 2:
-        return c, s2, c2, sn
+        c2 = c
+        s2 = sn
+    else:
+        c2 = tl.load(cos_ptr + t_off + HALF, mask=m, other=0.0).to(CDT) * scale
+        s2 = tl.load(sin_ptr + t_off + HALF, mask=m, other=0.0).to(CDT) * scale
+        if CONJUGATE:
+            s2 = -s2
+        if HALVES == 2:  # the two halves' sines exchanged
+            first = sn
+            sn = s2
+            s2 = first
     return c, sn, c2, s2
 
 
