@@ -236,16 +236,21 @@ def _truth(source: str | _Checkpoint | nn.Module, impl: str, inputs: dict[str, A
     """Upstream's outputs in float64, unpadded: the reference both errors are measured against.
 
     Some upstream models cannot run in float64 (4.57's DeepSeek-V3 routes in hard-coded float32
-    and then mixes the two dtypes); they get a float32 reference, said in the row's note. The
+    and then mixes the two dtypes; BLT's float64 outputs are NaN); they get a float32 reference, said
+    in the row's note. The
     float32 verdict does not use the reference, and float32 is far below bf16's rounding.
     """
     try:
         with _default_dtype(torch.float64):  # upstream code that makes tensors without a dtype (4.x MPT's masks)
-            return _run_unpadded(_load(source, torch.float64, impl, device), inputs), ""
+            out = _run_unpadded(_load(source, torch.float64, impl, device), inputs)
     except RuntimeError as exc:
         if "type" not in str(exc):  # only dtype mix-ups ("scalar type", "dtype") fall back
             raise
         return _run_unpadded(_load(source, torch.float32, impl, device), inputs), "float32 reference: upstream fails in float64"
+    if not torch.isfinite(out).all():  # (BLT's float64 patch entropies: NaN in upstream itself)
+        return (_run_unpadded(_load(source, torch.float32, impl, device), inputs),
+                "float32 reference: upstream's float64 outputs are not finite")
+    return out, ""
 
 
 def _compare_one(
