@@ -189,7 +189,7 @@ def composites_of(model_type: str) -> tuple[str, ...]:
         classes = (getattr(CONFIG_MAPPING[parent], "sub_configs", None) or {}).values()
         return tuple(getattr(c, "model_type", None) for c in classes)
 
-    return tuple(t for t in rotary_model_types() if model_type in _sub_model_types(t) + optional(t))
+    return tuple(t for t in model_types() if rotary_code_of(t) and model_type in _sub_model_types(t) + optional(t))
 
 
 def rotary_modules(model: nn.Module) -> list[str]:
