@@ -5,6 +5,9 @@
 #   bash scripts/test_versions.sh                  # 4.57.x (the last 4.x) and the newest release
 #   bash scripts/test_versions.sh 5.17.0 latest    # any pip version spec; "latest" = unpinned
 #
+# TORCHEMBED_ZOO_TYPES=sample: the zoo's per-model-type tests only for its sample (every kind of
+# rotation and the most used models; CI), else for every model type of each release.
+#
 # Only torch is pinned (TORCH_SPEC, default the CPU wheel torch==2.13.0); transformers and its
 # dependencies are what pip picks for the spec, as for a user. Virtualenvs live in
 # $TORCHEMBED_VENVS (default ~/.cache/torchembed/venvs) and are made anew on every run; pip's
