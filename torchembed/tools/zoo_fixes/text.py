@@ -89,6 +89,8 @@ CONFIG: dict[str, ConfigFix] = {
     # layers' head dim is global_head_dim (512 by default)
     "diffusion_gemma": {"text_config": {"num_experts": 4, "top_k_experts": 4, "moe_intermediate_size": 32,
                                         "global_head_dim": 32}},
+    # Dory (5.24): 16 input, 40 recurrent (looped twice) and 16 output layers, counted apart from num_hidden_layers
+    "dory": {"n_input_layers": 1, "n_recurrent_layers": 2, "n_output_layers": 1},
     # dots.llm1: the expert counts default to None (its checkpoints set them)
     "dots1": {"n_routed_experts": 4, "n_shared_experts": 1},
     # dots3 Note: see _DOTS3_NOTE_TEXT; the towers' adapters project to the text width, and the audio stem's

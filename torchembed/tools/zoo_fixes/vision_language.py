@@ -26,6 +26,10 @@ def _mllama_config(default: Any, kwargs: dict[str, Any]) -> None:
 
 
 CONFIG: dict[str, ConfigFix] = {
+    # Apertus 1.5 (5.24): the visual then the audio codebook's tokens end the vocabulary (offsets and codebooks
+    # checked against it): 64 text ids, 32 visual, 32 audio
+    "apertus1p5": {"image_token_offset": 64, "audio_token_offset": 96, "vision_config": {"codebook_size": 32},
+                   "audio_config": {"codebook_size": 32}},
     # Aria: its projector has learned queries per number of patches (1225 or 4900); the tiny image has 4
     "aria": {"projector_patch_to_query_dict": {4: 4}},
     # DeepSeek-OCR-2: the decoder reads mlp_layer_types and num_experts_per_tok (both default None);
@@ -59,6 +63,11 @@ CONFIG: dict[str, ConfigFix] = {
                         "sliding_window_size": 32, "rel_extent": 64, "n_layers_per_attn_res_block": 2},
         "vision_config": {"projection_hidden_dim": 64},
     },
+    "inkling2_loop": {
+        "text_config": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 16,
+                        "sliding_window_size": 32, "rel_extent": 64, "n_layers_per_attn_res_block": 2},
+        "vision_config": {"projection_hidden_dim": 64},
+    },  # (5.24) Inkling 2's towers in a looped text model
     "inkling2_vision": {"projection_hidden_dim": 64, "text_hidden_size": 64},
     # InternVL: image and patch sizes are (height, width) pairs, which the generic rules leave at 448 / 14
     "internvl": {"vision_config": {"image_size": 16, "patch_size": 8}},
@@ -260,6 +269,7 @@ INPUTS: dict[str, Callable[[nn.Module], dict[str, Tensor]]] = {
     "glm_image": _glm_image,  # GLM-Image: a source image and the grid of the one to generate
     "idefics": _idefics,
     "inkling2": _inkling2,  # Inkling 2: pixels per image token, channels last, in a grid of tokens
+    "inkling2_loop": _inkling2,
     "inkling2_vision": lambda model: _inkling2_image(model.config),
     "jev": _jev,  # JEV: a decision head, scoring the options of questions at their marks
     "minicpm_ocr": _minicpm_v,  # MiniCPM-V: NaViT-packed patches with their grid (target_sizes)
