@@ -615,7 +615,7 @@ class RotaryHelper:
             return self._rotate_sections(xs[0], first, second, values[rotation.sections].shape[-1],
                                          rotation.unsqueeze_default if u is None else u)
         given = [x for x in xs if x is not None]
-        rule = {1: "hs", 2: "sh"}.get(u) if rotation.broadcast == "param" else rotation.rule_for(given[0], c) if given else ""
+        rule = _unsqueezed_rule(u, c.dim()) if rotation.broadcast == "param" else rotation.rule_for(given[0], c) if given else ""
         at = -2 if rule == "hs" else -3  # the tokens' axis (tail, prefix)
         first = given[0].shape[at] if given else 0
         if rotation.prefix and given and first > c.shape[-2]:  # the leading tokens pass through
@@ -716,7 +716,10 @@ class RotaryHelper:
         if rule != "param":  # tables as (n, S, r/2) rows, whatever singleton axes they carry
             c, s = _rows(c, xs[0], rule), _rows(s, xs[0], rule)
             full = None if full is None else (_rows(full[0], xs[0], rule), _rows(full[1], xs[0], rule))
-        views = self._kernel_views(xs, c, unsqueeze, rule) if use_kernel(self.fused, xs[0], "the fused RoPE kernel") else None
+        kernel_rule = _unsqueezed_rule(unsqueeze, c.dim()) if rule == "param" else rule
+        if rule == "flat" and xs[0].dim() == 4 and (c.dim() == 2 or (c.dim() == 3 and c.shape[0] == 1)):
+            kernel_rule = "hs"  # right-aligned (1 or none, S, r/2) tables against (B, H, S, D): per-token rows
+        views = self._kernel_views(xs, c, kernel_rule) if use_kernel(self.fused, xs[0], "the fused RoPE kernel") else None
         if views is None and self.fused:
             raise FusedUnavailableError(f"fused=True: {self.__name__} was called with tensors of shapes "
                                         f"{[tuple(x.shape) for x in xs]} and tables {tuple(c.shape)}, a layout the fused "
@@ -725,7 +728,7 @@ class RotaryHelper:
             bhsd, tables_view = views
             halves = full is not None and not interleaved  # the helper's own rows: a pair's second feature its entries
             if halves:
-                cb, sb = (tables_view(t).contiguous()[..., : rot // 2] for t in full)
+                cb, sb = (tables_view(t) for t in full)
             else:
                 cb, sb = tables_view(c), tables_view(s)
             outs, i = [], 0
@@ -738,7 +741,7 @@ class RotaryHelper:
                     outs.append(kernels.rotary_fused(bhsd[i], bhsd[i][:, :0], cb, sb, interleaved=interleaved,
                                                      conjugate=rotation.conjugate, halves=halves)[0])
                     i += 1
-            return [_back(x, unsqueeze, rule)(o) for x, o in zip(xs, outs)]
+            return [_back(x, kernel_rule)(o) for x, o in zip(xs, outs)]
         return self._arithmetic(xs, c, s, full, unsqueeze, interleaved, rule)
 
     def _arithmetic(self, xs: list[Tensor], c: Tensor, s: Tensor, full: tuple[Tensor, Tensor] | None,
@@ -787,11 +790,9 @@ class RotaryHelper:
             out.append(y if xr is x else torch.cat((y, x[..., rot:]), dim=-1))
         return out
 
-    def _kernel_views(self, xs: list[Tensor], c: Tensor, unsqueeze: int | None, rule: str):
+    def _kernel_views(self, xs: list[Tensor], c: Tensor, rule: str | None):
         """``xs`` as the kernel's ``(B, H, S, D)`` views and a function making ``(B or 1, S, R/2)``
         tables of the half tables; None for layouts the kernel does not take."""
-        if rule == "param":
-            rule = {1: "hs", 2: "sh"}.get(unsqueeze)
         nd = xs[0].dim()
         if rule == "flat":  # (b, s, d): one head
             if nd != 3 or c.dim() != 3 or any(x.dim() != 3 for x in xs):
@@ -817,11 +818,10 @@ class RotaryHelper:
         if q.shape[-1] != cos.shape[-1]:
             return None
         if self.fused is not False and kernels.kernel_can_run(q):
-            c, s = self._half(cos, sin)
             # In place at inference; out of place where autograd records or torch.compile traces.
             inplace = not (torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
-            try:  # (c, s: views of the first halves of HF's rows; the kernel reads the second halves too)
-                return kernels.rotary_fused(q, k, c, s, inplace=inplace, halves=True)
+            try:  # (HF's full-width rows: each feature its own entry, as upstream's arithmetic)
+                return kernels.rotary_fused(q, k, cos, sin, inplace=inplace, halves=True)
             except ValueError:
                 return None
         if self.fused is True:
@@ -853,10 +853,17 @@ def _pairable(q: Tensor, k: Tensor) -> bool:
     return q.dtype == k.dtype and q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:]
 
 
-def _back(x: Tensor, unsqueeze: int | None, rule: str) -> Callable[[Tensor], Tensor]:
+def _unsqueezed_rule(unsqueeze: Any, table_dim: int) -> str | None:
+    """Where HF's ``cos.unsqueeze(unsqueeze_dim)`` puts the tables' token axis against ``x``: "hs" for
+    ``(S, R)`` tables at 0 or ``(B, S, R)`` at 1 (tokens second to last, ``x (B, H, S, D)``), "sh" for
+    ``(S, R)`` at 1 or ``(B, S, R)`` at 2 (``x (B, S, H, D)``); None for any other broadcast."""
+    if type(unsqueeze) is not int:
+        return None
+    return {(2, 0): "hs", (2, 1): "sh", (3, 1): "hs", (3, 2): "sh"}.get((table_dim, unsqueeze % (table_dim + 1)))
+
+
+def _back(x: Tensor, rule: str) -> Callable[[Tensor], Tensor]:
     """The inverse of :meth:`RotaryHelper._kernel_views` for ``x``."""
-    if rule == "param":
-        rule = {1: "hs", 2: "sh"}[unsqueeze]
     nd = x.dim()
     if rule == "flat":
         return lambda o: o[:, 0]

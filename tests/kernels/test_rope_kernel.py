@@ -1015,8 +1015,8 @@ def _oracle_halves(x, cos, sin, conjugate=False):
 @pytest.mark.parametrize("rot, dim", [(16, 16), (8, 16)])
 @pytest.mark.parametrize("conjugate", [False, True])
 def test_halves_read_each_features_own_entries(dtype, inplace, rot, dim, conjugate):
-    """``halves=True``: tables given as the first halves (views) of full-width rows whose halves differ
-    (HunYuan-VL's M-RoPE at image tokens): the second feature of each pair takes its own entries."""
+    """``halves=True``: full-width table rows whose halves differ (HunYuan-VL's M-RoPE at image
+    tokens): the second feature of each pair takes its own entries."""
     gen = torch.Generator().manual_seed(rot + dim + inplace)
     B, Hq, Hk, S = 2, 3, 1, 7
     q = torch.randn(B, S, Hq, dim, generator=gen).to(DEV, dtype).transpose(1, 2)
@@ -1024,8 +1024,8 @@ def test_halves_read_each_features_own_entries(dtype, inplace, rot, dim, conjuga
     angles = torch.rand(B, S, rot, generator=gen) * 6 - 3  # every entry its own angle: the halves differ
     cos, sin = angles.cos().to(DEV), angles.sin().to(DEV)
     want_q, want_k = _oracle_halves(q, cos, sin, conjugate), _oracle_halves(k, cos, sin, conjugate)
-    qo, ko = rotary_fused(q.clone() if inplace else q, k.clone() if inplace else k, cos[..., : rot // 2],
-                          sin[..., : rot // 2], halves=True, inplace=inplace, conjugate=conjugate)
+    qo, ko = rotary_fused(q.clone() if inplace else q, k.clone() if inplace else k, cos, sin, halves=True,
+                          inplace=inplace, conjugate=conjugate)
     torch.testing.assert_close(qo.double(), want_q, **TOL[dtype])
     torch.testing.assert_close(ko.double(), want_k, **TOL[dtype])
     # without halves the kernel reads one entry per pair: here a different function
@@ -1042,7 +1042,7 @@ def test_halves_backward_is_the_transpose():
     k = torch.randn(B, H, S, D, generator=gen, dtype=torch.float32).to(DEV).requires_grad_()
     angles = torch.rand(B, S, D, generator=gen) * 6 - 3
     cos, sin = angles.cos().to(DEV), angles.sin().to(DEV)
-    qo, ko = rotary_fused(q, k, cos[..., : D // 2], sin[..., : D // 2], halves=True)
+    qo, ko = rotary_fused(q, k, cos, sin, halves=True)
     gq, gk = torch.randn_like(qo), torch.randn_like(ko)
     (qo * gq + ko * gk).sum().backward()
     qd, kd = (t.detach().double().requires_grad_() for t in (q, k))
@@ -1051,8 +1051,34 @@ def test_halves_backward_is_the_transpose():
     torch.testing.assert_close(k.grad.double(), kd.grad, **TOL[torch.float32])
 
 
-def test_halves_needs_the_rows_second_halves():
-    """A table without room for the second halves (its own rows only) is a clear ValueError."""
+def test_halves_needs_full_width_rows_and_half_split_pairing():
+    """Rows of an odd width, or interleaved pairing, with ``halves`` are a clear ValueError."""
     q = torch.randn(1, 2, 4, 8, device=DEV)
-    with pytest.raises(ValueError, match="first halves of full-width table rows"):
-        rotary_fused(q, q.clone(), torch.ones(1, 4, 4, device=DEV), torch.zeros(1, 4, 4, device=DEV), halves=True)
+    with pytest.raises(ValueError, match="full-width cos/sin rows"):
+        rotary_fused(q, q.clone(), torch.ones(1, 4, 5, device=DEV), torch.zeros(1, 4, 5, device=DEV), halves=True)
+    with pytest.raises(ValueError, match="full-width cos/sin rows"):
+        rotary_fused(q, q.clone(), torch.ones(1, 4, 8, device=DEV), torch.zeros(1, 4, 8, device=DEV), halves=True,
+                     interleaved=True)
+
+
+@pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile")
+def test_halves_tables_made_inside_a_compiled_graph():
+    """Tables computed inside a ``torch.compile`` graph (a model's rotary module compiled with its
+    attention) reach the kernel as the compiler lays them out: ``halves`` reads only the rows given."""
+    inv = 1.0 / (10000 ** (torch.arange(0, 16, 2, device=DEV).float() / 16))
+
+    def rotate(q, k, pos):
+        freqs = pos[:, :, None].float() * inv
+        emb = torch.cat((freqs, freqs * 1.5), -1)  # the halves differ
+        return rotary_fused(q, k, emb.cos(), emb.sin(), halves=True)
+
+    gen = torch.Generator().manual_seed(11)
+    q, k = torch.randn(2, 4, 3, 16, generator=gen).to(DEV), torch.randn(2, 2, 3, 16, generator=gen).to(DEV)
+    pos = torch.arange(3, device=DEV)[None].expand(2, 3) + 5
+    freqs = pos[:, :, None].float() * inv
+    emb = torch.cat((freqs, freqs * 1.5), -1)
+    want = [_oracle_halves(x, emb.cos(), emb.sin()) for x in (q, k)]
+    torch._dynamo.reset()
+    got = torch.compile(rotate, fullgraph=True, backend="aot_eager" if DEV == "cpu" else "inductor")(q, k, pos)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, **TOL[torch.float32])

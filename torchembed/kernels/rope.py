@@ -53,9 +53,9 @@ class RopeArgs(NamedTuple):
     ``positions`` a tensor (see the module docstring) or None, with ``offset`` the int offset (0 for
     tensor positions and per-token tables); ``scale`` multiplies cos and sin; ``interleaved`` pairs
     features ``(2j, 2j + 1)`` instead of ``(j, j + R/2)``; ``conjugate`` rotates by ``-theta``;
-    ``halves`` (half-split pairing, tables): 1 where the tables are the first halves of full-width rows
-    whose second halves (``R/2`` further along each row) hold the entries of each pair's second
-    feature, 2 the same with the two halves' sines exchanged (the backward of 1), else 0.
+    ``halves`` (half-split pairing, tables): 1 where the tables are full-width rows of ``R`` entries,
+    the first ``R/2`` for each pair's first feature and the last ``R/2`` for its second, 2 the same
+    with the two halves' sines exchanged (the backward of 1), else 0 (rows of ``R/2`` entries).
     """
 
     q: Tensor
@@ -97,7 +97,7 @@ def _config(a: RopeArgs, inplace: bool) -> tuple[tuple[int, int, int], dict, int
     """(grid, meta-parameters, number of q head groups) of the launch for ``a``."""
     B, Hq, S, D = a.q.shape
     Hk = a.k.shape[1]
-    half = (a.inv_freq if a.cos is None else a.cos).shape[-1]
+    half = (a.inv_freq if a.cos is None else a.cos).shape[-1] // (2 if a.halves else 1)
     block_d = _next_pow2(half)
     block_s = min(_next_pow2(S), max(1, _TILE_PAIRS // block_d))
     n_s = -(-S // block_s)
@@ -343,7 +343,10 @@ def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate
         if cos.shape != sin.shape:
             _fail(f"expected cos and sin of the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
         cs = cos.shape
-        half = cs[-1] if cs else 0
+        half = (cs[-1] if cs else 0) // (2 if halves else 1)
+        if halves and (halves not in (1, 2) or interleaved or cs[-1] % 2):
+            _fail(f"expected with halves full-width cos/sin rows (an even number R of entries) and half-split "
+                  f"pairing, got rows of {cs[-1] if cs else 0} entries, halves={halves!r}, interleaved={interleaved}")
         if positions is None:
             if len(cs) != 3 or cs[0] not in (1, B) or cs[1] != S:
                 _fail(f"expected per-token cos/sin of shape ({B} or 1, {S}, R/2) when positions is None, got {tuple(cs)}")
@@ -360,13 +363,7 @@ def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate
         # The kernel needs a unit last stride and one stride for both tables; tables are small, so a
         # copy here is cheap (q and k are never copied for this).
         st = cos.stride()
-        if halves:
-            if halves not in (1, 2) or interleaved:
-                _fail(f"expected halves 0, 1 or 2 (half-split pairing only), got {halves!r} with interleaved={interleaved}")
-            if st != sin.stride() or not _has_second_halves(cos) or not _has_second_halves(sin):
-                _fail(f"expected with halves the first halves of full-width table rows (views, one stride for both), "
-                      f"got cos {tuple(cos.shape)} strides {st}, sin strides {sin.stride()}")
-        elif st != sin.stride() or (st and st[-1] != 1):
+        if st != sin.stride() or (st and st[-1] != 1):
             cos, sin = cos.contiguous(), sin.contiguous()
     else:
         if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or not inv_freq.is_floating_point():
@@ -395,23 +392,6 @@ def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate
     if halves and inv_freq is not None:
         _fail("expected cos/sin tables with halves, got inv_freq")
     return RopeArgs(q, k, cos, sin, inv_freq, pos_t, offset, float(scale), interleaved, conjugate, int(halves))
-
-
-def _has_second_halves(t: Tensor) -> bool:
-    """``t (..., R/2)`` (unit last stride) continues, ``R/2`` entries further along each of its rows,
-    with the row's second half: its rows are at least ``R`` apart and its storage holds the last one's."""
-    half = t.shape[-1]
-    if t.stride(-1) != 1 or (t.dim() > 1 and t.shape[-2] > 1 and t.stride(-2) < 2 * half):
-        return False
-    if torch.compiler.is_compiling():  # (storage is not traced; the eager call checked it)
-        return True
-    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
-    return last + half < t.untyped_storage().nbytes() // t.element_size()
-
-
-def _second_half_view(t: Tensor) -> Tensor:
-    """The view of the entries ``R/2`` further along each row of ``t`` (see :func:`_has_second_halves`)."""
-    return torch.as_strided(t, t.shape, t.stride(), t.storage_offset() + t.shape[-1])
 
 
 # ------------------------------------------------------------------------------------------
@@ -460,11 +440,11 @@ def _run(a: RopeArgs, qo: Tensor, ko: Tensor) -> None:
             _launch(a, qo, ko, key)
         return
     c, s = _reference_tables(a)
-    if a.halves:  # the second features' own entries
-        c2, s2 = _reference_tables(a._replace(cos=_second_half_view(a.cos), sin=_second_half_view(a.sin)))
-        s1, s2 = (s, s2) if a.halves == 1 else (s2, s)
+    if a.halves:  # each feature its own entry: the rows' first halves for a pair's first, second for its second
+        h = c.shape[-1] // 2
+        c, c2, s1, s2 = c[..., :h], c[..., h:], s[..., :h], s[..., h:]
+        s1, s2 = (s1, s2) if a.halves == 1 else (s2, s1)
         sign = -1.0 if a.conjugate else 1.0
-        h = c.shape[-1]
         for x, out in ((q, qo), (k, ko)):
             x1, x2 = x[..., :h], x[..., h : 2 * h]
             y1, y2 = x1 * c - sign * x2 * s1, x2 * c2 + sign * x1 * s2  # (before any write: out may be x)
@@ -590,8 +570,8 @@ def rotary_fused(
         q: ``(B, Hq, S, D)``, any strides with a unit last stride (HF's transposed ``(B, S, H, D)``
             memory works without a copy; another last stride costs one copy).
         k: ``(B, Hk, S, D)``, q's dtype, device, B, S and D; ``Hk`` may differ (GQA).
-        cos, sin: tables of ``R/2`` entries per row (``R <= D`` rotated features; ``[R, D)`` pass
-            through): per-token ``(B or 1, S, R/2)`` with ``positions=None``, else a cache ``(T, R/2)``
+        cos, sin: tables of ``R/2`` entries per row (``R`` with ``halves``; ``R <= D`` rotated features;
+            ``[R, D)`` pass through): per-token ``(B or 1, S, R/2)`` with ``positions=None``, else a cache ``(T, R/2)``
             indexed by position.
         inv_freq: ``(R/2,)`` instead of tables (needs positions): angle = position * inv_freq in float32.
         scale: multiplies cos and sin (e.g. HF's ``attention_scaling``).
@@ -600,10 +580,9 @@ def rotary_fused(
         interleaved: GPT-J pairing ``(2j, 2j + 1)`` instead of ``(j, j + R/2)``.
         inplace: write into q and k and return them; else new tensors (``empty_like`` layout).
         conjugate: rotate by ``-theta`` (the inverse rotation).
-        halves: cos/sin are the first halves of full-width tables (views of HF's ``cat`` rows), whose
-            second halves, ``R/2`` further along each row, hold the entries of each pair's second
-            feature: HF's arithmetic with its full tables also where the two halves differ (half-split
-            pairing only).
+        halves: cos/sin rows hold ``R`` entries (HF's ``cat`` tables): the first ``R/2`` for each pair's
+            first feature, the last ``R/2`` for its second; HF's arithmetic with its full tables, also where
+            the two halves differ (half-split pairing only).
 
     Returns:
         ``(q_rot, k_rot)``, the input shapes and dtype; float32 math (float64 for float64 inputs),
