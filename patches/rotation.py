@@ -807,7 +807,7 @@ class RotaryHelper:
             bhsd = [x if nd == 4 else x[None] for x in xs]
         else:
             bhsd = [x.transpose(-3, -2) if nd == 4 else x.transpose(0, 1)[None] for x in xs]
-        if any(x.stride(-1) != 1 or x.shape[-2] != seq for x in bhsd):
+        if any(x.shape[-2] != seq for x in bhsd):  # (a feature stride other than 1 costs rotary_fused one copy)
             return None
         return bhsd, (lambda t: t if t.dim() == 3 else t[None])
 

@@ -118,12 +118,17 @@ def test_patched_model_type_matches_upstream(model_type, monkeypatch, request):
         assert torch.equal(outputs_of(upstream, inputs), ref) or DEVICE != "cpu"
     assert sum(upstream_calls.values()) > 0  # the counter sees upstream's helper run
 
-    calls, launches = [], []
-    call = RotaryHelper.__call__
-    monkeypatch.setattr(RotaryHelper, "__call__", lambda self, *a, **k: calls.append(1) or call(self, *a, **k))
-    for name in ("rotary_fused",):
-        launch = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _f=launch, **k: launches.append(1) or _f(*a, **k))
+    calls, launches = [], []  # calls: (helper, per feature section, kernel launches it made)
+    call, launch = RotaryHelper.__call__, kernels.rotary_fused
+
+    def counted(self, *a, **k):
+        before = len(launches)
+        out = call(self, *a, **k)
+        calls.append((self.__name__, bool(self.rotation.sections), len(launches) - before))
+        return out
+
+    monkeypatch.setattr(RotaryHelper, "__call__", counted)
+    monkeypatch.setattr(kernels, "rotary_fused", lambda *a, **k: launches.append(1) or launch(*a, **k))
     with count_calls(codes) as fallbacks:
         out = outputs_of(patched, inputs)
     monkeypatch.undo()
@@ -131,7 +136,10 @@ def test_patched_model_type_matches_upstream(model_type, monkeypatch, request):
     assert not fallbacks, f"upstream's rotation ran while patched: {dict(fallbacks)}"
     assert calls  # torchembed rotated
     if kernels.kernel_can_run(next(patched.parameters())):
-        assert len(launches) == len(calls)  # each on the fused kernel
+        # every call on the fused kernel, but per-feature-section rotations (Gemma 4's vision tower:
+        # PyTorch by design, the kernel takes one table row per token)
+        off = [(name, n) for name, sections, n in calls if not sections and n == 0]
+        assert not off, f"calls not on the fused kernel: {off}"
 
     if case.prompt is not None:
         prompt = case.prompt
