@@ -102,12 +102,14 @@ def _chat(args: argparse.Namespace) -> int:
     _check_fused(args.fused, args.device)
     if args.max_new_tokens < 1:
         raise UsageError("--max-new-tokens must be at least 1")
+    if args.repeats is not None and args.repeats < 1:
+        raise UsageError("--repeats must be at least 1")
     _quiet_transformers()
     from torchembed.tools.chat import chat
 
     prompt = " ".join(args.prompt)
     result = chat(prompt, args.model, gguf_file=args.gguf_file, compare=args.compare, max_new_tokens=args.max_new_tokens,
-                  dtype=args.dtype, system=args.system, fused=_fused(args.fused), device=args.device)
+                  dtype=args.dtype, system=args.system, fused=_fused(args.fused), device=args.device, repeats=args.repeats)
     print(result)
     return 0 if result.identical else 1
 
@@ -222,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf-file", default=None, metavar="NAME", help="the GGUF file inside the --model folder")
     p.add_argument("--compare", action="store_true", help="also answer with upstream (same weights) and compare")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed generations per model, alternating with --compare (default 3 with --compare, else 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--system", default=None, help="a system message (default: the chat template's)")
     p.add_argument("--device", default="cpu")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from torchembed.tools import bench
 
@@ -80,6 +81,45 @@ def test_e2e_smoke(tmp_path: Path) -> None:
                         pairs = [u / p for u, p in zip(up["values"], rec["ms"]["values"])]
                         assert rec["paired_speedup"]["values"] == pytest.approx(pairs) and len(pairs) == 2
     assert "prefill latency" in md and "eager decode" in md and "paired" in md
+
+
+def test_e2e_step_phase(tmp_path: Path) -> None:
+    """One decode forward per call, the variants alternating: every call timed and finite."""
+    pytest.importorskip("transformers")
+    from torchembed.tools import bench_e2e
+
+    data, md = _run("e2e", tmp_path, "--phases", "step", "--models", "llama", "--batch-sizes", "2", "--name", "e2e-smoke")
+    for variant in ("upstream", "patched"):
+        rec = _one(data["results"], model="llama", batch=2, phase="step", variant=variant)
+        assert rec["ms"]["n"] == 2 * bench_e2e.STEP_CALLS and _finite(rec["ms"])
+    assert "one decode forward" in md
+
+
+def test_e2e_step_phase_rolls_the_cache_back() -> None:
+    """Every timed step sees the prompt's cache: after many steps the cache holds prompt + 1 tokens."""
+    transformers = pytest.importorskip("transformers")
+    from torchembed.tools import bench_e2e
+
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                      intermediate_size=64, vocab_size=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    seen: list[int] = []
+    forward = model.forward
+
+    def spy(*args, past_key_values=None, **kwargs):
+        seen.append(past_key_values.get_seq_length() if past_key_values is not None else -1)
+        return forward(*args, past_key_values=past_key_values, **kwargs)
+
+    model.forward = spy
+    ids = torch.randint(0, 64, (1, 5))
+    res = bench_e2e._measure_steps({"upstream": model}, ids, 4, torch.device("cpu"), {})
+    assert res["upstream"]["ms"]["n"] == 4 and seen == [-1] + [5] * 5  # prefill, warm-up step, 4 timed steps
+
+
+def test_interleave_alternates_the_order() -> None:
+    calls: list[str] = []
+    out = bench.interleave({"a": lambda: calls.append("a") or 1.0, "b": lambda: calls.append("b") or 2.0}, 3)
+    assert calls == ["a", "b", "b", "a", "a", "b"] and out == {"a": [1.0] * 3, "b": [2.0] * 3}
 
 
 def test_paired_ratio() -> None:

@@ -267,12 +267,14 @@ def paired_ratio(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def interleave(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
-    """Call each run once per repeat in A/B/A/B order (drift hits every variant alike); each run
-    returns its own measurement. Returns the measurements per variant."""
+    """Call each run once per repeat, the order reversed every other repeat (A/B, B/A, ...: drift
+    and whatever one run leaves behind for the next hit every variant alike); each run returns its
+    own measurement. Returns the measurements per variant, in repeat order."""
     out: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            out[name].append(run())
+    names = list(runs)
+    for i in range(repeats):
+        for name in names if i % 2 == 0 else names[::-1]:
+            out[name].append(runs[name]())
     return out
 
 

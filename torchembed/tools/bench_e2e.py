@@ -4,13 +4,16 @@ Random-weight LLaMA-, Mistral- and Falcon-style configs in bf16 on CUDA (``--dev
 ``--threads`` intra-op threads each; ``smollm2`` is SmolLM2-135M's LLaMA shape). Variants share weights:
 ``upstream``, ``patched`` (``copy.deepcopy`` + ``torchembed.patch``) and ``liger`` (a copy whose
 attention instances call liger-kernel's ``liger_rotary_pos_emb``; skipped when not installed).
-Phases, each repeated in interleaved order (A/B/C/A/B/C...) after one warm-up per variant and
+Phases, each repeated in interleaved order (A/B/C, C/B/A, ...) after one warm-up per variant and
 reported as median [min-max], next to the median [min-max] of the per-repeat ratio upstream / patched
 (the two runs of a repeat are back to back, so a slow spell of the machine hits both):
 
 * ``prefill``: latency (ms) of one forward over batch x prompt tokens (KV cache on, last logits).
 * ``decode``: eager greedy ``generate`` (DynamicCache) of N tokens; ms/token = (total - prefill)
   / (N - 1), timed per token with a streamer; tokens/s = batch * 1000 / (ms/token).
+* ``step``: one decode forward (one token per sequence against the prompt's cache, cropped back
+  outside the clock), ``40 x --repeats`` calls per variant alternating call by call: the finest
+  A/B comparison (the CPU's default next to prefill and decode).
 * ``compiled``: the same with ``cache_implementation="static"`` and HF's compile_config
   (``torch.compile(mode="reduce-overhead", fullgraph=True)``); graph breaks counted from
   ``torch._dynamo.utils.counters["graph_break"]`` (fullgraph failing: retried without).
@@ -38,7 +41,8 @@ from torchembed.tools import bench
 
 MODELS = ("llama", "mistral", "falcon", "qwen3", "gemma3_text", "phi3", "smollm2")
 VARIANTS = ("upstream", "patched", "liger")
-PHASES = ("prefill", "decode", "compiled")
+PHASES = ("prefill", "decode", "step", "compiled")
+STEP_CALLS = 40  # the step phase's calls per variant and --repeats
 ATTENTION = {"llama": ("LlamaAttention",), "mistral": ("MistralAttention",),
              "falcon": ("FalconAttention", "FalconFlashAttention2")}
 
@@ -135,7 +139,7 @@ def run_case(name: str, models: dict[str, nn.Module], batch: int, prompt: int, a
             continue
         print(f"e2e {name} batch {batch} prompt {prompt} {phase} ...", file=sys.stderr, flush=True)
         if phase == "prefill":
-            kw = {"logits_to_keep": 1} if takes_keep else {}
+            kw = kw_keep(takes_keep)
 
             def run(m: nn.Module) -> float:
                 with torch.no_grad():
@@ -145,6 +149,8 @@ def run_case(name: str, models: dict[str, nn.Module], batch: int, prompt: int, a
         elif phase == "decode":
             res = bench.measure(models, lambda m: bench.generate_timed(m, ids, n, disable_compile=True)["per_token"],
                                 args.repeats, device)
+        elif phase == "step":
+            res = _measure_steps(models, ids, args.repeats * STEP_CALLS, device, kw_keep(takes_keep))
         else:
             if device.type != "cuda":
                 records += [{**base, "variant": v, "ms": "skipped: compiled decode needs CUDA"} for v in models]
@@ -155,11 +161,46 @@ def run_case(name: str, models: dict[str, nn.Module], batch: int, prompt: int, a
         if isinstance(up, dict) and isinstance(pa, dict):
             res["patched"]["paired_speedup"] = bench.paired_ratio(up, pa)
         for variant, r in res.items():
-            rec = {**base, "variant": variant, "new_tokens": n if phase != "prefill" else None, **r}
-            if phase != "prefill" and isinstance(r.get("ms"), dict):
+            rec = {**base, "variant": variant, "new_tokens": n if phase in ("decode", "compiled") else None, **r}
+            if phase in ("decode", "compiled") and isinstance(r.get("ms"), dict):
                 rec["tokens_per_s"] = batch * 1e3 / r["ms"]["median"]
             records.append(rec)
     return records
+
+
+def kw_keep(takes_keep: bool) -> dict[str, Any]:
+    """Forward keywords computing the last position's logits only (where the model takes them)."""
+    return {"logits_to_keep": 1} if takes_keep else {}
+
+
+def _measure_steps(models: dict[str, nn.Module], ids: torch.Tensor, calls: int, device: torch.device,
+                   kw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``step`` phase: one decode forward (one new token per sequence against a cache of the prompt),
+    the variants alternating call by call (A/B, B/A, ...), the cache cropped back to the prompt outside
+    the clock; the garbage collector off throughout (one collection before)."""
+    prompt = ids.shape[1]
+    caches: dict[int, Any] = {}
+
+    def warm(m: nn.Module) -> dict[str, Any]:
+        with torch.no_grad():
+            caches[id(m)] = m(input_ids=ids, use_cache=True, **kw).past_key_values
+        run(m)
+        return {}
+
+    def run(m: nn.Module) -> float:
+        cache = caches[id(m)]
+        extra = cache.get_seq_length() - prompt
+        if extra > 0:
+            cache.crop(-extra)  # (a negative length: how many to drop, in every transformers version)
+        with torch.no_grad():
+            bench.sync(device)
+            start = time.perf_counter()
+            m(input_ids=ids[:, -1:], past_key_values=cache, use_cache=True, **kw)
+            bench.sync(device)
+        return (time.perf_counter() - start) * 1e3
+
+    with bench.gc_paused():
+        return bench.measure(models, run, calls, device, warm=warm)
 
 
 def _warm_compiled(model: nn.Module, ids: torch.Tensor, n: int) -> dict[str, Any]:
@@ -186,6 +227,7 @@ def _warm_compiled(model: nn.Module, ids: torch.Tensor, n: int) -> dict[str, Any
 
 def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[str, str]) -> str:
     titles = {"prefill": "prefill latency (ms)", "decode": "eager decode (ms/token, DynamicCache)",
+              "step": f"one decode forward (ms, {STEP_CALLS} x --repeats calls per variant alternating call by call)",
               "compiled": "compiled static-cache decode (ms/token, reduce-overhead)"}
     out = []
     for phase in PHASES:
@@ -195,7 +237,7 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
         keys = list(dict.fromkeys((r["model"], r["batch"], r["prompt_len"]) for r in rows_of))
         peak = "peak GB (" + "/".join(v[0] for v in variants) + ")"
         headers = ["model", "batch x prompt", *variants, "upstream / patched", "paired", peak]
-        if phase != "prefill":
+        if phase in ("decode", "compiled"):
             headers.insert(-1, "tokens/s patched")
         if phase == "compiled":
             headers.append("graph breaks")
@@ -208,7 +250,7 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
             paired = by.get("patched", {}).get("paired_speedup")
             row = [model, f"{batch} x {prompt}", *(bench.fmt_stats(ms[v]) for v in variants), speed,
                    bench.fmt_stats(paired, 2) if paired else "-"]
-            if phase != "prefill":
+            if phase in ("decode", "compiled"):
                 row.append(bench.fmt(by.get("patched", {}).get("tokens_per_s"), 1))
             row.append(" / ".join(bench.fmt(by.get(v, {}).get("peak_mem_gb"), 2) for v in variants))
             if phase == "compiled":
@@ -234,7 +276,7 @@ def main(argv: list[str]) -> int:
                         help="CPU intra-op thread counts, each a run of its own (default: torch's)")
     parser.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
                         help="default: all (on the CPU: upstream patched)")
-    parser.add_argument("--phases", nargs="+", default=None, choices=PHASES, help="default: all (--smoke: prefill decode)")
+    parser.add_argument("--phases", nargs="+", default=None, choices=PHASES, help="default: prefill decode compiled (CPU: prefill decode step; --smoke: prefill decode)")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="default 1 8 (--smoke: 1 2)")
     parser.add_argument("--prompt-lens", nargs="+", type=int, default=None, help="default 2048 (--smoke: 16)")
     parser.add_argument("--new-tokens", type=int, default=None, help="decode steps, >= 2 (default 128; --smoke: 4)")
@@ -244,7 +286,9 @@ def main(argv: list[str]) -> int:
     smoke = args.smoke
     args.variants = args.variants or (["upstream", "patched"] if device.type == "cpu" else list(VARIANTS))
     args.models = args.models or (["smollm2"] if device.type == "cpu" and not smoke else [m for m in MODELS if m != "smollm2"])
-    args.phases = args.phases or (["prefill", "decode"] if smoke or device.type == "cpu" else list(PHASES))
+    default_phases = (["prefill", "decode"] if smoke else ["prefill", "decode", "step"] if device.type == "cpu"
+                      else ["prefill", "decode", "compiled"])
+    args.phases = args.phases or default_phases
     args.batch_sizes = args.batch_sizes or ([1, 2] if smoke else [1, 8])
     args.prompt_lens = args.prompt_lens or ([16] if smoke else [2048])
     args.new_tokens = args.new_tokens or (4 if smoke else 128)
@@ -255,7 +299,7 @@ def main(argv: list[str]) -> int:
         args.torch_dtype = torch.float32  # CPU smoke: float32 (bf16 matmuls are slow on many CPUs)
     name = "-".join(["e2e", *(["cpu"] if device.type == "cpu" and not smoke else []),
                      *(args.models if args.models != [m for m in MODELS if m != "smollm2"] else []),
-                     *(args.phases if args.phases != list(PHASES) and not smoke else [])])
+                     *(args.phases if args.phases != default_phases and not smoke else [])])
     env, skipped, records = bench.environment(device), {}, []
     budget = bench.Budget(args.max_seconds)
 

