@@ -714,6 +714,7 @@ CONFIGS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
 _FP32_CONFIG = {"fwd": (64, 32, 4, 2), "dq": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "decode": (16, 32, 4, 2)}
 _INTERPRET_CONFIG = {"fwd": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "decode": (16, 16, 4, 1)}
 DECODE_ROWS = 64  # the split-key kernel takes calls of at most this many queries per kv head (GROUP * M)
+DECODE_PROGRAMS_PER_SM = 2  # split the keys until the decode grid has this many programs per multiprocessor
 _SMS: dict[int, int] = {}
 
 
@@ -885,9 +886,9 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
         block_r, block_n, warps, stages = config_for("decode", head_dim, q.dtype, masked)
         block_r = max(block_r, _pow2(group * q_len))
         programs = batch * kv_heads
-        # enough programs for every multiprocessor twice over, each at least two key blocks long
+        # enough programs for every multiprocessor (DECODE_PROGRAMS_PER_SM each), each at least two key blocks long
         sms = _sms(q.device) if q.is_cuda else 8  # (the interpreter: several splits at small shapes)
-        splits = max(1, min(_cdiv(2 * sms, programs), _cdiv(k_len, 2 * block_n)))
+        splits = max(1, min(_cdiv(DECODE_PROGRAMS_PER_SM * sms, programs), _cdiv(k_len, 2 * block_n)))
         chunk = _cdiv(_cdiv(k_len, splits), block_n) * block_n
         splits = _cdiv(k_len, chunk) if k_len else 1
         single = splits == 1
