@@ -708,13 +708,15 @@ CONFIGS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
     **{("dkdv", bd, m): (32, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
     **{("dkdv", 128, m): (64, 64, 4, 2) for m in (False, True)},
     **{("dkdv", 256, m): (64, 32, 8, 2) for m in (False, True)},
-    **{("decode", bd, m): (16, 128, 8, 3) for bd in (16, 32, 64) for m in (False, True)},
-    **{("decode", bd, m): (16, 32, 4, 2) for bd in (128, 256) for m in (False, True)},
+    # decode: scripts/alibi_decode_splits.py (2026-12-02 08:51 UTC), with DECODE_PROGRAMS_PER_SM = 1
+    **{("decode", bd, m): (16, 128, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
+    **{("decode", 128, m): (16, 64, 4, 3) for m in (False, True)},
+    **{("decode", 256, m): (16, 32, 4, 2) for m in (False, True)},
 }
 _FP32_CONFIG = {"fwd": (64, 32, 4, 2), "dq": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "decode": (16, 32, 4, 2)}
 _INTERPRET_CONFIG = {"fwd": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "decode": (16, 16, 4, 1)}
 DECODE_ROWS = 64  # the split-key kernel takes calls of at most this many queries per kv head (GROUP * M)
-DECODE_PROGRAMS_PER_SM = 2  # split the keys until the decode grid has this many programs per multiprocessor
+DECODE_PROGRAMS_PER_SM = 1  # split the keys until the decode grid has this many programs per multiprocessor
 _SMS: dict[int, int] = {}
 
 
@@ -887,7 +889,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
         block_r = max(block_r, _pow2(group * q_len))
         programs = batch * kv_heads
         # enough programs for every multiprocessor (DECODE_PROGRAMS_PER_SM each), each at least two key blocks long
-        sms = _sms(q.device) if q.is_cuda else 8  # (the interpreter: several splits at small shapes)
+        sms = _sms(q.device) if q.is_cuda else 16  # (the interpreter: several splits at small shapes)
         splits = max(1, min(_cdiv(DECODE_PROGRAMS_PER_SM * sms, programs), _cdiv(k_len, 2 * block_n)))
         chunk = _cdiv(_cdiv(k_len, splits), block_n) * block_n
         splits = _cdiv(k_len, chunk) if k_len else 1
