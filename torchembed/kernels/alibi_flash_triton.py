@@ -708,7 +708,7 @@ CONFIGS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
     **{("dkdv", bd, m): (32, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
     **{("dkdv", 128, m): (64, 64, 4, 2) for m in (False, True)},
     **{("dkdv", 256, m): (64, 32, 8, 2) for m in (False, True)},
-    # decode: scripts/alibi_decode_splits.py (2026-12-02 08:51 UTC), with DECODE_PROGRAMS_PER_SM = 1
+    # decode: scripts/alibi_decode_splits.py (2026-12-02 08:22 UTC), with DECODE_PROGRAMS_PER_SM = 1
     **{("decode", bd, m): (16, 128, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
     **{("decode", 128, m): (16, 64, 4, 3) for m in (False, True)},
     **{("decode", 256, m): (16, 32, 4, 2) for m in (False, True)},
