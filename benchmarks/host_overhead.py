@@ -7,7 +7,9 @@ q ``(B, 32, 1, 128)``, k ``(B, 8, 1, 128)`` in HF's layout (``(B, S, H, D)`` mem
 helper itself. Prints the median over repeats of the mean time of ``--calls`` calls and the best
 repeat, in microseconds (the cases interleaved within each repeat).
 
-On a CUDA machine the kernel really launches (the time is the host's: calls are not synchronised).
+On a CUDA machine the kernel really launches (the time is the host's: calls are not synchronised),
+and two floors under every entry point are timed with them: the kept launch called directly, and
+Triton's compiled launcher alone with its arguments made beforehand.
 Elsewhere the script runs on CPU under ``TRITON_INTERPRET=1`` with the Triton launch replaced by a
 no-op, so it times every host step but the launch itself. CPU tensor positions are checked for
 negative values on the host (a tensor op the CUDA path does not make).
@@ -76,6 +78,27 @@ def _time_all(cases: dict[str, Callable[[], object]], calls: int, repeats: int) 
     return {name: (statistics.median(x), min(x)) for name, x in samples.items()}
 
 
+def _launch_floors(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The floor under every entry point (CUDA only): the kept launch of ``rotary_fused(q, k, cos, sin)``
+    called directly (its pointer reads and the launcher), and Triton's compiled launcher alone with
+    every argument an int or float made beforehand (read out of the kept launch's closure)."""
+    from torchembed.kernels import direct_launch, rope
+
+    rope.clear_launches()
+    kernels.rotary_fused(q, k, cos, sin)  # validated, launched and kept
+    (kept,) = rope.LAUNCHES.values()
+    out = {"floor: the kept launch alone": lambda: kept(q, k, q, k, cos, sin, None, None, 0, 1.0)}
+    cells = dict(zip(kept.__code__.co_freevars, (c.cell_contents for c in kept.__closure__ or ())))
+    if {"entry", "head", "g0", "g1", "g2", "fixed", "constexprs", "index"} <= cells.keys():
+        c = cells
+        stream = direct_launch.raw_stream(c["index"])
+        args = (c["g0"], c["g1"], c["g2"], stream, *c["head"], q.data_ptr(), k.data_ptr(), q.data_ptr(), k.data_ptr(),
+                cos.data_ptr(), sin.data_ptr(), q.data_ptr(), q.data_ptr(), *c["fixed"], 0, 1.0, *c["constexprs"])
+        entry = c["entry"]
+        out["floor: Triton's launcher alone"] = lambda: entry(*args)
+    return out
+
+
 def _cases(batch: int, device: torch.device) -> dict[str, Callable[[], object]]:
     from transformers.models.llama import modeling_llama
 
@@ -94,7 +117,9 @@ def _cases(batch: int, device: torch.device) -> dict[str, Callable[[], object]]:
     helper = RotaryHelper.get(recognize(upstream), upstream, None)
     cos_hf = torch.cat((cos, cos), -1).to(torch.bfloat16)  # HF's (1, s, D) tables in the activation dtype
     sin_hf = torch.cat((sin, sin), -1).to(torch.bfloat16)
+    floors = _launch_floors(q, k, cos, sin) if CUDA else {}
     return {
+        **floors,
         "RotaryEmbedding offset=int": lambda: rope(q, k, offset=1000),
         "RotaryEmbedding offset=(b,)": lambda: rope(q, k, offset=offsets),
         "RotaryEmbedding position_ids=(s,)": lambda: rope(q, k, position_ids=ids_s),
