@@ -716,9 +716,7 @@ class RotaryHelper:
         if rule != "param":  # tables as (n, S, r/2) rows, whatever singleton axes they carry
             c, s = _rows(c, xs[0], rule), _rows(s, xs[0], rule)
             full = None if full is None else (_rows(full[0], xs[0], rule), _rows(full[1], xs[0], rule))
-        kernel_rule = _unsqueezed_rule(unsqueeze, c.dim()) if rule == "param" else rule
-        if rule == "flat" and xs[0].dim() == 4 and (c.dim() == 2 or (c.dim() == 3 and c.shape[0] == 1)):
-            kernel_rule = "hs"  # right-aligned (1 or none, S, r/2) tables against (B, H, S, D): per-token rows
+        kernel_rule = _kernel_rule(rule, unsqueeze, c, xs[0])
         views = self._kernel_views(xs, c, kernel_rule) if use_kernel(self.fused, xs[0], "the fused RoPE kernel") else None
         if views is None and self.fused:
             raise FusedUnavailableError(f"fused=True: {self.__name__} was called with tensors of shapes "
@@ -851,6 +849,18 @@ def _rows(table: Tensor, x: Tensor, rule: str) -> Tensor:
 def _pairable(q: Tensor, k: Tensor) -> bool:
     """q and k the kernel rotates in one launch: one dtype, the same batch, tokens and features."""
     return q.dtype == k.dtype and q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:]
+
+
+def _kernel_rule(rule: str, unsqueeze: Any, table: Tensor, x: Tensor) -> str | None:
+    """How the kernel reads the tables of a call broadcast by ``rule`` (the helper's probed rule, "param"
+    for one taking unsqueeze_dim): "hs" (tokens second to last in ``x``), "sh", "flat" (``(b, s, d)``,
+    one head), or None where it cannot. Right-aligned ``(1 or none, S, r/2)`` tables against a 4-D
+    ``x`` (SAM 3's "flat" rule) are per-token rows: "hs"."""
+    if rule == "param":
+        return _unsqueezed_rule(unsqueeze, table.dim())
+    if rule == "flat" and x.dim() == 4 and (table.dim() == 2 or (table.dim() == 3 and table.shape[0] == 1)):
+        return "hs"
+    return rule
 
 
 def _unsqueezed_rule(unsqueeze: Any, table_dim: int) -> str | None:
