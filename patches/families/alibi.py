@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchembed.functional.alibi import alibi_decode_bias, alibi_key_bias, alibi_slopes
-from torchembed.kernels.alibi_attention import MaskCache, alibi_attention, causal_keep, dense_prefill
+from torchembed.kernels.alibi_attention import MaskCache, alibi_attention, causal_keep, dense_prefill, repeat_kv
 from torchembed.kernels.alibi_bias import prefill_bias
 from torchembed.patches.actions import AddForwardPreHook, Component, InstanceMethod, OverrideAttribute
 from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
@@ -270,19 +270,6 @@ def _falcon_qkv(attn: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor,
     return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
 
-def _repeat_kv(x: Tensor, num_heads: int) -> Tensor:
-    """``(b, kv, s, d) -> (b, h, s, d)``, each kv head shared by ``h / kv`` query heads (a
-    stride-0 view for multi-query, ``kv = 1``; upstream's SDPA broadcasts the same way)."""
-    batch, kv, length, dim = x.shape
-    if kv == num_heads:
-        return x
-    if kv == 1:  # multi-query: one view
-        return x.expand(batch, num_heads, length, dim)
-    if num_heads % kv:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {kv} key/value heads")
-    return x[:, :, None].expand(batch, kv, num_heads // kv, length, dim).reshape(batch, num_heads, length, dim)
-
-
 def _bloom_keep(mask: Tensor) -> Tensor:
     """BLOOM's mask as a keep mask: bool (True = attend) as it is, additive float: 0 = attend."""
     return mask if mask.dtype == torch.bool else mask == 0
@@ -450,7 +437,7 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, dr
     SDPA does), a prefill gets the kv heads repeated."""
     heads = q.shape[1]
     if q.shape[-2] != 1 and k.shape[1] != heads:
-        k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+        k, v = repeat_kv(k, heads), repeat_kv(v, heads)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 

@@ -109,6 +109,30 @@ def test_attention_matches_scores_path(causal, seq_q, seq_k):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("seq_q, seq_k", [(5, 5), (1, 9)])
+def test_attention_gqa_equals_repeated_heads(causal, kv_heads, seq_q, seq_k):
+    """GQA/MQA: query head i attends with key/value head i // (h / hk); outputs and gradients equal
+    those of the same heads repeated (the multi-head path, itself checked against float64 above)."""
+    torch.manual_seed(kv_heads)
+    alibi = ALiBiEmbedding(num_heads=4)
+    q = torch.randn(2, 4, seq_q, 16, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, seq_k, 16, requires_grad=True) for _ in range(2))
+    padding = torch.ones(2, seq_k, dtype=torch.bool)
+    padding[1, :2] = False
+    out = alibi.attention(q, k, v, causal=causal, key_padding_mask=padding)
+    grad = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad)
+    kr, vr = (x.detach().repeat_interleave(4 // kv_heads, 1).requires_grad_() for x in (k, v))
+    ref = alibi.attention(q, kr, vr, causal=causal, key_padding_mask=padding)
+    rq, rk, rv = torch.autograd.grad(ref, (q, kr, vr), grad)
+    fold = lambda g: g.unflatten(1, (kv_heads, 4 // kv_heads)).sum(2)  # noqa: E731
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for got, want in ((dq, rq), (dk, fold(rk)), (dv, fold(rv))):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_attention_bf16_is_closer_to_float64_than_bf16_scores_path():
     """The fused path keeps the bias exact near the diagonal; eager bf16 scores round it."""
     torch.manual_seed(0)
@@ -182,9 +206,10 @@ def test_attention_integer_inputs_are_type_error(causal):
     [
         (((1, 4, 3, 8), (1, 4, 3, 4), (1, 4, 3, 4)), r"same head dim, got q \(1, 4, 3, 8\), k \(1, 4, 3, 4\)"),
         (((1, 4, 3, 8), (1, 4, 3, 8), (1, 4, 4, 8)), r"same sequence length seq_k, got .*v \(1, 4, 4, 8\)"),
-        (((1, 4, 3, 8), (1, 2, 3, 8), (1, 2, 3, 8)), r"same \(batch, heads\) = \(1, 4\), got .*k \(1, 2, 3, 8\)"),
-        (((2, 4, 3, 8), (1, 4, 3, 8), (1, 4, 3, 8)), r"same \(batch, heads\) = \(2, 4\), got .*k \(1, 4, 3, 8\)"),
-        (((2, 4, 3, 8), (3, 4, 3, 8), (3, 4, 3, 8)), r"same \(batch, heads\) = \(2, 4\), got .*k \(3, 4, 3, 8\)"),
+        (((1, 4, 3, 8), (1, 3, 3, 8), (1, 3, 3, 8)), r"q's batch 1 and one head count dividing 4 \(GQA/MQA\), got .*k \(1, 3, 3, 8\)"),
+        (((1, 4, 3, 8), (1, 2, 3, 8), (1, 4, 3, 8)), r"one head count dividing 4 \(GQA/MQA\), got .*v \(1, 4, 3, 8\)"),
+        (((2, 4, 3, 8), (1, 4, 3, 8), (1, 4, 3, 8)), r"q's batch 2 .*, got .*k \(1, 4, 3, 8\)"),
+        (((2, 4, 3, 8), (3, 4, 3, 8), (3, 4, 3, 8)), r"q's batch 2 .*, got .*k \(3, 4, 3, 8\)"),
         (((1, 4, 3, 8), (1, 4, 3, 8), (1, 4, 3)), r"\(batch, 4 heads, seq, dim\), got .*v \(1, 4, 3\)"),
     ],
 )

@@ -39,8 +39,8 @@ from torchembed.kernels.alibi_bias import prefill_bias
 from torchembed.kernels.alibi_flash import attempt, flash_unsupported, mask_rows
 from torchembed.kernels.availability import FusedUnavailableError, use_kernel
 
-__all__ = ["alibi_attention", "causal_keep", "dense_prefill", "prefill_path", "prefill_path_is_auto", "MaskCache",
-           "DENSE_MAX_ELEMENTS", "DENSE_GRAD_MAX_ELEMENTS"]
+__all__ = ["alibi_attention", "causal_keep", "dense_prefill", "prefill_path", "prefill_path_is_auto", "repeat_kv",
+           "MaskCache", "DENSE_MAX_ELEMENTS", "DENSE_GRAD_MAX_ELEMENTS"]
 
 
 _CAUSAL: dict = {}
@@ -202,7 +202,7 @@ def alibi_attention(
         positions = torch.arange(1 - k.shape[-2], 1, device=q.device, dtype=torch.float32)
         key_bias = slopes.to(q.device, torch.float32)[None, :, None] * positions
     heads = q.shape[1]
-    k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    k, v = repeat_kv(k, heads), repeat_kv(v, heads)
     if keep is None and q_len > 1:
         keep, cache = _causal(q_len, k.shape[-2], q.device)
     if fused is None and dense_prefill(q, k, any_size=True):  # the materialised bias, once per forward
@@ -230,8 +230,9 @@ def _flash(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None, slopes: Ten
     return attempt(q, k, v, key_bias, scale=scale, key_bias=True, keep=keep, rows=rows)
 
 
-def _repeat_kv(x: Tensor, heads: int) -> Tensor:
-    """``(b, hk, s, d) -> (b, heads, s, d)`` for SDPA with a bias (a stride-0 view for one kv head)."""
+def repeat_kv(x: Tensor, heads: int) -> Tensor:
+    """``(b, hk, s, d) -> (b, heads, s, d)``, each kv head shared by ``heads / hk`` query heads, for SDPA
+    with a bias (a stride-0 view for multi-query, ``hk = 1``; SDPA's own GQA broadcasts the same way)."""
     batch, kv, length, dim = x.shape
     if kv == heads:
         return x

@@ -100,8 +100,9 @@ class ALiBiEmbedding(nn.Module):
         row-centred). Queries are the last ``seq_q`` positions (KV cache).
 
         Args:
-            q: ``(b, h, seq_q, d)``; k, v: ``(b, h, seq_k, d)``: floating-point, one dtype, one
-                device, the same batch and heads (``h = num_heads``), q and k the same ``d``.
+            q: ``(b, h, seq_q, d)``; k, v: ``(b, hk, seq_k, d)``: floating-point, one dtype, one
+                device, the same batch, ``h = num_heads`` a multiple of ``hk`` (GQA/MQA: query head
+                ``i`` attends with key/value head ``i // (h // hk)``), q and k the same ``d``.
             key_padding_mask: ``(b, seq_k)`` bool, True for real tokens (left padding).
             scale: default ``d ** -0.5``.
             dropout_p: in ``[0, 1]``.
@@ -125,7 +126,7 @@ class ALiBiEmbedding(nn.Module):
             alibi = ALiBiEmbedding(num_heads=8)
             out = alibi.attention(q, k, v)      # == softmax(alibi(q @ k^T / sqrt(d)) + causal mask) @ v
         """
-        from torchembed.kernels.alibi_attention import alibi_attention
+        from torchembed.kernels.alibi_attention import alibi_attention, repeat_kv
         from torchembed.kernels.availability import FusedUnavailableError, check_fused
 
         fused = check_fused(fused)
@@ -156,6 +157,7 @@ class ALiBiEmbedding(nn.Module):
                 raise ValueError(f"key_padding_mask must be on q's device {q.device}, got {key_padding_mask.device}")
             keep = key_padding_mask[:, None, None, :]
         if seq_q == 0:  # nothing to attend from: empty, but still connected to q, k, v for autograd
+            k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
             return (q @ k.transpose(-2, -1))[..., :0] @ v[..., :0, :]
         slopes = self.slopes.to(q.device)
         if causal:
@@ -170,6 +172,7 @@ class ALiBiEmbedding(nn.Module):
         bias = self.bias(seq_q, seq_k).to(q.device)[None]  # (1, h, q, k), exact near the diagonal
         if keep is not None:
             bias = bias.masked_fill(~keep, torch.finfo(q.dtype).min)
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p, scale=scale)
 
     def _check_qkv(self, q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -180,8 +183,10 @@ class ALiBiEmbedding(nn.Module):
         shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[1] != self.num_heads:
             raise ValueError(f"q, k, v must be (batch, {self.num_heads} heads, seq, dim), got {shapes}")
-        if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
-            raise ValueError(f"q, k, v must have the same (batch, heads) = {tuple(q.shape[:2])}, got {shapes}")
+        kv_heads = k.shape[1]
+        if k.shape[:2] != v.shape[:2] or k.shape[0] != q.shape[0] or kv_heads < 1 or self.num_heads % kv_heads:
+            raise ValueError(f"k and v must have q's batch {q.shape[0]} and one head count dividing {self.num_heads} "
+                             f"(GQA/MQA), got {shapes}")
         if k.shape[-1] != q.shape[-1]:
             raise ValueError(f"q and k must have the same head dim, got {shapes}")
         if v.shape[-2] != k.shape[-2]:
