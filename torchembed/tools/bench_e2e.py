@@ -139,7 +139,7 @@ def run_case(name: str, models: dict[str, nn.Module], batch: int, prompt: int, a
             continue
         print(f"e2e {name} batch {batch} prompt {prompt} {phase} ...", file=sys.stderr, flush=True)
         if phase == "prefill":
-            kw = kw_keep(takes_keep)
+            kw = _last_logits_only(takes_keep)
 
             def run(m: nn.Module) -> float:
                 with torch.no_grad():
@@ -150,7 +150,7 @@ def run_case(name: str, models: dict[str, nn.Module], batch: int, prompt: int, a
             res = bench.measure(models, lambda m: bench.generate_timed(m, ids, n, disable_compile=True)["per_token"],
                                 args.repeats, device)
         elif phase == "step":
-            res = _measure_steps(models, ids, args.repeats * STEP_CALLS, device, kw_keep(takes_keep))
+            res = _measure_steps(models, ids, args.repeats * STEP_CALLS, device, _last_logits_only(takes_keep))
         else:
             if device.type != "cuda":
                 records += [{**base, "variant": v, "ms": "skipped: compiled decode needs CUDA"} for v in models]
@@ -168,7 +168,7 @@ def run_case(name: str, models: dict[str, nn.Module], batch: int, prompt: int, a
     return records
 
 
-def kw_keep(takes_keep: bool) -> dict[str, Any]:
+def _last_logits_only(takes_keep: bool) -> dict[str, Any]:
     """Forward keywords computing the last position's logits only (where the model takes them)."""
     return {"logits_to_keep": 1} if takes_keep else {}
 
