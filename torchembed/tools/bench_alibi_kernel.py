@@ -6,6 +6,10 @@ memory viewed as ``(b, h, s, d)``), in one run, ``triton.testing.do_bench`` medi
 * ``floor``: ``F.scaled_dot_product_attention(is_causal=True)`` with no bias (flash / cuDNN): what
   attention without ALiBi costs. Decode (one query over a KV cache): the same without ``is_causal``
   (the query sees every key).
+* ``sdpa-flash``, ``sdpa-cudnn``: the floor held to one SDPA backend (``sdpa_kernel``), still without a
+  bias: FlashAttention-2 (the kernel family whose ``alibi_slopes`` flash-attn ships; its ALiBi costs
+  at least this) and cuDNN's fused attention, so the table shows which one the floor is and how far
+  apart the two are (CUDA only).
 * ``torchembed``: ``ALiBiEmbedding.attention`` as dispatched by default (``fused=None``: the fused
   kernel, or SDPA with the materialised bias at the small sizes where that measured faster);
 * ``kernel``: ``ALiBiEmbedding.attention(fused=True)``: the fused kernel, bias computed inside.
@@ -39,7 +43,8 @@ from torchembed.tools import bench
 PREFILL = ((1, 16, 1024, 64), (4, 16, 2048, 64), (4, 16, 8192, 64), (4, 16, 16384, 64), (1, 32, 4096, 128),
            (8, 32, 2048, 128))
 DECODE = ((1, 16, 4096, 64), (8, 32, 8192, 128))
-IMPLS = ("floor", "torchembed", "kernel", "flex", "sdpa-bias", "flash-attn")
+IMPLS = ("floor", "sdpa-flash", "sdpa-cudnn", "torchembed", "kernel", "flex", "sdpa-bias", "flash-attn")
+BIAS_FREE = ("floor", "sdpa-flash", "sdpa-cudnn")  # attention without ALiBi: no error against the ALiBi reference
 _ROWS = 512  # query rows of the float32 reference
 _FULL_GRAD_SCORES = 2**28  # forward+backward errors where b * h * s * s is at most this
 
@@ -114,6 +119,8 @@ def _implementations(shape: tuple[int, int, int, int], q_len: int, dtype: torch.
     impls: dict[str, Any] = {}
     impls["floor"] = ((lambda q, k, v: F.scaled_dot_product_attention(q, k, v)) if decode else
                       (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+    for name, backend in (("sdpa-flash", "FLASH_ATTENTION"), ("sdpa-cudnn", "CUDNN_ATTENTION")):
+        impls[name] = _one_backend(backend, decode) if device.type == "cuda" else "CUDA only"
     impls["torchembed"] = lambda q, k, v: alibi.attention(q, k, v)
     impls["kernel"] = ((lambda q, k, v: alibi.attention(q, k, v, fused=True)) if device.type == "cuda" else
                        "the kernel is measured on CUDA")
@@ -149,6 +156,23 @@ def _implementations(shape: tuple[int, int, int, int], q_len: int, dtype: torch.
     return impls
 
 
+def _one_backend(backend: str, decode: bool) -> Callable[[Tensor, Tensor, Tensor], Tensor] | str:
+    """The floor's SDPA call held to one backend (``SDPBackend`` member name)."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError as err:
+        return f"unavailable ({err})"
+    chosen = getattr(SDPBackend, backend, None)
+    if chosen is None:
+        return f"this torch has no SDPBackend.{backend}"
+
+    def call(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        with sdpa_kernel(chosen):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=not decode)
+
+    return call
+
+
 def _names() -> tuple[str, ...]:
     return IMPLS
 
@@ -182,7 +206,7 @@ def measure_shape(shape: tuple[int, int, int, int], q_len: int, args: argparse.N
         try:
             with torch.no_grad():
                 out = impl(*views)
-                err = None if name == "floor" else _max_err(out[0][:, rows], ref)
+                err = None if name in BIAS_FREE else _max_err(out[0][:, rows], ref)
                 ms = bench.do_bench(lambda: impl(*views), device)
                 host = bench.host_loop(lambda: impl(*views), device) if decode and device.type == "cuda" else None
             records.append({**base, "ms": ms, "max_err": err, "host_ms": host})
@@ -225,7 +249,7 @@ def _backward_records(shape: tuple[int, int, int, int], impls: dict[str, Any], a
         try:
             step()
             err = None
-            if truth is not None and name != "floor":
+            if truth is not None and name not in BIAS_FREE:
                 err = max(_max_err(x.grad, t) for x, t in zip((q, k, v), truth))
             ms = bench.do_bench(step, device, grad_to_none=[q, k, v])
             records.append({**base, "ms": ms, "max_err": err})
@@ -258,19 +282,22 @@ def markdown(records: list[dict[str, Any]]) -> str:
                     cells.append(f"{ms:.3f} ({floor / ms:.2f}x)")
                 else:
                     cells.append(bench.fmt(ms))
+            alibi_names = [n for n in names if n not in BIAS_FREE]
             errs = [f"{by[name]['max_err']:.1e}" if isinstance(by.get(name, {}).get("max_err"), float) else "-"
-                    for name in names[1:]]
+                    for name in alibi_names]
             row = [label.split(" ", 1)[1], *cells, " / ".join(errs)]
             if phase == "decode":
                 row.append(" / ".join(bench.fmt(by.get(n, {}).get("host_ms"), 3) for n in ("floor", "torchembed",
                                                                                            "sdpa-bias")))
             rows.append(row)
-        headers = ["b, h, s, d", *(f"{n} (ms)" for n in _names()), "max error: " + " / ".join(_names()[1:])]
+        headers = ["b, h, s, d", *(f"{n} (ms)" for n in _names()),
+                   "max error: " + " / ".join(n for n in _names() if n not in BIAS_FREE)]
         if phase == "decode":
             headers.append("host ms/call: floor / torchembed / sdpa-bias")
         out += [f"## {title}", "", bench.md_table(headers, rows), ""]
     out.append("ms: `triton.testing.do_bench` median; (Nx): the floor's time over this one's (1.00x = as fast as "
-               "attention without ALiBi). Errors: max |out - float32 reference| (forward: batch 0, all heads, up to "
+               "attention without ALiBi). sdpa-flash / sdpa-cudnn: the floor held to FlashAttention-2 / cuDNN, no bias. "
+               "Errors: max |out - float32 reference| (forward: batch 0, all heads, up to "
                f"{_ROWS} query rows; forward + backward: max over dq, dk, dv, where the float32 reference fits).")
     return "\n".join(out)
 
