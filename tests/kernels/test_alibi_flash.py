@@ -281,3 +281,122 @@ def test_eager_calls_skip_the_custom_op_dispatch(monkeypatch):
     out = alibi_flash(q, k, v, alibi_slopes(2, DEV), scale=0.25)
     out.sum().backward()
     assert not calls and "AlibiFlash" in type(out.grad_fn).__name__ and q.grad is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# Keys of negligible weight are not visited (slopes mode)
+# ------------------------------------------------------------------------------------------------
+
+_STEEP = (1.0, 4.0, 0.5)  # slopes steep enough that, 256 keys long, most tiles are provably negligible
+
+
+@pytest.fixture
+def skipping(monkeypatch):
+    """The skip from the first key on (the shipped threshold keeps it for long prefills only); plans
+    made before are forgotten so that the next call makes its plan with it."""
+    from torchembed.kernels import alibi_flash as flash
+    from torchembed.kernels import alibi_flash_triton as triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "SKIP_MIN_KEYS", 0)
+    flash.clear_plans()
+    yield triton_kernels
+    flash.clear_plans()
+
+
+def _far_keys_poisoned(v, first_row, margin):
+    """v with NaN at every key at least ``margin`` before ``first_row`` (positions of the keys)."""
+    poisoned = v.detach().clone()
+    poisoned[:, :, : first_row - margin] = float("nan")
+    return poisoned
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_negligible_keys_are_not_visited_and_the_result_is_exact(dtype, padded, skipping):
+    """Far keys are left out: with NaN in their values the late rows stay finite and equal the float64
+    attention of the clean values (whose far weights are below 2**-32 of each row's mass); with the
+    skip off the same NaN reaches them (the check can fail)."""
+    b, h, n, d = 2, len(_STEEP), 256, 16
+    slopes = torch.tensor(_STEEP, device=DEV)
+    keep = _left_padded_keep(b, n, n, [0, 7]) if padded else None
+    q, k, v = _inputs(b, h, 1, n, n, d, dtype, seed=21, grad=False)
+    truth, _ = _oracle(q, k, v, slopes, keep, False, d**-0.5)
+    late = slice(192, n)  # rows whose every needed key is within 96 positions
+    poisoned = _far_keys_poisoned(v, 192, 96)
+    with torch.no_grad():
+        out = alibi_flash(q, k, poisoned, slopes, scale=d**-0.5, keep=keep)
+    assert torch.isfinite(out[:, :, late]).all()
+    _close(out[:, :, late], truth.detach()[:, :, late], dtype)
+    with torch.no_grad():  # every row of the clean call, too
+        _close(alibi_flash(q, k, v, slopes, scale=d**-0.5, keep=keep), truth.detach(), dtype)
+    skipping.SKIP_NEGLIGIBLE = False
+    from torchembed.kernels.alibi_flash import clear_plans
+
+    clear_plans()
+    try:
+        with torch.no_grad():
+            unskipped = alibi_flash(q, k, poisoned, slopes, scale=d**-0.5, keep=keep)
+    finally:
+        skipping.SKIP_NEGLIGIBLE = True
+        clear_plans()
+    assert torch.isnan(unskipped[:, :, late]).any()
+
+
+def test_a_skip_bound_too_loose_is_caught(skipping, monkeypatch):
+    """Fault injection: a margin of -40 bits leaves out keys that carry weight, and the comparison with
+    the float64 attention fails; the shipped margin passes it."""
+    b, h, n, d = 1, len(_STEEP), 256, 16
+    slopes = torch.tensor(_STEEP, device=DEV) / 8  # gentler: the wrong bound cuts into real weight
+    q, k, v = _inputs(b, h, h, n, n, d, torch.float32, seed=22, grad=False)
+    truth, _ = _oracle(q, k, v, slopes, None, False, d**-0.5)
+    with torch.no_grad():
+        _close(alibi_flash(q, k, v, slopes, scale=d**-0.5), truth.detach(), torch.float32)
+        monkeypatch.setattr(skipping, "SKIP_MARGIN_BITS", -40.0)
+        from torchembed.kernels.alibi_flash import clear_plans
+
+        clear_plans()
+        with pytest.raises(AssertionError):
+            _close(alibi_flash(q, k, v, slopes, scale=d**-0.5), truth.detach(), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_skipping_backward_is_exact(dtype, padded, skipping):
+    """Gradients with the skip on equal the float64 attention's (dq leaves out far key tiles, dk/dv far
+    query blocks)."""
+    b, h, n, d = 2, len(_STEEP), 256, 16
+    keep = _left_padded_keep(b, n, n, [0, 7]) if padded else None
+    q, k, v = _inputs(b, h, h, n, n, d, dtype, seed=23)
+    _check(q, k, v, torch.tensor(_STEEP, device=DEV), keep=keep)
+
+
+def test_skipping_backward_does_not_visit_far_pairs(skipping):
+    """NaN in the output gradient of the late rows does not reach dk/dv of the first keys, and NaN in
+    the first keys' values does not reach dq of the late rows, with the skip on; with it off both do."""
+    b, h, n, d = 1, len(_STEEP), 256, 16
+    slopes = torch.tensor(_STEEP, device=DEV)
+    from torchembed.kernels.alibi_flash import clear_plans
+
+    def grads(poison_v: bool) -> tuple:
+        q, k, v = _inputs(b, h, h, n, n, d, torch.float32, seed=24)
+        v_in = _far_keys_poisoned(v, 192, 96).requires_grad_() if poison_v else v
+        out = alibi_flash(q, k, v_in, slopes, scale=d**-0.5)
+        grad = torch.randn_like(out)
+        if not poison_v:
+            grad[:, :, 192:] = float("nan")
+        out.backward(grad)
+        return q.grad, k.grad, (v_in.grad if poison_v else v.grad)
+
+    dq, _, _ = grads(poison_v=True)
+    assert torch.isfinite(dq[:, :, 192:]).all()
+    _, dk, dv = grads(poison_v=False)
+    assert torch.isfinite(dk[:, :, :64]).all() and torch.isfinite(dv[:, :, :64]).all()
+    skipping.SKIP_NEGLIGIBLE = False
+    clear_plans()
+    try:
+        dq, _, _ = grads(poison_v=True)
+        _, dk, dv = grads(poison_v=False)
+    finally:
+        skipping.SKIP_NEGLIGIBLE = True
+        clear_plans()
+    assert torch.isnan(dq[:, :, 192:]).any() and torch.isnan(dk[:, :, :64]).any()

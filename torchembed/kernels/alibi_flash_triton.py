@@ -40,6 +40,7 @@ dtypes goes straight to the compiled kernel's launcher. This module imports Trit
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import Optional
@@ -155,6 +156,26 @@ def _head_slope(Bias, h, sbh, BIAS: tl.constexpr):
 
 
 @triton.jit
+def _first_needed(m_i, q, knorm, c0, slope2, qk_scale, skip_log2, row_ok, N):
+    """The first key position any row of a query block needs (slopes mode, ``SKIP``): a key ``j``
+    is negligible for row ``i`` when even the Cauchy-Schwarz bound of its score,
+    ``|qk_scale| * |q_i| * knorm + slope2 * (j - c0)``, is below ``m_i - skip_log2`` (``m_i`` a score
+    the row has, base 2; ``knorm`` the largest key norm of the head): its weight is then under
+    ``2**-skip_log2`` of the row's largest. The bias falls with distance, so every key before that
+    position is negligible too. Rows that saw no key yet, NaN, a slope <= 0: nothing is skipped (0)."""
+    qf = q.to(tl.float32)
+    qn = tl.sqrt(tl.sum(qf * qf, 1))
+    room = m_i - skip_log2 - tl.abs(qk_scale) * qn * knorm - 1.0  # (1.0: a margin for rounding)
+    j = c0.to(tl.float32) + room / tl.where(slope2 > 0.0, slope2, 1.0)
+    j = tl.where(row_ok, j, 3.0e38)  # rows past M constrain nothing
+    j = tl.where(j == j, j, -3.0e38)  # NaN: every key
+    first = tl.min(j, 0)
+    first = tl.where(slope2 > 0.0, first, -3.0e38)
+    first = tl.minimum(tl.maximum(first, 0.0), N * 1.0)
+    return first.to(tl.int32)
+
+
+@triton.jit
 def _dot_acc(a, b, acc, PREC: tl.constexpr):
     """``acc + a @ b`` (see :func:`_dot`)."""
     if PREC == 0:
@@ -266,14 +287,14 @@ def _key_ranges(lo, hi, irregular, row_ok, N, BLOCK_N: tl.constexpr, MASK: tl.co
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, Lse, Bias, Rows, Keep,
+    Q, K, V, Out, Lse, Bias, Rows, Keep, KNorm,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     sbb, sbh, sbn, srb, smb, smm, smn,
     H, GROUP, M, N,
-    qk_scale,
+    qk_scale, skip_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, STORE_LSE: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, SKIP: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (causal) blocks first
     bh = tl.program_id(1).to(tl.int64)
@@ -312,16 +333,25 @@ def _fwd_kernel(
                                       svd, sbn, smm, smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, True, PREC,
                                       TMA)
     else:
-        for start_n in range(full_lo, full_hi, BLOCK_N):  # the bulk: no mask arithmetic
+        for t in range(0, n_b):  # first the tiles some row ends inside (causal: the diagonal), the newest keys
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base,
+                                      keep_base, offs_m, row_ok, c0, kb0, slope2, full_hi + t * BLOCK_N, N, skn, skd,
+                                      svn, svd, sbn, smm, smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False,
+                                      PREC, TMA)
+        needed = first
+        if SKIP:  # keys whose weight is provably below 2**-skip_log2 of every row's largest: not visited
+            needed = _first_needed(m_i, q, tl.load(KNorm + b * (H // GROUP) + hk), c0, slope2, qk_scale, skip_log2,
+                                   row_ok, N) // BLOCK_N * BLOCK_N
+        for start_n in range(tl.maximum(full_lo, needed), full_hi, BLOCK_N):  # the bulk: no mask arithmetic
             start_n = tl.multiple_of(start_n, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base,
                                       keep_base, offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm,
                                       smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False, False, PREC, TMA)
-        for t in range(0, n_a + n_b):  # the tiles some row starts or ends inside (causal: the diagonal)
-            start_n = tl.where(t < n_a, first + t * BLOCK_N, full_hi + (t - n_a) * BLOCK_N)
+        for t in range(tl.maximum(needed - first, 0) // BLOCK_N, n_a):  # the tiles some row starts inside
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base,
-                                      keep_base, offs_m, row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm,
-                                      smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC, TMA)
+                                      keep_base, offs_m, row_ok, c0, kb0, slope2, first + t * BLOCK_N, N, skn, skd,
+                                      svn, svd, sbn, smm, smn, qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False,
+                                      PREC, TMA)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -488,10 +518,13 @@ def _bwd_delta_kernel(Out, DO, Delta, sob, soh, som, sod, sgb, sgh, sgm, sgd, H,
 @triton.jit
 def _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
                   bias_base, slope2, kvec_c0, offs_n, n_ok, start_m, stop_m,
-                  sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
+                  sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale, skip_log2, knorm,
                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BIAS: tl.constexpr, MASK: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
-    """dk, dv of one key block from the query blocks ``[start_m, stop_m)`` of head ``h``."""
+                  BIAS: tl.constexpr, MASK: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
+                  SKIP: tl.constexpr):
+    """dk, dv of one key block from the query blocks ``[start_m, stop_m)`` of head ``h``. ``SKIP``: a
+    query block none of whose rows gives this key block a weight of ``2**-skip_log2`` or more (the
+    Cauchy-Schwarz bound with ``knorm``, the block's largest key norm) adds nothing and is passed over."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     kb0 = _bias_at(Bias, bias_base, sbn, kvec_c0, BIAS)
@@ -509,27 +542,33 @@ def _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, b
             rows = offs_m.to(tl.int64)
             q = tl.load(q_base + rows[:, None] * sqm + offs_d[None, :] * sqd, mask=row_ok[:, None] & d_ok[None, :],
                         other=0.0)
-            do = tl.load(do_base + rows[:, None] * sgm + offs_d[None, :] * sgd, mask=row_ok[:, None] & d_ok[None, :],
-                         other=0.0)
             lse = tl.load(Lse + bh * M + offs_m, mask=row_ok, other=float("inf"))
-            delta = tl.load(Delta + bh * M + offs_m, mask=row_ok, other=0.0)
             c = tl.maximum(hi - 1, 0)
             # the row part of the bias (a per-row constant) taken off the log-sum-exp instead of each score
             lse -= _row_bias(Bias, bias_base, sbn, c, kvec_c0, kb0, slope2, row_ok, BIAS)
-            st = _dot(k, tl.trans(q), PREC) * qk_scale + kvec[:, None]  # (BLOCK_N, BLOCK_M)
-            if MASKED:
-                keep = (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
-                if MASK != 0:
-                    if tl.max(irregular, 0) != 0:
-                        t = tl.load(Keep + b * smb + rows[None, :] * smm + offs_n.to(tl.int64)[:, None] * smn,
-                                    mask=row_ok[None, :] & n_ok[:, None], other=0)
-                        keep = keep & (t != 0)
-                st = tl.where(keep, st, float("-inf"))
-            pt = tl.math.exp2(st - lse[None, :])
-            dv = _dot_acc(pt.to(do.dtype), do, dv, PREC)
-            dpt = _dot(v, tl.trans(do), PREC)
-            dst = pt * (dpt - delta[None, :])
-            dk = _dot_acc(dst.to(q.dtype), q, dk, PREC)
+            if SKIP:
+                qf = q.to(tl.float32)
+                bound = (tl.abs(qk_scale) * tl.sqrt(tl.sum(qf * qf, 1)) * knorm
+                         + tl.maximum(slope2 * (BLOCK_N - 1), 0.0) + 1.0 + skip_log2)
+                go = tl.max(tl.where(bound < lse, 0, 1), 0) != 0  # (NaN: kept)
+            if go:
+                do = tl.load(do_base + rows[:, None] * sgm + offs_d[None, :] * sgd, mask=row_ok[:, None] & d_ok[None, :],
+                             other=0.0)
+                delta = tl.load(Delta + bh * M + offs_m, mask=row_ok, other=0.0)
+                st = _dot(k, tl.trans(q), PREC) * qk_scale + kvec[:, None]  # (BLOCK_N, BLOCK_M)
+                if MASKED:
+                    keep = (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
+                    if MASK != 0:
+                        if tl.max(irregular, 0) != 0:
+                            t = tl.load(Keep + b * smb + rows[None, :] * smm + offs_n.to(tl.int64)[:, None] * smn,
+                                        mask=row_ok[None, :] & n_ok[:, None], other=0)
+                            keep = keep & (t != 0)
+                    st = tl.where(keep, st, float("-inf"))
+                pt = tl.math.exp2(st - lse[None, :])
+                dv = _dot_acc(pt.to(do.dtype), do, dv, PREC)
+                dpt = _dot(v, tl.trans(do), PREC)
+                dst = pt * (dpt - delta[None, :])
+                dk = _dot_acc(dst.to(q.dtype), q, dk, PREC)
     return dk, dv
 
 
@@ -540,9 +579,9 @@ def _bwd_dkdv_kernel(
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     sbb, sbh, sbn, srb, smb, smm, smn,
     H, GROUP, M, N,
-    qk_scale, scale,
+    qk_scale, scale, skip_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
+    BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SKIP: tl.constexpr,
 ):
     """One program per (key block, batch x kv head): its dk, dv summed over the ``GROUP`` query heads
     that share the kv head (no atomics)."""
@@ -560,6 +599,10 @@ def _bwd_dkdv_kernel(
     v = tl.load(V + b * svb + hk * svh + n64[:, None] * svn + offs_d[None, :] * svd, mask=m2, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    knorm = 0.0
+    if SKIP:
+        kf = k.to(tl.float32)
+        knorm = tl.sqrt(tl.max(tl.sum(kf * kf, 1), 0))
     j0 = pid_n * BLOCK_N
     kvec_c0 = j0
     for g in range(0, GROUP):
@@ -578,17 +621,17 @@ def _bwd_dkdv_kernel(
             full_m = tl.minimum(tl.maximum(full_m, start_m), M)
             dk, dv = _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
                                    bias_base, slope2, kvec_c0, offs_n, n_ok, start_m, full_m,
-                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
-                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, True, PREC)
+                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale, skip_log2, knorm,
+                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, True, PREC, False)
             dk, dv = _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
                                    bias_base, slope2, kvec_c0, offs_n, n_ok, full_m, M,
-                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
-                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, False, PREC)
+                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale, skip_log2, knorm,
+                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, False, PREC, SKIP)
         else:
             dk, dv = _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
                                    bias_base, slope2, kvec_c0, offs_n, n_ok, 0, M,
-                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
-                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, True, PREC)
+                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale, skip_log2, knorm,
+                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, True, PREC, SKIP)
     tl.store(DK + b * sdkb + hk * sdkh + n64[:, None] * sdkn + offs_d[None, :] * sdkd,
              (dk * scale).to(DK.dtype.element_ty), mask=m2)
     tl.store(DV + b * sdvb + hk * sdvh + n64[:, None] * sdvn + offs_d[None, :] * sdvd,
@@ -633,13 +676,13 @@ def _bwd_q_tile(dq, q, do, lse, delta, lo, hi, k_base, v_base, Bias, bias_base, 
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, Bias, Rows, Keep,
+    Q, K, V, DO, Lse, Delta, DQ, Bias, Rows, Keep, KNorm,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgm, sgd, sdqb, sdqh, sdqm, sdqd,
     sbb, sbh, sbn, srb, smb, smm, smn,
     H, GROUP, M, N,
-    qk_scale, scale,
+    qk_scale, scale, skip_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr,
+    BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SKIP: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -674,12 +717,17 @@ def _bwd_dq_kernel(
                              row_ok, c0, kb0, slope2, full_hi + t * BLOCK_N, N, skn, skd, svn, svd, sbn, smm, smn,
                              qk_scale, HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, True, PREC)
     else:
-        for start_n in range(full_lo, full_hi, BLOCK_N):
+        needed = first
+        if SKIP:  # as the forward's, against the log-sum-exp: p = exp2(s - lse) < 2**-skip_log2 before it
+            needed = _first_needed(lse, q, tl.load(KNorm + b * (H // GROUP) + hk), c0, slope2, qk_scale, skip_log2,
+                                   row_ok, N) // BLOCK_N * BLOCK_N
+        for start_n in range(tl.maximum(full_lo, needed), full_hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             dq = _bwd_q_tile(dq, q, do, lse, delta, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
                              row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
                              HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, False, False, PREC)
-        for t in range(0, n_a + n_b):
+        n_skip = tl.minimum(tl.maximum(needed - first, 0) // BLOCK_N, n_a)  # (front tiles before the needed keys)
+        for t in range(n_skip, n_a + n_b):
             start_n = tl.where(t < n_a, first + t * BLOCK_N, full_hi + (t - n_a) * BLOCK_N)
             dq = _bwd_q_tile(dq, q, do, lse, delta, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
                              row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
@@ -830,6 +878,31 @@ def mask_rows(keep: Tensor) -> Tensor:
     return rows
 
 
+# Keys of negligible weight (slopes mode): ALiBi's bias falls linearly with distance, so far enough back
+# every score is provably below the row's largest by more than SKIP_MARGIN_BITS + log2(keys) bits
+# (Cauchy-Schwarz on q.k with the head's largest key norm): the kernels do not visit those keys. What
+# they leave out is under 2**-SKIP_MARGIN_BITS of each row's softmax mass, below float32 rounding.
+# TORCHEMBED_ALIBI_SKIP=0 visits every key. SKIP_MIN_KEYS: shorter calls are not worth the key-norm pass.
+SKIP_NEGLIGIBLE = os.environ.get("TORCHEMBED_ALIBI_SKIP", "1") == "1"
+SKIP_MARGIN_BITS = 32.0
+SKIP_MIN_KEYS = 2048
+
+
+def skips_negligible(key_bias: bool, k_len: int) -> bool:
+    """Whether a prefill of ``k_len`` keys leaves out the keys of negligible weight."""
+    return SKIP_NEGLIGIBLE and not key_bias and k_len >= SKIP_MIN_KEYS
+
+
+def skip_log2(k_len: int) -> float:
+    """The base-2 margin below a row's largest score past which a key is left out."""
+    return SKIP_MARGIN_BITS + math.log2(max(k_len, 1))
+
+
+def key_norms(k: Tensor) -> Tensor:
+    """``(B, Hk)`` float32: the largest key norm of each (batch, kv head) of ``k (B, Hk, N, D)``."""
+    return torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(-1)
+
+
 def _sms(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     count = _SMS.get(index)
@@ -843,7 +916,7 @@ class ForwardPlan:
     launches (the prefill kernel, or the split-key decode kernel and its combine) and the buffers
     each call allocates. ``plan(q, k, v, bias, rows, keep) -> (out, lse or None)``."""
 
-    __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "main", "combine")
+    __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "main", "combine", "skip")
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None,
                  keep: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -852,7 +925,9 @@ class ForwardPlan:
         lse_t = out if lse is None else lse
         rows_t = bias if rows is None else rows  # (unread without a mask: any pointer will do)
         keep_t = bias if keep is None else keep.view(torch.uint8)
-        if self.combine is None and not self.part:
+        if self.skip is not None:  # the prefill kernel
+            self.main((q, k, v, out, lse_t, bias, rows_t, keep_t, key_norms(k) if self.skip else bias))
+        elif self.combine is None and not self.part:
             self.main((q, k, v, out, lse_t, bias, rows_t, keep_t))
         else:
             part = torch.empty(self.part, dtype=torch.float32, device=self.device) if self.part else out
@@ -883,7 +958,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
     qk_scale = float(scale) * LOG2E
     plan = ForwardPlan()
     plan.out_shape, plan.out_stride, plan.dtype, plan.device = (batch, heads, q_len, head_dim), out_stride, q.dtype, q.device
-    plan.need_lse, plan.part, plan.combine = need_lse, 0, None
+    plan.need_lse, plan.part, plan.combine, plan.skip = need_lse, 0, None, None
     if group * q_len <= DECODE_ROWS and (q_len < 16 or k_len >= 8 * q_len):
         block_r, block_n, warps, stages = config_for("decode", head_dim, q.dtype, masked)
         block_r = max(block_r, _pow2(group * q_len))
@@ -910,13 +985,14 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
             plan.main = lambda t, main=main: main((t[0], t[1], t[2], t[3], t[4], t[3], t[5], t[6], t[7]))
         return plan
     block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, masked)
+    plan.skip = skips_negligible(key_bias, k_len)
 
     def launch(tma: bool) -> Launch:
         return Launch(_fwd_kernel, (_cdiv(q_len, block_m), batch * heads, 1), (*strides, heads, group, q_len, k_len),
-                      (qk_scale,),
+                      (qk_scale, skip_log2(k_len)),
                       {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
                        "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "STORE_LSE": need_lse,
-                       "TMA": tma}, warps, stages)
+                       "TMA": tma, "SKIP": plan.skip}, warps, stages)
 
     plan.main = launch(False)
     if _tma_layout(k, v):  # keys and values through the tensor memory accelerator where aligned
@@ -970,7 +1046,7 @@ class BackwardPlan:
     """The backward of one call signature: ``delta = rowsum(dO * O)``, then the dk/dv and dq kernels.
     ``plan(grad, q, k, v, out, lse, bias, rows, keep) -> (dq, dk, dv)``."""
 
-    __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq")
+    __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq", "skip")
 
     def __call__(self, grad, q, k, v, out, lse, bias, rows, keep) -> tuple[Tensor, Tensor, Tensor]:
         delta = torch.empty(self.delta_shape, dtype=torch.float32, device=self.device)
@@ -979,7 +1055,7 @@ class BackwardPlan:
         keep_t = bias if keep is None else keep.view(torch.uint8)
         self.delta((out, grad, delta))
         self.dkdv((q, k, v, grad, lse, delta, dk, dv, bias, rows_t, keep_t))
-        self.dq((q, k, v, grad, lse, delta, dq, bias, rows_t, keep_t))
+        self.dq((q, k, v, grad, lse, delta, dq, bias, rows_t, keep_t, key_norms(k) if self.skip else bias))
         return dq, dk, dv
 
 
@@ -998,7 +1074,8 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
     qk_scale = float(scale) * LOG2E
     like = lambda t: _strides4(torch.empty_like(t, device="meta"))  # noqa: E731  (empty_like's strides)
     plan = BackwardPlan()
-    plan.delta_shape, plan.device = (batch, heads, q_len), q.device
+    plan.delta_shape, plan.device, plan.skip = (batch, heads, q_len), q.device, skips_negligible(key_bias, k_len)
+    floats = (qk_scale, float(scale), skip_log2(k_len))
     block = 16 if _INTERPRET else 64
     plan.delta = Launch(_bwd_delta_kernel, (_cdiv(q_len, block), batch * heads, 1),
                         (*_strides4(out), *_strides4(grad), heads, q_len), (),
@@ -1007,12 +1084,12 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
     consts = {"HEAD_DIM": head_dim, "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec}
     block_m, block_n, warps, stages = config_for("dkdv", head_dim, q.dtype, masked)
     plan.dkdv = Launch(_bwd_dkdv_kernel, (_cdiv(k_len, block_n), batch * kv_heads, 1),
-                       (*common, *like(k), *like(v), *tail, heads, group, q_len, k_len), (qk_scale, float(scale)),
+                       (*common, *like(k), *like(v), *tail, heads, group, q_len, k_len), floats,
                        {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
-                        "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec}, warps, stages)
+                        "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": plan.skip}, warps, stages)
     block_m, block_n, warps, stages = config_for("dq", head_dim, q.dtype, masked)
     plan.dq = Launch(_bwd_dq_kernel, (_cdiv(q_len, block_m), batch * heads, 1),
-                     (*common, *like(q), *tail, heads, group, q_len, k_len), (qk_scale, float(scale)),
+                     (*common, *like(q), *tail, heads, group, q_len, k_len), floats,
                      {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
-                      "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec}, warps, stages)
+                      "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": plan.skip}, warps, stages)
     return plan
