@@ -321,8 +321,8 @@ def test_negligible_keys_are_not_visited_and_the_result_is_exact(dtype, padded, 
     keep = _left_padded_keep(b, n, n, [0, 7]) if padded else None
     q, k, v = _inputs(b, h, 1, n, n, d, dtype, seed=21, grad=False)
     truth, _ = _oracle(q, k, v, slopes, keep, False, d**-0.5)
-    late = slice(192, n)  # rows whose every needed key is within 96 positions
-    poisoned = _far_keys_poisoned(v, 192, 96)
+    late = slice(192, n)  # rows whose every needed key is within 128 positions (GPU tiles included)
+    poisoned = _far_keys_poisoned(v, 192, 128)
     with torch.no_grad():
         out = alibi_flash(q, k, poisoned, slopes, scale=d**-0.5, keep=keep)
     assert torch.isfinite(out[:, :, late]).all()
@@ -379,7 +379,7 @@ def test_skipping_backward_does_not_visit_far_pairs(skipping):
 
     def grads(poison_v: bool) -> tuple:
         q, k, v = _inputs(b, h, h, n, n, d, torch.float32, seed=24)
-        v_in = _far_keys_poisoned(v, 192, 96).requires_grad_() if poison_v else v
+        v_in = _far_keys_poisoned(v, 192, 128).requires_grad_() if poison_v else v
         out = alibi_flash(q, k, v_in, slopes, scale=d**-0.5)
         grad = torch.randn_like(out)
         if not poison_v:
