@@ -400,3 +400,17 @@ def test_skipping_backward_does_not_visit_far_pairs(skipping):
         skipping.SKIP_NEGLIGIBLE = True
         clear_plans()
     assert torch.isnan(dq[:, :, 192:]).any() and torch.isnan(dk[:, :, :64]).any()
+
+
+def test_key_norms_one_pass():
+    """The largest key norm per (batch, kv head) on strided keys; a NaN key makes it inf (so the skip
+    keeps every key and NaN reaches the output as without it)."""
+    from torchembed.kernels.alibi_flash_triton import key_norms
+
+    _, k, _ = _inputs(2, 2, 3, 5, 37, 24, torch.bfloat16, seed=25, grad=False)
+    want = torch.linalg.vector_norm(k.float(), dim=-1).amax(-1)
+    torch.testing.assert_close(key_norms(k), want, rtol=1e-5, atol=1e-5)
+    k = k.clone()
+    k[1, 2, 30, 3] = float("nan")
+    got = key_norms(k)
+    assert torch.isinf(got[1, 2]) and torch.isfinite(got[0]).all() and torch.isfinite(got[1, :2]).all()
