@@ -403,7 +403,7 @@ def test_skipping_backward_does_not_visit_far_pairs(skipping):
 
 
 def test_key_norms_one_pass():
-    """The largest key norm per (batch, kv head) on strided keys; a NaN key makes it inf (so the skip
+    """The largest key norm per (batch, kv head) on strided keys; a NaN key makes it NaN (so the skip
     keeps every key and NaN reaches the output as without it)."""
     from torchembed.kernels.alibi_flash_triton import key_norms
 
@@ -413,4 +413,26 @@ def test_key_norms_one_pass():
     k = k.clone()
     k[1, 2, 30, 3] = float("nan")
     got = key_norms(k)
-    assert torch.isinf(got[1, 2]) and torch.isfinite(got[0]).all() and torch.isfinite(got[1, :2]).all()
+    assert torch.isnan(got[1, 2]) and torch.isfinite(got[0]).all() and torch.isfinite(got[1, :2]).all()
+
+
+def test_a_nan_key_far_back_is_not_skipped(skipping):
+    """A NaN among the keys makes the head's key norm NaN: nothing is skipped, and NaN reaches the same
+    outputs as with the skip off."""
+    from torchembed.kernels.alibi_flash import clear_plans
+
+    q, k, v = _inputs(1, len(_STEEP), len(_STEEP), 256, 256, 16, torch.float32, seed=26, grad=False)
+    k = k.clone()
+    k[:, :, 5, 0] = float("nan")
+    slopes = torch.tensor(_STEEP, device=DEV)
+    with torch.no_grad():
+        skipped = alibi_flash(q, k, v, slopes, scale=0.25)
+        skipping.SKIP_NEGLIGIBLE = False
+        clear_plans()
+        try:
+            visited = alibi_flash(q, k, v, slopes, scale=0.25)
+        finally:
+            skipping.SKIP_NEGLIGIBLE = True
+            clear_plans()
+    assert torch.isnan(visited[:, :, 192:]).any()
+    assert torch.equal(torch.isnan(skipped), torch.isnan(visited))

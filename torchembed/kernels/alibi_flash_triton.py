@@ -91,25 +91,6 @@ def _rows_kernel(Keep, Rows, M, N, smb, smm, smn, srb, BLOCK_Q: tl.constexpr, BL
     tl.store(out + 2 * M, irregular, mask=row_ok)
 
 
-@triton.jit
-def _key_norm_kernel(K, Out, Hk, N, skb, skh, skn, skd, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
-    """``Out[b * Hk + hk]``: the largest Euclidean norm among the keys of (batch, kv head), float32."""
-    bk = tl.program_id(0).to(tl.int64)
-    b, hk = bk // Hk, bk % Hk
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    base = K + b * skb + hk * skh
-    largest = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for start in range(0, N, BLOCK_K):
-        offs_n = start + tl.arange(0, BLOCK_K)
-        x = tl.load(base + offs_n.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
-                    mask=(offs_n < N)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        sq = tl.sum(x * x, 1)
-        largest = tl.maximum(largest, tl.where(sq == sq, sq, float("inf")))  # (NaN: inf, nothing is skipped)
-    tl.store(Out + bk, tl.sqrt(tl.max(largest, 0)))
-
-
 # ----------------------------------------------------------------------------------------------
 # Shared pieces
 # ----------------------------------------------------------------------------------------------
@@ -919,25 +900,12 @@ def skip_log2(k_len: int) -> float:
     return SKIP_MARGIN_BITS + math.log2(max(k_len, 1))
 
 
-_NORM_LAUNCHES: dict[tuple, Launch] = {}
-
-
 def key_norms(k: Tensor) -> Tensor:
-    """``(B, Hk)`` float32: the largest key norm of each (batch, kv head) of ``k (B, Hk, N, D)``, one
-    pass over the keys."""
-    batch, kv_heads, k_len, head_dim = k.shape
-    out = torch.empty(batch, kv_heads, dtype=torch.float32, device=k.device)
-    key = (k.shape, k.stride(), k.dtype, k.device)
-    launch = _NORM_LAUNCHES.get(key)
-    if launch is None:
-        if len(_NORM_LAUNCHES) >= 256:
-            _NORM_LAUNCHES.clear()
-        bd = block_d(head_dim)
-        launch = _NORM_LAUNCHES[key] = Launch(
-            _key_norm_kernel, (batch * kv_heads, 1, 1), (kv_heads, k_len, *k.stride()), (),
-            {"HEAD_DIM": head_dim, "BLOCK_K": 16 if _INTERPRET else max(16, 8192 // bd), "BLOCK_D": bd}, 4, 1)
-    launch((k, out))
-    return out
+    """``(B, Hk)`` float32: the largest key norm of each (batch, kv head) of ``k (B, Hk, N, D)`` (NaN
+    where a key has a NaN: the kernels then skip nothing). Two PyTorch reductions: on the H200 a
+    one-program-per-head Triton pass measured slower (0.469 against 0.302 ms for the whole 1 x 32 x 4096
+    x 128 forward)."""
+    return torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(-1)
 
 
 def _sms(device: torch.device) -> int:
