@@ -332,7 +332,10 @@ def alibi_flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float, 
 
     ``softmax(scale * q k^T + bias) v`` where the bias of query ``i`` and key ``j`` is
     ``slope_h * (j - i)`` (``bias`` = slopes) or ``key_bias[b, h, j]`` (``key_bias=True``), up to a
-    constant per query row (which softmax ignores).
+    constant per query row (which softmax ignores). With slopes and at least
+    ``alibi_flash_triton.SKIP_MIN_KEYS`` keys, keys whose weight is provably below
+    ``2**-(32 + log2 keys)`` of their row's largest are not visited (``TORCHEMBED_ALIBI_SKIP=0``: every
+    key); what they would add is below float32 rounding.
 
     Args:
         q: ``(b, h, q, d)``; k, v: ``(b, hk, k, d)`` with ``h`` a multiple of ``hk`` (GQA/MQA: each kv

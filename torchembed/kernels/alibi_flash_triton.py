@@ -26,7 +26,11 @@ Which keys a row sees (``MASK``):
   (``irregular``) makes its tiles read ``keep`` itself. A row that keeps no key gives 0.
 
 Every key block a row cannot see is skipped: a query block visits ``[min lo, max hi)`` only, in up to
-three loops (masked, unmasked, masked), so the bulk of a causal prefill runs with no mask arithmetic.
+three loops (the masked tiles at the end first -- causal: the diagonal --, then the unmasked bulk, then
+the masked tiles at the start), so the bulk of a causal prefill runs with no mask arithmetic. With the
+slopes (``SKIP``, long prefills) the keys whose weight is provably negligible are not visited either:
+ALiBi's bias falls with distance, and ``|q.k| <= |q| |k|`` bounds every score by the head's largest key
+norm (:func:`_first_needed`; the backward likewise, against the saved log-sum-exp).
 Every index is int64 before it meets a stride; all tensors take any strides. On Hopper and later GPUs
 the prefill kernel reads keys and values through tensor descriptors (``TMA``: the tensor memory
 accelerator copies each tile, zero-filling past the last key and the head dim) where their strides
