@@ -160,6 +160,14 @@ def _head_slope(Bias, h, sbh, BIAS: tl.constexpr):
 
 
 @triton.jit
+def _qk_bound(q, knorm, qk_scale):
+    """Per query row: the largest ``|qk_scale * q_i . k|`` over keys of norm at most ``knorm``
+    (Cauchy-Schwarz), plus 1 (base 2) for rounding."""
+    qf = q.to(tl.float32)
+    return tl.abs(qk_scale) * tl.sqrt(tl.sum(qf * qf, 1)) * knorm + 1.0
+
+
+@triton.jit
 def _first_needed(m_i, q, knorm, c0, slope2, qk_scale, skip_log2, row_ok, N):
     """The first key position any row of a query block needs (slopes mode, ``SKIP``): a key ``j``
     is negligible for row ``i`` when even the Cauchy-Schwarz bound of its score,
@@ -167,9 +175,7 @@ def _first_needed(m_i, q, knorm, c0, slope2, qk_scale, skip_log2, row_ok, N):
     the row has, base 2; ``knorm`` the largest key norm of the head): its weight is then under
     ``2**-skip_log2`` of the row's largest. The bias falls with distance, so every key before that
     position is negligible too. Rows that saw no key yet, NaN, a slope <= 0: nothing is skipped (0)."""
-    qf = q.to(tl.float32)
-    qn = tl.sqrt(tl.sum(qf * qf, 1))
-    room = m_i - skip_log2 - tl.abs(qk_scale) * qn * knorm - 1.0  # (1.0: a margin for rounding)
+    room = m_i - skip_log2 - _qk_bound(q, knorm, qk_scale)
     j = c0.to(tl.float32) + room / tl.where(slope2 > 0.0, slope2, 1.0)
     j = tl.where(row_ok, j, 3.0e38)  # rows past M constrain nothing
     j = tl.where(j == j, j, -3.0e38)  # NaN: every key
@@ -550,10 +556,8 @@ def _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, b
             c = tl.maximum(hi - 1, 0)
             # the row part of the bias (a per-row constant) taken off the log-sum-exp instead of each score
             lse -= _row_bias(Bias, bias_base, sbn, c, kvec_c0, kb0, slope2, row_ok, BIAS)
-            if SKIP:
-                qf = q.to(tl.float32)
-                bound = (tl.abs(qk_scale) * tl.sqrt(tl.sum(qf * qf, 1)) * knorm
-                         + tl.maximum(slope2 * (BLOCK_N - 1), 0.0) + 1.0 + skip_log2)
+            if SKIP:  # the block's largest bias is at its last key (a slope <= 0: its first)
+                bound = _qk_bound(q, knorm, qk_scale) + tl.maximum(slope2 * (BLOCK_N - 1), 0.0) + skip_log2
                 go = tl.max(tl.where(bound < lse, 0, 1), 0) != 0  # (NaN: kept)
             if go:
                 do = tl.load(do_base + rows[:, None] * sgm + offs_d[None, :] * sgd, mask=row_ok[:, None] & d_ok[None, :],
