@@ -436,3 +436,15 @@ def test_a_nan_key_far_back_is_not_skipped(skipping):
             clear_plans()
     assert torch.isnan(visited[:, :, 192:]).any()
     assert torch.equal(torch.isnan(skipped), torch.isnan(visited))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_skipping_prefill_after_a_cache_is_exact(dtype, skipping):
+    """Queries at the last 100 of 300 key positions (a prefill after a KV cache), grouped kv heads: with
+    the skip on, outputs and gradients equal the float64 attention, and the first 64 keys (136 or more
+    positions before every query) are not visited (NaN in their values stays out)."""
+    q, k, v = _inputs(2, 6, 3, 100, 300, 16, dtype, seed=27)
+    slopes = torch.tensor(_STEEP * 2, device=DEV)
+    _check(q, k, v, slopes)
+    with torch.no_grad():
+        assert torch.isfinite(alibi_flash(q, k, _far_keys_poisoned(v, 200, 136), slopes, scale=0.25)).all()
