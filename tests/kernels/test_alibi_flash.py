@@ -7,6 +7,8 @@ compared tensor (the kernel rounds its inputs' products, the probabilities and t
 each, in the input dtype; the accumulation is float32).
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -303,6 +305,20 @@ def skipping(monkeypatch):
     flash.clear_plans()
 
 
+@contextlib.contextmanager
+def _every_key(triton_kernels):
+    """The skip off for the calls inside (plans made afresh on the way in and out)."""
+    from torchembed.kernels.alibi_flash import clear_plans
+
+    triton_kernels.SKIP_NEGLIGIBLE = False
+    clear_plans()
+    try:
+        yield
+    finally:
+        triton_kernels.SKIP_NEGLIGIBLE = True
+        clear_plans()
+
+
 def _far_keys_poisoned(v, first_row, margin):
     """v with NaN at every key at least ``margin`` before ``first_row`` (positions of the keys)."""
     poisoned = v.detach().clone()
@@ -329,16 +345,8 @@ def test_negligible_keys_are_not_visited_and_the_result_is_exact(dtype, padded, 
     _close(out[:, :, late], truth.detach()[:, :, late], dtype)
     with torch.no_grad():  # every row of the clean call, too
         _close(alibi_flash(q, k, v, slopes, scale=d**-0.5, keep=keep), truth.detach(), dtype)
-    skipping.SKIP_NEGLIGIBLE = False
-    from torchembed.kernels.alibi_flash import clear_plans
-
-    clear_plans()
-    try:
-        with torch.no_grad():
-            unskipped = alibi_flash(q, k, poisoned, slopes, scale=d**-0.5, keep=keep)
-    finally:
-        skipping.SKIP_NEGLIGIBLE = True
-        clear_plans()
+    with _every_key(skipping), torch.no_grad():
+        unskipped = alibi_flash(q, k, poisoned, slopes, scale=d**-0.5, keep=keep)
     assert torch.isnan(unskipped[:, :, late]).any()
 
 
@@ -375,7 +383,6 @@ def test_skipping_backward_does_not_visit_far_pairs(skipping):
     the first keys' values does not reach dq of the late rows, with the skip on; with it off both do."""
     b, h, n, d = 1, len(_STEEP), 256, 16
     slopes = torch.tensor(_STEEP, device=DEV)
-    from torchembed.kernels.alibi_flash import clear_plans
 
     def grads(poison_v: bool) -> tuple:
         q, k, v = _inputs(b, h, h, n, n, d, torch.float32, seed=24)
@@ -391,14 +398,9 @@ def test_skipping_backward_does_not_visit_far_pairs(skipping):
     assert torch.isfinite(dq[:, :, 192:]).all()
     _, dk, dv = grads(poison_v=False)
     assert torch.isfinite(dk[:, :, :64]).all() and torch.isfinite(dv[:, :, :64]).all()
-    skipping.SKIP_NEGLIGIBLE = False
-    clear_plans()
-    try:
+    with _every_key(skipping):
         dq, _, _ = grads(poison_v=True)
         _, dk, dv = grads(poison_v=False)
-    finally:
-        skipping.SKIP_NEGLIGIBLE = True
-        clear_plans()
     assert torch.isnan(dq[:, :, 192:]).any() and torch.isnan(dk[:, :, :64]).any()
 
 
@@ -419,21 +421,14 @@ def test_key_norms_one_pass():
 def test_a_nan_key_far_back_is_not_skipped(skipping):
     """A NaN among the keys makes the head's key norm NaN: nothing is skipped, and NaN reaches the same
     outputs as with the skip off."""
-    from torchembed.kernels.alibi_flash import clear_plans
-
     q, k, v = _inputs(1, len(_STEEP), len(_STEEP), 256, 256, 16, torch.float32, seed=26, grad=False)
     k = k.clone()
     k[:, :, 5, 0] = float("nan")
     slopes = torch.tensor(_STEEP, device=DEV)
     with torch.no_grad():
         skipped = alibi_flash(q, k, v, slopes, scale=0.25)
-        skipping.SKIP_NEGLIGIBLE = False
-        clear_plans()
-        try:
+        with _every_key(skipping):
             visited = alibi_flash(q, k, v, slopes, scale=0.25)
-        finally:
-            skipping.SKIP_NEGLIGIBLE = True
-            clear_plans()
     assert torch.isnan(visited[:, :, 192:]).any()
     assert torch.equal(torch.isnan(skipped), torch.isnan(visited))
 
