@@ -404,18 +404,22 @@ def test_skipping_backward_does_not_visit_far_pairs(skipping):
     assert torch.isnan(dq[:, :, 192:]).any() and torch.isnan(dk[:, :, :64]).any()
 
 
-def test_key_norms_one_pass():
-    """The largest key norm per (batch, kv head) on strided keys; a NaN key makes it NaN (so the skip
-    keeps every key and NaN reaches the output as without it)."""
-    from torchembed.kernels.alibi_flash_triton import key_norms
+@pytest.mark.parametrize("k_len", [1, 37, 100])
+def test_key_norms_by_slice(k_len):
+    """The largest key norm per (batch, kv head), as slices the kernels take the maximum of, on strided
+    keys, fewer keys than slices included; a NaN key makes its slice inf (so the skip keeps every key
+    and NaN reaches the output as without it)."""
+    from torchembed.kernels.alibi_flash_triton import NORM_PARTS, key_norms
 
-    _, k, _ = _inputs(2, 2, 3, 5, 37, 24, torch.bfloat16, seed=25, grad=False)
-    want = torch.linalg.vector_norm(k.float(), dim=-1).amax(-1)
-    torch.testing.assert_close(key_norms(k), want, rtol=1e-5, atol=1e-5)
-    k = k.clone()
-    k[1, 2, 30, 3] = float("nan")
+    _, k, _ = _inputs(2, 2, 3, 5, k_len, 24, torch.bfloat16, seed=25, grad=False)
     got = key_norms(k)
-    assert torch.isnan(got[1, 2]) and torch.isfinite(got[0]).all() and torch.isfinite(got[1, :2]).all()
+    assert got.shape == (2, 3, NORM_PARTS)
+    want = torch.linalg.vector_norm(k.float(), dim=-1).amax(-1)
+    torch.testing.assert_close(got.amax(-1), want, rtol=1e-5, atol=1e-5)
+    k = k.clone()
+    k[1, 2, k_len - 1, 3] = float("nan")
+    got = key_norms(k).amax(-1)
+    assert got[1, 2] == float("inf") and torch.isfinite(got[0]).all() and torch.isfinite(got[1, :2]).all()
 
 
 def test_a_nan_key_far_back_is_not_skipped(skipping):

@@ -1,0 +1,141 @@
+"""Where the time of the ALiBi kernels goes with and without the negligible-key skip (GPU).
+
+    python scripts/alibi_skip_probe.py [--out FILE] [--shapes B,H,S,D ...] [--configs]
+
+Per causal prefill shape (bf16, random normal inputs laid out as (B, S, H, D) like a model's): the
+forward kernel alone with the skip off and on (key norms computed beforehand), the key-norm pass alone,
+the tiles the forward visits with the skip (counted by a PyTorch model of its cut: the fraction of the
+causal tiles), the dk/dv and dq kernels alone with the skip off and on, and cuDNN's causal attention
+(no bias) for scale. ``--configs`` also times the skipping forward under other block shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+CANDIDATES = {64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 32, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3)],
+              128: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3)]}
+
+
+def _bench(fn) -> float:
+    if not torch.cuda.is_available():  # (--smoke on the CPU interpreter: one call, checks the plumbing)
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _floor():
+    B = torch.nn.attention.SDPBackend
+    return B.CUDNN_ATTENTION if torch.cuda.is_available() else B.MATH
+
+
+def _visited_fraction(q, k, slopes, scale, block_m, block_n, skip_log2) -> float:
+    """The forward's visited key tiles with the skip over the causal tiles (model of ``_first_needed``;
+    the running max after the diagonal tiles)."""
+    b, h, s, d = q.shape
+    hk = k.shape[1]
+    k = k.repeat_interleave(h // hk, 1)
+    log2e = 1.4426950408889634
+    qk_scale = scale * log2e
+    knorm = torch.linalg.vector_norm(k.float(), dim=-1).amax(-1)  # (b, h)
+    visited = causal = 0
+    for start in range(0, s, block_m):
+        rows = torch.arange(start, min(start + block_m, s), device=q.device)
+        c0 = int(rows[-1])
+        t0 = rows[0].item() // block_n * block_n  # diagonal tiles: [t0, c0]
+        keys = torch.arange(t0, c0 + 1, device=q.device)
+        sc = torch.einsum("bhmd,bhnd->bhmn", q[:, :, rows].float(), k[:, :, keys].float()) * qk_scale
+        sc = sc + slopes.float()[None, :, None, None] * log2e * (keys - c0).float()
+        sc = sc.masked_fill(keys[None, :] > rows[:, None], float("-inf"))
+        m = sc.amax(-1)  # (b, h, rows)
+        bound = qk_scale * torch.linalg.vector_norm(q[:, :, rows].float(), dim=-1) * knorm[:, :, None] + 1.0
+        room = m - skip_log2 - bound
+        j = c0 + room / (slopes.float() * log2e)[None, :, None]
+        first = j.amin(-1).clamp(0, s)  # (b, h)
+        needed = torch.minimum((first // block_n) * block_n, torch.full_like(first, t0))
+        visited += ((c0 + 1 - needed) / block_n).ceil().sum().item()
+        causal += b * h * math.ceil((c0 + 1) / block_n)
+    return visited / causal
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--shapes", nargs="*", default=["4,16,2048,64", "8,32,2048,128", "1,32,4096,128", "4,16,4096,64"])
+    ap.add_argument("--configs", action="store_true")
+    ap.add_argument("--backward", action="store_true")
+    args = ap.parse_args()
+    from torchembed.functional.alibi import alibi_slopes
+    from torchembed.kernels import alibi_flash_triton as K
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    rows_out = []
+    for spec in args.shapes:
+        b, h, s, d = map(int, spec.split(","))
+        make = lambda: torch.randn(b, s, h, d, device=dev, dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
+        q, k, v = make(), make(), make()
+        slopes = alibi_slopes(h, dev).float()
+        scale = d ** -0.5
+        row = {"shape": spec}
+        with torch.nn.attention.sdpa_kernel(_floor()):
+            row["cudnn_fwd_ms"] = _bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        norms = K.key_norms(k)
+        row["key_norms_ms"] = _bench(lambda: K.key_norms(k))
+        row["key_norms_torch_ms"] = _bench(lambda: torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(-1))
+        base = dict(K.CONFIGS)
+        bd = K.block_d(d)
+        configs = CANDIDATES[bd] if args.configs else [K.CONFIGS[("fwd", bd, False)]]
+        for cfg in configs:
+            K.CONFIGS[("fwd", bd, False)] = cfg
+            for skip in (False, True):
+                K.SKIP_MIN_KEYS = 0 if skip else 1 << 40
+                plan = K.forward_plan(q, k, v, slopes, None, None, scale, False, False)
+                out = torch.empty(b, s, h, d, device=dev, dtype=q.dtype).transpose(1, 2)
+                t = (q, k, v, out, out, slopes, slopes, slopes, norms if skip else slopes)
+                ms = _bench(lambda: plan.main(t))
+                row[f"fwd_{'skip' if skip else 'all'}_{cfg}_ms"] = ms
+            row[f"visited_{cfg}"] = _visited_fraction(q, k, slopes, scale, cfg[0], cfg[1], K.skip_log2(s))
+        K.CONFIGS.clear()
+        K.CONFIGS.update(base)
+        if args.backward:
+            qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+            grad = torch.randn_like(q)
+            with torch.nn.attention.sdpa_kernel(_floor()):
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+                row["cudnn_bwd_ms"] = _bench(lambda: torch.autograd.grad(o, (qg, kg, vg), grad, retain_graph=True))
+            K.SKIP_MIN_KEYS = 1 << 40
+            fplan = K.forward_plan(q, k, v, slopes, None, None, scale, False, True)
+            out, lse = fplan(q, k, v, slopes, None, None)
+            for skip in (False, True):
+                K.SKIP_MIN_KEYS = 0 if skip else 1 << 40
+                bplan = K.backward_plan(grad, q, k, v, out, slopes, None, None, scale, False)
+                delta = torch.empty(b, h, s, device=dev, dtype=torch.float32)
+                dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                bplan.delta((out, grad, delta))
+                tag = "skip" if skip else "all"
+                row[f"dkdv_{tag}_ms"] = _bench(lambda: bplan.dkdv((q, k, v, grad, lse, delta, dk, dv, slopes, slopes, slopes)))
+                row[f"dq_{tag}_ms"] = _bench(lambda: bplan.dq((q, k, v, grad, lse, delta, dq, slopes, slopes, slopes,
+                                                               norms if skip else slopes)))
+                row[f"delta_ms"] = _bench(lambda: bplan.delta((out, grad, delta)))
+        print(json.dumps(row), flush=True)
+        rows_out.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": __import__("triton").__version__, "rows": rows_out}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
