@@ -24,6 +24,12 @@ CANDIDATES = {64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 32, 4,
               128: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3)]}
 
 
+BWD_CANDIDATES = {"dkdv": {64: [(32, 64, 4, 3), (64, 64, 4, 3), (64, 64, 8, 2), (32, 128, 4, 3), (64, 128, 8, 2)],
+                            128: [(64, 64, 4, 2), (32, 64, 4, 3), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2)]},
+                  "dq": {64: [(64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3)],
+                         128: [(64, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 32, 8, 2)]}}
+
+
 def _bench(fn) -> float:
     if not torch.cuda.is_available():  # (--smoke on the CPU interpreter: one call, checks the plumbing)
         t = time.perf_counter()
@@ -32,6 +38,18 @@ def _bench(fn) -> float:
     import triton
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+NORM_VARIANTS = [(8, 64), (16, 64), (16, 128), (32, 32), (64, 32), (8, 128)]
+
+
+def _norms(K, k, parts, block_k):
+    """The key-norm kernel with ``parts`` programs per (batch, kv head) and ``block_k`` keys per load."""
+    b, hk, n, d = k.shape
+    out = torch.empty(b, hk, parts, device=k.device, dtype=torch.float32)
+    K._key_norm_kernel[(parts, b * hk)](k, out, hk, n, -(-n // parts), *K._strides4(k), HEAD_DIM=d, BLOCK_K=block_k,
+                                         BLOCK_D=K.block_d(d), PARTS=parts, num_warps=4)
+    return out
 
 
 def _floor():
@@ -92,6 +110,9 @@ def main() -> None:
             row["cudnn_fwd_ms"] = _bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
         norms = K.key_norms(k)
         row["key_norms_ms"] = _bench(lambda: K.key_norms(k))
+        for parts, block_k in NORM_VARIANTS:
+            if parts * block_k <= s:
+                row[f"key_norms_{parts}x{block_k}_ms"] = _bench(lambda: _norms(K, k, parts, block_k))
         row["key_norms_torch_ms"] = _bench(lambda: torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(-1))
         base = dict(K.CONFIGS)
         bd = K.block_d(d)
@@ -117,17 +138,38 @@ def main() -> None:
             K.SKIP_MIN_KEYS = 1 << 40
             fplan = K.forward_plan(q, k, v, slopes, None, None, scale, False, True)
             out, lse = fplan(q, k, v, slopes, None, None)
+            bd = K.block_d(d)
+            sweeps = {"dkdv": BWD_CANDIDATES["dkdv"][bd], "dq": BWD_CANDIDATES["dq"][bd]} if args.configs else {}
             for skip in (False, True):
                 K.SKIP_MIN_KEYS = 0 if skip else 1 << 40
-                bplan = K.backward_plan(grad, q, k, v, out, slopes, None, None, scale, False)
-                delta = torch.empty(b, h, s, device=dev, dtype=torch.float32)
-                dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-                bplan.delta((out, grad, delta))
                 tag = "skip" if skip else "all"
-                row[f"dkdv_{tag}_ms"] = _bench(lambda: bplan.dkdv((q, k, v, grad, lse, delta, dk, dv, slopes, slopes, slopes)))
-                row[f"dq_{tag}_ms"] = _bench(lambda: bplan.dq((q, k, v, grad, lse, delta, dq, slopes, slopes, slopes,
-                                                               norms if skip else slopes)))
-                row[f"delta_ms"] = _bench(lambda: bplan.delta((out, grad, delta)))
+                variants = [("shipped", None, None)] + [(kind, kind, c) for kind, cs in sweeps.items() for c in cs
+                                                        if skip]
+                for name, kind, cfg in variants:
+                    saved = dict(K.CONFIGS)
+                    if kind is not None:
+                        K.CONFIGS[(kind, bd, False)] = cfg
+                    bplan = K.backward_plan(grad, q, k, v, out, slopes, None, None, scale, False)
+                    K.CONFIGS.clear()
+                    K.CONFIGS.update(saved)
+                    delta = torch.empty(b, h, s, device=dev, dtype=torch.float32)
+                    horizon = torch.empty(bplan.horizon_shape, device=dev, dtype=torch.float32)
+                    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                    nrm = norms if skip else slopes
+                    hz = horizon if skip else slopes
+                    dt = (out, grad, delta, q, lse, slopes, slopes, nrm, hz)
+                    bplan.delta(dt)
+                    suffix = "" if kind is None else f"_{cfg}"
+                    if kind in (None, "dkdv"):
+                        row[f"dkdv_{tag}{suffix}_ms"] = _bench(
+                            lambda: bplan.dkdv((q, k, v, grad, lse, delta, dk, dv, slopes, slopes, slopes, hz)))
+                    if kind in (None, "dq"):
+                        row[f"dq_{tag}{suffix}_ms"] = _bench(
+                            lambda: bplan.dq((q, k, v, grad, lse, delta, dq, slopes, slopes, slopes, nrm)))
+                    if kind is None:
+                        row[f"delta_{tag}_ms"] = _bench(lambda: bplan.delta(dt))
+                        row[f"backward_{tag}_ms"] = _bench(
+                            lambda: bplan(grad, q, k, v, out, lse, slopes, None, None))
         print(json.dumps(row), flush=True)
         rows_out.append(row)
     if args.out:

@@ -367,6 +367,34 @@ def test_a_skip_bound_too_loose_is_caught(skipping, monkeypatch):
             _close(alibi_flash(q, k, v, slopes, scale=d**-0.5), truth.detach(), torch.float32)
 
 
+@pytest.mark.parametrize("margin", [None, -40.0])
+def test_a_skip_bound_too_loose_is_caught_in_the_backward(margin, skipping, monkeypatch):
+    """Fault injection for the backward's cuts (dq's first key, dk/dv's last query block): the forward
+    with the shipped margin, the backward with -40 bits: its gradients leave the float64 ones (the
+    shipped margin, the control, matches them)."""
+    from torchembed.kernels.alibi_flash import clear_plans
+
+    b, h, n, d = 1, len(_STEEP), 256, 16
+    slopes = torch.tensor(_STEEP, device=DEV) / 8
+    q, k, v = _inputs(b, h, h, n, n, d, torch.float32, seed=28)
+    out = alibi_flash(q, k, v, slopes, scale=d**-0.5)
+    truth, leaves = _oracle(q, k, v, slopes, None, False, d**-0.5)
+    _close(out, truth.detach(), torch.float32)
+    if margin is not None:
+        monkeypatch.setattr(skipping, "SKIP_MARGIN_BITS", margin)
+        clear_plans()
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    truth.backward(grad.double())
+    wrong = []
+    for name, got, leaf in zip("qkv", (q, k, v), leaves):
+        try:
+            _close(got.grad, leaf.grad, torch.float32)
+        except AssertionError:
+            wrong.append(name)
+    assert wrong == ([] if margin is None else ["q", "k", "v"])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("padded", [False, True])
 def test_skipping_backward_is_exact(dtype, padded, skipping):
@@ -435,6 +463,18 @@ def test_a_nan_key_far_back_is_not_skipped(skipping):
             visited = alibi_flash(q, k, v, slopes, scale=0.25)
     assert torch.isnan(visited[:, :, 192:]).any()
     assert torch.equal(torch.isnan(skipped), torch.isnan(visited))
+
+    def grads() -> list:
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = alibi_flash(*inputs, slopes, scale=0.25)
+        out.backward(torch.ones_like(out))
+        return [t.grad for t in inputs]
+
+    skipped = grads()
+    with _every_key(skipping):
+        visited = grads()
+    for got, want in zip(skipped, visited):  # the backward's cuts keep every key and query too
+        assert torch.isnan(want).any() and torch.equal(torch.isnan(got), torch.isnan(want))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -343,8 +343,9 @@ def _fwd_kernel(
     TMA: tl.constexpr, SKIP: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (causal) blocks first
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b, h = pid_bh // H, H - 1 - pid_bh % H  # the shallowest slopes (most keys to visit) first
+    bh = b * H + h
     hk = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
@@ -547,30 +548,47 @@ def _combine_kernel(
 
 
 @triton.jit
-def _bwd_delta_kernel(Out, DO, Delta, sob, soh, som, sod, sgb, sgh, sgm, sgd, H, M,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``delta[b, h, i] = sum_d dO * O`` (float32), the rowsum the softmax backward subtracts."""
+def _bwd_delta_kernel(Out, DO, Delta, Q, Lse, Bias, Rows, KNorm, Horizon,
+                      sob, soh, som, sod, sgb, sgh, sgm, sgd, sqb, sqh, sqm, sqd, sbh, srb, H, GROUP, M, N,
+                      qk_scale, skip_log2,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
+                      SKIP: tl.constexpr):
+    """``delta[b, h, i] = sum_d dO * O`` (float32), the rowsum the softmax backward subtracts. ``SKIP``
+    (slopes mode) also ``horizon[b, h, block]``: the smallest over the block's rows of ``lse_i + slope2 *
+    c_i - bound_i - skip_log2`` (``c_i`` the row's last key, ``bound_i`` :func:`_qk_bound` with the head's
+    largest key norm): a key block whose last key ``j`` has ``slope2 * j`` below it gives every row of the
+    query block a weight under ``2**-skip_log2`` (-inf where that cannot be shown: NaN, a slope <= 0)."""
+    pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < M
     offs_d = tl.arange(0, BLOCK_D)
-    m = (offs_m < M)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    m = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     rows = offs_m.to(tl.int64)[:, None]
     o = tl.load(Out + b * sob + h * soh + rows * som + offs_d[None, :] * sod, mask=m, other=0.0).to(tl.float32)
     do = tl.load(DO + b * sgb + h * sgh + rows * sgm + offs_d[None, :] * sgd, mask=m, other=0.0).to(tl.float32)
-    tl.store(Delta + bh * M + offs_m, tl.sum(o * do, 1), mask=offs_m < M)
+    tl.store(Delta + bh * M + offs_m, tl.sum(o * do, 1), mask=row_ok)
+    if SKIP:
+        q = tl.load(Q + b * sqb + h * sqh + rows * sqm + offs_d[None, :] * sqd, mask=m, other=0.0)
+        lse = tl.load(Lse + bh * M + offs_m, mask=row_ok, other=float("inf"))
+        lo, hi, irregular = _row_ranges(Rows, b * srb, offs_m, row_ok, M, N, MASK)
+        slope2 = _head_slope(Bias, h, sbh, 0)
+        knorm = _head_key_norm(KNorm, b * (H // GROUP) + h // GROUP, _NORM_PARTS)
+        t = lse + slope2 * tl.maximum(hi - 1, 0).to(tl.float32) - _qk_bound(q, knorm, qk_scale) - skip_log2
+        t = tl.where(t == t, t, float("-inf"))  # (NaN, inf - inf: needed)
+        t = tl.where(slope2 > 0.0, t, float("-inf"))  # (a slope <= 0: the bias does not fall with distance)
+        t = tl.where(row_ok, t, float("inf"))
+        tl.store(Horizon + bh * tl.num_programs(0) + pid_m, tl.min(t, 0))
 
 
 @triton.jit
 def _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
                   bias_base, slope2, kvec_c0, offs_n, n_ok, start_m, stop_m,
-                  sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale, skip_log2, knorm,
+                  sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BIAS: tl.constexpr, MASK: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr,
-                  SKIP: tl.constexpr):
-    """dk, dv of one key block from the query blocks ``[start_m, stop_m)`` of head ``h``. ``SKIP``: a
-    query block none of whose rows gives this key block a weight of ``2**-skip_log2`` or more (the
-    Cauchy-Schwarz bound with ``knorm``, the block's largest key norm) adds nothing and is passed over."""
+                  BIAS: tl.constexpr, MASK: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+    """dk, dv of one key block from the query blocks ``[start_m, stop_m)`` of head ``h``."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     kb0 = _bias_at(Bias, bias_base, sbn, kvec_c0, BIAS)
@@ -592,47 +610,56 @@ def _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, b
             c = tl.maximum(hi - 1, 0)
             # the row part of the bias (a per-row constant) taken off the log-sum-exp instead of each score
             lse -= _row_bias(Bias, bias_base, sbn, c, kvec_c0, kb0, slope2, row_ok, BIAS)
-            if SKIP:  # the block's largest bias is at its last key (a slope <= 0: its first)
-                bound = _qk_bound(q, knorm, qk_scale) + tl.maximum(slope2 * (BLOCK_N - 1), 0.0) + skip_log2
-                go = tl.max(tl.where(bound < lse, 0, 1), 0) != 0  # (NaN: kept)
-            if go:
-                do = tl.load(do_base + rows[:, None] * sgm + offs_d[None, :] * sgd, mask=row_ok[:, None] & d_ok[None, :],
-                             other=0.0)
-                delta = tl.load(Delta + bh * M + offs_m, mask=row_ok, other=0.0)
-                st = _dot(k, tl.trans(q), PREC) * qk_scale + kvec[:, None]  # (BLOCK_N, BLOCK_M)
-                if MASKED:
-                    keep = (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
-                    if MASK != 0:
-                        if tl.max(irregular, 0) != 0:
-                            t = tl.load(Keep + b * smb + rows[None, :] * smm + offs_n.to(tl.int64)[:, None] * smn,
-                                        mask=row_ok[None, :] & n_ok[:, None], other=0)
-                            keep = keep & (t != 0)
-                    st = tl.where(keep, st, float("-inf"))
-                pt = tl.math.exp2(st - lse[None, :])
-                dv = _dot_acc(pt.to(do.dtype), do, dv, PREC)
-                dpt = _dot(v, tl.trans(do), PREC)
-                dst = pt * (dpt - delta[None, :])
-                dk = _dot_acc(dst.to(q.dtype), q, dk, PREC)
+            do = tl.load(do_base + rows[:, None] * sgm + offs_d[None, :] * sgd, mask=row_ok[:, None] & d_ok[None, :],
+                         other=0.0)
+            delta = tl.load(Delta + bh * M + offs_m, mask=row_ok, other=0.0)
+            st = _dot(k, tl.trans(q), PREC) * qk_scale + kvec[:, None]  # (BLOCK_N, BLOCK_M)
+            if MASKED:
+                keep = (offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
+                if MASK != 0:
+                    if tl.max(irregular, 0) != 0:
+                        t = tl.load(Keep + b * smb + rows[None, :] * smm + offs_n.to(tl.int64)[:, None] * smn,
+                                    mask=row_ok[None, :] & n_ok[:, None], other=0)
+                        keep = keep & (t != 0)
+                st = tl.where(keep, st, float("-inf"))
+            pt = tl.math.exp2(st - lse[None, :])
+            dv = _dot_acc(pt.to(do.dtype), do, dv, PREC)
+            dpt = _dot(v, tl.trans(do), PREC)
+            dst = pt * (dpt - delta[None, :])
+            dk = _dot_acc(dst.to(q.dtype), q, dk, PREC)
     return dk, dv
 
 
 @triton.jit
+def _reach(Horizon, bh, NH, thr, M, HBLOCK: tl.constexpr):
+    """One past the last query row whose block's horizon (:func:`_bwd_delta_kernel`) is at or below
+    ``thr``: later query blocks give the key block no weight (``M`` where ``thr`` is NaN)."""
+    last = -1
+    for start in range(0, NH, 128):
+        idx = start + tl.arange(0, 128)
+        hz = tl.load(Horizon + bh * NH + idx, mask=idx < NH, other=float("inf"))
+        last = tl.maximum(last, tl.max(tl.where(hz <= thr, idx, -1), 0))
+    return tl.where(thr == thr, tl.minimum((last + 1) * HBLOCK, M), M)
+
+
+@triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, Bias, Rows, Keep,
+    Q, K, V, DO, Lse, Delta, DK, DV, Bias, Rows, Keep, Horizon,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgm, sgd,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     sbb, sbh, sbn, srb, smb, smm, smn,
-    H, GROUP, M, N,
-    qk_scale, scale, skip_log2,
+    H, GROUP, M, N, NH,
+    qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SKIP: tl.constexpr,
+    BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SKIP: tl.constexpr, HBLOCK: tl.constexpr,
 ):
     """One program per (key block, batch x kv head): its dk, dv summed over the ``GROUP`` query heads
-    that share the kv head (no atomics)."""
+    that share the kv head (no atomics). ``SKIP``: each head's query blocks stop after the last one whose
+    horizon (``NH`` per head, ``HBLOCK`` rows each) reaches this key block."""
     pid_n = tl.program_id(0)
     bk = tl.program_id(1).to(tl.int64)
     Hk = H // GROUP
-    b, hk = bk // Hk, bk % Hk
+    b, hk = bk // Hk, Hk - 1 - bk % Hk  # the shallowest slopes (most queries to visit) first
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_d = tl.arange(0, BLOCK_D)
@@ -643,11 +670,6 @@ def _bwd_dkdv_kernel(
     v = tl.load(V + b * svb + hk * svh + n64[:, None] * svn + offs_d[None, :] * svd, mask=m2, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    knorm = 0.0
-    if SKIP:
-        kf = k.to(tl.float32)
-        sq = tl.sum(kf * kf, 1)
-        knorm = tl.sqrt(tl.max(tl.where(sq == sq, sq, float("inf")), 0))  # (NaN: inf, nothing is skipped)
     j0 = pid_n * BLOCK_N
     kvec_c0 = j0
     for g in range(0, GROUP):
@@ -657,6 +679,9 @@ def _bwd_dkdv_kernel(
         do_base = DO + b * sgb + h * sgh
         bias_base = b * sbb + h * sbh
         slope2 = _head_slope(Bias, h, sbh, BIAS)
+        stop_m = M
+        if SKIP:  # the block's largest bias is at its last key
+            stop_m = _reach(Horizon, bh, NH, slope2 * (j0 + BLOCK_N - 1).to(tl.float32), M, HBLOCK)
         if MASK == 0:
             off = N - M
             start_m = tl.maximum(j0 - off, 0) // BLOCK_M * BLOCK_M
@@ -666,17 +691,17 @@ def _bwd_dkdv_kernel(
             full_m = tl.minimum(tl.maximum(full_m, start_m), M)
             dk, dv = _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
                                    bias_base, slope2, kvec_c0, offs_n, n_ok, start_m, full_m,
-                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale, skip_log2, knorm,
-                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, True, PREC, False)
+                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
+                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, True, PREC)
             dk, dv = _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
-                                   bias_base, slope2, kvec_c0, offs_n, n_ok, full_m, M,
-                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale, skip_log2, knorm,
-                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, False, PREC, SKIP)
+                                   bias_base, slope2, kvec_c0, offs_n, n_ok, full_m, stop_m,
+                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
+                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, False, PREC)
         else:
             dk, dv = _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, bh, b, h,
-                                   bias_base, slope2, kvec_c0, offs_n, n_ok, 0, M,
-                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale, skip_log2, knorm,
-                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, True, PREC, SKIP)
+                                   bias_base, slope2, kvec_c0, offs_n, n_ok, 0, stop_m,
+                                   sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
+                                   HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, True, PREC)
     tl.store(DK + b * sdkb + hk * sdkh + n64[:, None] * sdkn + offs_d[None, :] * sdkd,
              (dk * scale).to(DK.dtype.element_ty), mask=m2)
     tl.store(DV + b * sdvb + hk * sdvh + n64[:, None] * sdvn + offs_d[None, :] * sdvd,
@@ -730,8 +755,9 @@ def _bwd_dq_kernel(
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SKIP: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    b, h = bh // H, bh % H
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b, h = pid_bh // H, H - 1 - pid_bh % H  # the shallowest slopes (most keys to visit) first
+    bh = b * H + h
     hk = h // GROUP
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
@@ -792,7 +818,7 @@ def _bwd_dq_kernel(
 # take 64's, 256 the largest tiles that compile without spilling much (not timed).
 CONFIGS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
     **{("fwd", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
-    ("fwd", 128, False): (128, 128, 8, 3),
+    ("fwd", 128, False): (64, 64, 4, 3),
     ("fwd", 128, True): (128, 64, 8, 3),
     **{("fwd", 256, m): (64, 64, 8, 2) for m in (False, True)},
     **{("dq", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
@@ -931,7 +957,7 @@ def mask_rows(keep: Tensor) -> Tensor:
 # (H200, 2026-12-02: at 2048 keys the skip measured 0.155 against 0.132 ms, at 4096 0.30 against 0.36).
 SKIP_NEGLIGIBLE = os.environ.get("TORCHEMBED_ALIBI_SKIP", "1") == "1"
 SKIP_MARGIN_BITS = 32.0
-SKIP_MIN_KEYS = 4096
+SKIP_MIN_KEYS = 2048
 
 
 def skips_negligible(key_bias: bool, k_len: int) -> bool:
@@ -1110,16 +1136,21 @@ class BackwardPlan:
     """The backward of one call signature: ``delta = rowsum(dO * O)``, then the dk/dv and dq kernels.
     ``plan(grad, q, k, v, out, lse, bias, rows, keep) -> (dq, dk, dv)``."""
 
-    __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq", "skip")
+    __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq", "skip", "horizon_shape")
 
     def __call__(self, grad, q, k, v, out, lse, bias, rows, keep) -> tuple[Tensor, Tensor, Tensor]:
         delta = torch.empty(self.delta_shape, dtype=torch.float32, device=self.device)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         rows_t = bias if rows is None else rows
         keep_t = bias if keep is None else keep.view(torch.uint8)
-        self.delta((out, grad, delta))
-        self.dkdv((q, k, v, grad, lse, delta, dk, dv, bias, rows_t, keep_t))
-        self.dq((q, k, v, grad, lse, delta, dq, bias, rows_t, keep_t, key_norms(k) if self.skip else bias))
+        if self.skip:
+            norms = key_norms(k)
+            horizon = torch.empty(self.horizon_shape, dtype=torch.float32, device=self.device)
+        else:
+            norms = horizon = bias  # (unread)
+        self.delta((out, grad, delta, q, lse, bias, rows_t, norms, horizon))
+        self.dkdv((q, k, v, grad, lse, delta, dk, dv, bias, rows_t, keep_t, horizon))
+        self.dq((q, k, v, grad, lse, delta, dq, bias, rows_t, keep_t, norms))
         return dq, dk, dv
 
 
@@ -1141,16 +1172,21 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
     plan.delta_shape, plan.device, plan.skip = (batch, heads, q_len), q.device, skips_negligible(key_bias, k_len)
     floats = (qk_scale, float(scale), skip_log2(k_len))
     block = 16 if _INTERPRET else 64
-    plan.delta = Launch(_bwd_delta_kernel, (_cdiv(q_len, block), batch * heads, 1),
-                        (*_strides4(out), *_strides4(grad), heads, q_len), (),
-                        {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd}, 4, 1)
+    n_horizon = _cdiv(q_len, block)
+    plan.horizon_shape = (batch, heads, n_horizon)
+    plan.delta = Launch(_bwd_delta_kernel, (n_horizon, batch * heads, 1),
+                        (*_strides4(out), *_strides4(grad), *_strides4(q), sbh, srb, heads, group, q_len, k_len),
+                        (qk_scale, skip_log2(k_len)),
+                        {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd, "MASK": int(masked), "SKIP": plan.skip},
+                        4, 1)
     common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad))
     consts = {"HEAD_DIM": head_dim, "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec}
     block_m, block_n, warps, stages = config_for("dkdv", head_dim, q.dtype, masked)
     plan.dkdv = Launch(_bwd_dkdv_kernel, (_cdiv(k_len, block_n), batch * kv_heads, 1),
-                       (*common, *like(k), *like(v), *tail, heads, group, q_len, k_len), floats,
+                       (*common, *like(k), *like(v), *tail, heads, group, q_len, k_len, n_horizon), floats[:2],
                        {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
-                        "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": plan.skip}, warps, stages)
+                        "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": plan.skip,
+                        "HBLOCK": block}, warps, stages)
     block_m, block_n, warps, stages = config_for("dq", head_dim, q.dtype, masked)
     plan.dq = Launch(_bwd_dq_kernel, (_cdiv(q_len, block_m), batch * heads, 1),
                      (*common, *like(q), *tail, heads, group, q_len, k_len), floats,
