@@ -96,7 +96,7 @@ class ALiBiEmbedding(nn.Module):
         Causal attention runs in one fused Triton kernel that computes the bias from the slopes
         (:func:`torchembed.kernels.alibi_flash.alibi_flash`; no ``(b, h, q, k)`` tensor of any kind)
         where it can run: CUDA tensors, float16/bfloat16/float32, head dim <= 256, no dropout. From
-        4096 keys it leaves out the keys whose weight is provably under ``2**-(32 + log2 keys)`` of their
+        2048 keys it leaves out the keys whose weight is provably under ``2**-(32 + log2 keys)`` of their
         row's largest (the bias falls with distance; ``TORCHEMBED_ALIBI_SKIP=0`` visits every key).
         Elsewhere, and for non-causal attention, SDPA with the bias materialised (:meth:`bias`,
         row-centred). Queries are the last ``seq_q`` positions (KV cache).
