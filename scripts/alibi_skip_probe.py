@@ -137,7 +137,7 @@ def main() -> None:
                 row["cudnn_bwd_ms"] = _bench(lambda: torch.autograd.grad(o, (qg, kg, vg), grad, retain_graph=True))
             K.SKIP_MIN_KEYS = 1 << 40
             fplan = K.forward_plan(q, k, v, slopes, None, None, scale, False, True)
-            out, lse = fplan(q, k, v, slopes, None, None)
+            out, lse, _ = fplan(q, k, v, slopes, None, None)
             bd = K.block_d(d)
             sweeps = {"dkdv": BWD_CANDIDATES["dkdv"][bd], "dq": BWD_CANDIDATES["dq"][bd]} if args.configs else {}
             for skip in (False, True):

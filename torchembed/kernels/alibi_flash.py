@@ -205,12 +205,15 @@ def clear_plans() -> None:
     _PLANS.clear()
 
 
-def _forward(q, k, v, bias, rows, keep, scale, key_bias, need_lse) -> tuple[Tensor, Optional[Tensor]]:
+def _forward(q, k, v, bias, rows, keep, scale, key_bias,
+             need_lse) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """``(out, lse, key norms)``; the norms (None unless the kernel skipped negligible keys) spare the
+    backward its own pass over the keys."""
     if not kernel_can_run(q):
-        return _forward_reference(q, k, v, bias, rows, keep, scale, key_bias)
+        return (*_forward_reference(q, k, v, bias, rows, keep, scale, key_bias), None)
     if q.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
         lse = torch.full(q.shape[:3], float("inf"), device=q.device) if need_lse else None
-        return _out_like(q), lse
+        return _out_like(q), lse, None
     key = _signature(q, k, v, bias, rows, keep, scale, key_bias, need_lse)
     plan = _PLANS.get(key)
     if plan is None:
@@ -218,7 +221,8 @@ def _forward(q, k, v, bias, rows, keep, scale, key_bias, need_lse) -> tuple[Tens
     return plan(q, k, v, bias, rows, keep)
 
 
-def _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias) -> tuple[Tensor, Tensor, Tensor]:
+def _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias,
+                     norms: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     key = ("backward", grad.shape, grad.stride(), out.stride(), *_signature(q, k, v, bias, rows, keep, scale,
@@ -226,7 +230,7 @@ def _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _store(key, (_triton or _kernels()).backward_plan(grad, q, k, v, out, bias, rows, keep, scale, key_bias))
-    return plan(grad, q, k, v, out, lse, bias, rows, keep)
+    return plan(grad, q, k, v, out, lse, bias, rows, keep, norms)
 
 
 def _mask_rows(keep: Tensor) -> Tensor:
@@ -248,7 +252,7 @@ def _mask_rows_fake(keep):
 @torch.library.custom_op("torchembed::alibi_flash", mutates_args=())
 def _flash_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Optional[Tensor], keep: Optional[Tensor],
               scale: float, key_bias: bool) -> tuple[Tensor, Tensor]:
-    out, lse = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
+    out, lse, _ = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
     return out, lse
 
 
@@ -295,19 +299,20 @@ class _AlibiFlash(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, rows, keep, scale, key_bias):
-        out, lse = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
-        ctx.save_for_backward(q, k, v, out, lse, bias, rows, keep)
+        out, lse, norms = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
+        ctx.save_for_backward(q, k, v, out, lse, bias, rows, keep, norms)
         ctx.scale, ctx.key_bias = scale, key_bias
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, out, lse, bias, rows, keep = ctx.saved_tensors
+        q, k, v, out, lse, bias, rows, keep, norms = ctx.saved_tensors
         if not kernel_can_run(q):
             dq, dk, dv = _backward_reference(grad_out, q, k, v, out, lse, bias, rows, keep, ctx.scale, ctx.key_bias)
         else:
-            dq, dk, dv = _backward_kernel(grad_out, q, k, v, out, lse, bias, rows, keep, ctx.scale, ctx.key_bias)
+            dq, dk, dv = _backward_kernel(grad_out, q, k, v, out, lse, bias, rows, keep, ctx.scale, ctx.key_bias,
+                                          norms)
         return dq, dk, dv, None, None, None, None, None
 
 

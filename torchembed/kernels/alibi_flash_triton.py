@@ -973,27 +973,32 @@ def skip_log2(k_len: int) -> float:
     return SKIP_MARGIN_BITS + math.log2(max(k_len, 1))
 
 
-_NORM_LAUNCHES: dict[tuple, Launch] = {}
+class NormPlan:
+    """The key-norm pass of one key signature: ``plan(k) -> (B, Hk, NORM_PARTS)`` float32, the largest
+    key norm of each slice of the keys of ``k (B, Hk, N, D)`` (inf where a key has a NaN: the kernels
+    then skip nothing); one launch, ``NORM_PARTS`` programs per (batch, kv head). The kernels take the
+    maximum over the slices."""
+
+    __slots__ = ("shape", "device", "launch")
+
+    def __init__(self, k: Tensor) -> None:
+        batch, kv_heads, k_len, head_dim = k.shape
+        self.shape, self.device = (batch, kv_heads, NORM_PARTS), k.device
+        chunk = _cdiv(k_len, NORM_PARTS)
+        block_k = 16 if _INTERPRET else min(64, max(16, _pow2(chunk)))
+        self.launch = Launch(_key_norm_kernel, (NORM_PARTS, batch * kv_heads, 1), (kv_heads, k_len, chunk, *_strides4(k)),
+                             (), {"HEAD_DIM": head_dim, "BLOCK_K": block_k, "BLOCK_D": block_d(head_dim),
+                                  "PARTS": NORM_PARTS}, 4, 1)
+
+    def __call__(self, k: Tensor) -> Tensor:
+        out = torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        self.launch((k, out))
+        return out
 
 
 def key_norms(k: Tensor) -> Tensor:
-    """``(B, Hk, NORM_PARTS)`` float32: the largest key norm of each slice of the keys of ``k (B, Hk, N,
-    D)`` (inf where a key has a NaN: the kernels then skip nothing), one launch with ``NORM_PARTS``
-    programs per (batch, kv head); the kernels take the maximum over the slices."""
-    batch, kv_heads, k_len, head_dim = k.shape
-    out = torch.empty(batch, kv_heads, NORM_PARTS, dtype=torch.float32, device=k.device)
-    key = (k.shape, k.stride(), k.dtype, k.device)
-    launch = _NORM_LAUNCHES.get(key)
-    if launch is None:
-        chunk = _cdiv(k_len, NORM_PARTS)
-        block_k = 16 if _INTERPRET else min(64, max(16, _pow2(chunk)))
-        if len(_NORM_LAUNCHES) >= 256:
-            _NORM_LAUNCHES.clear()
-        launch = _NORM_LAUNCHES[key] = Launch(
-            _key_norm_kernel, (NORM_PARTS, batch * kv_heads, 1), (kv_heads, k_len, chunk, *_strides4(k)), (),
-            {"HEAD_DIM": head_dim, "BLOCK_K": block_k, "BLOCK_D": block_d(head_dim), "PARTS": NORM_PARTS}, 4, 1)
-    launch((k, out))
-    return out
+    """:class:`NormPlan` of ``k``, run once (the plans keep theirs)."""
+    return NormPlan(k)(k)
 
 
 def _sms(device: torch.device) -> int:
@@ -1012,14 +1017,18 @@ class ForwardPlan:
     __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "main", "combine", "skip")
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None,
-                 keep: Tensor | None) -> tuple[Tensor, Tensor | None]:
+                 keep: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """``(out, lse or None, key norms or None)`` (the norms: what the skip's backward reuses)."""
         out = torch.empty_strided(self.out_shape, self.out_stride, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.out_shape[:3], dtype=torch.float32, device=self.device) if self.need_lse else None
         lse_t = out if lse is None else lse
         rows_t = bias if rows is None else rows  # (unread without a mask: any pointer will do)
         keep_t = bias if keep is None else keep.view(torch.uint8)
-        if self.skip is not None:  # the prefill kernel
-            self.main((q, k, v, out, lse_t, bias, rows_t, keep_t, key_norms(k) if self.skip else bias))
+        norms = None
+        if self.skip is not None:  # the prefill kernel (skip: its NormPlan)
+            if self.skip:
+                norms = self.skip(k)
+            self.main((q, k, v, out, lse_t, bias, rows_t, keep_t, bias if norms is None else norms))
         elif self.combine is None and not self.part:
             self.main((q, k, v, out, lse_t, bias, rows_t, keep_t))
         else:
@@ -1027,7 +1036,7 @@ class ForwardPlan:
             self.main((q, k, v, out, lse_t, part, bias, rows_t, keep_t))
             if self.combine is not None:
                 self.combine((out, lse_t, part))
-        return out, lse
+        return out, lse, norms
 
 
 def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None, keep: Tensor | None,
@@ -1078,14 +1087,15 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
             plan.main = lambda t, main=main: main((t[0], t[1], t[2], t[3], t[4], t[3], t[5], t[6], t[7]))
         return plan
     block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, masked)
-    plan.skip = skips_negligible(key_bias, k_len)
+    skip = skips_negligible(key_bias, k_len)
+    plan.skip = NormPlan(k) if skip else False
 
     def launch(tma: bool) -> Launch:
         return Launch(_fwd_kernel, (_cdiv(q_len, block_m), batch * heads, 1), (*strides, heads, group, q_len, k_len),
                       (qk_scale, skip_log2(k_len)),
                       {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
                        "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "STORE_LSE": need_lse,
-                       "TMA": tma, "SKIP": plan.skip}, warps, stages)
+                       "TMA": tma, "SKIP": skip}, warps, stages)
 
     plan.main = launch(False)
     if _tma_layout(k, v):  # keys and values through the tensor memory accelerator where aligned
@@ -1137,17 +1147,19 @@ class _TmaLaunch:
 
 class BackwardPlan:
     """The backward of one call signature: ``delta = rowsum(dO * O)``, then the dk/dv and dq kernels.
-    ``plan(grad, q, k, v, out, lse, bias, rows, keep) -> (dq, dk, dv)``."""
+    ``plan(grad, q, k, v, out, lse, bias, rows, keep, norms=None) -> (dq, dk, dv)``; ``norms``: the
+    forward's key norms where it skipped (else computed here, by ``skip``, the :class:`NormPlan`)."""
 
     __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq", "skip", "horizon_shape")
 
-    def __call__(self, grad, q, k, v, out, lse, bias, rows, keep) -> tuple[Tensor, Tensor, Tensor]:
+    def __call__(self, grad, q, k, v, out, lse, bias, rows, keep, norms=None) -> tuple[Tensor, Tensor, Tensor]:
         delta = torch.empty(self.delta_shape, dtype=torch.float32, device=self.device)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         rows_t = bias if rows is None else rows
         keep_t = bias if keep is None else keep.view(torch.uint8)
         if self.skip:
-            norms = key_norms(k)
+            if norms is None:
+                norms = self.skip(k)
             horizon = torch.empty(self.horizon_shape, dtype=torch.float32, device=self.device)
         else:
             norms = horizon = bias  # (unread)
@@ -1172,7 +1184,8 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
     qk_scale = float(scale) * LOG2E
     like = lambda t: _strides4(torch.empty_like(t, device="meta"))  # noqa: E731  (empty_like's strides)
     plan = BackwardPlan()
-    plan.delta_shape, plan.device, plan.skip = (batch, heads, q_len), q.device, skips_negligible(key_bias, k_len)
+    skip = skips_negligible(key_bias, k_len)
+    plan.delta_shape, plan.device, plan.skip = (batch, heads, q_len), q.device, NormPlan(k) if skip else False
     floats = (qk_scale, float(scale), skip_log2(k_len))
     block = 16 if _INTERPRET else 64
     n_horizon = _cdiv(q_len, block)
@@ -1180,7 +1193,7 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
     plan.delta = Launch(_bwd_delta_kernel, (n_horizon, batch * heads, 1),
                         (*_strides4(out), *_strides4(grad), *_strides4(q), sbh, srb, heads, group, q_len, k_len),
                         (qk_scale, skip_log2(k_len)),
-                        {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd, "MASK": int(masked), "SKIP": plan.skip},
+                        {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd, "MASK": int(masked), "SKIP": skip},
                         4, 1)
     common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad))
     consts = {"HEAD_DIM": head_dim, "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec}
@@ -1188,11 +1201,11 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
     plan.dkdv = Launch(_bwd_dkdv_kernel, (_cdiv(k_len, block_n), batch * kv_heads, 1),
                        (*common, *like(k), *like(v), *tail, heads, group, q_len, k_len, n_horizon), floats[:2],
                        {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
-                        "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": plan.skip,
+                        "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": skip,
                         "HBLOCK": block}, warps, stages)
     block_m, block_n, warps, stages = config_for("dq", head_dim, q.dtype, masked)
     plan.dq = Launch(_bwd_dq_kernel, (_cdiv(q_len, block_m), batch * heads, 1),
                      (*common, *like(q), *tail, heads, group, q_len, k_len), floats,
                      {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
-                      "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": plan.skip}, warps, stages)
+                      "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": skip}, warps, stages)
     return plan
