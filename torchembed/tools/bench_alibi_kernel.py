@@ -44,10 +44,7 @@ PREFILL = ((1, 16, 1024, 64), (4, 16, 2048, 64), (4, 16, 8192, 64), (4, 16, 1638
            (8, 32, 2048, 128))
 DECODE = ((1, 16, 4096, 64), (8, 32, 8192, 128))
 IMPLS = ("floor", "sdpa-flash", "sdpa-cudnn", "torchembed", "kernel", "flex", "sdpa-bias", "flash-attn")
-BIAS_FREE = ("floor", "sdpa-flash", "sdpa-cudnn")
-# --graph: forward + backward replayed from a CUDA graph (the host's cost per call left out), for these
-GRAPHED = ("floor", "sdpa-cudnn", "torchembed", "kernel")
-GRAPH_PASS = "forward+backward, CUDA graph"  # attention without ALiBi: no error against the ALiBi reference
+BIAS_FREE = ("floor", "sdpa-flash", "sdpa-cudnn")  # attention without ALiBi: no error against the ALiBi reference
 _ROWS = 512  # query rows of the float32 reference
 _FULL_GRAD_SCORES = 2**28  # forward+backward errors where b * h * s * s is at most this
 
@@ -258,15 +255,6 @@ def _backward_records(shape: tuple[int, int, int, int], impls: dict[str, Any], a
             records.append({**base, "ms": ms, "max_err": err})
         except Exception as exc:
             records.append({**base, "ms": f"failed: {bench.short_error(exc)}"})
-        if args.graph and device.type == "cuda" and name in GRAPHED:
-            def grads() -> None:
-                torch.autograd.grad(impl(*(_heads_view(x) for x in (q, k, v))), (q, k, v), grad)
-
-            try:
-                ms = bench.graph_time(grads, device, calls=3)
-            except Exception as exc:
-                ms = f"failed: {bench.short_error(exc)}"
-            records.append({**base, "pass": GRAPH_PASS, "ms": ms})
         for x in (q, k, v):
             x.grad = None
         bench.free_memory(device)
@@ -277,8 +265,6 @@ def markdown(records: list[dict[str, Any]]) -> str:
     out = []
     for phase, passname, title in (("prefill", "forward", "prefill, forward"),
                                    ("prefill", "forward+backward", "prefill, forward + backward"),
-                                   ("prefill", GRAPH_PASS, "prefill, forward + backward, replayed from a CUDA graph "
-                                    "(device time: the host's cost per call left out)"),
                                    ("decode", "forward", "decode (one query over the KV cache)")):
         chosen = [r for r in records if r["phase"] == phase and r["pass"] == passname]
         if not chosen:
@@ -319,9 +305,6 @@ def markdown(records: list[dict[str, Any]]) -> str:
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"],
                         help="forward only, or forward and forward+backward (default)")
-    parser.add_argument("--graph", action="store_true",
-                        help="also time forward+backward replayed from a CUDA graph (floor, cuDNN, torchembed, "
-                        "kernel): device time without the host's Python/autograd cost per call")
     parser.add_argument("--shapes", nargs="+", default=None,
                         help="prefill shapes b,h,s,d (default: the issue's and 4,16,16384,64); decode ones as "
                         "b,h,1xS,d")
