@@ -1014,7 +1014,8 @@ class ForwardPlan:
     launches (the prefill kernel, or the split-key decode kernel and its combine) and the buffers
     each call allocates. ``plan(q, k, v, bias, rows, keep) -> (out, lse or None)``."""
 
-    __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "main", "combine", "skip")
+    __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "main", "combine", "prefill",
+                 "norms")
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None,
                  keep: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -1025,9 +1026,9 @@ class ForwardPlan:
         rows_t = bias if rows is None else rows  # (unread without a mask: any pointer will do)
         keep_t = bias if keep is None else keep.view(torch.uint8)
         norms = None
-        if self.skip is not None:  # the prefill kernel (skip: its NormPlan)
-            if self.skip:
-                norms = self.skip(k)
+        if self.prefill:  # (norms: the skip's NormPlan, or None)
+            if self.norms is not None:
+                norms = self.norms(k)
             self.main((q, k, v, out, lse_t, bias, rows_t, keep_t, bias if norms is None else norms))
         elif self.combine is None and not self.part:
             self.main((q, k, v, out, lse_t, bias, rows_t, keep_t))
@@ -1060,7 +1061,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
     qk_scale = float(scale) * LOG2E
     plan = ForwardPlan()
     plan.out_shape, plan.out_stride, plan.dtype, plan.device = (batch, heads, q_len, head_dim), out_stride, q.dtype, q.device
-    plan.need_lse, plan.part, plan.combine, plan.skip = need_lse, 0, None, None
+    plan.need_lse, plan.part, plan.combine, plan.prefill, plan.norms = need_lse, 0, None, False, None
     if group * q_len <= DECODE_ROWS and (q_len < 16 or k_len >= 8 * q_len):
         block_r, block_n, warps, stages = config_for("decode", head_dim, q.dtype, masked)
         block_r = max(block_r, _pow2(group * q_len))
@@ -1088,7 +1089,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
         return plan
     block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, masked)
     skip = skips_negligible(key_bias, k_len)
-    plan.skip = NormPlan(k) if skip else False
+    plan.prefill, plan.norms = True, NormPlan(k) if skip else None
 
     def launch(tma: bool) -> Launch:
         return Launch(_fwd_kernel, (_cdiv(q_len, block_m), batch * heads, 1), (*strides, heads, group, q_len, k_len),
@@ -1148,18 +1149,19 @@ class _TmaLaunch:
 class BackwardPlan:
     """The backward of one call signature: ``delta = rowsum(dO * O)``, then the dk/dv and dq kernels.
     ``plan(grad, q, k, v, out, lse, bias, rows, keep, norms=None) -> (dq, dk, dv)``; ``norms``: the
-    forward's key norms where it skipped (else computed here, by ``skip``, the :class:`NormPlan`)."""
+    forward's key norms where it skipped (else computed here by ``norms``, the skip's :class:`NormPlan`,
+    None without the skip)."""
 
-    __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq", "skip", "horizon_shape")
+    __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq", "norms", "horizon_shape")
 
     def __call__(self, grad, q, k, v, out, lse, bias, rows, keep, norms=None) -> tuple[Tensor, Tensor, Tensor]:
         delta = torch.empty(self.delta_shape, dtype=torch.float32, device=self.device)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         rows_t = bias if rows is None else rows
         keep_t = bias if keep is None else keep.view(torch.uint8)
-        if self.skip:
+        if self.norms is not None:
             if norms is None:
-                norms = self.skip(k)
+                norms = self.norms(k)
             horizon = torch.empty(self.horizon_shape, dtype=torch.float32, device=self.device)
         else:
             norms = horizon = bias  # (unread)
@@ -1185,7 +1187,7 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
     like = lambda t: _strides4(torch.empty_like(t, device="meta"))  # noqa: E731  (empty_like's strides)
     plan = BackwardPlan()
     skip = skips_negligible(key_bias, k_len)
-    plan.delta_shape, plan.device, plan.skip = (batch, heads, q_len), q.device, NormPlan(k) if skip else False
+    plan.delta_shape, plan.device, plan.norms = (batch, heads, q_len), q.device, NormPlan(k) if skip else None
     floats = (qk_scale, float(scale), skip_log2(k_len))
     block = 16 if _INTERPRET else 64
     n_horizon = _cdiv(q_len, block)
