@@ -285,6 +285,42 @@ def test_eager_calls_skip_the_custom_op_dispatch(monkeypatch):
     assert not calls and "AlibiFlash" in type(out.grad_fn).__name__ and q.grad is not None
 
 
+def test_training_calls_reuse_the_forward_plan_and_its_backward_plan(monkeypatch):
+    """A training call like one before takes the kept forward plan without validation and the
+    backward plan kept on it (none is made again), and still computes the oracle's gradients."""
+    from torchembed.kernels import alibi_flash as module
+
+    module.clear_plans()
+    q, k, v = _inputs(2, 4, 2, 24, 40, 16, torch.float32, seed=1)
+    _check(q, k, v, alibi_slopes(4, DEV))  # makes both plans
+    triton_kernels = module._kernels()
+    made = []
+    for name in ("forward_plan", "backward_plan"):
+        original = getattr(triton_kernels, name)
+        monkeypatch.setattr(triton_kernels, name, lambda *a, _o=original, _n=name: made.append(_n) or _o(*a))
+    monkeypatch.setattr(module, "flash_unsupported", lambda *a: pytest.fail("validated again"))
+    q, k, v = _inputs(2, 4, 2, 24, 40, 16, torch.float32, seed=2)  # fresh inputs, same signature
+    _check(q, k, v, alibi_slopes(4, DEV))
+    assert made == []
+    module.clear_plans()
+
+
+def test_gradients_with_create_graph_cannot_be_differentiated_again():
+    """``create_graph=True``: the first-order gradients are the oracle's; differentiating them again
+    raises instead of silently dropping this layer's second-order terms."""
+    q, k, v = _inputs(1, 2, 2, 16, 16, 16, torch.float32, seed=3)
+    slopes = alibi_slopes(2, DEV)
+    out = alibi_flash(q, k, v, slopes, scale=0.25)
+    truth, leaves = _oracle(q, k, v, slopes, None, False, 0.25)
+    loss = (out * out).sum()  # its gradient 2 out itself records a graph under create_graph=True
+    dq, dk, dv = torch.autograd.grad(loss, (q, k, v), create_graph=True)
+    (truth * truth).sum().backward()
+    for got, leaf in zip((dq, dk, dv), leaves):
+        _close(got.detach(), leaf.grad, torch.float32)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dq.sum().backward()
+
+
 # ------------------------------------------------------------------------------------------------
 # Keys of negligible weight are not visited (slopes mode)
 # ------------------------------------------------------------------------------------------------

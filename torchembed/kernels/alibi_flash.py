@@ -6,8 +6,10 @@ inside the kernel from the per-head slopes (or read from a ``(b or 1, h, k)`` ke
 
 Routes:
 
-* eager, no gradient: the launch itself (kept per shape/stride/dtype key, no custom-op dispatch);
-* autograd or ``torch.compile``: the custom ops ``torchembed::alibi_flash(q, k, v, bias, rows?, keep?,
+* eager: the launches of a plan kept per call signature (shapes, strides, dtypes, mask form, scale;
+  a repeated call skips validation), with gradients through an ``autograd.Function`` whose backward
+  plan is kept on the forward plan (no custom-op dispatch: its Python cost exceeds a small attention's);
+* ``torch.compile``: the custom ops ``torchembed::alibi_flash(q, k, v, bias, rows?, keep?,
   scale, key_bias) -> (out, lse)`` with the backward ``torchembed::alibi_flash_backward`` registered
   as its autograd, and ``torchembed::alibi_mask_rows(keep) -> rows``; each has a fake implementation
   (``torch.compile(fullgraph=True)``, CUDA graphs: nothing syncs with the host).
@@ -205,32 +207,52 @@ def clear_plans() -> None:
     _PLANS.clear()
 
 
+def _plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse):
+    """The kept :class:`~torchembed.kernels.alibi_flash_triton.ForwardPlan` of this call signature
+    (made and kept on a miss); for non-empty inputs the kernel takes (see :func:`_forward`)."""
+    key = _signature(q, k, v, bias, rows, keep, scale, key_bias, need_lse)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _store(key, (_triton or _kernels()).forward_plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse))
+    return plan
+
+
 def _forward(q, k, v, bias, rows, keep, scale, key_bias,
              need_lse) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """``(out, lse, key norms)``; the norms (None unless the kernel skipped negligible keys) spare the
     backward its own pass over the keys."""
     if not kernel_can_run(q):
         return (*_forward_reference(q, k, v, bias, rows, keep, scale, key_bias), None)
-    if q.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
+    if _empty(q, k):
         lse = torch.full(q.shape[:3], float("inf"), device=q.device) if need_lse else None
         return _out_like(q), lse, None
-    key = _signature(q, k, v, bias, rows, keep, scale, key_bias, need_lse)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _store(key, (_triton or _kernels()).forward_plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse))
-    return plan(q, k, v, bias, rows, keep)
+    return _plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse)(q, k, v, bias, rows, keep)
+
+
+def _empty(q: Tensor, k: Tensor) -> bool:
+    """No query, or no batch or head: nothing to launch (no key: the kernels write empty rows)."""
+    return q.shape[2] == 0 or q.shape[0] * q.shape[1] == 0
 
 
 def _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias,
-                     norms: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                     norms: Optional[Tensor] = None, plan=None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` by the kernels; ``plan``: the forward's, which keeps its backward plans by the
+    output gradient's strides (else the backward plan is looked up by the whole signature)."""
     if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if plan is not None:
+        backward = plan.backwards.get(grad.stride())
+        if backward is None:
+            backward = plan.backwards[grad.stride()] = _triton.backward_plan(grad, q, k, v, out, bias, rows, keep,
+                                                                            scale, key_bias)
+        return backward(grad, q, k, v, out, lse, bias, rows, keep, norms)
     key = ("backward", grad.shape, grad.stride(), out.stride(), *_signature(q, k, v, bias, rows, keep, scale,
                                                                            key_bias, True))
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _store(key, (_triton or _kernels()).backward_plan(grad, q, k, v, out, bias, rows, keep, scale, key_bias))
-    return plan(grad, q, k, v, out, lse, bias, rows, keep, norms)
+    backward = _PLANS.get(key)
+    if backward is None:
+        backward = _store(key, (_triton or _kernels()).backward_plan(grad, q, k, v, out, bias, rows, keep, scale,
+                                                                     key_bias))
+    return backward(grad, q, k, v, out, lse, bias, rows, keep, norms)
 
 
 def _mask_rows(keep: Tensor) -> Tensor:
@@ -295,25 +317,42 @@ _flash_op.register_autograd(_backward, setup_context=_setup_context)
 
 class _AlibiFlash(torch.autograd.Function):
     """Eager autograd of :func:`alibi_flash` (no custom-op dispatch, whose Python cost exceeds a small
-    attention's); the op ``torchembed::alibi_flash`` registers the same backward for torch.compile."""
+    attention's); the op ``torchembed::alibi_flash`` registers the same backward for torch.compile.
+
+    ``apply(q, k, v, call)`` with ``call = (bias, rows, keep, scale, key_bias, plan)``: what takes no
+    gradient travels in one tuple (each argument of ``apply`` costs host time) and is kept on the
+    context, as are the kernel's own lse and key norms; ``plan``: the kept forward plan (None: the
+    PyTorch implementation, or nothing to launch)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, rows, keep, scale, key_bias):
-        out, lse, norms = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
-        ctx.save_for_backward(q, k, v, out, lse, bias, rows, keep, norms)
-        ctx.scale, ctx.key_bias = scale, key_bias
+    def forward(ctx, q, k, v, call):
+        bias, rows, keep, scale, key_bias, plan = call
+        if plan is None:
+            out, lse, norms = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
+        else:
+            out, lse, norms = plan(q, k, v, bias, rows, keep)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.call, ctx.lse, ctx.norms = call, lse, norms
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, out, lse, bias, rows, keep, norms = ctx.saved_tensors
-        if not kernel_can_run(q):
-            dq, dk, dv = _backward_reference(grad_out, q, k, v, out, lse, bias, rows, keep, ctx.scale, ctx.key_bias)
-        else:
-            dq, dk, dv = _backward_kernel(grad_out, q, k, v, out, lse, bias, rows, keep, ctx.scale, ctx.key_bias,
-                                          norms)
-        return dq, dk, dv, None, None, None, None, None
+        if torch.is_grad_enabled():  # create_graph=True: gradients that say they cannot be differentiated
+            return _AlibiFlash._backward_once(ctx, grad_out)
+        return (*_AlibiFlash._gradients(ctx, grad_out), None)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def _backward_once(ctx, grad_out):
+        return (*_AlibiFlash._gradients(ctx, grad_out), None)
+
+    @staticmethod
+    def _gradients(ctx, grad_out) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v, out = ctx.saved_tensors
+        bias, rows, keep, scale, key_bias, plan = ctx.call
+        if plan is None and not kernel_can_run(q):
+            return _backward_reference(grad_out, q, k, v, out, ctx.lse, bias, rows, keep, scale, key_bias)
+        return _backward_kernel(grad_out, q, k, v, out, ctx.lse, bias, rows, keep, scale, key_bias, ctx.norms, plan)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -373,11 +412,13 @@ def attempt(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float, key_
     instead of a ValueError: what a dispatcher calls, validating once."""
     compiling = torch.compiler.is_compiling()
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if not compiling and not grad and (keep is None or rows is not None) and not _triton_disabled():
+    if not compiling and (keep is None or rows is not None) and not _triton_disabled():
         # a call like one made before: its plan, no validation (the signature implies it)
-        plan = _PLANS.get(_signature(q, k, v, bias, rows, keep, scale, key_bias, False))
+        plan = _PLANS.get(_signature(q, k, v, bias, rows, keep, scale, key_bias, grad))
         if (plan is not None and type(q) is Tensor and type(k) is Tensor and type(v) is Tensor
                 and (q.is_cuda or kernel_can_run(q))):
+            if grad:
+                return _AlibiFlash.apply(q, k, v, (bias, rows, keep, scale, key_bias, plan))
             return plan(q, k, v, bias, rows, keep)[0]
     why = flash_unsupported(q, k, v, keep)
     if why is not None:
@@ -390,5 +431,8 @@ def attempt(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float, key_
     if compiling:
         return torch.ops.torchembed.alibi_flash(q, k, v, bias, rows, keep, scale, key_bias)[0]
     if grad:
-        return _AlibiFlash.apply(q, k, v, bias, rows, keep, scale, key_bias)
+        plan = None
+        if kernel_can_run(q) and not _empty(q, k):
+            plan = _plan(q, k, v, bias, rows, keep, scale, key_bias, True)
+        return _AlibiFlash.apply(q, k, v, (bias, rows, keep, scale, key_bias, plan))
     return _forward(q, k, v, bias, rows, keep, scale, key_bias, False)[0]

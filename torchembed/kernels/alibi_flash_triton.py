@@ -1012,10 +1012,11 @@ def _sms(device: torch.device) -> int:
 class ForwardPlan:
     """The forward of one call signature (shapes, strides, dtypes, device, mask form, scale): its
     launches (the prefill kernel, or the split-key decode kernel and its combine) and the buffers
-    each call allocates. ``plan(q, k, v, bias, rows, keep) -> (out, lse or None)``."""
+    each call allocates. ``plan(q, k, v, bias, rows, keep) -> (out, lse or None, norms or None)``;
+    ``backwards``: its :class:`BackwardPlan` by the output gradient's strides (kept by the caller)."""
 
     __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "main", "combine", "prefill",
-                 "norms")
+                 "norms", "backwards")
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None,
                  keep: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -1062,6 +1063,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
     plan = ForwardPlan()
     plan.out_shape, plan.out_stride, plan.dtype, plan.device = (batch, heads, q_len, head_dim), out_stride, q.dtype, q.device
     plan.need_lse, plan.part, plan.combine, plan.prefill, plan.norms = need_lse, 0, None, False, None
+    plan.backwards = {}
     if group * q_len <= DECODE_ROWS and (q_len < 16 or k_len >= 8 * q_len):
         block_r, block_n, warps, stages = config_for("decode", head_dim, q.dtype, masked)
         block_r = max(block_r, _pow2(group * q_len))
@@ -1155,10 +1157,9 @@ class BackwardPlan:
     __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq", "norms", "horizon_shape")
 
     def __call__(self, grad, q, k, v, out, lse, bias, rows, keep, norms=None) -> tuple[Tensor, Tensor, Tensor]:
+        # (each buffer allocated just before the first launch that needs it: the launches start sooner)
         delta = torch.empty(self.delta_shape, dtype=torch.float32, device=self.device)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         rows_t = bias if rows is None else rows
-        keep_t = bias if keep is None else keep.view(torch.uint8)
         if self.norms is not None:
             if norms is None:
                 norms = self.norms(k)
@@ -1166,7 +1167,10 @@ class BackwardPlan:
         else:
             norms = horizon = bias  # (unread)
         self.delta((out, grad, delta, q, lse, bias, rows_t, norms, horizon))
+        keep_t = bias if keep is None else keep.view(torch.uint8)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
         self.dkdv((q, k, v, grad, lse, delta, dk, dv, bias, rows_t, keep_t, horizon))
+        dq = torch.empty_like(q)
         self.dq((q, k, v, grad, lse, delta, dq, bias, rows_t, keep_t, norms))
         return dq, dk, dv
 
