@@ -145,7 +145,8 @@ def test_alibi_smoke(tmp_path: Path) -> None:
 
 
 def test_alibi_kernel_smoke(tmp_path: Path) -> None:
-    assert bench.main(["alibi", "--kernel", "--smoke", "--out", str(tmp_path), "--passes", "forward"]) == 0
+    assert bench.main(["alibi", "--kernel", "--smoke", "--out", str(tmp_path), "--passes", "forward",
+                       "--rounds", "2"]) == 0
     data = json.loads((tmp_path / "alibi-kernel-smoke.json").read_text())
     md = (tmp_path / "alibi-kernel-smoke.md").read_text()
     by = {(r["label"], r["impl"]): r for r in data["results"]}
@@ -153,12 +154,30 @@ def test_alibi_kernel_smoke(tmp_path: Path) -> None:
         for impl in ("floor", "torchembed", "sdpa-bias"):
             assert _finite(by[(label, impl)]["ms"]), (label, impl)
         assert by[(label, "torchembed")]["max_err"] < 1e-5
+        rounds = by[(label, "torchembed")]["ms_rounds"]  # the cell: the median of the interleaved rounds
+        assert len(rounds) == 2 and by[(label, "torchembed")]["ms"] == pytest.approx(sum(rounds) / 2)
         for impl in ("sdpa-flash", "sdpa-cudnn"):  # the floor held to one backend: CUDA only, no ALiBi error
             ms = by[(label, impl)]["ms"]
             assert ms == "CUDA only" or _finite(ms), (label, impl, ms)
             assert by[(label, impl)].get("max_err") is None
     assert "sdpa-flash (ms) | sdpa-cudnn (ms)" in md and "max error: torchembed / kernel /" in md
     assert "## prefill, forward" in md and "## decode" in md and "not installed" in md
+
+
+def test_alibi_kernel_table_of_graph_replays() -> None:
+    """The CUDA-graph pass gets its own table, ratios against the floor's replay."""
+    from torchembed.tools import bench_alibi_kernel as kernel_bench
+
+    def record(impl, ms, pass_):
+        return {"shape": [4, 16, 2048, 64], "q_len": 2048, "phase": "prefill", "pass": pass_, "impl": impl,
+                "label": "prefill 4,16,2048,64", "ms": ms, "max_err": None}
+
+    md = kernel_bench.markdown([record("floor", 0.5, "forward+backward"), record("kernel", 0.6, "forward+backward"),
+                                record("floor", 0.4, kernel_bench.GRAPH_PASS),
+                                record("kernel", 0.32, kernel_bench.GRAPH_PASS)])
+    graph = md.split("replayed from a CUDA graph")[1]
+    assert "| 4,16,2048,64 | 0.400 |" in graph and "0.320 (1.25x)" in graph
+    assert "0.600 (0.83x)" in md.split("replayed from a CUDA graph")[0]
 
 
 def test_dispatch_and_validation(tmp_path: Path) -> None:

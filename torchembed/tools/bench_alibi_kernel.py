@@ -23,13 +23,18 @@ Forward and forward+backward (gradients of q, k, v from a random output gradient
 implementation's error: max |out - ref| with ``ref`` the float32 attention (upcast inputs, scores
 materialised) on batch 0, every head and up to 512 query rows (the last ones included); for
 forward+backward also the max error of dq, dk, dv at shapes small enough for a full float32
-reference. Decode rows also give the host wall time per call over back-to-back calls
-(``bench.host_loop``), which ``do_bench`` does not see.
+reference. Each time is the median of ``--rounds`` ``do_bench`` runs, interleaved over the
+implementations (a drift of the host during the run touches all alike). Forward + backward is also
+replayed from a CUDA graph (``torch.autograd.grad``; floor, cuDNN, torchembed, kernel): the device
+time, which the eager time exceeds where the host issues the launches slower than the GPU runs them.
+Decode rows also give the host wall time per call over back-to-back calls (``bench.host_loop``),
+which ``do_bench`` does not see.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +50,9 @@ PREFILL = ((1, 16, 1024, 64), (4, 16, 2048, 64), (4, 16, 8192, 64), (4, 16, 1638
 DECODE = ((1, 16, 4096, 64), (8, 32, 8192, 128))
 IMPLS = ("floor", "sdpa-flash", "sdpa-cudnn", "torchembed", "kernel", "flex", "sdpa-bias", "flash-attn")
 BIAS_FREE = ("floor", "sdpa-flash", "sdpa-cudnn")  # attention without ALiBi: no error against the ALiBi reference
+# forward + backward also replayed from a CUDA graph (device time, the host's cost per call left out) for these
+GRAPHED = ("floor", "sdpa-cudnn", "torchembed", "kernel")
+GRAPH_PASS = "forward+backward, CUDA graph"
 _ROWS = 512  # query rows of the float32 reference
 _FULL_GRAD_SCORES = 2**28  # forward+backward errors where b * h * s * s is at most this
 
@@ -181,6 +189,28 @@ def _max_err(a: Tensor, b: Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+def _timed_rounds(fns: dict[str, Callable[[], Any]], device: torch.device, rounds: int,
+                  grad_to_none: list[Tensor] | None = None) -> dict[str, list[float] | str]:
+    """``do_bench`` of each callable ``rounds`` times, the rounds interleaved (a drift of the host or
+    the clocks during the run touches every implementation alike): name -> times, or the failure."""
+    times: dict[str, list[float] | str] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if isinstance(times[name], str):
+                continue
+            try:
+                times[name].append(bench.do_bench(fn, device, grad_to_none=grad_to_none))
+            except Exception as exc:  # one implementation failing must not lose the others
+                times[name] = f"failed: {bench.short_error(exc)}"
+    return times
+
+
+def _timing(times: list[float] | str) -> dict[str, Any]:
+    if isinstance(times, str):
+        return {"ms": times}
+    return {"ms": statistics.median(times), "ms_rounds": times}
+
+
 def measure_shape(shape: tuple[int, int, int, int], q_len: int, args: argparse.Namespace,
                   device: torch.device) -> list[dict[str, Any]]:
     """Forward (and, for prefill, forward+backward) records of every implementation at one shape."""
@@ -191,28 +221,31 @@ def measure_shape(shape: tuple[int, int, int, int], q_len: int, args: argparse.N
     print(f"alibi kernel {label} ...", file=sys.stderr, flush=True)
     impls = _implementations(shape, q_len, dtype, device, args.smoke)
     slopes = _slopes(h, device)
-    records = []
+    records, timed, base = [], {}, {}
     q, k, v = _inputs(shape, q_len, dtype, device, grad=False)
     views = [_heads_view(x) for x in (q, k, v)]
     rows = _rows(q_len, device)
     ref = _reference(q, k, v, slopes, rows)
     for name in _names():
         impl = impls[name]
-        base = {"shape": list(shape), "q_len": q_len, "phase": "decode" if decode else "prefill", "pass": "forward",
-                "impl": name, "label": label}
+        base[name] = {"shape": list(shape), "q_len": q_len, "phase": "decode" if decode else "prefill",
+                      "pass": "forward", "impl": name, "label": label}
         if isinstance(impl, str):
-            records.append({**base, "ms": impl})
+            records.append({**base[name], "ms": impl})
             continue
         try:
             with torch.no_grad():
                 out = impl(*views)
-                err = None if name in BIAS_FREE else _max_err(out[0][:, rows], ref)
-                ms = bench.do_bench(lambda: impl(*views), device)
-                host = bench.host_loop(lambda: impl(*views), device) if decode and device.type == "cuda" else None
-            records.append({**base, "ms": ms, "max_err": err, "host_ms": host})
+                base[name]["max_err"] = None if name in BIAS_FREE else _max_err(out[0][:, rows], ref)
+                base[name]["host_ms"] = (bench.host_loop(lambda impl=impl: impl(*views), device)
+                                         if decode and device.type == "cuda" else None)
+            timed[name] = lambda impl=impl: impl(*views)
         except Exception as exc:  # one implementation failing must not lose the others
-            records.append({**base, "ms": f"failed: {bench.short_error(exc)}"})
-        bench.free_memory(device)
+            records.append({**base[name], "ms": f"failed: {bench.short_error(exc)}"})
+    with torch.no_grad():
+        times = _timed_rounds(timed, device, args.rounds)
+    records += [{**base[name], **_timing(t)} for name, t in times.items()]
+    bench.free_memory(device)
     if not decode and "backward" in args.passes:
         records += _backward_records(shape, impls, args, device, label)
     return records
@@ -234,30 +267,44 @@ def _backward_records(shape: tuple[int, int, int, int], impls: dict[str, Any], a
         out.backward(grad.float())
         truth = [x.grad for x in (qf, kf, vf)]
         del qf, kf, vf, bias, out
-    records = []
+    records, steps, base = [], {}, {}
     for name in _names():
         impl = impls[name]
-        base = {"shape": list(shape), "q_len": s, "phase": "prefill", "pass": "forward+backward", "impl": name,
-                "label": label}
+        base[name] = {"shape": list(shape), "q_len": s, "phase": "prefill", "pass": "forward+backward", "impl": name,
+                      "label": label}
         if isinstance(impl, str):
-            records.append({**base, "ms": impl})
+            records.append({**base[name], "ms": impl})
             continue
 
-        def step() -> None:
+        def step(impl=impl) -> None:
             impl(*(_heads_view(x) for x in (q, k, v))).backward(grad)
 
         try:
             step()
-            err = None
             if truth is not None and name not in BIAS_FREE:
-                err = max(_max_err(x.grad, t) for x, t in zip((q, k, v), truth))
-            ms = bench.do_bench(step, device, grad_to_none=[q, k, v])
-            records.append({**base, "ms": ms, "max_err": err})
+                base[name]["max_err"] = max(_max_err(x.grad, t) for x, t in zip((q, k, v), truth))
+            steps[name] = step
         except Exception as exc:
-            records.append({**base, "ms": f"failed: {bench.short_error(exc)}"})
+            records.append({**base[name], "ms": f"failed: {bench.short_error(exc)}"})
         for x in (q, k, v):
             x.grad = None
-        bench.free_memory(device)
+    times = _timed_rounds(steps, device, args.rounds, grad_to_none=[q, k, v])
+    records += [{**base[name], **_timing(t)} for name, t in times.items()]
+    bench.free_memory(device)
+    if device.type == "cuda":  # device time: the same step replayed from a CUDA graph
+        for name in GRAPHED:
+            if name not in steps:
+                continue
+
+            def grads(impl=impls[name]) -> None:
+                torch.autograd.grad(impl(*(_heads_view(x) for x in (q, k, v))), (q, k, v), grad)
+
+            try:
+                ms = bench.graph_time(grads, device, calls=3)
+            except Exception as exc:
+                ms = f"failed: {bench.short_error(exc)}"
+            records.append({**base[name], "pass": GRAPH_PASS, "ms": ms, "max_err": None})
+            bench.free_memory(device)
     return records
 
 
@@ -265,6 +312,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
     out = []
     for phase, passname, title in (("prefill", "forward", "prefill, forward"),
                                    ("prefill", "forward+backward", "prefill, forward + backward"),
+                                   ("prefill", GRAPH_PASS, "prefill, forward + backward replayed from a CUDA graph "
+                                    "(device time: the host's cost per call left out)"),
                                    ("decode", "forward", "decode (one query over the KV cache)")):
         chosen = [r for r in records if r["phase"] == phase and r["pass"] == passname]
         if not chosen:
@@ -295,7 +344,8 @@ def markdown(records: list[dict[str, Any]]) -> str:
         if phase == "decode":
             headers.append("host ms/call: floor / torchembed / sdpa-bias")
         out += [f"## {title}", "", bench.md_table(headers, rows), ""]
-    out.append("ms: `triton.testing.do_bench` median; (Nx): the floor's time over this one's (1.00x = as fast as "
+    out.append("ms: the median of `--rounds` `triton.testing.do_bench` medians, the rounds interleaved over the "
+               "implementations (CUDA graph: the median of 20 replays of 3 steps); (Nx): the floor's time over this one's (1.00x = as fast as "
                "attention without ALiBi). sdpa-flash / sdpa-cudnn: the floor held to FlashAttention-2 / cuDNN, no bias. "
                "Errors: max |out - float32 reference| (forward: batch 0, all heads, up to "
                f"{_ROWS} query rows; forward + backward: max over dq, dk, dv, where the float32 reference fits).")
@@ -305,6 +355,9 @@ def markdown(records: list[dict[str, Any]]) -> str:
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"],
                         help="forward only, or forward and forward+backward (default)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="do_bench runs per cell, interleaved over the implementations; the cell shows their "
+                        "median (default 3)")
     parser.add_argument("--shapes", nargs="+", default=None,
                         help="prefill shapes b,h,s,d (default: the issue's and 4,16,16384,64); decode ones as "
                         "b,h,1xS,d")
