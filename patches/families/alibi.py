@@ -10,10 +10,11 @@ and round least in low precision.
 * BLOOM: ``BloomModel.build_alibi_tensor`` (instance method) and, where transformers builds the
   bias inline without a mask, the slopes it uses (``_get_alibi_slopes``, rebound for the instance).
 * MPT: ``MptModel.build_mpt_alibi_tensor`` (instance method).
-* Falcon: ``build_alibi_tensor`` and ``create_causal_mask`` as called by ``FalconModel.forward``
-  (rebound for the instance). Upstream rounds Falcon's slopes to bfloat16 even in float32 models;
-  torchembed does not, so for head counts whose slopes are not powers of two the two differ by
-  that rounding.
+* Falcon: ``build_alibi_tensor`` as called by ``FalconModel.forward`` (rebound for the instance to
+  :func:`falcon_no_model_bias`: the model builds no bias, so no release folds one into the mask);
+  the patched attention derives the bias from the mask it receives (:func:`falcon_key_bias`).
+  Upstream rounds Falcon's slopes to bfloat16 even in float32 models; torchembed does not, so for
+  head counts whose slopes are not powers of two the two differ by that rounding.
 
 All three also get torchembed's attention (``BloomAttention``/``MptAttention``/``FalconAttention``
 forward, per instance): upstream's eager attention materialises the scores in the model dtype, a
@@ -31,14 +32,17 @@ upstream's forward. On a model split over devices (accelerate ``device_map``), t
 device share one copy of the mask and bias (:mod:`torchembed.patches.devices`), so the masks
 derived from them are built once per device and forward, not once per layer.
 
-Falcon: the patched ``FalconModel.forward`` gets the mask from :func:`falcon_causal_mask`, which
-drops the singleton head dim of ``create_causal_mask``'s ``(b, 1, q, k)`` mask, so upstream's
-fold (taken only for a 4-D mask) is skipped; the layers receive the ``(b * h, 1, k)`` float32 key
-bias and the ``(b, q, k)`` mask separately. The patched attention computes upstream's **sdpa**
+Falcon: releases hand the bias to the attention in different ways (4.57-5.24: an ``alibi``
+argument beside a mask with the bias folded in; 5.25: only the folded ``(b, h, q, k)`` mask).
+The patched ``FalconModel.forward`` builds no bias (:func:`falcon_no_model_bias`), so every
+release passes the plain causal mask, and the patched attention derives the key bias from that
+mask once per forward (:func:`falcon_key_bias`: Falcon counts positions over the keys its last
+query attends, i.e. the non-padded ones). The patched attention computes upstream's **sdpa**
 path, ``softmax(q k^T / sqrt(d) + alibi / sqrt(d))``, whatever ``attn_implementation`` says:
-upstream's eager path adds the bias a second time on top of the folded mask (an upstream bug),
-so a patched eager Falcon-ALiBi model differs from upstream eager and agrees with upstream sdpa
-(the registry records this as ``reference_attn="sdpa"``; ``torchembed compare`` uses it).
+upstream's eager path before 5.25 adds the bias a second time on top of the folded mask (an
+upstream bug), so a patched eager Falcon-ALiBi model differs from upstream eager there and agrees
+with upstream sdpa (the registry records this as ``reference_attn="sdpa"``; ``torchembed compare``
+uses it).
 """
 
 from __future__ import annotations
@@ -53,19 +57,13 @@ from torch import Tensor, nn
 from torchembed.functional.alibi import alibi_decode_bias, alibi_key_bias, alibi_slopes
 from torchembed.kernels.alibi_attention import MaskCache, alibi_attention, causal_keep, dense_prefill, repeat_kv
 from torchembed.kernels.alibi_bias import prefill_bias
-from torchembed.patches.actions import AddForwardPreHook, Component, InstanceMethod, OverrideAttribute
+from torchembed.patches.actions import AddForwardPreHook, Component
 from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
 from torchembed.patches.devices import ShareDeviceCopies
 from torchembed.patches.errors import StructureError
-from torchembed.patches.rebind import chain, global_names
 from torchembed.patches.registry import Family, PatchOptions, register
 
-try:  # imported here, not in falcon_causal_mask: dynamo cannot trace an import from transformers' lazy module
-    from transformers.masking_utils import create_causal_mask as _upstream_causal_mask
-except ImportError:  # older transformers: FalconModel.forward has no create_causal_mask to rebind
-    _upstream_causal_mask = None
-
-__all__ = ["bloom_alibi_tensor", "falcon_alibi_tensor", "falcon_causal_mask", "mpt_alibi_tensor"]
+__all__ = ["bloom_alibi_tensor", "falcon_key_bias", "falcon_no_model_bias", "mpt_alibi_tensor"]
 
 
 # What the model builders derive from the config alone, built once per (heads, ..., device)
@@ -91,32 +89,55 @@ def bloom_alibi_tensor(attention_mask: Tensor, num_heads: int, dtype: torch.dtyp
     return alibi_key_bias(slopes, attention_mask).reshape(batch * num_heads, 1, length)
 
 
-def falcon_alibi_tensor(attention_mask: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
-    """Falcon's bias from a ``(b, k)`` mask: ``(b * h, 1, k)`` float32, ``slope * position`` with
-    positions counted over non-padded keys as upstream (up to a constant per row). Not rounded to
-    bfloat16 and not scaled: :func:`falcon_attention_forward` multiplies it by ``1 / sqrt(d)`` in
-    float32 (``dtype`` is ignored)."""
-    return bloom_alibi_tensor(attention_mask, num_heads, dtype)
+def falcon_no_model_bias(attention_mask: Tensor, num_heads: int, dtype: torch.dtype) -> None:
+    """``build_alibi_tensor`` for a patched ``FalconModel.forward``: no bias at model level.
+
+    Every release then passes its attention the plain causal mask (4.57-5.24 fold the bias into it
+    only when there is one, 5.25 likewise), and the patched attention derives the bias from that
+    mask (:func:`falcon_key_bias`) in float32."""
+    return None
 
 
-def falcon_causal_mask(*args: Any, **kwargs: Any) -> Tensor | None:
-    """``create_causal_mask`` for ``FalconModel.forward``, returned without its head dim.
+def falcon_key_bias(attention_mask: Tensor | None, num_heads: int, k_len: int, device: torch.device) -> Tensor:
+    """Falcon's ALiBi bias in key-only form, ``(b or 1, h, k)`` float32, from the layer's causal mask.
 
-    Upstream folds the ALiBi bias into the mask when it is 4-D (``causal_mask.ndim == 4``),
-    materialising ``(b, h, q, k)`` in the model dtype. The ``(b, 1, q, k)`` mask (bool, True =
-    attend; additive float for eager) is returned as the ``(b, q, k)`` view, so that fold is skipped
-    and :func:`falcon_attention_forward` gets the mask and the key bias separately. Other masks
-    (None, 2-D for flash attention) pass through unchanged.
+    Falcon counts key positions over the keys that are not padding (``cumsum`` of the 2-D mask);
+    those are exactly the keys the last query row of the causal mask attends, so the bias is
+    :func:`alibi_key_bias` of that row (up to a constant per row, which softmax ignores). A static
+    cache's keys past the newest token are masked in that row too and get no weight either way.
 
-    Raises:
-        ValueError: a 4-D mask with several heads (nothing upstream produces).
+    Args:
+        attention_mask: ``(b, q, k)`` or ``(b, 1, q, k)``, bool (True = attend) or additive float
+            (0 = attend); None: no padding (plain causal attention).
+        num_heads: h; ``k_len``: keys; ``device``: where the slopes live.
     """
-    mask = _upstream_causal_mask(*args, **kwargs)
-    if mask is None or mask.ndim != 4:
-        return mask
-    if mask.shape[1] != 1:
-        raise ValueError(f"expected a (b, 1, q, k) causal mask, got {tuple(mask.shape)}")
-    return mask[:, 0]
+    slopes = _constant(("slopes", num_heads, device), lambda: alibi_slopes(num_heads, device))
+    if attention_mask is None:
+        return _causal_key_bias(slopes, k_len)
+    last_row = _falcon_keep(attention_mask)[:, 0, -1, :]  # (b, k) keys the newest query attends
+    return alibi_key_bias(slopes, last_row)
+
+
+def _causal_key_bias(slopes: Tensor, k_len: int) -> Tensor:
+    """``slope * (j - (k - 1))`` ``(1, h, k)``: the bias of unpadded keys. Kept for the last few
+    (slopes, k) pairs, so that the layers of one forward get the same tensor and what is derived
+    from it (decode mask, the kernel's bias) is derived once (:func:`_attention`)."""
+    def make() -> Tensor:
+        return slopes[None, :, None] * torch.arange(1 - k_len, 1, device=slopes.device, dtype=torch.float32)
+
+    if torch.compiler.is_compiling():
+        return make()
+    key = (id(slopes), k_len)
+    bias = _CAUSAL_BIAS.pop(key, None)
+    if bias is None:
+        bias = make()
+        if len(_CAUSAL_BIAS) >= 4:  # a decode loop moves on to longer keys: drop the oldest
+            del _CAUSAL_BIAS[next(iter(_CAUSAL_BIAS))]
+    _CAUSAL_BIAS[key] = bias  # (re)inserted last
+    return bias
+
+
+_CAUSAL_BIAS: dict[tuple[int, int], Tensor] = {}  # keyed by id of a slopes tensor of _CONSTANTS (kept alive there)
 
 
 def mpt_alibi_tensor(num_heads: int, sequence_length: int, alibi_bias_max: float = 8, device=None) -> Tensor:
@@ -218,56 +239,84 @@ def falcon_attention_forward(self: nn.Module, *args: Any, fused: bool | None = N
     """``FalconAttention.forward`` for ALiBi models with torchembed's ALiBi attention (``fused``: the
     patch's choice, see :func:`_attention`).
 
-    Computes upstream's sdpa path, ``softmax(q k^T / sqrt(d) + alibi / sqrt(d) | mask) v``.
+    Computes upstream's sdpa path, ``softmax(q k^T / sqrt(d) + alibi / sqrt(d) | mask) v``, with the
+    bias derived from the mask (:func:`falcon_key_bias`); an ``alibi`` argument (4.57-5.24, None
+    under a patched model) is not read.
 
-    Upstream arguments used: ``hidden_states`` ``(b, q, hidden)``; ``alibi`` ``(b * h, 1, k)`` key
-    bias (:func:`falcon_alibi_tensor`); ``attention_mask`` ``(b, q, k)`` from
-    :func:`falcon_causal_mask` or ``(b, 1, q, k)``, bool (True = attend) or additive float
-    (0 = attend), None: causal; the cache under the release's name.
+    Upstream arguments used: ``hidden_states`` ``(b, q, hidden)``; ``attention_mask`` ``(b, 1, q, k)``
+    or ``(b, q, k)``, bool (True = attend) or additive float (0 = attend), None: causal; the cache
+    under the release's name.
 
     Returns:
         ``(dense(context) (b, q, hidden), None)``; with ``output_attentions`` or a ``head_mask``
-        upstream's eager forward runs on the unfolded mask and returns its ``(b, h, q, k)``
+        upstream's eager forward runs (:func:`_falcon_upstream`) and returns its ``(b, h, q, k)``
         probabilities.
 
     Raises:
-        ValueError: no ``alibi``, a mask with the bias folded in (``(b, h, q, k)`` float, what
-            upstream's model forward builds), or a bias that does not cover the keys.
+        ValueError: a mask with the bias folded in (``(b, h, q, k)`` float, what upstream's model
+            forward builds when it is not patched).
     """
     a = _arguments(self, args, kwargs)
-    hidden_states, alibi, attention_mask = a["hidden_states"], a.get("alibi"), a.get("attention_mask")
-    if alibi is None:
-        raise ValueError("torchembed's Falcon ALiBi attention needs the alibi bias (config.alibi=True)")
+    hidden_states, attention_mask = a["hidden_states"], a.get("attention_mask")
     if attention_mask is not None and attention_mask.ndim == 4 and attention_mask.dtype != torch.bool and attention_mask.shape[1] != 1:
         raise ValueError(
             "got a (b, heads, q, k) float attention mask, which upstream's FalconModel.forward folds the ALiBi bias "
             "into; patch the whole model (torchembed.patch), not only its attention"
         )
     if a.get("output_attentions") or a.get("head_mask") is not None:
-        return _upstream(self, args, kwargs, attention_mask=_additive_mask(attention_mask, hidden_states, alibi.shape[-1]))
+        return _falcon_upstream(self, args, kwargs, a)
     batch, q_len, _ = hidden_states.shape
     q, k, v = _falcon_qkv(self, hidden_states)
     cache = _cache_of(a)
     if cache is not None:
         k, v = _cache_update(cache, k, v, self.layer_idx, a)
     k_len = k.shape[-2]
-    if alibi.shape[-1] != k_len:
-        raise ValueError(f"ALiBi bias covers {alibi.shape[-1]} keys, attention has {k_len}")
     scale, heads = self.inv_norm_factor, self.num_heads
-    dropout = self.attention_dropout.p if self.training else 0.0
-    context = _attention(q, k, v, attention_mask, _falcon_keep, alibi, alibi, ("falcon", scale),
-                         lambda: alibi.view(batch, heads, k_len).to(torch.float32) * scale,  # upstream: alibi / sqrt(d)
+    dropout = getattr(self.attention_dropout, "p", self.attention_dropout) if self.training else 0.0  # 5.25: a float
+    # what every layer of this forward receives: the mask, or without one the (kept) unpadded bias
+    shared = attention_mask if attention_mask is not None else falcon_key_bias(None, heads, k_len, q.device)
+    context = _attention(q, k, v, attention_mask, _falcon_keep, shared, shared, ("falcon", scale),
+                         lambda: falcon_key_bias(attention_mask, heads, k_len, q.device) * scale,  # upstream: alibi / sqrt(d)
                          scale=scale, dropout_p=dropout, fused=fused)
     context = context.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)  # (b, q, h*d)
     return self.dense(context), None
 
 
+def _falcon_upstream(self: nn.Module, args: tuple, kwargs: dict, a: dict[str, Any]) -> Any:
+    """Upstream's eager ``FalconAttention.forward`` (attention weights, head masks) on what this
+    release expects, computing the same function as the patched path: 4.57-5.24 take the key bias
+    as ``alibi`` ``(b * h, 1, k)`` beside the unfolded additive mask; 5.25 takes the bias folded
+    into a ``(b, h, q, k)`` mask in the model dtype, as its ``FalconModel.forward`` builds it."""
+    hidden_states, attention_mask = a["hidden_states"], a.get("attention_mask")
+    past = _cache_of(a)
+    k_len = hidden_states.shape[1] + (past.get_seq_length(self.layer_idx) if past is not None else 0)
+    if attention_mask is not None:
+        k_len = attention_mask.shape[-1]
+    bias = falcon_key_bias(attention_mask, self.num_heads, k_len, hidden_states.device)  # (b or 1, h, k)
+    mask = _additive_mask(attention_mask, hidden_states, k_len)  # (b or 1, 1, q, k)
+    if "alibi" in _parameter_names(type(self).forward):
+        batch = hidden_states.shape[0]
+        alibi = bias.expand(batch, -1, -1).reshape(batch * self.num_heads, 1, k_len)
+        return _upstream(self, args, kwargs, alibi=alibi, attention_mask=mask)
+    folded = (bias[:, :, None, :] * self.inv_norm_factor).to(hidden_states.dtype)
+    folded = folded.masked_fill(mask < 0, torch.finfo(hidden_states.dtype).min)
+    return _upstream(self, args, kwargs, attention_mask=folded)
+
+
 def _falcon_qkv(attn: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q ``(b, h, s, d)`` and k, v ``(b, kv, s, d)`` as upstream's ``FalconAttention.forward``
-    (``kv`` = 1 for multi-query; ``new_decoder_architecture`` already repeats kv to ``h``)."""
-    query, key, value = attn._split_heads(attn.query_key_value(hidden_states))  # (b, s, heads, d)
-    # upstream reshapes these (b, heads, s, d) views to their own shape: the same views
-    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    """q ``(b, h, s, d)`` and k, v ``(b, kv, s, d)``: views of ``query_key_value``'s output in the
+    layout every release reads it (``kv`` = 1 for multi-query; new_decoder_architecture: each kv
+    group's queries, then its key and value; otherwise q, k, v interleaved per head)."""
+    batch, seq = hidden_states.shape[:2]
+    fused = attn.query_key_value(hidden_states).view(batch, seq, -1, attn.head_dim)  # (b, s, parts, d)
+    if attn.new_decoder_architecture:
+        grouped = fused.view(batch, seq, attn.num_kv_heads, -1, attn.head_dim)  # (b, s, kv, group + 2, d)
+        q, k, v = grouped[..., :-2, :].flatten(2, 3), grouped[..., -2, :], grouped[..., -1, :]
+    elif attn.multi_query:
+        q, k, v = fused.split([attn.num_heads, 1, 1], dim=2)
+    else:
+        q, k, v = fused.unflatten(2, (attn.num_heads, 3)).unbind(3)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 def _bloom_keep(mask: Tensor) -> Tensor:
@@ -434,11 +483,12 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, t
 
 def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, dropout_p: float) -> Tensor:
     """SDPA with an additive mask; a decode step broadcasts a multi-query kv head (as upstream's
-    SDPA does), a prefill gets the kv heads repeated."""
-    heads = q.shape[1]
-    if q.shape[-2] != 1 and k.shape[1] != heads:
+    SDPA does) and reads grouped kv heads in place (``enable_gqa``), a prefill gets them repeated."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if q.shape[-2] != 1 and kv_heads != heads:
         k, v = repeat_kv(k, heads), repeat_kv(v, heads)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    grouped = kv_heads not in (1, heads)  # a decode step: SDPA reads grouped kv heads in place
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=grouped)
 
 
 def _keep_mask(attention_mask: Tensor | None, to_keep: Any, anchor: Tensor | None) -> tuple[Tensor | None, MaskCache | None]:
@@ -464,42 +514,6 @@ def _keep_mask(attention_mask: Tensor | None, to_keep: Any, anchor: Tensor | Non
         keep = None if attention_mask is None else to_keep(attention_mask)
         cache = _MASKS[id(source)] = MaskCache().store(source, keep)
     return cache.keep, cache
-
-
-def _falcon_unfolded_mask(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``FalconModel._update_causal_mask`` (4.57, 5.0) without folding the ALiBi bias into the mask;
-    positional arguments named by this release's signature (4.57 has ``head_mask``, 5.0 not)."""
-    method = type(self)._update_causal_mask
-    return method(self, **{**_bind(method, args, kwargs), "alibi": None})
-
-
-class UnfoldFalconMask:
-    """Adapter: keep Falcon's ALiBi bias out of its attention mask, in the structure this release has.
-
-    Recent ``FalconModel.forward`` calls ``create_causal_mask`` (rebound to :func:`falcon_causal_mask`)
-    and ``build_alibi_tensor`` (rebound to :func:`falcon_alibi_tensor`); 4.x and 5.0 fold the bias in
-    ``FalconModel._update_causal_mask(..., alibi)``, which is called with ``alibi=None`` instead.
-    """
-
-    def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[OverrideAttribute]:
-        actions = []
-        for path, module in modules_of(model, "FalconModel"):
-            cls = type(module)
-            loaded = {name for f in chain(cls.forward) for name in global_names(f) if name in f.__globals__}
-            if "create_causal_mask" in loaded:
-                replacements = {"build_alibi_tensor": falcon_alibi_tensor, "create_causal_mask": falcon_causal_mask}
-            elif "alibi" in _parameter_names(getattr(cls, "_update_causal_mask", None)):
-                replacements = {"build_alibi_tensor": falcon_alibi_tensor}
-                component = Component(path, "alibi", qualname(cls._update_causal_mask), qualname(_falcon_unfolded_mask))
-                actions.append(OverrideAttribute(component, module, "_update_causal_mask", InstanceMethod(module, _falcon_unfolded_mask)))
-            else:
-                raise StructureError(family.name, f"{cls.__qualname__}.forward",
-                                     "a call to create_causal_mask (5.x) or _update_causal_mask(..., alibi) (4.x)",
-                                     f"neither (module-level names: {', '.join(sorted(loaded))})")
-            actions += ReplaceGlobals("FalconModel", replacements).plan_one(path, module, family)
-        if not actions:
-            raise StructureError(family.name, type(model).__name__, "a FalconModel module", "none")
-        return actions
 
 
 def _parameter_names(fn: Any) -> tuple[str, ...]:
@@ -544,7 +558,7 @@ class ReplaceAlibiForward(ReplaceForward):
 _ATTENTION_NEEDS = {  # what the replaced forwards read from upstream's arguments
     "bloom": ("hidden_states", "residual", "alibi", "attention_mask"),
     "mpt": ("hidden_states", "position_bias", "attention_mask"),
-    "falcon": ("hidden_states", "alibi", "attention_mask"),
+    "falcon": ("hidden_states", "attention_mask"),
 }
 
 
@@ -588,13 +602,13 @@ register(
         variant="alibi",
         applies=_falcon_alibi,
         adapters=(
-            UnfoldFalconMask(),
+            ReplaceGlobals("FalconModel", {"build_alibi_tensor": falcon_no_model_bias}),
             ReplaceAlibiForward("FalconAttention", falcon_attention_forward, _ATTENTION_NEEDS["falcon"], _CACHE_ANY),
             ShareDeviceCopies(),
         ),
         description=(
-            "build_alibi_tensor -> torchembed ALiBi (float32 slopes, not folded into the mask); "
-            "attention -> fused ALiBi attention (upstream's sdpa function)"
+            "build_alibi_tensor -> none (not folded into the mask); attention -> fused ALiBi attention "
+            "with torchembed's float32 bias (upstream's sdpa function)"
         ),
         reference_attn="sdpa",  # upstream eager adds the bias twice
     )

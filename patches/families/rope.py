@@ -45,13 +45,19 @@ __all__ = ["ClassRotations", "RopeExpectation", "ReplaceRotationHelpers", "RopeD
 @dataclass(frozen=True)
 class ClassRotations:
     """What the forward of one attention class calls: ``{global name: (upstream helper, rotation)}``
-    for the recognised helpers, ``{name: why}`` for rope-named callables that are not."""
+    for the recognised helpers, ``{name: why}`` for rope-named callables that are not.
+
+    ``methods``: the functions to rebuild per instance, by attribute name: ``forward`` and each
+    method of the class that the forward reaches as ``self.<name>(...)`` (directly or through such
+    methods) and that calls a rotation helper itself (Qwen4-Exp's indexer rotates its keys in
+    ``_select_tokens``)."""
 
     forward: Any
     recognized: dict[str, tuple[Any, Rotation]]
     unrecognized: dict[str, str]
     calls_super_forward: bool
     via_attribute: frozenset[str] = frozenset()  # apply-like rotation names loaded as ``x.name``
+    methods: dict[str, Any] = field(default_factory=dict)
 
 
 _CLASS_CACHE: "weakref.WeakKeyDictionary[type, ClassRotations]" = weakref.WeakKeyDictionary()
@@ -61,8 +67,23 @@ def _is_candidate(name: str, value: Any) -> bool:
     return is_rotation_name(name) and callable(value) and not isinstance(value, (type, types.ModuleType))
 
 
+def _rotating_methods(cls: type, forward: Any) -> dict[str, Any]:
+    """``forward`` and the plain methods of ``cls`` it reaches by attribute name (transitively)
+    that load a rotation-named global, by name."""
+    methods, seen, todo = {"forward": forward}, {"forward"}, [forward]
+    while todo:
+        for name in sorted({n for f in chain(todo.pop()) for n in attribute_names(f)} - seen):
+            seen.add(name)
+            method = inspect.getattr_static(cls, name, None)
+            if isinstance(method, types.FunctionType) and not method.__module__.startswith("torch."):
+                todo.append(method)
+                if find_globals(method, _is_candidate):
+                    methods[name] = method
+    return methods
+
+
 def class_rotations(cls: type) -> ClassRotations:
-    """The rotation helpers ``cls.forward`` calls (cached per class)."""
+    """The rotation helpers ``cls.forward`` calls, itself or through methods of ``cls`` (cached per class)."""
     hit = _CLASS_CACHE.get(cls)
     if hit is not None:
         return hit
@@ -70,9 +91,14 @@ def class_rotations(cls: type) -> ClassRotations:
     if isinstance(forward, staticmethod | classmethod) or not callable(forward):
         result = ClassRotations(forward, {}, {}, False)
     else:
+        methods = _rotating_methods(cls, forward)
         recognized, unrecognized = {}, {}
-        for name, uses in find_globals(forward, _is_candidate).items():
-            values = {id(value): value for _, value in uses}
+        uses: dict[str, list] = {}
+        for method in methods.values():
+            for name, found in find_globals(method, _is_candidate).items():
+                uses.setdefault(name, []).extend(found)
+        for name, found in uses.items():
+            values = {id(value): value for _, value in found}
             if len(values) > 1:
                 unrecognized[name] = "bound to different objects in different functions of the forward's decorator chain"
                 continue
@@ -82,11 +108,11 @@ def class_rotations(cls: type) -> ClassRotations:
                 unrecognized[name] = explain(helper)
             else:
                 recognized[name] = (helper, rotation)
-        functions = list(chain(forward))
-        calls_super = any("super" in global_names(f) and "forward" in attribute_names(f) for f in functions)
+        functions = [f for method in methods.values() for f in chain(method)]
+        calls_super = any("super" in global_names(f) and "forward" in attribute_names(f) for f in chain(forward))
         via_attribute = frozenset(name for f in functions for name in attribute_names(f)
                                   if "apply" in name and "rotary" in name)  # not self.rotary_pos_emb(...), self.apply_interleaved_mrope(...)
-        result = ClassRotations(forward, recognized, unrecognized, calls_super, via_attribute)
+        result = ClassRotations(forward, recognized, unrecognized, calls_super, via_attribute, methods)
     _CLASS_CACHE[cls] = result
     return result
 
@@ -165,9 +191,13 @@ class ReplaceRotationHelpers:
                             for name, (helper, rotation) in rotations.recognized.items()}
             upstream = ", ".join(qualname(helper) for helper, _ in rotations.recognized.values())
             described = "; ".join(f"{name}: {rotation.describe()}" for name, (_, rotation) in rotations.recognized.items())
-            component = Component(path, "rope-apply", upstream, f"torchembed RotaryHelper ({described})")
-            method = InstanceMethod(module, rotations.forward, replacements)
-            actions.append(OverrideAttribute(component, module, "forward", method))
+            for name, method in rotations.methods.items():
+                used = {helper: replacements[helper] for helper in find_globals(method, _is_candidate)}
+                if not used:  # a forward that rotates only through its methods
+                    continue
+                where = upstream if name == "forward" else f"{qualname(method)} calling {', '.join(sorted(used))}"
+                component = Component(path, "rope-apply", where, f"torchembed RotaryHelper ({described})")
+                actions.append(OverrideAttribute(component, module, name, InstanceMethod(module, method, used)))
         return actions
 
     def _check(self, found: RopeDiscovery, model: nn.Module, config: Any, family: Family) -> None:

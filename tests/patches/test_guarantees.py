@@ -1,6 +1,7 @@
 """What "patched" guarantees: instance scope, exact undo, idempotence, no data change, errors."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 import torchembed
 from torchembed.patches import FusedUnavailableError, UnsupportedModelError
 from torchembed.patches.actions import InstanceMethod
+from torchembed.patches.rebind import chain, global_names
 from tests.helpers import assert_no_new_graph_breaks, graph_breaks
 
 transformers = pytest.importorskip("transformers")
@@ -200,7 +202,7 @@ def test_alibi_masks_derived_once_per_forward(name, padded, load, decode_masks_b
     """A patched ALiBi model derives its per-forward tensors once for all layers (host time), not
     once per layer: the decode step's SDPA mask, and the prefill's row summary of the mask for the
     fused kernel (the kernel stubbed on CPU) — with a padded batch (a mask tensor per forward) and
-    without (Falcon's sdpa layers then get no mask at all: no summary; the bias tensor keys the cache)."""
+    without (Falcon's layers then get no mask at all: no summary; the kept unpadded bias keys the cache)."""
     import torchembed.kernels.alibi_attention as kernel
 
     monkeypatch.setattr(kernel, "DENSE_MAX_ELEMENTS", 0)  # the kernel at any size
@@ -208,11 +210,17 @@ def test_alibi_masks_derived_once_per_forward(name, padded, load, decode_masks_b
     monkeypatch.setattr(kernel, "attempt", lambda q, *a, **kw: torch.zeros_like(q))  # (the kernel: not under test)
     summaries = []
     monkeypatch.setattr(kernel, "mask_rows", lambda keep: summaries.append(1) or keep)
+    model = load(name)
     if not padded and name == "falcon-alibi":  # no mask reaches the layers, as when transformers skips the sdpa mask
-        import torchembed.patches.families.alibi as family
-
-        monkeypatch.setattr(family, "_upstream_causal_mask", lambda *a, **kw: None)
-    model = torchembed.patch(load(name))
+        falcon = type(model.transformer)
+        modeling = importlib.import_module(falcon.__module__)
+        if not hasattr(modeling, "create_causal_mask"):  # 4.x
+            monkeypatch.setattr(falcon, "_update_causal_mask", lambda *a, **kw: None)
+    model = torchembed.patch(model)
+    if not padded and name == "falcon-alibi" and hasattr(modeling, "create_causal_mask"):  # 5.x: in the rebuilt forward
+        for function in chain(model.transformer.forward.__func__):
+            if "create_causal_mask" in global_names(function) and function.__globals__ is not vars(modeling):
+                monkeypatch.setitem(function.__globals__, "create_causal_mask", lambda *a, **kw: None)
     ids = torch.randint(1, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     if padded:

@@ -153,10 +153,29 @@ def rotary_code_of(model_type: str) -> tuple[str, ...]:
     """The rotary classes/functions in the modeling code of ``model_type`` and its default sub-models."""
     from transformers.models.auto.configuration_auto import model_type_to_module_name
 
-    names = list(_rotary_code(model_type_to_module_name(model_type)))
+    module_name = model_type_to_module_name(model_type)
+    names = list(_rotary_code(module_name))
+    if not _modeling_text(module_name):  # no modeling code of its own (param2moe: Glm4Moe's classes)
+        for other in _class_lenders(model_type):
+            names += _rotary_code(model_type_to_module_name(other))
     for sub in _sub_model_types(model_type):
         names += rotary_code_of(sub)
     return tuple(dict.fromkeys(names))
+
+
+@functools.lru_cache(maxsize=None)
+def _class_lenders(model_type: str) -> tuple[str, ...]:
+    """Other model types whose model classes transformers' auto mappings give ``model_type`` (a type
+    with a config and no modeling code of its own: 5.25's param2moe is built as Glm4MoeForCausalLM)."""
+    from transformers.models.auto import modeling_auto
+
+    lenders = []
+    for task in _TASKS:
+        names = getattr(modeling_auto, task, None) or {}
+        mine = names.get(model_type)
+        if mine is not None:
+            lenders += [t for t, cls in names.items() if cls == mine and t != model_type]
+    return tuple(dict.fromkeys(lenders))
 
 
 @functools.lru_cache(maxsize=None)
