@@ -17,8 +17,8 @@ from torch import nn
 
 from torchembed.patches.core import patch
 
-__all__ = ["from_pretrained", "model_class_for", "resolve_checkpoint", "load_config", "CheckpointNotFoundError",
-           "HubUnreachableError", "MissingDependencyError"]
+__all__ = ["from_pretrained", "load_upstream", "model_class_for", "resolve_checkpoint", "load_config",
+           "CheckpointNotFoundError", "HubUnreachableError", "MissingDependencyError"]
 
 _ENCODERS = {"bert"}
 #: keyword arguments that say where a checkpoint's files are (given to the config and the model alike)
@@ -48,6 +48,28 @@ def model_class_for(config: Any) -> Any:
         if cls is not None:
             return cls
     return transformers.AutoModel if config.model_type in _ENCODERS else transformers.AutoModelForCausalLM
+
+
+def load_upstream(model_class: Any, name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -> nn.Module:
+    """``model_class.from_pretrained(name_or_path, **hf_kwargs)``, unpatched, as transformers loads it,
+    except that a missing hub-kernels package never stops the load.
+
+    transformers 5.25 turns its hub kernels on by default (``use_kernels``) and raises when the
+    ``kernels`` package it needs is not installed; earlier releases default to off. Without that
+    package, and unless the caller says otherwise, the model is loaded with ``use_kernels=False``:
+    what every release before 5.25 does and what 5.25 does with ``USE_HUB_KERNELS=0``.
+    """
+    if "use_kernels" not in hf_kwargs and not _hub_kernels_installed():
+        hf_kwargs = {**hf_kwargs, "use_kernels": False}
+    return model_class.from_pretrained(name_or_path, **hf_kwargs)
+
+
+def _hub_kernels_installed() -> bool:
+    """Whether transformers finds a ``kernels`` package it can use (its own check, by release)."""
+    from transformers.utils import import_utils
+
+    check = getattr(import_utils, "is_kernels_available", None)
+    return bool(check()) if check is not None else False
 
 
 def _offline() -> bool:
@@ -158,6 +180,8 @@ def resolve_checkpoint(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -
         _check_folder(local, name, kwargs)  # a wrong name first: installing gguf would not help it
         _require_gguf(kwargs)
         return str(local), kwargs
+    if local.suffix == ".gguf":  # a file name, never a hub id
+        raise CheckpointNotFoundError(f"no such file: {name}")
     if _looks_like_path(name):
         raise CheckpointNotFoundError(f"no such checkpoint folder: {name}")
     _require_gguf(kwargs)
@@ -229,5 +253,5 @@ def from_pretrained(name_or_path: str | os.PathLike[str], fused: bool | None = N
             config, hf_kwargs = load_config(config or name_or_path, **hf_kwargs)
         model_class = model_class_for(config)
         hf_kwargs["config"] = config
-    model = model_class.from_pretrained(name_or_path, **hf_kwargs)
+    model = load_upstream(model_class, name_or_path, **hf_kwargs)
     return patch(model, fused=fused)

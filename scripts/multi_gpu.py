@@ -117,7 +117,9 @@ def load(path: Path, dtype: torch.dtype, device_map: Any, gpus: int, smoke: bool
     ``gpus`` devices (accelerate's balanced split), retrying with an explicit ``max_memory``."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map).eval()
+    from torchembed.patches.loading import load_upstream
+
+    model = load_upstream(transformers.AutoModelForCausalLM, path, dtype=dtype, device_map=device_map).eval()
     if device_map != "auto" or smoke:
         return model
     used = {d for d in model.hf_device_map.values() if isinstance(d, int)}
@@ -126,8 +128,8 @@ def load(path: Path, dtype: torch.dtype, device_map: Any, gpus: int, smoke: bool
         checkpoint_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))  # saved in bf16
         size = checkpoint_bytes * dtype.itemsize // 2  # in memory in `dtype`
         budget = {i: int(size / gpus * 1.15) + 2**30 for i in range(gpus)}  # an even share + 15% + 1 GiB
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, device_map="auto", max_memory=budget).eval()
+        model = load_upstream(transformers.AutoModelForCausalLM, path, dtype=dtype, device_map="auto",
+                              max_memory=budget).eval()
     return model
 
 

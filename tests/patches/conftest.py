@@ -17,12 +17,12 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def load(checkpoint):
     """``load(name, **hf_kwargs) -> model`` in eval mode, loaded with ``from_pretrained``."""
-    from torchembed.patches.loading import model_class_for
+    from torchembed.patches.loading import load_upstream, model_class_for
 
     def _load(name, **kwargs):
         path = checkpoint(name)
         config = transformers.AutoConfig.from_pretrained(path)
-        return model_class_for(config).from_pretrained(path, **kwargs).eval()
+        return load_upstream(model_class_for(config), path, **kwargs).eval()
 
     return _load
 

@@ -9,6 +9,7 @@ import torch
 import torchembed
 from torchembed.patches import FusedUnavailableError, UnsupportedModelError
 from torchembed.patches.actions import InstanceMethod
+from torchembed.patches.loading import load_upstream
 from torchembed.patches.rebind import chain, global_names
 from tests.helpers import assert_no_new_graph_breaks, graph_breaks
 
@@ -69,7 +70,7 @@ def test_save_pretrained_of_patched_model_loads_in_plain_transformers(name, load
     model = torchembed.patch(load(name))
     inputs = _inputs(model)
     model.save_pretrained(tmp_path)
-    plain = type(model).from_pretrained(tmp_path).eval()
+    plain = load_upstream(type(model), tmp_path).eval()
     assert not torchembed.is_patched(plain)
     torchembed.unpatch(model)
     assert torch.equal(_out(plain, inputs), _out(model, inputs))
@@ -343,7 +344,7 @@ def test_patched_as_built_by_from_pretrained(name, checkpoint, load, monkeypatch
 
     upstream = load(name, dtype=torch.bfloat16)
     monkeypatch.setattr(transformers.PreTrainedModel, "post_init", patching_post_init)
-    model = type(upstream).from_pretrained(checkpoint(name), dtype=torch.bfloat16).eval()
+    model = load_upstream(type(upstream), checkpoint(name), dtype=torch.bfloat16).eval()
     monkeypatch.undo()
     assert built and all(built) and torchembed.is_patched(model)
     inputs = _inputs(model)

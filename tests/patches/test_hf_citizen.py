@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import torchembed
+from torchembed.patches.loading import load_upstream
 
 transformers = pytest.importorskip("transformers")
 FAMILIES = ["llama", "mistral", "falcon", "falcon-alibi", "bloom", "mpt", "bert", "gpt2"]
@@ -63,7 +64,7 @@ def test_patched_base_model_inside_another_hf_model_and_missing_keys(checkpoint)
     head.post_init()
     assert torchembed.is_patched(base)
     scores = torchembed.from_pretrained(path, model_class=transformers.LlamaForSequenceClassification)
-    plain = transformers.LlamaForSequenceClassification.from_pretrained(path)
+    plain = load_upstream(transformers.LlamaForSequenceClassification, path)
     plain.score.load_state_dict(scores.score.state_dict())
     ids = _ids(plain, batch=1)
     _close(_out(scores.eval(), ids), _out(plain.eval(), ids))

@@ -45,6 +45,8 @@ def test_train_smoke(tmp_path: Path, grad_checkpointing: bool) -> None:
     assert "training step" in md and "2 x 16" in md
 
 
-def test_train_validation(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="sequence lengths"):
+def test_train_validation(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
         bench.main(["train", "--smoke", "--out", str(tmp_path), "--seq-lens", "1"])
+    assert exit_.value.code == 2
+    assert "argument --seq-lens: expected an integer >= 2, got '1'" in capsys.readouterr().err

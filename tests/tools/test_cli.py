@@ -259,3 +259,56 @@ def test_list_all_says_for_each_rotary_model_type_patched_or_why_not(capsys, mon
     assert "opt" in next(line for line in lines if line.startswith("== no rotary component")).split(": ", 1)[1].split(", ")
     assert lines[-1].startswith("1 patched, ") and "without a rotary component" in lines[-1]
     assert f"transformers {transformers.__version__}" in lines[-1]
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["compare", "--seq-len", "-1"], "--seq-len"),
+    (["compare", "--seq-len", "0"], "--seq-len"),
+    (["compare", "--batch-size", "0"], "--batch-size"),
+    (["compare", "--steps", "-3"], "--steps"),
+    (["compare", "--batch-size", "two"], "--batch-size"),
+    (["chat", "hi", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["chat", "hi", "--repeats", "-1"], "--repeats"),
+    (["bench", "e2e", "--new-tokens", "1"], "--new-tokens"),
+    (["bench", "e2e", "--batch-sizes", "1", "0"], "--batch-sizes"),
+    (["bench", "alibi", "--repeats", "0"], "--repeats"),
+    (["bench", "alibi", "--slow-ms", "-5"], "--slow-ms"),
+    (["bench", "alibi", "--kernel", "--rounds", "0"], "--rounds"),
+    (["bench", "rope", "--seed", "-1"], "--seed"),
+    (["bench", "train", "--seq-lens", "0"], "--seq-lens"),
+    (["bench", "rope", "--max-seconds", "nan"], "--max-seconds"),
+])
+def test_every_bad_number_is_one_line(capsys, argv, option) -> None:
+    """Before anything is loaded or measured: exit 2, one line naming the option and the value."""
+    code, out, err = run(capsys, *argv)
+    line = one_line_error(err)
+    assert code == 2 and f"argument {option}" in line and "expected" in line and argv[-1] in line, line
+    assert out == ""
+
+
+def test_compare_takes_a_tiny_model_by_name(capsys, offline, tmp_path: Path) -> None:
+    code, out, err = run(capsys, "compare", "llama", "--dtype", "float32", "--attn", "sdpa", "--json",
+                         "--cache-dir", str(tmp_path))
+    assert code == 0, err
+    rows = __import__("json").loads(out)
+    assert {row["model"] for row in rows} == {"llama"} and all(row["ok"] for row in rows), rows
+    assert list((tmp_path / "tiny").glob("llama-seed0-*"))  # built in the cache, as the embedded default
+
+
+@pytest.mark.parametrize("name", ["nope.gguf", "./nope.gguf", "models/nope.Q4_0.gguf"])
+def test_missing_gguf_file_is_no_such_file(capsys, name) -> None:
+    """Never "the hub cannot be reached": a .gguf name is a file, not a hub id."""
+    code, _, err = run(capsys, "compare", name)
+    assert code == 2 and one_line_error(err) == f"torchembed compare: error: no such file: {name}"
+
+
+def test_list_all_survey_is_kept_and_read_back(tmp_path: Path, monkeypatch) -> None:
+    """The second survey reads the first one's file instead of building the models again."""
+    from torchembed.tools import zoo
+
+    monkeypatch.setenv("TORCHEMBED_CACHE", str(tmp_path))
+    first = zoo.survey(["llama", "qwen3"])
+    assert [s.model_type for s in first] == ["llama", "qwen3"] and all(s.supported for s in first)
+    assert Path(zoo.survey_cache_file()).is_file()
+    monkeypatch.setattr(zoo, "status_of", lambda t: pytest.fail(f"{t} checked again"))
+    assert zoo.survey(["qwen3", "llama"]) == first[::-1]

@@ -41,6 +41,8 @@ from unittest import mock
 import torch
 from torch import nn
 
+from torchembed.tools.options import count, seconds
+
 __all__ = ["add_common_args", "setup", "environment", "do_bench", "host_loop", "wall", "copy_bandwidth", "measure",
            "paired_ratio", "gc_paused", "generate_timed", "write_results", "md_table", "dynamo_config", "main"]
 
@@ -60,9 +62,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None, help="base name of the result files (default: the benchmark's)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU in seconds (exercises the script)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
-    parser.add_argument("--max-seconds", type=float, default=None,
+    parser.add_argument("--max-seconds", type=seconds, default=None,
                         help="stop starting new measurements after this many seconds; the rest is recorded as skipped")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=count(0), default=0)
 
 
 def setup(args: argparse.Namespace, device: str = "cuda") -> torch.device:

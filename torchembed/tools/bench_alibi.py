@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from torchembed.tools import bench
+from torchembed.tools.options import Parser, count, seconds
 
 MODELS = ("bloom", "mpt", "falcon")
 # "patched-kernel": the patched model with the fused kernel for every CUDA prefill; "patched-dense":
@@ -185,13 +186,13 @@ def main(argv: list[str]) -> int:
     if "--kernel" in argv:  # one attention layer against its alternatives (bench_alibi_kernel)
         from torchembed.tools import bench_alibi_kernel
 
-        parser = argparse.ArgumentParser(prog="torchembed bench alibi --kernel",
+        parser = Parser(prog="torchembed bench alibi --kernel",
                                          description=bench_alibi_kernel.__doc__.split("\n\n")[0].replace("``", ""))
         bench.add_common_args(parser)
         parser.add_argument("--kernel", action="store_true", help="the kernel-level table (this one)")
         bench_alibi_kernel.add_args(parser)
         return bench_alibi_kernel.run(parser.parse_args(argv))
-    parser = argparse.ArgumentParser(prog="torchembed bench alibi", description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser = Parser(prog="torchembed bench alibi", description=__doc__.split("\n\n")[0].replace("``", ""))
     bench.add_common_args(parser)
     parser.add_argument("--kernel", action="store_true",
                         help="instead: one ALiBi attention layer, torchembed vs SDPA without bias, FlexAttention, "
@@ -201,14 +202,14 @@ def main(argv: list[str]) -> int:
                         help="default: upstream patched; patched-kernel: the fused kernel for every prefill, "
                         "patched-dense: the materialised bias for every prefill (compare the paths)")
     parser.add_argument("--phases", nargs="+", default=["prefill", "decode"], choices=["prefill", "decode"])
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="default 1 4 (--smoke: 1 2)")
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=None,
+    parser.add_argument("--batch-sizes", nargs="+", type=count(1), default=None, help="default 1 4 (--smoke: 1 2)")
+    parser.add_argument("--seq-lens", nargs="+", type=count(1), default=None,
                         help="prefill lengths (default 1024 2048 4096 8192 16384; --smoke: 16 32)")
-    parser.add_argument("--decode-context", type=int, default=None,
+    parser.add_argument("--decode-context", type=count(1), default=None,
                         help="prompt length before decoding (default 2048; --smoke: 16)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="decode steps, >= 2 (default 64; --smoke: 4)")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 3; --smoke: 2)")
-    parser.add_argument("--slow-ms", type=float, default=2000.0, help="skip longer lengths after a median above this (ms)")
+    parser.add_argument("--new-tokens", type=count(2), default=None, help="decode steps, >= 2 (default 64; --smoke: 4)")
+    parser.add_argument("--repeats", type=count(1), default=None, help="interleaved repeats (default 3; --smoke: 2)")
+    parser.add_argument("--slow-ms", type=seconds, default=2000.0, help="skip longer lengths after a median above this (ms)")
     args = parser.parse_args(argv)
     device = bench.setup(args)
     smoke = args.smoke
@@ -217,8 +218,6 @@ def main(argv: list[str]) -> int:
     args.decode_context = args.decode_context or (16 if smoke else 2048)
     args.new_tokens = args.new_tokens or (4 if smoke else 64)
     args.repeats = args.repeats or (2 if smoke else 3)
-    if args.new_tokens < 2 or args.repeats < 1 or min(args.batch_sizes + args.seq_lens + [args.decode_context]) < 1:
-        raise ValueError("--new-tokens must be >= 2, --repeats >= 1, batch sizes and lengths >= 1")
     if smoke and args.dtype == "bfloat16":
         args.torch_dtype = torch.float32  # CPU smoke: float32
     name = "-".join(["alibi", *(args.models if args.models != list(MODELS) else []),

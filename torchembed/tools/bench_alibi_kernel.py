@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torchembed.tools import bench
+from torchembed.tools.options import count
 
 PREFILL = ((1, 16, 1024, 64), (4, 16, 2048, 64), (4, 16, 8192, 64), (4, 16, 16384, 64), (1, 32, 4096, 128),
            (8, 32, 2048, 128))
@@ -355,7 +356,7 @@ def markdown(records: list[dict[str, Any]]) -> str:
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", nargs="+", default=["forward", "backward"], choices=["forward", "backward"],
                         help="forward only, or forward and forward+backward (default)")
-    parser.add_argument("--rounds", type=int, default=3,
+    parser.add_argument("--rounds", type=count(1), default=3,
                         help="do_bench runs per cell, interleaved over the implementations; the cell shows their "
                         "median (default 3)")
     parser.add_argument("--shapes", nargs="+", default=None,

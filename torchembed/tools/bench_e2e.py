@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from torchembed.tools import bench
+from torchembed.tools.options import Parser, count
 
 MODELS = ("llama", "mistral", "falcon", "qwen3", "gemma3_text", "phi3", "smollm2")
 VARIANTS = ("upstream", "patched", "liger")
@@ -266,21 +267,21 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="torchembed bench e2e", description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser = Parser(prog="torchembed bench e2e", description=__doc__.split("\n\n")[0].replace("``", ""))
     bench.add_common_args(parser)
     parser.add_argument("--models", nargs="+", default=None, choices=MODELS,
                         help="default: all but smollm2 on CUDA, smollm2 on the CPU")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cpu: full-size runs on the CPU (prefill and eager decode)")
-    parser.add_argument("--threads", type=int, nargs="+", default=None,
+    parser.add_argument("--threads", type=count(1), nargs="+", default=None,
                         help="CPU intra-op thread counts, each a run of its own (default: torch's)")
     parser.add_argument("--variants", nargs="+", default=None, choices=VARIANTS,
                         help="default: all (on the CPU: upstream patched)")
     parser.add_argument("--phases", nargs="+", default=None, choices=PHASES, help="default: prefill decode compiled (CPU: prefill decode step; --smoke: prefill decode)")
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="default 1 8 (--smoke: 1 2)")
-    parser.add_argument("--prompt-lens", nargs="+", type=int, default=None, help="default 2048 (--smoke: 16)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="decode steps, >= 2 (default 128; --smoke: 4)")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5; --smoke: 2)")
+    parser.add_argument("--batch-sizes", nargs="+", type=count(1), default=None, help="default 1 8 (--smoke: 1 2)")
+    parser.add_argument("--prompt-lens", nargs="+", type=count(1), default=None, help="default 2048 (--smoke: 16)")
+    parser.add_argument("--new-tokens", type=count(2), default=None, help="decode steps, >= 2 (default 128; --smoke: 4)")
+    parser.add_argument("--repeats", type=count(1), default=None, help="interleaved repeats (default 5; --smoke: 2)")
     args = parser.parse_args(argv)
     device = bench.setup(args, args.device)
     smoke = args.smoke
@@ -293,8 +294,6 @@ def main(argv: list[str]) -> int:
     args.prompt_lens = args.prompt_lens or ([16] if smoke else [2048])
     args.new_tokens = args.new_tokens or (4 if smoke else 128)
     args.repeats = args.repeats or (2 if smoke else 5)
-    if args.new_tokens < 2 or args.repeats < 1 or min(args.batch_sizes + args.prompt_lens) < 1:
-        raise ValueError("--new-tokens must be >= 2, --repeats >= 1, batch sizes and prompt lengths >= 1")
     if smoke and args.dtype == "bfloat16":
         args.torch_dtype = torch.float32  # CPU smoke: float32 (bf16 matmuls are slow on many CPUs)
     name = "-".join(["e2e", *(["cpu"] if device.type == "cpu" and not smoke else []),

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from torchembed.tools import bench
+from torchembed.tools.options import Parser
 
 PROVIDERS = ("torchembed", "torchembed-angles", "torchembed-module", "torchembed-hf", "hf", "compile", "liger")
 Fn = Callable[[Tensor, Tensor], Any]
@@ -343,7 +344,7 @@ def markdown(records: list[dict[str, Any]], providers: list[str], skipped: dict[
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="torchembed bench rope", description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser = Parser(prog="torchembed bench rope", description=__doc__.split("\n\n")[0].replace("``", ""))
     bench.add_common_args(parser)
     parser.add_argument("--providers", nargs="+", default=None, choices=PROVIDERS,
                         help="default: all (--smoke: torchembed torchembed-angles hf liger; compile takes ~30 s on CPU)")

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from torchembed.tools import bench
+from torchembed.tools.options import Parser, count
 from torchembed.tools.bench_e2e import make_config
 
 MODELS = ("llama", "falcon")
@@ -117,21 +118,19 @@ def markdown(records: list[dict[str, Any]], skipped: dict[str, str], params_b: d
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="torchembed bench train", description=__doc__.split("\n\n")[0].replace("``", ""))
+    parser = Parser(prog="torchembed bench train", description=__doc__.split("\n\n")[0].replace("``", ""))
     bench.add_common_args(parser)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--batch-sizes", nargs="+", type=int, default=None, help="default 4 (--smoke: 2)")
-    parser.add_argument("--seq-lens", nargs="+", type=int, default=None, help="default 2048 (--smoke: 16)")
+    parser.add_argument("--batch-sizes", nargs="+", type=count(1), default=None, help="default 4 (--smoke: 2)")
+    parser.add_argument("--seq-lens", nargs="+", type=count(2), default=None, help="default 2048 (--smoke: 16)")
     parser.add_argument("--grad-checkpointing", action="store_true", help="HF gradient checkpointing (non-reentrant)")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved repeats (default 5; --smoke: 2)")
+    parser.add_argument("--repeats", type=count(1), default=None, help="interleaved repeats (default 5; --smoke: 2)")
     args = parser.parse_args(argv)
     device = bench.setup(args)
     smoke = args.smoke
     args.batch_sizes = args.batch_sizes or ([2] if smoke else [4])
     args.seq_lens = args.seq_lens or ([16] if smoke else [2048])
     args.repeats = args.repeats or (2 if smoke else 5)
-    if args.repeats < 1 or min(args.batch_sizes + args.seq_lens) < 1 or min(args.seq_lens) < 2:
-        raise ValueError("--repeats and batch sizes must be >= 1, sequence lengths >= 2")
     if smoke and args.dtype == "bfloat16":
         args.torch_dtype = torch.float32  # CPU smoke: float32 (bf16 matmuls are slow on many CPUs)
     name = "-".join(["train", *(args.models if args.models != list(MODELS) else []),

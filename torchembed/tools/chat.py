@@ -69,8 +69,8 @@ class ChatResult:
             first, last = self.answers[0], self.answers[-1]
             if self.identical:
                 runs = f" (medians of {last.runs} alternating runs each)" if last.runs > 1 else ""
-                lines.append(f"identical: yes ({len(first.tokens)} tokens); time per token {last.label} / {first.label}: "
-                             f"{last.ms_per_token / first.ms_per_token:.2f}{runs}")
+                lines.append(f"identical: yes ({len(first.tokens)} tokens); speedup (time per token {first.label} / "
+                             f"{last.label}, above 1: {last.label} faster): {first.ms_per_token / last.ms_per_token:.2f}x{runs}")
             else:
                 lines.append(f"identical: NO, {last.label}'s answer differs from {first.label}'s")
         return "\n".join(lines)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SAMPLED_MODEL_TYPES", "TINY_MODELS", "tiny_config", "build_checkpoint", "default_cache_dir"]
+__all__ = ["SAMPLED_MODEL_TYPES", "TINY_MODELS", "tiny_config", "is_tiny_model", "build_checkpoint", "default_cache_dir"]
 
 V = 128  # vocabulary
 _LLAMA = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2, vocab_size=V, max_position_embeddings=64)
@@ -90,12 +90,21 @@ def tiny_config(name: str) -> Any:
     """
     if name in TINY_MODELS:
         return TINY_MODELS[name]()
-    from torchembed.tools.zoo import generic_tiny_config, text_model_types
+    from torchembed.tools.zoo import generic_tiny_config
 
-    if name not in text_model_types():
+    if not is_tiny_model(name):
         raise ValueError(f"unknown tiny model {name!r}; choose from {', '.join(TINY_MODELS)} or a text model type "
                          "of the installed transformers (torchembed list --all)")
     return generic_tiny_config(name)
+
+
+def is_tiny_model(name: str) -> bool:
+    """Whether :func:`tiny_config` knows ``name`` (without building anything)."""
+    if name in TINY_MODELS:
+        return True
+    from torchembed.tools.zoo import text_model_types
+
+    return name in text_model_types()
 
 
 def default_cache_dir() -> Path:

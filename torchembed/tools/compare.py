@@ -213,12 +213,12 @@ def _load(source: str | _Checkpoint | nn.Module, dtype: torch.dtype, impl: str, 
     if isinstance(source, nn.Module):
         model = copy.deepcopy(source).to(device=device, dtype=dtype)
     else:
-        from torchembed.patches.loading import model_class_for
+        from torchembed.patches.loading import load_upstream, model_class_for
         import transformers
 
         path, hub = (source.path, source.hub_kwargs) if isinstance(source, _Checkpoint) else (source, {})
         config = transformers.AutoConfig.from_pretrained(path, **hub)
-        model = model_class_for(config).from_pretrained(path, dtype=dtype, attn_implementation=impl, **hub).to(device)
+        model = load_upstream(model_class_for(config), path, dtype=dtype, attn_implementation=impl, **hub).to(device)
     _set_attn(model, impl)
     if dtype == torch.float64:
         _plain_experts(model)
@@ -313,9 +313,11 @@ def compare(
     """Compare torchembed-patched models with upstream and with float64.
 
     Args:
-        models: a model, a checkpoint directory or hub id, or a list of them. ``None`` runs the
-            embedded default: tiny random-weight checkpoints of every family and rope variant and a
-            sample of the RoPE model types found by structure.
+        models: a model, a checkpoint directory or hub id, the name of one tiny model of the embedded
+            default (``"llama"``, ``"falcon-alibi"``, a model type such as ``"qwen3"``; a local folder of
+            that name comes first), or a list of them. ``None`` runs the embedded default: tiny
+            random-weight checkpoints of every family and rope variant and a sample of the RoPE model
+            types found by structure.
         every_model_type: with ``models=None``, tiny checkpoints of every causal-LM model type of
             the installed transformers that torchembed patches (``torchembed list --all``; the
             vision-language and encoder ones, with their images, are checked by the test suite).
@@ -356,7 +358,7 @@ def compare(
             ]
         else:
             items = [models] if isinstance(models, (str, os.PathLike, nn.Module)) else list(models)
-            sources = [_source(m, gguf_file, scratch) for m in items]
+            sources = [_source(m, gguf_file, scratch, cache_dir) for m in items]
         return _compare_sources(sources, dtypes, attn_implementations, batch_size, seq_len, decode_steps, seed, fused,
                                 device, progress)
 
@@ -384,13 +386,18 @@ def device_problem(device: str | torch.device) -> str | None:
     return None
 
 
-def _source(model: str | os.PathLike[str] | nn.Module, gguf_file: str | None,
-            scratch: contextlib.ExitStack) -> tuple[str, str | _Checkpoint | nn.Module]:
-    """``(name, source)``: a model as given; a path or hub id checked (``resolve_checkpoint``), and
-    a GGUF checkpoint dequantised once into a temporary folder."""
+def _source(model: str | os.PathLike[str] | nn.Module, gguf_file: str | None, scratch: contextlib.ExitStack,
+            cache_dir: str | os.PathLike[str] | None = None) -> tuple[str, str | _Checkpoint | nn.Module]:
+    """``(name, source)``: a model as given; the name of a tiny model of the embedded default that is
+    no local path (``llama``, ``falcon-alibi``, ``qwen3``) built as in the default; a path or hub id
+    checked (``resolve_checkpoint``), and a GGUF checkpoint dequantised once into a temporary folder."""
     if isinstance(model, nn.Module):
         return _name(model), model
     from torchembed.patches.loading import resolve_checkpoint
+    from torchembed.tools.checkpoints import build_checkpoint, is_tiny_model
+
+    if isinstance(model, str) and not gguf_file and not Path(model).expanduser().exists() and is_tiny_model(model):
+        return model, str(build_checkpoint(model, cache_dir))
 
     path, hub = resolve_checkpoint(model, **({"gguf_file": gguf_file} if gguf_file else {}))
     gguf = hub.pop("gguf_file", None)
@@ -405,10 +412,10 @@ def _dequantized(path: str, gguf_file: str, hub: dict[str, Any], scratch: contex
     tensors as loading the GGUF file in it, without parsing and dequantising it per copy."""
     import tempfile
 
-    from torchembed.patches.loading import load_config, model_class_for
+    from torchembed.patches.loading import load_config, load_upstream, model_class_for
 
     config, kwargs = load_config(path, gguf_file=gguf_file, dtype=torch.float32, **hub)
-    model = model_class_for(config).from_pretrained(path, config=config, **kwargs)
+    model = load_upstream(model_class_for(config), path, config=config, **kwargs)
     folder = scratch.enter_context(tempfile.TemporaryDirectory(prefix="torchembed-gguf-"))
     # The weights are plain float32 tensors now; transformers 5.x still marks the model as GGUF
     # "quantized", which save_pretrained refuses.

@@ -1404,6 +1404,81 @@ def _clip(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def survey(types: list[str] | None = None) -> list[ModelTypeStatus]:
-    """:func:`status_of` for each model type (default: every model type with a rotary component)."""
-    return [status_of(model_type) for model_type in (types or rotary_model_types())]
+def survey(types: list[str] | None = None, *, progress: bool = False) -> list[ModelTypeStatus]:
+    """:func:`status_of` for each model type (default: every model type with a rotary component).
+
+    Results are kept in a file per transformers and torch release and per torchembed source
+    (:func:`survey_cache_file`): a second survey reads them instead of building ~450 models again.
+    ``progress``: a progress bar on stderr (rich) while models are checked.
+    """
+    import json
+
+    types = list(types or rotary_model_types())
+    path = survey_cache_file()
+    try:
+        with open(path, encoding="utf-8") as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        known = {}
+    todo = [t for t in types if t not in known]
+    with _progress_bar(len(todo), "checking model types", enabled=progress and bool(todo)) as advance:
+        for model_type in todo:
+            status = status_of(model_type)
+            known[model_type] = [status.state, status.how]
+            advance(model_type)
+    if todo:
+        _write_json(path, known)
+    return [ModelTypeStatus(t, *known[t]) for t in types]
+
+
+def survey_cache_file() -> str:
+    """Where :func:`survey` keeps its results: one file per transformers and torch release and per
+    content of torchembed's own sources (a changed patch layer or zoo checks afresh)."""
+    import hashlib
+
+    import transformers
+
+    import torchembed
+    import torchembed.patches
+    from torchembed.tools.checkpoints import default_cache_dir
+
+    digest = hashlib.sha256()
+    for package in (torchembed, torchembed.patches):
+        root = os.path.dirname(package.__file__)
+        for folder, dirs, files in sorted(os.walk(root)):
+            dirs.sort()
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    with open(os.path.join(folder, name), "rb") as f:
+                        digest.update(f.read())
+    key = f"transformers{transformers.__version__}-torch{torch.__version__}-{digest.hexdigest()[:12]}"
+    return str(default_cache_dir() / "survey" / f"{key}.json")
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` atomically (a reader never sees half a file); best effort."""
+    import json
+    import tempfile
+
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".survey-")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _progress_bar(total: int, what: str, enabled: bool) -> Iterator[Any]:
+    """``advance(label)`` for each of ``total`` steps; a rich progress bar on stderr when enabled."""
+    if not enabled:
+        yield lambda label: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[label]}"))
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(what, total=total, label="")
+        yield lambda label: bar.update(task, advance=1, label=label)
