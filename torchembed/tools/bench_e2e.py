@@ -2,21 +2,25 @@
 
 Random-weight LLaMA-, Mistral- and Falcon-style configs in bf16 on CUDA (``--device cpu``: on the CPU,
 ``--threads`` intra-op threads each; ``smollm2`` is SmolLM2-135M's LLaMA shape). Variants share weights:
-``upstream``, ``patched`` (``copy.deepcopy`` + ``torchembed.patch``) and ``liger`` (a copy whose
+``upstream``, ``patched`` (``copy.deepcopy`` + ``torchembed.patch``), ``patched-torch`` (the same with
+``fused=False``: torchembed's PyTorch rotation, which ``torch.compile`` traces) and ``liger`` (a copy whose
 attention instances call liger-kernel's ``liger_rotary_pos_emb``; skipped when not installed).
 Phases, each repeated in interleaved order (A/B/C, C/B/A, ...) after one warm-up per variant and
 reported as median [min-max], next to the median [min-max] of the per-repeat ratio upstream / patched
 (the two runs of a repeat are back to back, so a slow spell of the machine hits both):
 
 * ``prefill``: latency (ms) of one forward over batch x prompt tokens (KV cache on, last logits).
-* ``decode``: eager greedy ``generate`` (DynamicCache) of N tokens; ms/token = (total - prefill)
-  / (N - 1), timed per token with a streamer; tokens/s = batch * 1000 / (ms/token).
+* ``decode``: eager greedy ``generate`` (DynamicCache); ms/token = (generate(N) - generate(1)) /
+  (N - 1), each ``generate`` timed whole as a user calls it (no streamer; :func:`bench.generate_timed`);
+  tokens/s = batch * 1000 / (ms/token).
 * ``step``: one decode forward (one token per sequence against the prompt's cache, cropped back
   outside the clock), ``40 x --repeats`` calls per variant alternating call by call: the finest
   A/B comparison (the CPU's default next to prefill and decode).
 * ``compiled``: the same with ``cache_implementation="static"`` and HF's compile_config
-  (``torch.compile(mode="reduce-overhead", fullgraph=True)``); graph breaks counted from
-  ``torch._dynamo.utils.counters["graph_break"]`` (fullgraph failing: retried without).
+  (``torch.compile(mode="reduce-overhead", fullgraph=True)``), what a user of ``generate`` gets
+  from compiling: (generate(N) - generate(1)) / (N - 1) after a warm-up generation of each length
+  (no streamer: a per-token clock under CUDA graphs measured 4-5x the step); graph breaks counted
+  from ``torch._dynamo.utils.counters["graph_break"]`` (fullgraph failing: retried without).
 
 Python's garbage collector is paused during each timed run (as ``timeit`` does), so a collection
 that lands in one run and not the next does not show up as a difference between variants.
@@ -41,7 +45,7 @@ from torchembed.tools import bench
 from torchembed.tools.options import Parser, count
 
 MODELS = ("llama", "mistral", "falcon", "qwen3", "gemma3_text", "phi3", "smollm2")
-VARIANTS = ("upstream", "patched", "liger")
+VARIANTS = ("upstream", "patched", "patched-torch", "liger")
 PHASES = ("prefill", "decode", "step", "compiled")
 STEP_CALLS = 40  # the step phase's calls per variant and --repeats
 ATTENTION = {"llama": ("LlamaAttention",), "mistral": ("MistralAttention",),
@@ -109,6 +113,8 @@ def build_variants(name: str, args: argparse.Namespace, device: torch.device,
                 out[variant] = upstream
             elif variant == "patched":
                 out[variant] = torchembed.patch(copy.deepcopy(upstream))
+            elif variant == "patched-torch":  # torchembed's PyTorch rotation everywhere (fused=False)
+                out[variant] = torchembed.patch(copy.deepcopy(upstream), fused=False)
             elif variant == "liger":
                 if device.type != "cuda":
                     raise ImportError("liger-kernel needs CUDA")
@@ -161,12 +167,29 @@ def run_case(name: str, models: dict[str, nn.Module], batch: int, prompt: int, a
         up, pa = res.get("upstream", {}).get("ms"), res.get("patched", {}).get("ms")
         if isinstance(up, dict) and isinstance(pa, dict):
             res["patched"]["paired_speedup"] = bench.paired_ratio(up, pa)
+        floor = None
+        if phase in ("decode", "compiled") and getattr(args, "bandwidth", None):
+            floor = decode_floor_ms(next(iter(models.values())), batch, prompt + n // 2, args.bandwidth)
         for variant, r in res.items():
-            rec = {**base, "variant": variant, "new_tokens": n if phase in ("decode", "compiled") else None, **r}
+            rec = {**base, "variant": variant, "new_tokens": n if phase in ("decode", "compiled") else None,
+                   "floor_ms": floor, **r}
             if phase in ("decode", "compiled") and isinstance(r.get("ms"), dict):
                 rec["tokens_per_s"] = batch * 1e3 / r["ms"]["median"]
             records.append(rec)
     return records
+
+
+def decode_floor_ms(model: nn.Module, batch: int, context: int, bandwidth: float) -> float:
+    """The decode step's floor: every weight and the KV cache of ``context`` tokens read once, at the
+    measured copy bandwidth (bytes/s, read + write). What no implementation can beat on this GPU."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype_bytes = next(model.parameters()).element_size()
+    cache = 2 * config.num_hidden_layers * batch * kv_heads * head_dim * context * dtype_bytes
+    return (weights + cache) / bandwidth * 1e3
 
 
 def _last_logits_only(takes_keep: bool) -> dict[str, Any]:
@@ -227,9 +250,10 @@ def _warm_compiled(model: nn.Module, ids: torch.Tensor, n: int) -> dict[str, Any
 
 
 def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[str, str]) -> str:
-    titles = {"prefill": "prefill latency (ms)", "decode": "eager decode (ms/token, DynamicCache)",
+    titles = {"prefill": "prefill latency (ms)",
+              "decode": "eager decode (ms/token = (generate(N) - generate(1)) / (N - 1), DynamicCache)",
               "step": f"one decode forward (ms, {STEP_CALLS} x --repeats calls per variant alternating call by call)",
-              "compiled": "compiled static-cache decode (ms/token, reduce-overhead)"}
+              "compiled": "compiled static-cache decode (ms/token = (generate(N) - generate(1)) / (N - 1), reduce-overhead)"}
     out = []
     for phase in PHASES:
         rows_of = [r for r in records if r["phase"] == phase]
@@ -239,6 +263,7 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
         peak = "peak GB (" + "/".join(v[0] for v in variants) + ")"
         headers = ["model", "batch x prompt", *variants, "upstream / patched", "paired", peak]
         if phase in ("decode", "compiled"):
+            headers[2:2] = ["floor"]
             headers.insert(-1, "tokens/s patched")
         if phase == "compiled":
             headers.append("graph breaks")
@@ -252,14 +277,17 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
             row = [model, f"{batch} x {prompt}", *(bench.fmt_stats(ms[v]) for v in variants), speed,
                    bench.fmt_stats(paired, 2) if paired else "-"]
             if phase in ("decode", "compiled"):
+                row[2:2] = [bench.fmt(next((r.get("floor_ms") for r in by.values()), None))]
+            if phase in ("decode", "compiled"):
                 row.append(bench.fmt(by.get("patched", {}).get("tokens_per_s"), 1))
             row.append(" / ".join(bench.fmt(by.get(v, {}).get("peak_mem_gb"), 2) for v in variants))
             if phase == "compiled":
                 row.append(" / ".join(bench.fmt(by.get(v, {}).get("graph_breaks"), 0) for v in variants))
             rows.append(row)
         out += [f"## {titles[phase]}", "", bench.md_table(headers, rows), ""]
-    out += ["median [min-max] over interleaved repeats; upstream / patched = ratio of the medians; paired = "
-            "median [min-max] of upstream / patched per repeat (the two runs of a repeat are back to back); "
+    out += ["median [min-max] over interleaved repeats; upstream / patched = ratio of the medians (the speedup, "
+            "above 1: patched faster); paired = median [min-max] of upstream / patched per repeat (the two runs of a "
+            "repeat are back to back); floor = (weights + KV cache at prompt + N/2 tokens) / measured copy bandwidth; "
             "peak GB = max allocated during a run minus weights"]
     out += [f"- {k}: skipped ({v})" for k, v in skipped.items()]
     out += [f"- {r['model']}/{r['variant']} b{r['batch']}: {r['note']}" for r in records if r.get("note")]
@@ -301,6 +329,9 @@ def main(argv: list[str]) -> int:
                      *(args.phases if args.phases != default_phases and not smoke else [])])
     env, skipped, records = bench.environment(device), {}, []
     budget = bench.Budget(args.max_seconds)
+    if device.type == "cuda" and not smoke:  # the decode floor's bandwidth
+        args.bandwidth = bench.copy_bandwidth(device)
+        env["copy_bandwidth_gbs"] = args.bandwidth / 1e9
 
     def save(quiet: bool) -> str:
         md = markdown(records, [v for v in args.variants if any(r["variant"] == v for r in records)], skipped)
