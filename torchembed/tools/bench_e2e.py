@@ -16,6 +16,10 @@ reported as median [min-max], next to the median [min-max] of the per-repeat rat
 * ``step``: one decode forward (one token per sequence against the prompt's cache, cropped back
   outside the clock), ``40 x --repeats`` calls per variant alternating call by call: the finest
   A/B comparison (the CPU's default next to prefill and decode).
+* ``compiled-step``: one decode forward compiled as ``generate`` compiles it
+  (``torch.compile(mode="reduce-overhead", fullgraph=True)``: CUDA graphs) against a static cache
+  of the prompt, ``STEP_CALLS`` calls back to back per run: the compiled step's own time, without
+  ``generate``'s Python around it (where compiled decode spends most of its time).
 * ``compiled``: the same with ``cache_implementation="static"`` and HF's compile_config
   (``torch.compile(mode="reduce-overhead", fullgraph=True)``), what a user of ``generate`` gets
   from compiling: (generate(N) - generate(1)) / (N - 1) after a warm-up generation of each length
@@ -46,7 +50,7 @@ from torchembed.tools.options import Parser, count
 
 MODELS = ("llama", "mistral", "falcon", "qwen3", "gemma3_text", "phi3", "smollm2")
 VARIANTS = ("upstream", "patched", "patched-torch", "liger")
-PHASES = ("prefill", "decode", "step", "compiled")
+PHASES = ("prefill", "decode", "step", "compiled", "compiled-step")
 STEP_CALLS = 40  # the step phase's calls per variant and --repeats
 ATTENTION = {"llama": ("LlamaAttention",), "mistral": ("MistralAttention",),
              "falcon": ("FalconAttention", "FalconFlashAttention2")}
@@ -158,6 +162,8 @@ def run_case(name: str, models: dict[str, nn.Module], batch: int, prompt: int, a
                                 args.repeats, device)
         elif phase == "step":
             res = _measure_steps(models, ids, args.repeats * STEP_CALLS, device, _last_logits_only(takes_keep))
+        elif phase == "compiled-step":
+            res = _measure_compiled_steps(models, ids, args.repeats, device, _last_logits_only(takes_keep))
         else:
             if device.type != "cuda":
                 records += [{**base, "variant": v, "ms": "skipped: compiled decode needs CUDA"} for v in models]
@@ -168,8 +174,9 @@ def run_case(name: str, models: dict[str, nn.Module], batch: int, prompt: int, a
         if isinstance(up, dict) and isinstance(pa, dict):
             res["patched"]["paired_speedup"] = bench.paired_ratio(up, pa)
         floor = None
-        if phase in ("decode", "compiled") and getattr(args, "bandwidth", None):
-            floor = decode_floor_ms(next(iter(models.values())), batch, prompt + n // 2, args.bandwidth)
+        if phase in ("decode", "compiled", "compiled-step") and getattr(args, "bandwidth", None):
+            context = prompt + 1 if phase == "compiled-step" else prompt + n // 2
+            floor = decode_floor_ms(next(iter(models.values())), batch, context, args.bandwidth)
         for variant, r in res.items():
             rec = {**base, "variant": variant, "new_tokens": n if phase in ("decode", "compiled") else None,
                    "floor_ms": floor, **r}
@@ -227,6 +234,52 @@ def _measure_steps(models: dict[str, nn.Module], ids: torch.Tensor, calls: int, 
         return bench.measure(models, run, calls, device, warm=warm)
 
 
+def _measure_compiled_steps(models: dict[str, nn.Module], ids: torch.Tensor, repeats: int, device: torch.device,
+                            kw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``compiled-step`` phase: per variant a static cache holding the prompt (an eager prefill)
+    and the model's forward compiled for one new token (reduce-overhead on CUDA); each run times
+    ``STEP_CALLS`` back-to-back calls of it, each one token further (as ``generate`` steps), and
+    reports ms per call."""
+    from transformers import StaticCache
+
+    prompt = ids.shape[1]
+    steps: dict[int, Any] = {}
+    length = prompt + 3 + (repeats + 1) * STEP_CALLS  # every step of the warm-up and the runs
+
+    def warm(m: nn.Module) -> dict[str, Any]:
+        cache = StaticCache(config=m.config, max_cache_len=length)
+        with torch.no_grad():
+            m(input_ids=ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(prompt, device=device),
+              **kw)
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        forward = torch.compile(m.forward, mode=mode, fullgraph=True)
+        token, position = ids[:, -1:], torch.tensor([prompt], device=device)
+
+        def step() -> None:
+            forward(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position, **kw)
+            position.add_(1)  # (in place: the captured graph reads it)
+
+        steps[id(m)] = step
+        start = time.perf_counter()
+        with torch.no_grad():
+            for _ in range(3):  # compile, record the graph, replay
+                steps[id(m)]()
+        return {"compile_s": time.perf_counter() - start}
+
+    def run(m: nn.Module) -> float:
+        step = steps[id(m)]
+        with torch.no_grad():
+            bench.sync(device)
+            start = time.perf_counter()
+            for _ in range(STEP_CALLS):
+                step()
+            bench.sync(device)
+        return (time.perf_counter() - start) * 1e3 / STEP_CALLS
+
+    with bench.gc_paused():
+        return bench.measure(models, run, repeats, device, warm=warm)
+
+
 def _warm_compiled(model: nn.Module, ids: torch.Tensor, n: int) -> dict[str, Any]:
     """Compile (first generate) with fullgraph=True, else without; count graph breaks."""
     from torch._dynamo.utils import counters
@@ -253,7 +306,9 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
     titles = {"prefill": "prefill latency (ms)",
               "decode": "eager decode (ms/token = (generate(N) - generate(1)) / (N - 1), DynamicCache)",
               "step": f"one decode forward (ms, {STEP_CALLS} x --repeats calls per variant alternating call by call)",
-              "compiled": "compiled static-cache decode (ms/token = (generate(N) - generate(1)) / (N - 1), reduce-overhead)"}
+              "compiled": "compiled static-cache decode (ms/token = (generate(N) - generate(1)) / (N - 1), reduce-overhead)",
+              "compiled-step": f"one compiled decode forward (ms per call, {STEP_CALLS} back-to-back calls per run, "
+                               "static cache, reduce-overhead)"}
     out = []
     for phase in PHASES:
         rows_of = [r for r in records if r["phase"] == phase]
@@ -262,7 +317,7 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
         keys = list(dict.fromkeys((r["model"], r["batch"], r["prompt_len"]) for r in rows_of))
         peak = "peak GB (" + "/".join(v[0] for v in variants) + ")"
         headers = ["model", "batch x prompt", *variants, "upstream / patched", "paired", peak]
-        if phase in ("decode", "compiled"):
+        if phase in ("decode", "compiled", "compiled-step"):
             headers[2:2] = ["floor"]
             headers.insert(-1, "tokens/s patched")
         if phase == "compiled":
@@ -276,7 +331,7 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
             paired = by.get("patched", {}).get("paired_speedup")
             row = [model, f"{batch} x {prompt}", *(bench.fmt_stats(ms[v]) for v in variants), speed,
                    bench.fmt_stats(paired, 2) if paired else "-"]
-            if phase in ("decode", "compiled"):
+            if phase in ("decode", "compiled", "compiled-step"):
                 row[2:2] = [bench.fmt(next((r.get("floor_ms") for r in by.values()), None))]
             if phase in ("decode", "compiled"):
                 row.append(bench.fmt(by.get("patched", {}).get("tokens_per_s"), 1))
@@ -287,7 +342,7 @@ def markdown(records: list[dict[str, Any]], variants: list[str], skipped: dict[s
         out += [f"## {titles[phase]}", "", bench.md_table(headers, rows), ""]
     out += ["median [min-max] over interleaved repeats; upstream / patched = ratio of the medians (the speedup, "
             "above 1: patched faster); paired = median [min-max] of upstream / patched per repeat (the two runs of a "
-            "repeat are back to back); floor = (weights + KV cache at prompt + N/2 tokens) / measured copy bandwidth; "
+            "repeat are back to back); floor = (weights + KV cache at prompt + N/2 tokens; compiled-step: prompt + 1) / measured copy bandwidth; "
             "peak GB = max allocated during a run minus weights"]
     out += [f"- {k}: skipped ({v})" for k, v in skipped.items()]
     out += [f"- {r['model']}/{r['variant']} b{r['batch']}: {r['note']}" for r in records if r.get("note")]
