@@ -41,9 +41,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchembed import kernels
+from torchembed import functional, kernels
 from torchembed.functional.rope import apply_rotary
-from torchembed.kernels.availability import FusedUnavailableError, use_kernel
+from torchembed.kernels.availability import FusedUnavailableError
+from torchembed.kernels.rope import use_rope_kernel
 
 __all__ = ["Rotation", "RotaryHelper", "explain", "recognize", "is_rotation_name"]
 
@@ -528,9 +529,9 @@ class RotaryHelper:
     Called as upstream is (positional or keyword arguments, optional tensors left out); rotates in
     float32 and rounds once: with :func:`torchembed.kernels.rotary_fused` (q and k in one launch;
     at inference HF's usual ``helper(q, k, cos, sin)`` rotates in place: upstream binds its names to
-    the returned tensors, which are they) where the kernel can run and ``fused`` is not False, with
-    PyTorch operations elsewhere (:meth:`_arithmetic`: upstream's float32 arithmetic in fewer
-    operations). Upstream's helper is never called.
+    the returned tensors, which are they) where :func:`~torchembed.kernels.rope.use_rope_kernel` says
+    so, with :func:`torchembed.functional.apply_rotary` elsewhere (upstream's products and sum in
+    float32, rounded once). Upstream's helper is never called.
 
     One instance per (rotation, upstream, fused) (:meth:`get`), so the rebound attention code is
     shared by every model patched the same way; it pickles as those three.
@@ -551,8 +552,8 @@ class RotaryHelper:
                        and rotation.unsqueeze_default == 1 and not rotation.mrope and not rotation.indexed
                        and not rotation.tail and not rotation.prefix)
         self._tables: tuple | None = None  # the last tables and their half tables (one forward's)
-        self._full: tuple | None = None  # the last half tables and the PyTorch path's full-width ones
         self._mrope: tuple | None = None  # the last M-RoPE tables and their merged ones
+        self._prep: tuple | None = None  # the last tables and their PyTorch-path forms (:meth:`_prepared`)
 
     @classmethod
     def get(cls, rotation: Rotation, upstream: Callable, fused: bool | None) -> "RotaryHelper":
@@ -645,7 +646,7 @@ class RotaryHelper:
     def _rotate_sections(self, x: Tensor, first: Tensor, second: Tensor, sections: int, unsqueeze: int) -> Tensor:
         """Multidimensional RoPE: ``x (..., d)`` as ``sections`` equal feature sections, each rotated
         half-split by its slice of the tables (PyTorch operations; the kernel takes one table per token)."""
-        if use_kernel(self.fused, x, "the fused RoPE kernel") and self.fused:
+        if self.fused and use_rope_kernel(self.fused, x):
             raise FusedUnavailableError(f"fused=True: {self.__name__} rotates per feature section, which the fused "
                                         "kernel does not; patch with fused=None")
         width = 2 * (x.shape[-1] // (2 * sections)) if sections > 0 else 0
@@ -717,7 +718,7 @@ class RotaryHelper:
             c, s = _rows(c, xs[0], rule), _rows(s, xs[0], rule)
             full = None if full is None else (_rows(full[0], xs[0], rule), _rows(full[1], xs[0], rule))
         kernel_rule = _kernel_rule(rule, unsqueeze, c, xs[0])
-        views = self._kernel_views(xs, c, kernel_rule) if use_kernel(self.fused, xs[0], "the fused RoPE kernel") else None
+        views = self._kernel_views(xs, c, kernel_rule) if use_rope_kernel(self.fused, xs[0]) else None
         if views is None and self.fused:
             raise FusedUnavailableError(f"fused=True: {self.__name__} was called with tensors of shapes "
                                         f"{[tuple(x.shape) for x in xs]} and tables {tuple(c.shape)}, a layout the fused "
@@ -744,49 +745,26 @@ class RotaryHelper:
 
     def _arithmetic(self, xs: list[Tensor], c: Tensor, s: Tensor, full: tuple[Tensor, Tensor] | None,
                     unsqueeze: int | None, interleaved: bool, rule: str) -> list[Tensor]:
-        """The PyTorch path: ``x * cos + partner(x) * sin'`` over the rotated features, where
-        ``partner`` swaps each feature with its pair (a roll by ``r/2``, or a flip of adjacent features)
-        and ``sin'`` carries the rotation's signs. float32: upstream's products and sum, bit for bit,
-        in four operations. bf16/fp16 tensors and tables (HF casts its tables to the model dtype):
-        ``addcmul(x * cos, partner, sin')`` in that dtype, three operations whose arithmetic is
-        float32 inside, rounded twice (upstream's five operations round three times). The full-width
-        tables (the helper's own where it has them, ``full``) are made once per forward."""
-        rot = 2 * c.shape[-1]
-        low = c.dtype in (torch.float16, torch.bfloat16) and all(x.dtype == c.dtype for x in xs)
-        kept = self._full
-        if kept is None or kept[0] is not c or kept[1] is not s or kept[2] != (unsqueeze, rule, low):
-            compute = c.dtype if low else torch.promote_types(c.dtype, torch.float32)
-            if full is not None:  # one entry per feature: the pair's two features may differ
-                full_c, sf = full[0].to(compute), full[1].to(compute)
-                sf = -sf if self.rotation.conjugate else sf
-                if interleaved:
-                    signed = torch.stack((-sf[..., 0::2], sf[..., 1::2]), dim=-1).flatten(-2)
-                else:
-                    signed = torch.cat((-sf[..., : rot // 2], sf[..., rot // 2 :]), dim=-1)
-            else:
-                cf, sf = c.to(compute), s.to(compute)
-                sf = -sf if self.rotation.conjugate else sf
-                if interleaved:
-                    full_c, signed = cf.repeat_interleave(2, dim=-1), torch.stack((-sf, sf), dim=-1).flatten(-2)
-                else:
-                    full_c, signed = torch.cat((cf, cf), dim=-1), torch.cat((-sf, sf), dim=-1)
-            kept = (c, s, (unsqueeze, rule, low), *(_broadcast(t, rule, unsqueeze) for t in (full_c, signed)))
-            if not torch.compiler.is_compiling():
-                self._full = kept
-        full_c, signed = kept[3], kept[4]
-        out = []
-        for x in xs:  # a bf16 or fp16 x promotes to float32 inside each product (no copy of it)
-            xr = x if x.shape[-1] == rot else x[..., :rot]
-            partner = xr.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) if interleaved else torch.roll(xr, rot // 2, -1)
-            y = xr * full_c
-            if low:
-                y = torch.addcmul(y, partner, signed)
-            elif y.dtype == x.dtype:
-                y += partner * signed
-            else:
-                y = torch.addcmul(y, partner, signed, out=torch.empty_like(xr))
-            out.append(y if xr is x else torch.cat((y, x[..., rot:]), dim=-1))
-        return out
+        """The PyTorch path: :func:`torchembed.functional.apply_rotary` on each tensor, with the
+        helper's own full-width tables where it has them (``full``: each feature its own entry, as
+        upstream multiplies), else the half tables, broadcast as the helper broadcasts them."""
+        cb, sb = self._prepared(full if full is not None else (c, s), rule, unsqueeze, xs[0].dtype)
+        return [functional.apply_rotary(x, cb, sb, interleaved=interleaved, conjugate=self.rotation.conjugate,
+                                        full=full is not None) for x in xs]
+
+    def _prepared(self, tables: tuple[Tensor, Tensor], rule: str, unsqueeze: int | None,
+                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``tables`` broadcast as the helper does and in the rotation's compute dtype (float32, or
+        float64 for float64 inputs), kept while the same tables come: every layer of a forward gets
+        the same ones, so the PyTorch path converts them once per forward, not once per tensor."""
+        key = (rule, unsqueeze, torch.float64 if dtype == torch.float64 else torch.float32)
+        kept = self._prep
+        if kept is not None and kept[0] is tables[0] and kept[1] is tables[1] and kept[2] == key:
+            return kept[3], kept[4]
+        cb, sb = (_broadcast(t, rule, unsqueeze).to(key[2]) for t in tables)
+        if not torch.compiler.is_compiling():
+            self._prep = (tables[0], tables[1], key, cb, sb)
+        return cb, sb
 
     def _kernel_views(self, xs: list[Tensor], c: Tensor, rule: str | None):
         """``xs`` as the kernel's ``(B, H, S, D)`` views and a function making ``(B or 1, S, R/2)``
@@ -812,21 +790,18 @@ class RotaryHelper:
     def _usual_call(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor] | None:
         """HF's usual call, with less Python around it: on the kernel at inference in place (one cache
         lookup and one launch per layer; a call the kernel does not take goes the general way), else
-        :meth:`_arithmetic`. None: the general way."""
+        :func:`torchembed.functional.apply_rotary` with upstream's own tables. None: the general way."""
         if q.shape[-1] != cos.shape[-1]:
             return None
-        if self.fused is not False and kernels.kernel_can_run(q):
+        if use_rope_kernel(self.fused, q):
             # In place at inference; out of place where autograd records or torch.compile traces.
             inplace = not (torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
             try:  # (HF's full-width rows: each feature its own entry, as upstream's arithmetic)
                 return kernels.rotary_fused(q, k, cos, sin, inplace=inplace, halves=True)
             except ValueError:
                 return None
-        if self.fused is True:
-            return None
-        c, s = self._half(cos, sin)
-        q, k = self._arithmetic([q, k], c, s, (cos, sin), 1, False, self.rotation.broadcast)
-        return q, k
+        cb, sb = self._prepared((cos, sin), self.rotation.broadcast, 1, q.dtype)
+        return functional.apply_rotary(q, cb, sb, full=True), functional.apply_rotary(k, cb, sb, full=True)
 
 
 def _rows(table: Tensor, x: Tensor, rule: str) -> Tensor:

@@ -235,3 +235,39 @@ def test_rope_positions_rejects_negative_and_non_integer_offsets():
         rope_positions(torch.tensor([True, False]), 2)
     # off the CPU the offsets are not read (no host sync): meta tensors have no values
     assert rope_positions(torch.tensor([0, -3], device="meta"), 2).shape == (2, 2)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rotary_full_tables_each_feature_its_own_entry(interleaved, dtype):
+    """Full-width rows (HF's cat / repeat_interleave tables) whose two entries of a pair differ:
+    feature 2i (or i) by its own entries, against a float64 rotation written out pair by pair."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 5, 12, generator=gen).to(dtype)  # 8 rotated features, 4 passed through
+    first, second = (torch.rand(5, 4, generator=gen, dtype=torch.float64) * 6 - 3 for _ in range(2))
+    weave = (lambda a, b: torch.stack((a, b), -1).flatten(-2)) if interleaved else (lambda a, b: torch.cat((a, b), -1))
+    cos, sin = weave(first.cos(), second.cos()), weave(first.sin(), second.sin())
+    xd = x.double()
+    x1, x2 = (xd[..., 0:8:2], xd[..., 1:8:2]) if interleaved else (xd[..., :4], xd[..., 4:8])
+    y1 = x1 * first.cos() - x2 * first.sin()
+    y2 = x2 * second.cos() + x1 * second.sin()
+    want = torch.cat((weave(y1, y2), xd[..., 8:]), -1)
+    out = apply_rotary(x, cos.float(), sin.float(), interleaved=interleaved, full=True)
+    assert out.dtype == dtype
+    # one rounding of float32 math: within half an ulp of the dtype (plus float32 table rounding)
+    tol = 2 ** -8 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    # equal tables: the full form is the half form
+    same = weave(first.cos(), first.cos()).float(), weave(first.sin(), first.sin()).float()
+    torch.testing.assert_close(apply_rotary(x, *same, interleaved=interleaved, full=True),
+                               apply_rotary(x, first.cos().float(), first.sin().float(), interleaved=interleaved), rtol=0, atol=0)
+
+
+def test_apply_rotary_float32_is_hf_arithmetic_bit_for_bit():
+    """float32 inputs and HF's cat tables: q * cos + rotate_half(q) * sin, the same bits."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 7, 16, generator=gen)
+    theta = torch.rand(7, 8, generator=gen) * 6 - 3
+    cos, sin = torch.cat((theta, theta), -1).cos(), torch.cat((theta, theta), -1).sin()
+    rotate_half = torch.cat((-q[..., 8:], q[..., :8]), -1)
+    assert torch.equal(apply_rotary(q, cos, sin, full=True), q * cos + rotate_half * sin)

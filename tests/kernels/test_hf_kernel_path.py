@@ -135,13 +135,15 @@ def test_bf16_training_steps_with_the_fused_kernel_match_upstream(name):
         assert diff.max() <= 2 * 3 * lr + 1e-4 and diff.mean() <= lr / 10, (pname, diff.max().item(), diff.mean().item())
 
 
-def test_compiled_patched_model_calls_the_kernel_op_without_graph_breaks():
-    """``torch.compile(fullgraph=True)`` of a patched model traces the rotation as the kernel's
-    custom op (one per layer), with no graph break, and gives upstream's logits."""
+@pytest.mark.parametrize("fused", [True, None])
+def test_compiled_patched_model_calls_the_kernel_op_without_graph_breaks(fused):
+    """``torch.compile(fullgraph=True)`` of a patched model, no graph break and upstream's logits:
+    with ``fused=True`` the rotation is the kernel's custom op (one per layer); with ``fused=None``
+    PyTorch operations that inductor can fuse (``use_rope_kernel``: no kernel under compile)."""
     from torch._dynamo.utils import counters
 
     upstream = _tiny("llama")
-    patched = torchembed.patch(copy.deepcopy(upstream))
+    patched = torchembed.patch(copy.deepcopy(upstream), fused=fused)
     ids = torch.randint(0, upstream.config.vocab_size, (2, 7), device=DEV)
     ops = []
 
@@ -161,7 +163,8 @@ def test_compiled_patched_model_calls_the_kernel_op_without_graph_breaks():
         out = torch.compile(patched, backend=backend, fullgraph=True)(input_ids=ids).logits
         ref = upstream(input_ids=ids).logits
     assert sum(counters["graph_break"].values()) == 0
-    assert sum("torchembed.rotary" in op for op in ops) == upstream.config.num_hidden_layers, ops
+    layers = upstream.config.num_hidden_layers
+    assert sum("torchembed.rotary" in op for op in ops) == (layers if fused else 0), ops
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import torchembed
-from torchembed import kernels
+from torchembed import functional, kernels
 
 transformers = pytest.importorskip("transformers")
 from torchembed.patches.rotation import RotaryHelper  # noqa: E402
@@ -42,6 +42,7 @@ SAMPLE = os.environ.get("TORCHEMBED_ZOO_TYPES", "all") == "sample"
 PER_TYPE = [pytest.param(t, marks=pytest.mark.xdist_group(t)) for t in ROTARY
             if not SAMPLE or t in REQUIRED or t in KINDS]
 FAULT = 1e-4  # radians: the rotation error the equivalence check must see
+REFERENCE = "torchembed.functional.apply_rotary"
 # Model types whose tiny model's outputs move by about the check's resolution under FAULT whatever
 # the init (measured over init seeds 0-3): the check there sees errors a few times FAULT.
 AT_RESOLUTION = {"lfm3_vl_vision": "its 2-layer vision tower moves by 0.7-1.6e-5 relative at init seeds 0-3"}
@@ -129,13 +130,16 @@ def test_patched_model_type_matches_upstream(model_type, monkeypatch, request):
 
     monkeypatch.setattr(RotaryHelper, "__call__", counted)
     monkeypatch.setattr(kernels, "rotary_fused", lambda *a, **k: launches.append(1) or launch(*a, **k))
-    with count_calls(codes) as fallbacks:
+    with count_calls({**codes, functional.apply_rotary.__code__: REFERENCE}) as fallbacks:
         out = outputs_of(patched, inputs)
     monkeypatch.undo()
+    reference = fallbacks.pop(REFERENCE, 0)
     assert matches(out, ref), f"patched vs upstream: max abs {(out - ref).abs().max().item():.3g}"
     assert not fallbacks, f"upstream's rotation ran while patched: {dict(fallbacks)}"
     assert calls  # torchembed rotated
-    if kernels.kernel_can_run(next(patched.parameters())):
+    if not kernels.kernel_can_run(next(patched.parameters())):  # the one PyTorch rotation, each time
+        assert reference >= sum(upstream_calls.values()), (reference, dict(upstream_calls))
+    else:
         # every call on the fused kernel, but per-feature-section rotations (Gemma 4's vision tower:
         # PyTorch by design, the kernel takes one table row per token)
         off = [(name, n) for name, sections, n in calls if not sections and n == 0]

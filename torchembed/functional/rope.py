@@ -264,40 +264,54 @@ def rope_positions(offset: int | Tensor, seq_len: int, device: torch.device | No
     return torch.arange(offset, offset + seq_len, device=device)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False, conjugate: bool = False) -> Tensor:
-    """Rotate the first ``r = 2 * cos.shape[-1]`` features of ``x``; the rest pass through.
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False, conjugate: bool = False,
+                 full: bool = False) -> Tensor:
+    """Rotate the first ``r`` features of ``x``; the rest pass through. torchembed's one PyTorch
+    rotation: the module, the patched HF helpers and every fallback of the kernel run it.
+
+    ``y = x * cos + partner(x) * sin``, ``partner`` taking each feature's pair with the rotation's
+    sign (half-split: ``(-x2, x1)``; interleaved: ``(-x[2i+1], x[2i])``): the products and the sum of
+    HF's ``q * cos + rotate_half(q) * sin``, so float32 inputs give upstream's float32 result bit for bit.
 
     Args:
         x: ``(..., d)``, any float dtype (float64 computes in float64, the rest in float32).
-        cos, sin: broadcastable to ``x[..., : r // 2]`` (e.g. ``(s, r/2)`` against ``(b, h, s, d)``).
+        cos, sin: broadcastable to ``x[..., :r]``'s rows, e.g. ``(s, w)`` against ``(b, h, s, d)``:
+            half tables, ``w = r / 2`` entries (one angle per pair); with ``full``, ``w = r`` entries,
+            each feature its own (HF's ``cat(freqs, freqs)`` rows for half-split pairing,
+            ``repeat_interleave(freqs, 2)`` for interleaved), read as they are, also where a pair's
+            two entries differ (M-RoPE sections across both halves of the head).
         interleaved: pair ``(x[2i], x[2i+1])`` (GPT-J) instead of ``(x[i], x[i + r/2])`` (GPT-NeoX/LLaMA).
         conjugate: rotate by ``-theta`` (the inverse rotation; what backward applies).
 
     Returns:
-        ``x.shape``, ``x.dtype``; the math runs in float32 and rounds once.
+        ``x.shape``, ``x.dtype``; the math runs in float32 (only the tables are converted; ``x``
+        promotes inside the products) and rounds once.
+
+    Raises:
+        ValueError: tables of different shapes, or wider than ``x``.
     """
-    half = cos.shape[-1]
-    rot = 2 * half
-    if rot > x.shape[-1]:
-        raise ValueError(f"rotary dim {rot} (2 * cos.shape[-1]) exceeds the feature dim {x.shape[-1]}")
+    width = cos.shape[-1]
+    rot = width if full else 2 * width
     if sin.shape != cos.shape:
         raise ValueError(f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    compute = torch.promote_types(x.dtype, torch.float32)  # fp32 math; float64 stays float64
-    xr = x[..., :rot].to(compute)
-    if interleaved:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-    else:
-        x1, x2 = xr[..., :half], xr[..., half:]
-    cos, sin = cos.to(compute), sin.to(compute)
+    if full and width % 2:
+        raise ValueError(f"full tables hold one entry per rotated feature, an even number; got rows of {width}")
+    if rot > x.shape[-1]:
+        what = "cos.shape[-1], full tables" if full else "2 * cos.shape[-1]"
+        raise ValueError(f"rotary dim {rot} ({what}) exceeds the feature dim {x.shape[-1]}")
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32  # (not promote_types: an op)
+    c, s = cos.to(compute), sin.to(compute)
     if conjugate:
-        sin = -sin
-    o1 = x1 * cos - x2 * sin
-    o2 = x2 * cos + x1 * sin
-    out = torch.stack((o1, o2), dim=-1).flatten(-2) if interleaved else torch.cat((o1, o2), dim=-1)
-    out = out.to(x.dtype)
-    if rot < x.shape[-1]:
-        out = torch.cat((out, x[..., rot:]), dim=-1)
-    return out
+        s = -s
+    if not full:  # each feature its pair's entry
+        c, s = (t.repeat_interleave(2, -1) if interleaved else torch.cat((t, t), -1) for t in (c, s))
+    xr = x if rot == x.shape[-1] else x[..., :rot]
+    if interleaved:
+        partner = torch.stack((-xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        partner = torch.cat((-xr[..., rot // 2:], xr[..., : rot // 2]), dim=-1)
+    out = (xr * c + partner * s).to(x.dtype)
+    return out if xr is x else torch.cat((out, x[..., rot:]), dim=-1)
 
 
 def apply_rotary_qk(

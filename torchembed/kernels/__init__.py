@@ -22,6 +22,7 @@ from torchembed.kernels.availability import (
     triton_available,
     use_kernel,
 )
-from torchembed.kernels.rope import rotary_fused
+from torchembed.kernels.rope import rotary_fused, use_rope_kernel
 
-__all__ = ["FusedUnavailableError", "interpret_mode", "kernel_can_run", "rotary_fused", "triton_available", "use_kernel"]
+__all__ = ["FusedUnavailableError", "interpret_mode", "kernel_can_run", "rotary_fused", "triton_available", "use_kernel",
+           "use_rope_kernel"]

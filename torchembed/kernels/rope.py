@@ -28,7 +28,8 @@ Routes: eager without gradients -> :func:`_rotate`; eager with autograd -> :clas
 ``torch.compile`` -> the custom ops ``torchembed::rotary`` (out of place, same autograd) and
 ``torchembed::rotary_`` (in place, no autograd), whose arguments are :class:`RopeArgs` in order.
 Where the kernel cannot run (:func:`~torchembed.kernels.availability.kernel_can_run`) the same
-float32 math runs in PyTorch (:func:`torchembed.functional.rope.apply_rotary`).
+float32 math runs in PyTorch (:func:`torchembed.functional.apply_rotary`). Whether a caller takes
+the kernel at all is :func:`use_rope_kernel`'s decision.
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from torchembed.functional.rope import apply_rotary
+from torchembed import functional
 from torchembed.kernels import direct_launch
-from torchembed.kernels.availability import kernel_can_run, triton_disabled
+from torchembed.kernels.availability import kernel_can_run, triton_disabled, use_kernel
 
-__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused"]
+__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "use_rope_kernel"]
 
 
 class RopeArgs(NamedTuple):
@@ -411,7 +412,8 @@ def _alloc_like(x: Tensor) -> Tensor:
 
 
 def _reference_tables(a: RopeArgs) -> Tuple[Tensor, Tensor]:
-    """``(Bc, 1, S, R/2)`` cos/sin with the kernel's semantics, for the PyTorch path."""
+    """``(Bc, 1, S, W)`` cos/sin with the kernel's semantics, for the PyTorch path (``W`` the rows'
+    width: ``R`` with ``halves``, else ``R/2``)."""
     if a.inv_freq is None and a.cos.dim() == 3:
         c, s = a.cos, a.sin
     else:
@@ -427,11 +429,15 @@ def _reference_tables(a: RopeArgs) -> Tuple[Tensor, Tensor]:
             c, s = a.cos[pos], a.sin[pos]
     if a.scale != 1.0:
         c, s = c.float() * a.scale, s.float() * a.scale
+    if a.halves == 2:  # the transpose of halves == 1: the two halves' sines exchanged
+        h = s.shape[-1] // 2
+        s = torch.cat((s[..., h:], s[..., :h]), dim=-1)
     return c[:, None], s[:, None]
 
 
 def _run(a: RopeArgs, qo: Tensor, ko: Tensor) -> None:
-    """Rotate ``a.q``/``a.k`` into ``qo``/``ko`` (which may be they); all have a unit last stride."""
+    """Rotate ``a.q``/``a.k`` into ``qo``/``ko`` (which may be they); all have a unit last stride.
+    Where the kernel cannot run: :func:`torchembed.functional.apply_rotary`, the same float32 math."""
     q, k = a.q, a.k
     if kernel_can_run(q):
         key = _key_of(a, qo is q)
@@ -440,20 +446,8 @@ def _run(a: RopeArgs, qo: Tensor, ko: Tensor) -> None:
             _launch(a, qo, ko, key)
         return
     c, s = _reference_tables(a)
-    if a.halves:  # each feature its own entry: the rows' first halves for a pair's first, second for its second
-        h = c.shape[-1] // 2
-        c, c2, s1, s2 = c[..., :h], c[..., h:], s[..., :h], s[..., h:]
-        s1, s2 = (s1, s2) if a.halves == 1 else (s2, s1)
-        sign = -1.0 if a.conjugate else 1.0
-        for x, out in ((q, qo), (k, ko)):
-            x1, x2 = x[..., :h], x[..., h : 2 * h]
-            y1, y2 = x1 * c - sign * x2 * s1, x2 * c2 + sign * x1 * s2  # (before any write: out may be x)
-            out[..., :h], out[..., h : 2 * h] = y1, y2
-            if out is not x:
-                out[..., 2 * h :] = x[..., 2 * h :]
-        return
     for x, out in ((q, qo), (k, ko)):
-        out.copy_(apply_rotary(x, c, s, interleaved=a.interleaved, conjugate=a.conjugate))
+        out.copy_(functional.apply_rotary(x, c, s, interleaved=a.interleaved, conjugate=a.conjugate, full=bool(a.halves)))
 
 
 def _rotate(a: RopeArgs) -> Tuple[Tensor, Tensor]:
@@ -546,8 +540,28 @@ _rotary_op.register_autograd(_Rotary.backward, setup_context=_Rotary.setup_conte
 
 
 # ------------------------------------------------------------------------------------------
-# The entry point
+# The decision and the entry point
 # ------------------------------------------------------------------------------------------
+
+
+def use_rope_kernel(fused: Optional[bool], x: Tensor) -> bool:
+    """Whether to rotate ``x`` on the kernel (:func:`rotary_fused`) or with PyTorch operations
+    (:func:`torchembed.functional.apply_rotary`): the one place that decides, asked by every caller
+    (``RotaryEmbedding``, the patched HF helpers).
+
+    ``fused`` means what it means everywhere (:func:`~torchembed.kernels.availability.use_kernel`), with
+    one addition: while ``torch.compile`` traces, ``fused=None`` takes the PyTorch operations, which
+    inductor fuses with the neighbouring norms and projections (an opaque custom op prevents that; the
+    compiled decode step measured slower on the kernel, ``benchmarks/results/e2e-compiled-step.md``).
+    ``fused=True`` keeps the kernel under compile.
+
+    Raises:
+        FusedUnavailableError: ``fused=True`` where the kernel cannot run, naming the fix.
+    """
+    if fused is None and torch.compiler.is_compiling():
+        return False
+    return use_kernel(fused, x, "the fused RoPE kernel")
+
 
 
 def rotary_fused(

@@ -22,7 +22,8 @@ from torchembed.functional.rope import (
     rope_inv_freq,
     rope_positions,
 )
-from torchembed.kernels.availability import FusedUnavailableError, check_fused, triton_available, use_kernel
+from torchembed.kernels.availability import FusedUnavailableError, check_fused, triton_available
+from torchembed.kernels.rope import use_rope_kernel
 
 __all__ = ["RotaryEmbedding"]
 
@@ -165,8 +166,8 @@ class RotaryEmbedding(nn.Module):
                 positions = position_ids[None] if position_ids.dim() == 1 else position_ids
             else:
                 positions = None
-            if (type(positions) is int or (type(positions) is Tensor and positions.is_cuda)) and use_kernel(
-                    self.fused, q, "RotaryEmbedding's fused kernel"):
+            if (type(positions) is int or (type(positions) is Tensor and positions.is_cuda)) and use_rope_kernel(
+                    self.fused, q):
                 try:
                     return kernels.rotary_fused(q, k, inv_freq=self._buffers["inv_freq"], scale=self.attention_scaling,
                                                 positions=positions, interleaved=self.interleaved)
@@ -179,7 +180,7 @@ class RotaryEmbedding(nn.Module):
         if moved:
             q, k = q.movedim(seq_dim, -2), k.movedim(seq_dim, -2)
         offset, position_ids = self._positions(q, k, seq_len, offset, position_ids)
-        if self.fused is not False and use_kernel(self.fused, q, "RotaryEmbedding's fused kernel"):
+        if self.fused is not False and use_rope_kernel(self.fused, q):
             q_out, k_out = self._fused(q, k, offset, position_ids, inv_freq)
         else:
             q_out, k_out = self._reference(q, k, offset, position_ids)
