@@ -1,6 +1,7 @@
 """``torchembed.patches`` where Python runs inside the checkout without an editable install
 pointing at it (a plain ``pip install .``, or none): ``torchembed`` then comes from the checkout,
-whose ``patches/`` lies beside it, not inside (see ``torchembed/_checkout.py``)."""
+where ``torchembed/patches`` is a symbolic link to the top-level ``patches/`` (installed, the
+``[tool.setuptools.package-dir]`` mapping puts the same files there). No import hook."""
 
 from __future__ import annotations
 
@@ -30,8 +31,15 @@ def test_patches_import_from_the_checkout_itself() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     package, patches, core, same = proc.stdout.split()
     assert Path(package) == ROOT / "torchembed" / "__init__.py"
-    assert Path(patches) == ROOT / "patches" / "__init__.py" and Path(core) == ROOT / "patches" / "core.py"
+    assert Path(patches).resolve() == ROOT / "patches" / "__init__.py"
+    assert Path(core).resolve() == ROOT / "patches" / "core.py"
     assert same == "True"
+
+
+def test_no_import_hook() -> None:
+    code = "import sys, torchembed.patches; print([type(f).__module__ for f in sys.meta_path])"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "torchembed" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
 def test_import_torchembed_does_not_import_transformers() -> None:

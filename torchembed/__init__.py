@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchembed import _checkout, functional
+from torchembed import functional
 from torchembed.positional import (
     ALiBiEmbedding,
     LearnedPositionalEmbedding,

@@ -12,7 +12,7 @@ torchembed, upstream, ...) after one short warm-up generation of each; the media
 reported. A laptop's CPU is noisy: one run each can differ by several percent either way.
 
     torchembed chat --compare "What is the capital of France?"
-    python -m torchembed.tools.chat --compare "What is the capital of France?"
+    python -m torchembed chat --compare "What is the capital of France?"
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,8 +151,3 @@ def chat(prompt: str, model: str | os.PathLike[str] | None = None, *, gguf_file:
     models["torchembed"] = patched
     return ChatResult(model=name, prompt=prompt, answers=_answers(models, tokenizer, inputs, max_new_tokens, repeats))
 
-
-if __name__ == "__main__":
-    from torchembed.cli import main
-
-    raise SystemExit(main(["chat", *sys.argv[1:]]))

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torchembed.tools.cache import default_cache_dir
+
 __all__ = ["SAMPLED_MODEL_TYPES", "TINY_MODELS", "tiny_config", "is_tiny_model", "build_checkpoint", "default_cache_dir"]
 
 V = 128  # vocabulary
@@ -105,11 +107,6 @@ def is_tiny_model(name: str) -> bool:
     from torchembed.tools.zoo import text_model_types
 
     return name in text_model_types()
-
-
-def default_cache_dir() -> Path:
-    """``$TORCHEMBED_CACHE`` or ``~/.cache/torchembed``."""
-    return Path(os.environ.get("TORCHEMBED_CACHE", Path.home() / ".cache" / "torchembed"))
 
 
 def build_checkpoint(name: str, cache_dir: str | os.PathLike[str] | None = None, *, seed: int = 0) -> Path:

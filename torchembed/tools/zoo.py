@@ -657,7 +657,7 @@ def _cache_file() -> str:
 
     import transformers
 
-    from torchembed.tools.checkpoints import default_cache_dir
+    from torchembed.tools.cache import default_cache_dir
 
     from torchembed.tools import zoo_fixes
 
@@ -1440,7 +1440,7 @@ def survey_cache_file() -> str:
 
     import torchembed
     import torchembed.patches
-    from torchembed.tools.checkpoints import default_cache_dir
+    from torchembed.tools.cache import default_cache_dir
 
     digest = hashlib.sha256()
     for package in (torchembed, torchembed.patches):
