@@ -40,7 +40,8 @@ if not os.environ.get("PYTHONPATH"):  # this checkout's package unless told othe
 
 from torchembed import RotaryEmbedding, kernels
 from torchembed.kernels import rope_triton
-from torchembed.patches.rotation import RotaryHelper, recognize
+from torchembed.patches.recognition import recognize
+from torchembed.patches.rotation import RotaryHelper
 
 
 class _NoLaunch:

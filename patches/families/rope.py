@@ -3,7 +3,7 @@
 Discovery is by structure, not by class names. For each module of the model, the forward its
 class provides is followed through its decorators (:mod:`torchembed.patches.rebind`); each
 module-level callable it loads whose name speaks of rotary/rope is probed once
-(:func:`torchembed.patches.rotation.recognize`). A module whose forward calls at least one
+(:func:`torchembed.patches.recognition.recognize`). A module whose forward calls at least one
 recognised helper is a rotating attention: its forward is rebuilt, for that instance only, with
 each helper replaced by a :class:`~torchembed.patches.rotation.RotaryHelper` (the fused Triton
 kernel where it can run, the float32 reference elsewhere) and installed as an instance method.
@@ -37,7 +37,8 @@ from torchembed.patches.adapters import qualname
 from torchembed.patches.errors import FusedUnavailableError, StructureError, UnsupportedModelError
 from torchembed.patches.rebind import attribute_names, chain, find_globals, global_names
 from torchembed.patches.registry import Family, PatchOptions, register, set_fallback
-from torchembed.patches.rotation import RotaryHelper, Rotation, explain, is_rotation_name, recognize
+from torchembed.patches.recognition import Rotation, explain, is_rotation_name, recognize
+from torchembed.patches.rotation import RotaryHelper
 
 __all__ = ["ClassRotations", "RopeExpectation", "ReplaceRotationHelpers", "RopeDiscovery", "discover", "class_rotations", "discovered_family"]
 

@@ -332,9 +332,9 @@ def test_patched_as_built_by_from_pretrained(name, checkpoint, load, monkeypatch
     a meta default device and, with ``dtype``, a bfloat16 default dtype: the patch (its probing of
     upstream's helpers included) does not depend on either, and the loaded model computes as
     upstream's."""
-    from torchembed.patches import rotation
+    from torchembed.patches import recognition
 
-    monkeypatch.setattr(rotation, "_RECOGNIZED", {})  # probe upstream's helpers anew, here
+    monkeypatch.setattr(recognition, "_RECOGNIZED", {})  # probe upstream's helpers anew, here
     post_init = transformers.PreTrainedModel.post_init
     built = []
 

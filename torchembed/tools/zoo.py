@@ -230,7 +230,7 @@ def rotation_code(model: nn.Module) -> dict[Any, str]:
     of ``model`` calls (upstream's rotation helpers, recognised or not), each function of its
     decorator chain included."""
     from torchembed.patches.rebind import chain, find_globals
-    from torchembed.patches.rotation import is_rotation_name
+    from torchembed.patches.recognition import is_rotation_name
 
     def candidate(name: str, value: Any) -> bool:
         return is_rotation_name(name) and callable(value) and not isinstance(value, type)
