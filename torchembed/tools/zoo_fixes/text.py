@@ -130,6 +130,12 @@ CONFIG: dict[str, ConfigFix] = {
     "qwen3_omni_moe_talker_text": {"shared_expert_intermediate_size": 32},
     # Qwen4-Exp: see _QWEN4_EXP_TEXT
     "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT},
+    # Kolibri 1.1: sliding layers and, every fifth, indexed attention whose indexer layers must be indexed
+    # ones; two layers, one of each, the indexed one its own indexer and K/V source, small indexer sizes
+    "kolibri1_1": {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "indexed_attention"],
+                   "index_layers": [1], "kv_source_layers": [0, 1], "mlp_only_layers": [0], "sliding_window": 8,
+                   "index_topk": 4, "index_pool_size": 8, "index_compression": 2, "index_num_heads": 2,
+                   "index_num_local_tokens": 2, "index_num_sink_tokens": 1},
     "qwen4_exp_text": _QWEN4_EXP_TEXT,
     # Step 3.7: its text model always builds a sliding-window mask, so sliding_window must be set (its
     # checkpoints alternate sliding and full attention, the sliding layers with their own head count)
