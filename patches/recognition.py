@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,8 @@ from torch import Tensor
 
 from torchembed.functional.rope import apply_rotary
 
-__all__ = ["Rotation", "explain", "recognize", "is_rotation_name", "merge_mrope", "reference_rotate", "parameter_defaults"]
+__all__ = ["Rotation", "explain", "recognize", "is_rotation_name", "merge_mrope", "reference_rotate", "parameter_defaults",
+           "upstream_function"]
 
 LAYOUTS = ("cat", "repeat", "half")
 PAIRINGS = ("half", "interleaved", "deinterleave")
@@ -50,6 +52,24 @@ _ROTATED_LIMIT = 3  # q, k and v at most
 _UNSQUEEZE = "unsqueeze_dim"
 _POSITION_IDS = "position_ids"
 _MROPE = "mrope_section"
+
+
+def upstream_function(helper: Any) -> Any:
+    """The Python function behind a hub-kernel function module, else ``helper`` itself.
+
+    With the ``kernels`` package installed, transformers (5.25) turns module-level helpers such as
+    ``apply_rotary_pos_emb`` into ``nn.Module`` instances (``kernels``' ``Func``, marked by a class
+    attribute ``kernel_layer_name``) whose forward calls the function, or a hub kernel while a
+    kernelized model runs. Their forward takes ``*args, **kwargs``: what the helper computes, and
+    its signature, are the wrapped function's (the one Python function in the forward's closure).
+    """
+    if isinstance(helper, torch.nn.Module) and "kernel_layer_name" in vars(type(helper)):
+        forward = vars(type(helper)).get("forward")
+        inner = [cell.cell_contents for cell in getattr(forward, "__closure__", None) or ()
+                 if isinstance(getattr(cell, "cell_contents", None), types.FunctionType)]
+        if len(inner) == 1:
+            return inner[0]
+    return helper
 
 
 def is_rotation_name(name: str) -> bool:

@@ -9,6 +9,7 @@ to what the rotation reads, and the tensors handed to the kernel or to the one P
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ from torchembed.kernels.availability import FusedUnavailableError
 from torchembed.kernels.rope import use_rope_kernel
 from torchembed.patches.binding import CallSignature
 from torchembed.patches.recognition import (
-    _UNSQUEEZE, Rotation, _broadcast, _deinterleave, merge_mrope, parameter_defaults,
+    _UNSQUEEZE, Rotation, _broadcast, _deinterleave, merge_mrope, parameter_defaults, upstream_function,
 )
 
 __all__ = ["RotaryHelper"]
@@ -67,7 +68,8 @@ class RotaryHelper:
         return helper
 
     def __reduce__(self) -> tuple:
-        return (RotaryHelper.get, (self.rotation, self.upstream, self.fused))
+        # upstream by name: the module-level object may be a hub-kernel wrapper around it (not picklable)
+        return (_restore, (self.rotation, self.upstream.__module__, self.upstream.__qualname__, self.fused))
 
     def __repr__(self) -> str:
         return f"<torchembed rotation for {getattr(self.upstream, '__qualname__', self.upstream)}: {self.rotation.describe()}>"
@@ -335,3 +337,11 @@ def _back(x: Tensor, rule: str) -> Callable[[Tensor], Tensor]:
     if rule == "hs":
         return (lambda o: o) if nd == 4 else (lambda o: o[0])
     return (lambda o: o.transpose(-3, -2)) if nd == 4 else (lambda o: o[0].transpose(0, 1))
+
+
+def _restore(rotation: Rotation, module: str, qualname: str, fused: bool | None) -> RotaryHelper:
+    """The :class:`RotaryHelper` of an upstream helper given by name (how one is unpickled)."""
+    upstream: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        upstream = getattr(upstream, part)
+    return RotaryHelper.get(rotation, upstream_function(upstream), fused)

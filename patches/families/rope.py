@@ -37,7 +37,7 @@ from torchembed.patches.adapters import qualname
 from torchembed.patches.errors import FusedUnavailableError, StructureError, UnsupportedModelError
 from torchembed.patches.rebind import attribute_names, chain, find_globals, global_names
 from torchembed.patches.registry import Family, PatchOptions, register, set_fallback
-from torchembed.patches.recognition import Rotation, explain, is_rotation_name, recognize
+from torchembed.patches.recognition import Rotation, explain, is_rotation_name, recognize, upstream_function
 from torchembed.patches.rotation import RotaryHelper
 
 __all__ = ["ClassRotations", "RopeExpectation", "ReplaceRotationHelpers", "RopeDiscovery", "discover", "class_rotations", "discovered_family"]
@@ -99,7 +99,7 @@ def class_rotations(cls: type) -> ClassRotations:
             for name, found in find_globals(method, _is_candidate).items():
                 uses.setdefault(name, []).extend(found)
         for name, found in uses.items():
-            values = {id(value): value for _, value in found}
+            values = {id(value): value for value in (upstream_function(v) for _, v in found)}
             if len(values) > 1:
                 unrecognized[name] = "bound to different objects in different functions of the forward's decorator chain"
                 continue

@@ -230,7 +230,7 @@ def rotation_code(model: nn.Module) -> dict[Any, str]:
     of ``model`` calls (upstream's rotation helpers, recognised or not), each function of its
     decorator chain included."""
     from torchembed.patches.rebind import chain, find_globals
-    from torchembed.patches.recognition import is_rotation_name
+    from torchembed.patches.recognition import is_rotation_name, upstream_function
 
     def candidate(name: str, value: Any) -> bool:
         return is_rotation_name(name) and callable(value) and not isinstance(value, type)
@@ -242,6 +242,7 @@ def rotation_code(model: nn.Module) -> dict[Any, str]:
             continue
         for name, uses in find_globals(forward, candidate).items():
             for _, helper in uses:
+                helper = upstream_function(helper)
                 target = helper.forward if isinstance(helper, nn.Module) else helper
                 codes.update({f.__code__: name for f in chain(target)})
     return codes
