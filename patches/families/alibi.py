@@ -114,7 +114,8 @@ def falcon_key_bias(attention_mask: Tensor | None, num_heads: int, k_len: int, d
     slopes = _constant(("slopes", num_heads, device), lambda: alibi_slopes(num_heads, device))
     if attention_mask is None:
         return _causal_key_bias(slopes, k_len)
-    last_row = _falcon_keep(attention_mask)[:, 0, -1, :]  # (b, k) keys the newest query attends
+    row = attention_mask[..., -1, :]  # the newest query's row: (b, 1, k) or (b, k)
+    last_row = (row if row.dtype == torch.bool else row == 0).reshape(row.shape[0], -1)  # (b, k) keys it attends
     return alibi_key_bias(slopes, last_row)
 
 

@@ -688,21 +688,15 @@ def _search_cache() -> dict[str, dict[str, Any]]:
 def _remember(model_type: str, result: dict[str, Any]) -> None:
     """Add one result to the file (merged with what other processes wrote meanwhile; atomic)."""
     import json
-    import tempfile
 
     cache = _search_cache()
     cache[model_type] = result
     if os.environ.get("TORCHEMBED_ZOO_CACHE", "1") == "0":
         return
     path = _cache_file()
-    with contextlib.suppress(OSError):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as f:
-            cache.update({k: v for k, v in json.load(f).items() if k not in cache})
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".zoo-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(cache, f, sort_keys=True)
-        os.replace(tmp, path)
+    with contextlib.suppress(OSError, ValueError), open(path, encoding="utf-8") as f:
+        cache.update({k: v for k, v in json.load(f).items() if k not in cache})
+    _write_json(path, cache)
 
 
 def model_class(config: Any) -> type:
@@ -1463,9 +1457,9 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
 
     with contextlib.suppress(OSError):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".survey-")
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
+            json.dump(data, f, sort_keys=True)
         os.replace(tmp, path)
 
 
