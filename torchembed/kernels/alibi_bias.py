@@ -44,7 +44,7 @@ def _bias_op(key_bias: Tensor, keep: Tensor, dtype: torch.dtype) -> Tensor:
         return alibi_prefill_bias(key_bias, keep, dtype)  # (b, h, q, k) already: keep is given
     from torchembed.kernels import alibi_bias_triton
 
-    return alibi_bias_triton.launch(key_bias, keep, torch.empty(shape, dtype=dtype, device=key_bias.device))
+    return alibi_bias_triton.write(key_bias, keep, torch.empty(shape, dtype=dtype, device=key_bias.device))
 
 
 @_bias_op.register_fake
@@ -76,4 +76,4 @@ def prefill_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype) -> T
         return torch.ops.torchembed.alibi_prefill_bias(key_bias, keep, dtype)
     from torchembed.kernels import alibi_bias_triton  # (the op's dispatch costs host time in eager)
 
-    return alibi_bias_triton.launch(key_bias, keep, torch.empty(shape, dtype=dtype, device=key_bias.device))
+    return alibi_bias_triton.write(key_bias, keep, torch.empty(shape, dtype=dtype, device=key_bias.device))

@@ -10,9 +10,8 @@ the difference in float32, rounded once on store (what :func:`torchembed.functio
 alibi_prefill_bias` computes with a subtraction and a masking pass).  One program writes a
 ``BLOCK_Q x BLOCK_K`` tile of one ``(b, h)``; grid ``(cdiv(k, BLOCK_K), cdiv(q, BLOCK_Q), B * H)``.
 Every index is int64 before it meets a stride; ``key_bias`` and ``keep`` take any strides (0 for a
-batch of 1 broadcast).  On CUDA a launch is kept and repeated through the compiled kernel's launcher
-(:mod:`direct_launch`): once per forward, but Triton's own binding costs ~0.1 ms of host time on a
-slow host.  This module imports Triton; ``alibi_bias`` imports it on the first launch.
+batch of 1 broadcast).  A launch is kept and repeated (:mod:`torchembed.kernels.launch`): once per
+forward, but Triton's own binding costs ~0.1 ms of host time on a slow host.  This module imports Triton; ``alibi_bias`` imports it on the first launch.
 """
 
 from __future__ import annotations
@@ -24,10 +23,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from torchembed.kernels import direct_launch
+from torchembed.kernels import launch
 from torchembed.kernels.rope_triton import _round_f32_to_bf16_rtne
 
-__all__ = ["launch"]
+__all__ = ["write"]
 
 BLOCK_Q, BLOCK_K = 16, 256
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # fixed when triton.jit decorates the kernel
@@ -59,18 +58,15 @@ def _alibi_bias_kernel(
     tl.store(out_ptr + b * so_b + h * so_h + i[:, None] * so_q + j[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-# Kept launches (:mod:`direct_launch`): key -> (entry, head, grid), the key holding every argument
-# Triton specialised on (dtypes, pointer alignment, the int arguments themselves, the device).
-_KEPT: dict[tuple, tuple] = {}
-_MAX_KEPT = 1024  # prefill lengths are many: cleared when full
-_DIRECT = direct_launch.ENABLED
+# Kept launches: key -> Launch, the key holding every argument Triton specialises on but alignment
+# (dtypes, the int arguments themselves, the device).
+LAUNCHES = launch.Launches(1024)  # prefill lengths are many: cleared when full
 
 
-def launch(key_bias: Tensor, keep: Tensor, out: Tensor) -> Tensor:
+def write(key_bias: Tensor, keep: Tensor, out: Tensor) -> Tensor:
     """Write the bias into ``out`` ``(B, H, Q, K)`` (unit last-dim stride) from ``key_bias``
-    ``(B or 1, H, K)`` and ``keep`` ``(B or 1, 1, Q, K)`` bool; checked by the caller. On CUDA the
-    launch is kept, and a later call with the same arguments but pointers launches it directly."""
-    global _DIRECT
+    ``(B or 1, H, K)`` and ``keep`` ``(B or 1, 1, Q, K)`` bool; checked by the caller. The launch is
+    kept (:mod:`torchembed.kernels.launch`): a later call with the same arguments but pointers repeats it."""
     batch, heads, q_len, k_len = out.shape
     ints = (
         heads, q_len, k_len,
@@ -78,30 +74,13 @@ def launch(key_bias: Tensor, keep: Tensor, out: Tensor) -> Tensor:
         keep.stride(0) if keep.shape[0] != 1 else 0, keep.stride(2), keep.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
     )
-    minimum = torch.finfo(out.dtype).min
-    emulate = _INTERPRET and out.dtype == torch.bfloat16  # the interpreter's cast truncates
-    constexprs = (BLOCK_Q, BLOCK_K, emulate)
-    direct = _DIRECT and out.is_cuda
-    if direct:
-        pointers = (key_bias.data_ptr(), keep.data_ptr(), out.data_ptr())
-        key = (key_bias.dtype, keep.dtype, out.dtype, out.device, tuple(p & 15 == 0 for p in pointers), ints)
-        kept = _KEPT.get(key)
-        if kept is not None:
-            entry, head, grid = kept
-            try:
-                entry(*grid, direct_launch.raw_stream(out.device.index), *head, *pointers, *ints, minimum, *constexprs)
-                return out
-            except Exception:  # the installed Triton launches differently: kernel[grid] from now on
-                _DIRECT = False
-                _KEPT.clear()
-    grid = (triton.cdiv(k_len, BLOCK_K), triton.cdiv(q_len, BLOCK_Q), batch * heads)
-    compiled = _alibi_bias_kernel[grid](
-        key_bias, keep.view(torch.uint8), out, *ints, minimum,
-        BLOCK_Q=BLOCK_Q, BLOCK_K=BLOCK_K, EMULATE_RTNE=emulate, num_warps=4,
-    )
-    found = direct_launch.entry_of(compiled) if direct and _DIRECT else None
-    if found is not None:
-        if len(_KEPT) >= _MAX_KEPT:
-            _KEPT.clear()
-        _KEPT[key] = (*found, grid)
+    key = (key_bias.dtype, out.dtype, out.device, batch, ints)
+    kept = LAUNCHES.get(key)
+    if kept is None:
+        emulate = _INTERPRET and out.dtype == torch.bfloat16  # the interpreter's cast truncates
+        grid = (triton.cdiv(k_len, BLOCK_K), triton.cdiv(q_len, BLOCK_Q), batch * heads)
+        kept = LAUNCHES.keep(key, launch.Launch(
+            _alibi_bias_kernel, grid, (*ints, torch.finfo(out.dtype).min),
+            {"BLOCK_Q": BLOCK_Q, "BLOCK_K": BLOCK_K, "EMULATE_RTNE": emulate}, num_warps=4))
+    kept((key_bias, keep.view(torch.uint8), out))
     return out

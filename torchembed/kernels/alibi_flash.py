@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from torchembed.kernels.availability import kernel_can_run
+from torchembed.kernels.launch import Launches
 from torchembed.kernels.availability import triton_disabled as _triton_disabled
 
 __all__ = ["alibi_flash", "attempt", "clear_plans", "flash_unsupported", "mask_rows", "DTYPES", "MAX_HEAD_DIM"]
@@ -183,8 +184,7 @@ def _mask_rows_reference(keep: Tensor) -> Tensor:
 
 # Plans (``alibi_flash_triton.ForwardPlan`` / ``BackwardPlan``) by call signature: everything the
 # launches were derived from, so a hit needs no validation. Cleared when full (many prefill lengths).
-_PLANS: dict[tuple, object] = {}
-_MAX_PLANS = 1024
+_PLANS = Launches(1024)
 
 
 def _signature(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Optional[Tensor], keep: Optional[Tensor],
@@ -195,15 +195,8 @@ def _signature(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Optional[Ten
             k.device, v.device, bias.shape, bias.stride(), bias.dtype, bias.device, key_bias, mask, scale, need_lse)
 
 
-def _store(key: tuple, plan: object) -> object:
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
-
-
 def clear_plans() -> None:
-    """Forget every kept plan (after changing the kernels' block shapes)."""
+    """Forget every kept plan."""
     _PLANS.clear()
 
 
@@ -213,7 +206,7 @@ def _plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse):
     key = _signature(q, k, v, bias, rows, keep, scale, key_bias, need_lse)
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _store(key, (_triton or _kernels()).forward_plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse))
+        plan = _PLANS.keep(key, (_triton or _kernels()).forward_plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse))
     return plan
 
 
@@ -250,7 +243,7 @@ def _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias,
                                                                            key_bias, True))
     backward = _PLANS.get(key)
     if backward is None:
-        backward = _store(key, (_triton or _kernels()).backward_plan(grad, q, k, v, out, bias, rows, keep, scale,
+        backward = _PLANS.keep(key, (_triton or _kernels()).backward_plan(grad, q, k, v, out, bias, rows, keep, scale,
                                                                      key_bias))
     return backward(grad, q, k, v, out, lse, bias, rows, keep, norms)
 
@@ -377,7 +370,7 @@ def alibi_flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float, 
     ``softmax(scale * q k^T + bias) v`` where the bias of query ``i`` and key ``j`` is
     ``slope_h * (j - i)`` (``bias`` = slopes) or ``key_bias[b, h, j]`` (``key_bias=True``), up to a
     constant per query row (which softmax ignores). With slopes and at least
-    ``alibi_flash_triton.SKIP_MIN_KEYS`` keys, keys whose weight is provably below
+    ``AlibiTuning.skip_min_keys`` keys, keys whose weight is provably below
     ``2**-(32 + log2 keys)`` of their row's largest are not visited (``TORCHEMBED_ALIBI_SKIP=0``: every
     key); what they would add is below float32 rounding.
 

@@ -40,26 +40,30 @@ and pointers allow it (16-byte aligned), else through pointers. Matrix products 
 the input dtype (float32: full-precision products) and accumulate in float32; the softmax statistics
 are float32.
 
-Launches on CUDA are kept (:mod:`direct_launch`): the second call with the same shapes, strides and
-dtypes goes straight to the compiled kernel's launcher. This module imports Triton.
+Launches are set up once per call signature and kept (:mod:`torchembed.kernels.launch`): the second call
+with the same shapes, strides and dtypes goes straight to the compiled kernel's launcher. This module imports Triton.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
-from collections.abc import Sequence
-from typing import Optional
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from torchembed.kernels import direct_launch
+from torchembed.kernels.launch import Launch, Launches, clear_all
 
-__all__ = ["CONFIGS", "DECODE_ROWS", "LOG2E", "BackwardPlan", "ForwardPlan", "Launch", "backward_plan", "block_d",
-           "config_for", "forward_plan", "mask_rows"]
+__all__ = ["AlibiTuning", "DECODE_ROWS", "LOG2E", "BackwardPlan", "ForwardPlan", "backward_plan", "block_d",
+           "config_for", "forward_plan", "mask_rows", "tuned", "tuning"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # fixed when triton.jit decorates the kernels
 LOG2E = 1.4426950408889634
@@ -818,7 +822,7 @@ def _bwd_dq_kernel(
 # 64 and 128 (benchmarks/results/alibi-kernel-tune.json; the forward's with keys and values read
 # through tensor descriptors; the masked backward and decode take the causal winners); 16 and 32
 # take 64's, 256 the largest tiles that compile without spilling much (not timed).
-CONFIGS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
+_MEASURED_BLOCKS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
     **{("fwd", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
     ("fwd", 128, False): (64, 64, 4, 3),
     ("fwd", 128, True): (128, 64, 8, 3),
@@ -829,7 +833,7 @@ CONFIGS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
     **{("dkdv", bd, m): (32, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
     **{("dkdv", 128, m): (64, 64, 4, 2) for m in (False, True)},
     **{("dkdv", 256, m): (64, 32, 8, 2) for m in (False, True)},
-    # decode: scripts/alibi_decode_splits.py (2026-12-02 08:22 UTC), with DECODE_PROGRAMS_PER_SM = 1
+    # decode: scripts/alibi_decode_splits.py (2026-12-02 08:22 UTC), with decode_programs_per_sm = 1
     **{("decode", bd, m): (16, 128, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
     **{("decode", 128, m): (16, 64, 4, 3) for m in (False, True)},
     **{("decode", 256, m): (16, 32, 4, 2) for m in (False, True)},
@@ -837,7 +841,53 @@ CONFIGS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
 _FP32_CONFIG = {"fwd": (64, 32, 4, 2), "dq": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "decode": (16, 32, 4, 2)}
 _INTERPRET_CONFIG = {"fwd": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "decode": (16, 16, 4, 1)}
 DECODE_ROWS = 64  # the split-key kernel takes calls of at most this many queries per kv head (GROUP * M)
-DECODE_PROGRAMS_PER_SM = 1  # split the keys until the decode grid has this many programs per multiprocessor
+
+
+@dataclass(frozen=True)
+class AlibiTuning:
+    """The launch configuration of the ALiBi kernels (:func:`tuning`, :func:`tuned`).
+
+    ``blocks``: ``(kernel, BLOCK_D bucket, mask given?) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps,
+    num_stages)`` for float16/bfloat16 (float32 and the interpreter take fixed small tiles).
+    ``decode_programs_per_sm``: the split-key decode splits the keys until its grid has this many
+    programs per multiprocessor. ``skip``, ``skip_margin_bits``, ``skip_min_keys``: the skip of keys
+    of negligible weight (see :func:`skips_negligible`)."""
+
+    blocks: Mapping[tuple[str, int, bool], tuple[int, int, int, int]] = field(
+        default_factory=lambda: MappingProxyType(dict(_MEASURED_BLOCKS)))
+    decode_programs_per_sm: int = 1
+    skip: bool = os.environ.get("TORCHEMBED_ALIBI_SKIP", "1") == "1"
+    skip_margin_bits: float = 32.0
+    skip_min_keys: int = 2048
+
+
+_tuning = AlibiTuning()
+
+
+def tuning() -> AlibiTuning:
+    """The configuration launches are set up with now."""
+    return _tuning
+
+
+@contextlib.contextmanager
+def tuned(**changes: Any) -> Iterator[AlibiTuning]:
+    """Within the block, new launches take the current :class:`AlibiTuning` with ``changes`` (field
+    names and values; ``blocks`` entries are merged into the current ones); kept plans and launches
+    are forgotten on entry and exit.
+
+    Raises:
+        TypeError: a name that is not a field of :class:`AlibiTuning`.
+    """
+    global _tuning
+    if "blocks" in changes:
+        changes["blocks"] = MappingProxyType({**_tuning.blocks, **changes["blocks"]})
+    previous, _tuning = _tuning, dataclasses.replace(_tuning, **changes)
+    clear_all()
+    try:
+        yield _tuning
+    finally:
+        _tuning = previous
+        clear_all()
 _SMS: dict[int, int] = {}
 
 
@@ -861,45 +911,7 @@ def config_for(kind: str, head_dim: int, dtype: torch.dtype, masked: bool) -> tu
         return _INTERPRET_CONFIG[kind]
     if dtype == torch.float32:
         return _FP32_CONFIG[kind]
-    return CONFIGS[(kind, block_d(head_dim), masked)]
-
-
-_DIRECT = direct_launch.ENABLED
-
-
-class Launch:
-    """One kernel launch set up once: grid, ints, floats and constexprs fixed, the tensors given per
-    call. On CUDA the compiled kernel's launcher is kept after the first launch (:mod:`direct_launch`)
-    and called with the tensors' raw pointers while their 16-byte alignment is what Triton
-    specialised on; otherwise ``kernel[grid](...)`` (which compiles a variant when needed)."""
-
-    __slots__ = ("kernel", "grid", "ints", "floats", "kwargs", "tail", "entry", "head", "aligned", "index")
-
-    def __init__(self, kernel, grid: tuple[int, int, int], ints: tuple, floats: tuple, constexprs: dict,
-                 num_warps: int, num_stages: int) -> None:
-        self.kernel, self.grid, self.ints, self.floats = kernel, grid, ints, floats
-        self.kwargs = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
-        self.tail = (*ints, *floats, *constexprs.values())  # the launcher's arguments after the pointers
-        self.entry = self.head = self.aligned = self.index = None
-
-    def __call__(self, tensors: Sequence[Tensor]) -> None:
-        global _DIRECT
-        if self.entry is not None:
-            pointers = [t.data_ptr() for t in tensors]
-            if [p & 15 == 0 for p in pointers] == self.aligned:
-                try:
-                    self.entry(*self.grid, direct_launch.raw_stream(self.index), *self.head, *pointers, *self.tail)
-                    return
-                except Exception:  # the installed Triton launches differently: kernel[grid] from now on
-                    _DIRECT = False
-                    self.entry = None
-        compiled = self.kernel[self.grid](*tensors, *self.ints, *self.floats, **self.kwargs)
-        if self.entry is None and _DIRECT and tensors[0].is_cuda:
-            found = direct_launch.entry_of(compiled)
-            if found is not None:
-                self.entry, self.head = found
-                self.aligned = [t.data_ptr() & 15 == 0 for t in tensors]
-                self.index = tensors[0].device.index
+    return _tuning.blocks[(kind, block_d(head_dim), masked)]
 
 
 def _strides4(t: Tensor) -> tuple[int, int, int, int]:
@@ -927,7 +939,7 @@ def _mask_strides(rows: Tensor | None, keep: Tensor | None) -> tuple[int, int, i
     return (0 if rows.shape[0] == 1 else rows.stride(0), 0 if keep.shape[0] == 1 else s[0], s[2], s[3])
 
 
-_ROWS_LAUNCHES: dict[tuple, Launch] = {}
+_ROWS_LAUNCHES = Launches(256)
 
 
 def mask_rows(keep: Tensor) -> Tensor:
@@ -941,36 +953,31 @@ def mask_rows(keep: Tensor) -> Tensor:
     if launch is None:
         block_q, block_k = (16, 32) if _INTERPRET else (32, 256)
         s = keep.stride()
-        if len(_ROWS_LAUNCHES) >= 256:
-            _ROWS_LAUNCHES.clear()
-        launch = _ROWS_LAUNCHES[key] = Launch(
+        launch = _ROWS_LAUNCHES.keep(key, Launch(
             _rows_kernel, (_cdiv(q_len, block_q), batch, 1),
-            (q_len, k_len, 0 if batch == 1 else s[0], s[2], s[3], rows.stride(0)), (),
-            {"BLOCK_Q": block_q, "BLOCK_K": block_k}, 4, 1)
+            (q_len, k_len, 0 if batch == 1 else s[0], s[2], s[3], rows.stride(0)),
+            {"BLOCK_Q": block_q, "BLOCK_K": block_k}, num_warps=4, num_stages=1))
     launch((keep.view(torch.uint8), rows))
     return rows
 
 
 # Keys of negligible weight (slopes mode): ALiBi's bias falls linearly with distance, so far enough back
-# every score is provably below the row's largest by more than SKIP_MARGIN_BITS + log2(keys) bits
+# every score is provably below the row's largest by more than skip_margin_bits + log2(keys) bits
 # (Cauchy-Schwarz on q.k with the head's largest key norm): the kernels do not visit those keys. What
-# they leave out is under 2**-SKIP_MARGIN_BITS of each row's softmax mass, below float32 rounding.
-# TORCHEMBED_ALIBI_SKIP=0 visits every key. SKIP_MIN_KEYS: shorter calls are not worth the key-norm pass
+# they leave out is under 2**-skip_margin_bits of each row's softmax mass, below float32 rounding.
+# TORCHEMBED_ALIBI_SKIP=0 visits every key. skip_min_keys: shorter calls are not worth the key-norm pass
 # (H200, 2026-12-02, scripts/alibi_skip_probe.py: 4 x 16 x 2048 x 64 forward 0.107 + 0.011 ms for the
 # norms against 0.131 without the skip; 1 x 16 x 1024 x 64 0.0228 + 0.006 against 0.0225).
-SKIP_NEGLIGIBLE = os.environ.get("TORCHEMBED_ALIBI_SKIP", "1") == "1"
-SKIP_MARGIN_BITS = 32.0
-SKIP_MIN_KEYS = 2048
 
 
 def skips_negligible(key_bias: bool, k_len: int) -> bool:
     """Whether a prefill of ``k_len`` keys leaves out the keys of negligible weight."""
-    return SKIP_NEGLIGIBLE and not key_bias and k_len >= SKIP_MIN_KEYS
+    return _tuning.skip and not key_bias and k_len >= _tuning.skip_min_keys
 
 
 def skip_log2(k_len: int) -> float:
     """The base-2 margin below a row's largest score past which a key is left out."""
-    return SKIP_MARGIN_BITS + math.log2(max(k_len, 1))
+    return _tuning.skip_margin_bits + math.log2(max(k_len, 1))
 
 
 class NormPlan:
@@ -987,8 +994,8 @@ class NormPlan:
         chunk = _cdiv(k_len, NORM_PARTS)
         block_k = 16 if _INTERPRET else min(64, max(16, _pow2(chunk)))
         self.launch = Launch(_key_norm_kernel, (NORM_PARTS, batch * kv_heads, 1), (kv_heads, k_len, chunk, *_strides4(k)),
-                             (), {"HEAD_DIM": head_dim, "BLOCK_K": block_k, "BLOCK_D": block_d(head_dim),
-                                  "PARTS": NORM_PARTS}, 4, 1)
+                             {"HEAD_DIM": head_dim, "BLOCK_K": block_k, "BLOCK_D": block_d(head_dim), "PARTS": NORM_PARTS},
+                             num_warps=4, num_stages=1)
 
     def __call__(self, k: Tensor) -> Tensor:
         out = torch.empty(self.shape, dtype=torch.float32, device=self.device)
@@ -1068,21 +1075,21 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
         block_r, block_n, warps, stages = config_for("decode", head_dim, q.dtype, masked)
         block_r = max(block_r, _pow2(group * q_len))
         programs = batch * kv_heads
-        # enough programs for every multiprocessor (DECODE_PROGRAMS_PER_SM each), each at least two key blocks long
+        # enough programs for every multiprocessor (AlibiTuning.decode_programs_per_sm each), each at least two key blocks long
         sms = _sms(q.device) if q.is_cuda else 16  # (the interpreter: several splits at small shapes)
-        splits = max(1, min(_cdiv(DECODE_PROGRAMS_PER_SM * sms, programs), _cdiv(k_len, 2 * block_n)))
+        splits = max(1, min(_cdiv(_tuning.decode_programs_per_sm * sms, programs), _cdiv(k_len, 2 * block_n)))
         chunk = _cdiv(_cdiv(k_len, splits), block_n) * block_n
         splits = _cdiv(k_len, chunk) if k_len else 1
         single = splits == 1
         plan.part = 0 if single else splits * programs * block_r * (bd + 2)
-        plan.main = Launch(_decode_kernel, (splits, programs, 1), (*strides, heads, group, q_len, k_len, chunk),
-                           (qk_scale,),
+        plan.main = Launch(_decode_kernel, (splits, programs, 1), (*strides, heads, group, q_len, k_len, chunk, qk_scale),
                            {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_D": bd,
                             "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "SINGLE": single,
-                            "STORE_LSE": need_lse}, warps, stages)
+                            "STORE_LSE": need_lse}, num_warps=warps, num_stages=stages)
         if not single:
-            plan.combine = Launch(_combine_kernel, (programs, 1, 1), (*out4, heads, group, q_len, splits), (),
-                                  {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_D": bd, "STORE_LSE": need_lse}, 4, 1)
+            plan.combine = Launch(_combine_kernel, (programs, 1, 1), (*out4, heads, group, q_len, splits),
+                                  {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_D": bd, "STORE_LSE": need_lse},
+                                  num_warps=4, num_stages=1)
         else:
             plan.part = 0
             # the decode kernel's signature has the workspace pointer: pass out in its place
@@ -1094,11 +1101,11 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
     plan.prefill, plan.norms = True, NormPlan(k) if skip else None
 
     def launch(tma: bool) -> Launch:
-        return Launch(_fwd_kernel, (_cdiv(q_len, block_m), batch * heads, 1), (*strides, heads, group, q_len, k_len),
-                      (qk_scale, skip_log2(k_len)),
+        return Launch(_fwd_kernel, (_cdiv(q_len, block_m), batch * heads, 1),
+                      (*strides, heads, group, q_len, k_len, qk_scale, skip_log2(k_len)),
                       {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
                        "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "STORE_LSE": need_lse,
-                       "TMA": tma, "SKIP": skip}, warps, stages)
+                       "TMA": tma, "SKIP": skip}, num_warps=warps, num_stages=stages)
 
     plan.main = launch(False)
     if _tma_layout(k, v):  # keys and values through the tensor memory accelerator where aligned
@@ -1197,21 +1204,21 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
     n_horizon = _cdiv(q_len, block)
     plan.horizon_shape = (batch, heads, n_horizon)
     plan.delta = Launch(_bwd_delta_kernel, (n_horizon, batch * heads, 1),
-                        (*_strides4(out), *_strides4(grad), *_strides4(q), sbh, srb, heads, group, q_len, k_len),
-                        (qk_scale, skip_log2(k_len)),
+                        (*_strides4(out), *_strides4(grad), *_strides4(q), sbh, srb, heads, group, q_len, k_len,
+                         qk_scale, skip_log2(k_len)),
                         {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd, "MASK": int(masked), "SKIP": skip},
-                        4, 1)
+                        num_warps=4, num_stages=1)
     common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad))
     consts = {"HEAD_DIM": head_dim, "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec}
     block_m, block_n, warps, stages = config_for("dkdv", head_dim, q.dtype, masked)
     plan.dkdv = Launch(_bwd_dkdv_kernel, (_cdiv(k_len, block_n), batch * kv_heads, 1),
-                       (*common, *like(k), *like(v), *tail, heads, group, q_len, k_len, n_horizon), floats[:2],
+                       (*common, *like(k), *like(v), *tail, heads, group, q_len, k_len, n_horizon, *floats[:2]),
                        {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
                         "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": skip,
-                        "HBLOCK": block}, warps, stages)
+                        "HBLOCK": block}, num_warps=warps, num_stages=stages)
     block_m, block_n, warps, stages = config_for("dq", head_dim, q.dtype, masked)
     plan.dq = Launch(_bwd_dq_kernel, (_cdiv(q_len, block_m), batch * heads, 1),
-                     (*common, *like(q), *tail, heads, group, q_len, k_len), floats,
+                     (*common, *like(q), *tail, heads, group, q_len, k_len, *floats),
                      {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
-                      "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": skip}, warps, stages)
+                      "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": skip}, num_warps=warps, num_stages=stages)
     return plan

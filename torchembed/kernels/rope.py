@@ -20,9 +20,10 @@ int ``o``              ``o + s``                                  cache ``(T, R/
 
 A call is keyed by what its tensors are -- shapes, strides, dtypes, devices, position form, flags,
 never their values (:func:`_key`). The first call of a key is validated and launched through Triton;
-the launch is then kept (:data:`LAUNCHES`) and a later call of the same key repeats it with its own
-pointers, offset and scale, skipping validation (the key implies it) and Triton's per-call binding
-(:mod:`torchembed.kernels.direct_launch`): a decode step costs little more than the launch itself.
+the launch is then kept (:data:`LAUNCHES`, a :class:`torchembed.kernels.launch.Launch`) and a later
+call of the same key repeats it with its own pointers, offset and scale, skipping validation (the key
+implies it) and Triton's per-call binding: a decode step costs little more than the launch itself.
+The launch configuration is a typed :class:`RopeTuning` (:func:`tuned` changes it for a block).
 
 Routes: eager without gradients -> :func:`_rotate`; eager with autograd -> :class:`_Rotary`;
 ``torch.compile`` -> the custom ops ``torchembed::rotary`` (out of place, same autograd) and
@@ -34,17 +35,20 @@ the kernel at all is :func:`use_rope_kernel`'s decision.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-from typing import NamedTuple, Optional, Tuple, Union
+import contextlib
+from collections.abc import Iterator
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from torchembed import functional
-from torchembed.kernels import direct_launch
+from torchembed.kernels import launch
 from torchembed.kernels.availability import kernel_can_run, triton_disabled, use_kernel
 
-__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "use_rope_kernel"]
+__all__ = ["LAUNCHES", "RopeArgs", "RopeTuning", "clear_launches", "rotary_fused", "tuned", "tuning", "use_rope_kernel"]
 
 
 class RopeArgs(NamedTuple):
@@ -76,18 +80,49 @@ class RopeArgs(NamedTuple):
 # Launch configuration. Measured on an H200 (benchmarks/results/rope.md, scripts/tune_rope.py).
 # ------------------------------------------------------------------------------------------
 
-_TILE_PAIRS = 1024  # (token, pair) lanes per program: 4 KB of bf16 per operand
-# Heads per program: several heads share one cos/sin load (or angle computation), but only on
-# prefill-sized grids (at least _HPP_MIN_PROGRAMS programs with one head each); decode keeps one
-# head per program for parallelism. _HPP_CANDIDATES: largest first that divides both head counts.
-_HPP_MIN_PROGRAMS = 4096
-_HPP_CANDIDATES: tuple[int, ...] = (2,)
-_WARPS_GROUPED = 8  # warps of a program that rotates several heads
-# Head groups fastest on the grid: the programs running together cover whole tokens, contiguous
-# (H, D) rows in HF's (B, S, H, D) memory.
-_HEADS_FAST = True
-_CONSTEXPR_NAMES = ("HALF", "D", "BLOCK_D", "BLOCK_P", "BLOCK_S", "HPP", "POS_MODE", "USE_INV_FREQ", "INTERLEAVED",
-                    "CONJUGATE", "HALVES", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST")
+
+@dataclass(frozen=True)
+class RopeTuning:
+    """The launch configuration of the RoPE kernel (:func:`tuning`, :func:`tuned`).
+
+    ``tile_pairs``: (token, pair) lanes per program (4 KB of bf16 per operand at 1024). Heads per
+    program: several heads share one cos/sin load (or angle computation), but only on prefill-sized
+    grids (at least ``grouped_min_programs`` programs with one head each); decode keeps one head per
+    program for parallelism; ``grouped_heads``: the candidates, the first that divides both head counts
+    wins, run with ``grouped_warps`` warps. ``heads_fast``: head groups fastest on the grid, so the
+    programs running together cover whole tokens (contiguous ``(H, D)`` rows in HF's memory)."""
+
+    tile_pairs: int = 1024
+    grouped_min_programs: int = 4096
+    grouped_heads: tuple[int, ...] = (2,)
+    grouped_warps: int = 8
+    heads_fast: bool = True
+
+
+_tuning = RopeTuning()
+
+
+def tuning() -> RopeTuning:
+    """The configuration launches are set up with now."""
+    return _tuning
+
+
+@contextlib.contextmanager
+def tuned(**changes: Any) -> Iterator[RopeTuning]:
+    """Within the block, new launches take the current :class:`RopeTuning` with ``changes`` (field
+    names and values); kept launches are forgotten on entry and exit.
+
+    Raises:
+        TypeError: a name that is not a field of :class:`RopeTuning`.
+    """
+    global _tuning
+    previous, _tuning = _tuning, dataclasses.replace(_tuning, **changes)
+    LAUNCHES.clear()
+    try:
+        yield _tuning
+    finally:
+        _tuning = previous
+        LAUNCHES.clear()
 
 
 def _next_pow2(n: int) -> int:
@@ -96,45 +131,43 @@ def _next_pow2(n: int) -> int:
 
 def _config(a: RopeArgs, inplace: bool) -> tuple[tuple[int, int, int], dict, int]:
     """(grid, meta-parameters, number of q head groups) of the launch for ``a``."""
+    t = _tuning
     B, Hq, S, D = a.q.shape
     Hk = a.k.shape[1]
     half = (a.inv_freq if a.cos is None else a.cos).shape[-1] // (2 if a.halves else 1)
     block_d = _next_pow2(half)
-    block_s = min(_next_pow2(S), max(1, _TILE_PAIRS // block_d))
+    block_s = min(_next_pow2(S), max(1, t.tile_pairs // block_d))
     n_s = -(-S // block_s)
     hpp = 1
-    if n_s * B * (Hq + Hk) >= _HPP_MIN_PROGRAMS:
-        hpp = next((c for c in _HPP_CANDIDATES if Hq % c == 0 and Hk % c == 0), 1)
+    if n_s * B * (Hq + Hk) >= t.grouped_min_programs:
+        hpp = next((c for c in t.grouped_heads if Hq % c == 0 and Hk % c == 0), 1)
     has_pass = not inplace and 2 * half < D
     lanes = block_s * block_d
-    heads_fast = _HEADS_FAST and n_s < 65536  # grid axis 1 holds at most 65535
+    heads_fast = t.heads_fast and n_s < 65536  # grid axis 1 holds at most 65535
     meta = dict(
         HALF=half, D=D, BLOCK_D=block_d, BLOCK_P=_next_pow2(D - 2 * half) if has_pass else 1, BLOCK_S=block_s,
         HPP=hpp, POS_MODE=0 if a.positions is None else a.positions.dim(), USE_INV_FREQ=a.cos is None,
         INTERLEAVED=a.interleaved, CONJUGATE=a.conjugate, HALVES=a.halves, HAS_PASS=has_pass, CDT="fp64" if a.q.dtype == torch.float64 else "fp32",
         # The interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest even.
         EMULATE_RTNE=not a.q.is_cuda and a.q.dtype == torch.bfloat16, HEADS_FAST=heads_fast,
-        num_warps=_WARPS_GROUPED if hpp > 1 else 1 if lanes <= 128 else 2 if lanes <= 512 else 4,
     )
+    warps = t.grouped_warps if hpp > 1 else 1 if lanes <= 128 else 2 if lanes <= 512 else 4
     n_h = Hq // hpp + Hk // hpp
-    return ((n_h, n_s, B) if heads_fast else (n_s, n_h, B)), meta, Hq // hpp
+    return ((n_h, n_s, B) if heads_fast else (n_s, n_h, B)), meta, Hq // hpp, warps
 
 
 # ------------------------------------------------------------------------------------------
 # The launch cache
 # ------------------------------------------------------------------------------------------
 
-# launch(q, k, q_out, k_out, cos, sin, inv_freq, positions, offset, scale) -> launched? False where
-# the kept launch does not apply to these tensors (a pointer not 16-byte aligned, the direct launch
-# switched off): the call then goes the validated way.
-Launch = Callable[..., bool]
-LAUNCHES: dict[Hashable, Launch] = {}
-_MAX_LAUNCHES = 4096  # prefill at many lengths: cleared when full
+# key -> the kept Launch: its tensors (q, k, q_out, k_out, cos, sin, positions, inv_freq; q stands in
+# for an absent one) and per-call scalars (offset, scale) are given per call
+LAUNCHES = launch.Launches(4096)
 _I32 = 2**31
 
 
 def clear_launches() -> None:
-    """Forget every kept launch (after changing a launch-configuration knob)."""
+    """Forget every kept launch."""
     LAUNCHES.clear()
 
 
@@ -142,11 +175,13 @@ def _tensor_key(t: Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
 
 
-def _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate, halves=0) -> Optional[tuple]:
-    """What a call with these arguments is, for the launch cache; None for calls never kept (tensor
-    subclasses, flags that are not bools, a scale that is not a Python number, a negative int offset
-    or one past the end of a cache table, tensor positions indexing a CPU table: range-checked on
-    every call). An int offset enters as the facts Triton specialises on, not as its value."""
+def _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate, halves) -> Optional[tuple]:
+    """What a call with these arguments (``positions`` as given to :func:`rotary_fused`) is, for the
+    launch cache -- the one place a launch key is built: shapes, strides, dtypes, devices, position
+    form and flags, never values; an int offset enters as the facts Triton specialises on. None for
+    calls never kept (tensor subclasses, flags that are not bools, a scale that is not a Python number,
+    a negative int offset or one past the end of a cache table, tensor positions indexing a CPU table:
+    range-checked on every call)."""
     if type(q) is not Tensor or type(k) is not Tensor or q.dim() != 4:
         return None
     if type(interleaved) is not bool or type(inplace) is not bool or type(conjugate) is not bool:
@@ -177,28 +212,20 @@ def _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conju
             interleaved, inplace, conjugate, halves)
 
 
-def _key_of(a: RopeArgs, inplace: bool) -> Optional[tuple]:
-    """:func:`_key` of the call ``a`` was validated from (its position form as given)."""
-    positions = a.positions if a.positions is not None else None if a.cos is not None and a.cos.dim() == 3 else a.offset
-    return _key(a.q, a.k, a.cos, a.sin, a.inv_freq, positions, a.scale, a.interleaved, inplace, a.conjugate, a.halves)
-
-
 _triton = None  # rope_triton, imported with Triton on the first launch
 
 
-def _launch(a: RopeArgs, qo: Tensor, ko: Tensor, key: Optional[tuple]) -> None:
-    """Rotate ``a`` into ``qo``/``ko`` through Triton (compiling on a specialisation's first call) and
-    keep the launch under ``key``."""
+def _setup(a: RopeArgs, qo: Tensor, ko: Tensor) -> launch.Launch:
+    """The launch that rotates ``a`` into ``qo``/``ko`` (which may be ``a.q``/``a.k``)."""
     global _triton
     if _triton is None:
         from torchembed.kernels import rope_triton
 
         _triton = rope_triton
-    q, k, cos, sin, inv_freq, positions = a.q, a.k, a.cos, a.sin, a.inv_freq, a.positions
-    grid, meta, nqg = _config(a, qo is q)
+    q, k, cos, positions = a.q, a.k, a.cos, a.positions
+    grid, meta, nqg, warps = _config(a, qo is q)
     meta["CDT"] = _triton.COMPUTE_DTYPES[meta["CDT"]]  # float32 math (float64 for float64 inputs)
     if cos is None:
-        cos = sin = inv_freq  # dummies for the unused table pointers
         sc_b = sc_s = 0
     elif cos.dim() == 3:  # per-token (Bc, S, R/2), Bc in {1, B}
         sc_b, sc_s = (cos.stride(0) if cos.shape[0] != 1 else 0), cos.stride(1)
@@ -210,78 +237,17 @@ def _launch(a: RopeArgs, qo: Tensor, ko: Tensor, key: Optional[tuple]) -> None:
         sp_b = positions.stride(0) if positions.shape[0] != 1 else 0
         sp_s = positions.stride(1) if positions.dim() == 2 else 0
     sq, sk, sqo, sko = q.stride(), k.stride(), qo.stride(), ko.stride()
-    pointers = (q, k, qo, ko, cos, sin, q if positions is None else positions, q if inv_freq is None else inv_freq)
     fixed = (q.shape[2], nqg, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
              sc_b, sc_s, sp_b, sp_s)
-    compiled = _triton.rope_kernel[grid](*pointers, *fixed, a.offset, a.scale, **meta)
-    if key is not None:
-        kept = _keep(compiled, grid, meta, fixed, pointers, a.cos is not None)
-        if kept is not None:
-            if len(LAUNCHES) >= _MAX_LAUNCHES:
-                LAUNCHES.clear()
-            LAUNCHES[key] = kept
+    return launch.Launch(_triton.rope_kernel, grid, fixed, meta, num_warps=warps)
 
 
-_DIRECT = direct_launch.ENABLED  # switched off for good when the installed Triton's launcher fails
-
-
-def _on_gpu(t: Tensor) -> bool:  # (a function, so that tests can stand in a GPU)
-    return t.is_cuda
-
-
-def _keep(compiled, grid, meta, fixed, pointers, tables: bool) -> Optional[Launch]:
-    """A :data:`Launch` repeating this launch with other pointers: through the compiled kernel's own
-    launcher (raw pointers; the key fixes everything Triton specialised on) on CUDA, else through
-    ``kernel[grid]`` with the kept configuration; None where it cannot be kept."""
-    g0, g1, g2 = grid
-    q = pointers[0]
-    found = direct_launch.entry_of(compiled)
-    if not (_DIRECT and _on_gpu(q) and found is not None):
-        kernel = _triton.rope_kernel
-
-        def relaunch(q, k, qo, ko, cos, sin, inv_freq, positions, offset, scale) -> bool:
-            if _DIRECT and _on_gpu(q):  # the direct launch came back on: _launch keeps one
-                return False
-            if not tables:
-                cos = sin = inv_freq
-            kernel[grid](q, k, qo, ko, cos, sin, q if positions is None else positions, q if inv_freq is None else inv_freq,
-                         *fixed, offset, scale, **meta)
-            return True
-
-        return relaunch
-    if any(t.data_ptr() & 15 for t in pointers):  # compiled for unaligned pointers: not kept
-        return None
-    index, (entry, head) = q.device.index, found
-    constexprs = tuple(meta[name] for name in _CONSTEXPR_NAMES)
-    raw_stream = direct_launch.raw_stream
-
-    def replay(q, k, qo, ko, cos, sin, inv_freq, positions, offset, scale) -> bool:
-        if not _DIRECT:
-            return False
-        qp, kp = q.data_ptr(), k.data_ptr()
-        qop = qp if qo is q else qo.data_ptr()
-        kop = kp if ko is k else ko.data_ptr()
-        if tables:
-            cp, sp, ip = cos.data_ptr(), sin.data_ptr(), qp
-        else:
-            cp = sp = ip = inv_freq.data_ptr()
-        pp = qp if positions is None else positions.data_ptr()
-        if (qp | kp | qop | kop | cp | sp | pp | ip) & 15:
-            return False
-        try:
-            entry(g0, g1, g2, raw_stream(index), *head, qp, kp, qop, kop, cp, sp, pp, ip, *fixed, offset, scale, *constexprs)
-        except Exception:  # the installed Triton launches differently: kernel[grid] from now on
-            _switch_direct_off()
-            return False
-        return True
-
-    return replay
-
-
-def _switch_direct_off() -> None:
-    global _DIRECT
-    _DIRECT = False
-    LAUNCHES.clear()
+def _tensors(a: RopeArgs, qo: Tensor, ko: Tensor) -> tuple:
+    """The kernel's tensor arguments; ``q`` stands in for the absent ones (never read)."""
+    q = a.q
+    if a.cos is None:
+        return q, a.k, qo, ko, a.inv_freq, a.inv_freq, q if a.positions is None else a.positions, a.inv_freq
+    return q, a.k, qo, ko, a.cos, a.sin, q if a.positions is None else a.positions, q
 
 
 # ------------------------------------------------------------------------------------------
@@ -440,10 +406,15 @@ def _run(a: RopeArgs, qo: Tensor, ko: Tensor) -> None:
     Where the kernel cannot run: :func:`torchembed.functional.apply_rotary`, the same float32 math."""
     q, k = a.q, a.k
     if kernel_can_run(q):
-        key = _key_of(a, qo is q)
+        # positions as the caller gave them: a tensor, None for per-token tables, else the int offset
+        given = a.positions if a.positions is not None else None if a.cos is not None and a.cos.dim() == 3 else a.offset
+        key = _key(q, k, a.cos, a.sin, a.inv_freq, given, a.scale, a.interleaved, qo is q, a.conjugate, a.halves)
         kept = None if key is None else LAUNCHES.get(key)
-        if kept is None or not kept(q, k, qo, ko, a.cos, a.sin, a.inv_freq, a.positions, a.offset, a.scale):
-            _launch(a, qo, ko, key)
+        if kept is None:
+            kept = _setup(a, qo, ko)
+            if key is not None:
+                LAUNCHES.keep(key, kept)
+        kept(_tensors(a, qo, ko), a.offset, a.scale)
         return
     c, s = _reference_tables(a)
     for x, out in ((q, qo), (k, ko)):
@@ -613,8 +584,11 @@ def rotary_fused(
         if kept is not None and not triton_disabled():
             qo, ko = (q, k) if inplace else (_empty_like(q), _empty_like(k))
             pos, offset = (None, positions) if type(positions) is int else (positions, 0)
-            if kept(q, k, qo, ko, cos, sin, inv_freq, pos, offset, scale):
-                return qo, ko
+            if cos is None:
+                kept((q, k, qo, ko, inv_freq, inv_freq, q if pos is None else pos, inv_freq), offset, scale)
+            else:
+                kept((q, k, qo, ko, cos, sin, q if pos is None else pos, q), offset, scale)
+            return qo, ko
     a = _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate, 1 if halves else 0)
     if not isinstance(inplace, bool):
         _fail(f"expected a bool inplace, got {inplace!r}")
