@@ -54,9 +54,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torchembed.functional.alibi import alibi_decode_bias, alibi_key_bias, alibi_slopes
-from torchembed.kernels.alibi_attention import MaskCache, alibi_attention, causal_keep, dense_prefill, repeat_kv
-from torchembed.kernels.alibi_bias import prefill_bias
+from torchembed.functional.alibi import alibi_key_bias, alibi_slopes
+from torchembed.kernels.alibi_attention import alibi_attention, causal_keep, forward_cache
 from torchembed.patches.actions import AddForwardPreHook, Component
 from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
 from torchembed.patches.devices import ShareDeviceCopies
@@ -124,7 +123,7 @@ def _causal_key_bias(slopes: Tensor, k_len: int) -> Tensor:
     (slopes, k) pairs, so that the layers of one forward get the same tensor and what is derived
     from it (decode mask, the kernel's bias) is derived once (:func:`_attention`)."""
     def make() -> Tensor:
-        return slopes[None, :, None] * torch.arange(1 - k_len, 1, device=slopes.device, dtype=torch.float32)
+        return alibi_key_bias(slopes, key_len=k_len)
 
     if torch.compiler.is_compiling():
         return make()
@@ -147,8 +146,7 @@ def mpt_alibi_tensor(num_heads: int, sequence_length: int, alibi_bias_max: float
 
     def make() -> Tensor:
         slopes = alibi_slopes(num_heads, device, max_bias=float(alibi_bias_max))
-        distance = torch.arange(1 - sequence_length, 1, device=device, dtype=torch.float32)
-        return slopes[:, None, None] * distance[None, None, :]
+        return alibi_key_bias(slopes, key_len=sequence_length).transpose(0, 1)  # (1, h, L) -> (h, 1, L)
 
     return _constant(("mpt", num_heads, sequence_length, float(alibi_bias_max), torch.device(device or "cpu")), make)
 
@@ -336,8 +334,7 @@ def _additive_mask(attention_mask: Tensor | None, hidden_states: Tensor, k_len: 
     """Upstream's eager form of the mask: ``(b or 1, 1, q, k)`` in the model dtype, 0 = attend,
     the finite minimum elsewhere (causal, queries last, when ``attention_mask`` is None)."""
     if attention_mask is None:
-        q_len = hidden_states.shape[1]
-        keep = torch.ones(q_len, k_len, dtype=torch.bool, device=hidden_states.device).tril(k_len - q_len)[None, None]
+        keep = causal_keep(hidden_states.shape[1], k_len, hidden_states.device)
     else:
         keep = _falcon_keep(attention_mask)
     zero = torch.zeros((), dtype=hidden_states.dtype, device=hidden_states.device)
@@ -425,96 +422,18 @@ class RequestAttentionWeights:
         return actions
 
 
-# One MaskCache per live HF mask tensor: a forward has one per device of a split model (see
-# torchembed.patches.devices); each caller keeps its own cache object. Entries whose mask died
-# are dropped when the table is full.
-_MASKS: dict[int, MaskCache] = {}
-_MASKS_MAX = 8
-
-
-def _per_forward(cache: MaskCache | None, source: Tensor | None, tag: Any, make: Any) -> Tensor:
-    """``make()`` once per forward (``cache.memo``; every layer gets the same ``source``); without
-    a cache or a source, on every call."""
-    return make() if cache is None or source is None else cache.memo(source, tag, make)
-
-
-# Attribute of a tensor that every layer of one forward receives and no other forward does (the bias
-# BLOOM and Falcon build per forward, MPT's mask): the SDPA masks its layers share, which die with it.
-_FORWARD_MASKS = "_torchembed_forward_masks"
-
-
-def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, to_keep: Any, carrier: Tensor | None,
+def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, to_keep: Any, anchor: Tensor | None,
                source: Tensor | None, tag: Any, key_bias: Any, *, scale: float, dropout_p: float,
                fused: bool | None) -> Tensor:
-    """ALiBi attention of one patched layer, ``(b, h, q, d)``; ``k``, ``v`` may have fewer heads.
-
-    ``key_bias()`` builds the ``(b or 1, h, k)`` float32 bias from ``source``, the bias tensor every
-    layer receives (``tag`` names the family's derivation); ``to_keep`` makes HF's mask a keep mask.
-    With ``fused=None``, decode steps (no dropout) and small prefills (:func:`dense_prefill`) are bound
-    by host time: they attend with one SDPA mask per forward, which the first layer derives and keeps
-    on ``carrier`` and the others find with one lookup (``fused=False``: decode steps too, the mask
-    built by PyTorch operations). Other calls go to :func:`alibi_attention` (the fused kernel with
-    ``fused`` not False; ``fused=True`` always), with what they derive from the mask (the kernel's
-    row summary, the key bias) kept once per forward in its :class:`MaskCache`.
-    """
-    q_len, k_len = q.shape[-2], k.shape[-2]
-    keeping = carrier is not None and not torch.compiler.is_compiling()  # (no id() of a traced tensor)
-    if keeping and not fused:
-        owner = None if attention_mask is carrier else attention_mask  # (MPT: the mask is the carrier)
-        slot = (tag, q_len, k_len, q.dtype, id(owner), fused)
-        kept = getattr(carrier, _FORWARD_MASKS, None)
-        hit = None if kept is None else kept.get(slot)
-        if hit is not None and hit[0] is owner:
-            return _masked_sdpa(q, k, v, hit[1], scale, dropout_p)
-    keep, cache = _keep_mask(attention_mask, to_keep, carrier)
-    if not fused and q_len == 1 and dropout_p == 0.0:
-        mask = alibi_decode_bias(key_bias(), keep, q.dtype)
-    elif fused is None and dense_prefill(q, k):
-        mask = prefill_bias(key_bias(), keep if keep is not None else causal_keep(q_len, k_len, q.device), q.dtype)
-    else:
-        return alibi_attention(q, k, v, _per_forward(cache, source, tag, key_bias), keep, scale=scale,
-                               dropout_p=dropout_p, cache=cache, fused=fused)
-    if keeping:
-        if kept is None:
-            kept = {}
-            setattr(carrier, _FORWARD_MASKS, kept)
-        kept[slot] = (owner, mask)
-    return _masked_sdpa(q, k, v, mask, scale, dropout_p)
-
-
-def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, dropout_p: float) -> Tensor:
-    """SDPA with an additive mask; a decode step broadcasts a multi-query kv head (as upstream's
-    SDPA does) and reads grouped kv heads in place (``enable_gqa``), a prefill gets them repeated."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    if q.shape[-2] != 1 and kv_heads != heads:
-        k, v = repeat_kv(k, heads), repeat_kv(v, heads)
-    grouped = kv_heads not in (1, heads)  # a decode step: SDPA reads grouped kv heads in place
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=grouped)
-
-
-def _keep_mask(attention_mask: Tensor | None, to_keep: Any, anchor: Tensor | None) -> tuple[Tensor | None, MaskCache | None]:
-    """``keep`` (True = attend) for HF's mask and the cache of this forward, shared by its layers.
-
-    The cache is keyed by the mask tensor or, when there is none (sdpa masks are skipped for
-    unpadded batches), by ``anchor``: a bias tensor built anew for each forward and handed to every
-    layer (not one that outlives the forward: its cache would keep growing). So what is derived per
-    forward (key bias, the kernel's row summary of the mask, decode mask) is derived once, not per layer.
-    """
-    if torch.compiler.is_compiling():  # no Python-side caches in a graph (id() of a traced tensor breaks it)
-        return (None if attention_mask is None else to_keep(attention_mask)), None
-    source = attention_mask if attention_mask is not None else anchor
-    if source is None:
-        return None, None
-    cache = _MASKS.get(id(source))
-    if cache is None or cache.lookup(source) is None:
-        if len(_MASKS) >= _MASKS_MAX:
-            for key in [key for key, entry in _MASKS.items() if not entry.alive()]:  # forward over
-                del _MASKS[key]
-            if len(_MASKS) >= _MASKS_MAX:
-                _MASKS.clear()
-        keep = None if attention_mask is None else to_keep(attention_mask)
-        cache = _MASKS[id(source)] = MaskCache().store(source, keep)
-    return cache.keep, cache
+    """ALiBi attention of one patched layer, ``(b, h, q, d)``; ``k``, ``v`` may have fewer heads: the
+    policy's (:func:`torchembed.kernels.alibi_attention.alibi_attention` with ``layer=True``), with the
+    forward's cache (:func:`~torchembed.kernels.alibi_attention.forward_cache`: keyed by HF's mask or,
+    without one, by ``anchor``). ``key_bias()`` builds the ``(b or 1, h, k)`` float32 bias from
+    ``source``, the bias tensor every layer receives (``tag`` names the family's derivation), once per
+    forward; ``to_keep`` makes HF's mask a keep mask."""
+    keep, cache = forward_cache(attention_mask, to_keep, anchor)
+    bias = key_bias() if cache is None or source is None else cache.memo(source, tag, key_bias)
+    return alibi_attention(q, k, v, bias, keep, scale=scale, dropout_p=dropout_p, cache=cache, fused=fused, layer=True)
 
 
 def _parameter_names(fn: Any) -> tuple[str, ...]:

@@ -48,8 +48,8 @@ def _count(monkeypatch, target, name):
 def test_matches_float64(dtype, tol, q_len, k_len):
     q, k, v, key_bias, keep = _case(2, 4, q_len, k_len, 32, dtype)
     cache = MaskCache().store(keep, keep)
-    out = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache)
-    again = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache)  # cached row summary / mask
+    out = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache, layer=True)
+    again = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache, layer=True)  # cached row summary / mask
     truth = _truth(q, k, v, key_bias, keep, 32**-0.5)
     rows = keep.expand(2, 4, q_len, k_len).any(-1)
     assert out.dtype == dtype and out.shape == q.shape
@@ -107,13 +107,13 @@ def test_mask_cache_memo_is_per_source_and_dies_with_the_mask():
     assert len(calls) == 4, "a new mask must not see the previous forward's entries"
 
 
-def test_the_mask_summary_is_derived_once_per_forward(monkeypatch):
+def test_the_mask_summary_is_derived_once_per_forward(monkeypatch, alibi_policy):
     """Every layer of a forward gets the same mask: the kernel's row summary is derived once."""
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # a prefill above the materialised-bias bound
+    alibi_policy(dense_max_elements=0)  # a prefill above the materialised-bias bound
     built = _count(monkeypatch, module, "mask_rows")
     q, k, v, key_bias, keep = _case(2, 4, 24, 24, 16, torch.float32)
     cache = MaskCache().store(keep, keep)
-    outs = [alibi_attention(q, k, v, key_bias, keep, scale=0.25, cache=cache) for _ in range(3)]
+    outs = [alibi_attention(q, k, v, key_bias, keep, scale=0.25, cache=cache, layer=True) for _ in range(3)]
     assert len(built) == 1
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
@@ -125,7 +125,7 @@ def test_decode_mask_is_built_once_per_forward_and_matches_per_layer(monkeypatch
     q, k, v, key_bias, keep = _case(2, 4, 1, 80, 32, torch.float32)
     built = _count(monkeypatch, module, "alibi_decode_bias")
     cache = MaskCache().store(keep, keep)
-    outs = [alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache) for _ in range(3)]
+    outs = [alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache, layer=True) for _ in range(3)]
     uncached = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5)
     assert len(built) == 1
     for out in outs:
@@ -134,54 +134,54 @@ def test_decode_mask_is_built_once_per_forward_and_matches_per_layer(monkeypatch
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("pad", [0, 3])
-def test_small_prefill_materialises_the_bias_once_per_forward(monkeypatch, dtype, tol, pad):
-    """CUDA prefills of at most ``DENSE_MAX_ELEMENTS`` bias elements (``b * h * q * k``) take SDPA with
+def test_small_prefill_materialises_the_bias_once_per_forward(monkeypatch, dtype, tol, pad, alibi_policy):
+    """CUDA prefills of at most ``dense_max_elements`` bias elements (``b * h * q * k``) take SDPA with
     the bias materialised, once per forward for all layers (where the H200 measured it faster than
     the kernel); larger ones the kernel. Plain causal and left-padded batches match float64."""
-    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
+    alibi_policy(dense_devices=(torch.device(DEV).type,))
     built, kernel = _count(monkeypatch, module, "prefill_bias"), _count(monkeypatch, module, "attempt")
     b, h, n, d = 2, 3, 40, 16
     q, k, v, key_bias, keep = _case(b, h, n, n, d, dtype, pad=pad)
     truth = _truth(q, k, v, key_bias, keep, d**-0.5)
     rows = keep.expand(b, h, n, n).any(-1)  # a left-padded query attends to nothing: no truth
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", b * h * n * n)
+    alibi_policy(dense_max_elements=b * h * n * n)
     cache = MaskCache().store(keep, keep)
     for _ in range(3):  # three layers of one forward
-        out = alibi_attention(q, k, v, key_bias, keep, scale=d**-0.5, cache=cache)
+        out = alibi_attention(q, k, v, key_bias, keep, scale=d**-0.5, cache=cache, layer=True)
         assert out.dtype == dtype and out.shape == q.shape
         torch.testing.assert_close(out.double()[rows], truth[rows], atol=tol, rtol=tol)
     assert len(built) == 1 and not kernel
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", b * h * n * n - 1)  # one element more: the kernel
-    out = alibi_attention(q, k, v, key_bias, keep, scale=d**-0.5, cache=MaskCache().store(keep, keep))
+    alibi_policy(dense_max_elements=b * h * n * n - 1)  # one element more: the kernel
+    out = alibi_attention(q, k, v, key_bias, keep, scale=d**-0.5, cache=MaskCache().store(keep, keep), layer=True)
     torch.testing.assert_close(out.double()[rows], truth[rows], atol=tol, rtol=tol)
     assert len(kernel) == 1
 
 
-def test_a_call_without_a_forward_cache_takes_the_kernel_at_any_size(monkeypatch):
+def test_a_call_without_a_forward_cache_takes_the_kernel_at_any_size(monkeypatch, alibi_policy):
     """The materialised bias pays off when the layers of one forward share it (``cache``); a call of
     its own (``ALiBiEmbedding.attention``) would build it for itself alone: the kernel, at every size."""
-    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
+    alibi_policy(dense_devices=(torch.device(DEV).type,))
     built, kernel = _count(monkeypatch, module, "prefill_bias"), _count(monkeypatch, module, "attempt")
     q, k, v, key_bias, keep = _case(1, 2, 24, 24, 16, torch.float32, pad=0)
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 2**40)
+    alibi_policy(dense_max_elements=2**40)
     out = alibi_attention(q, k, v, key_bias, keep, scale=0.25)
     torch.testing.assert_close(out.double(), _truth(q, k, v, key_bias, keep, 0.25), atol=2e-5, rtol=2e-5)
     assert (len(built), len(kernel)) == (0, 1)
 
 
-def test_gradients_keep_the_materialised_bias_longer(monkeypatch):
-    """With gradients recorded the bound is ``DENSE_GRAD_MAX_ELEMENTS`` (the kernel's backward measured
+def test_gradients_keep_the_materialised_bias_longer(monkeypatch, alibi_policy):
+    """With gradients recorded the bound is ``dense_grad_max_elements`` (the kernel's backward measured
     slower there), and the gradients match float64."""
-    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
+    alibi_policy(dense_devices=(torch.device(DEV).type,))
     q, k, v, key_bias, keep = _case(1, 2, 16, 16, 16, torch.float32, pad=0)
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)
-    monkeypatch.setattr(module, "DENSE_GRAD_MAX_ELEMENTS", 2 * 16 * 16)
-    assert not module.dense_prefill(q, k)
+    alibi_policy(dense_max_elements=0)
+    alibi_policy(dense_grad_max_elements=2 * 16 * 16)
+    assert module.attention_path(q, k, fused=None, dropout_p=0.0, layer=True) != "dense"
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    assert module.dense_prefill(*leaves[:2])
+    assert module.attention_path(*leaves[:2], fused=None, dropout_p=0.0, layer=True) == "dense"
     kernel = _count(monkeypatch, module, "attempt")
     grad = torch.randn_like(q)
-    alibi_attention(*leaves, key_bias, keep, scale=0.25, cache=MaskCache().store(keep, keep)).backward(grad)
+    alibi_attention(*leaves, key_bias, keep, scale=0.25, cache=MaskCache().store(keep, keep), layer=True).backward(grad)
     assert not kernel
     ref = [x.double().requires_grad_() for x in (q, k, v)]
     _truth(*ref, key_bias, keep, 0.25).backward(grad.double())
@@ -190,10 +190,10 @@ def test_gradients_keep_the_materialised_bias_longer(monkeypatch):
 
 
 @pytest.mark.parametrize("path", ["dense", "kernel"])
-def test_prefill_path_forces_one_path(monkeypatch, path):
+def test_prefill_path_forces_one_path(monkeypatch, path, alibi_policy):
     """``prefill_path("dense")`` takes the materialised bias, ``"kernel"`` the kernel, whatever the size."""
-    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0 if path == "dense" else 2**40)
+    alibi_policy(dense_devices=(torch.device(DEV).type,))
+    alibi_policy(dense_max_elements=0 if path == "dense" else 2**40)
     built, kernel = _count(monkeypatch, module, "prefill_bias"), _count(monkeypatch, module, "attempt")
     q, k, v, key_bias, keep = _case(1, 2, 32, 32, 16, torch.float32, pad=0)
     with prefill_path(path):
@@ -220,22 +220,22 @@ def _kernel_launches(monkeypatch):
     return calls
 
 
-def test_fused_false_never_calls_a_kernel(monkeypatch):
+def test_fused_false_never_calls_a_kernel(monkeypatch, alibi_policy):
     launches = _kernel_launches(monkeypatch)
-    monkeypatch.setattr(module, "_FUSED_DEVICES", (torch.device(DEV).type,))  # (the dense path is a Triton write too)
+    alibi_policy(dense_devices=(torch.device(DEV).type,))  # (the dense path is a Triton write too)
     bias_kernel = _count(monkeypatch, module, "prefill_bias")
     q, k, v, key_bias, keep = _case(2, 4, 24, 24, 16, torch.float32)
     out = alibi_attention(q, k, v, key_bias, keep, scale=0.25, fused=False)
     decode = alibi_attention(q[:, :, -1:], k, v, key_bias, keep[:, :, -1:], scale=0.25, fused=False,
-                             cache=MaskCache().store(keep, keep))
+                             cache=MaskCache().store(keep, keep), layer=True)
     assert not launches and not bias_kernel
     rows = keep.expand(2, 4, 24, 24).any(-1)
     torch.testing.assert_close(out.double()[rows], _truth(q, k, v, key_bias, keep, 0.25)[rows], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(decode, out[:, :, -1:], atol=2e-6, rtol=2e-6)
 
 
-def test_fused_none_takes_the_kernel_where_it_runs(monkeypatch):
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # a prefill above the materialised-bias bound
+def test_fused_none_takes_the_kernel_where_it_runs(monkeypatch, alibi_policy):
+    alibi_policy(dense_max_elements=0)  # a prefill above the materialised-bias bound
     launches = _kernel_launches(monkeypatch)
     q, k, v, key_bias, keep = _case(2, 4, 24, 24, 16, torch.float32)
     alibi_attention(q, k, v, key_bias, keep, scale=0.25)
@@ -266,10 +266,10 @@ def test_fused_true_on_cpu_without_the_interpreter_names_the_fix(monkeypatch):
     assert not launches
 
 
-def test_alibi_embedding_attention_fused_argument(monkeypatch):
+def test_alibi_embedding_attention_fused_argument(monkeypatch, alibi_policy):
     from torchembed.positional import ALiBiEmbedding
 
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)  # a prefill above the materialised-bias bound
+    alibi_policy(dense_max_elements=0)  # a prefill above the materialised-bias bound
 
     alibi = ALiBiEmbedding(4).to(DEV)
     q, k, v, _, _ = _case(1, 4, 20, 20, 16, torch.float32)
@@ -294,13 +294,13 @@ def _tiny(name):
 
 @pytest.mark.parametrize("fused", [None, False])
 @pytest.mark.parametrize("name", ["bloom", "falcon-alibi-gqa"])
-def test_patched_models_honour_fused(name, fused, monkeypatch):
+def test_patched_models_honour_fused(name, fused, monkeypatch, alibi_policy):
     """``patch(model, fused=False)`` keeps the attention on PyTorch operations (no kernel launch, no
     Triton bias write); ``fused=None`` takes the kernel for the prefill (forced past the small-prefill
     bound); both match upstream."""
     import torchembed.kernels.alibi_bias as bias_module
 
-    monkeypatch.setattr(module, "DENSE_MAX_ELEMENTS", 0)
+    alibi_policy(dense_max_elements=0)
     launches, bias_writes = _kernel_launches(monkeypatch), _count(monkeypatch, bias_module, "kernel_can_run")
     upstream = _tiny(name)
     patched = torchembed.patch(copy.deepcopy(upstream), fused=fused)

@@ -59,7 +59,7 @@ def test_patched_model_on_the_kernel_matches_upstream(name, monkeypatch):
 
 @pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi", "falcon-alibi-mha", "falcon-alibi-gqa"])
-def test_patched_alibi_attention_matches_upstream(name, padded, monkeypatch):
+def test_patched_alibi_attention_matches_upstream(name, padded, monkeypatch, alibi_policy):
     """The prefill runs ALiBi inside the fused kernel (forced past the small-prefill bound, where SDPA
     with the materialised bias is taken), with HF's mask summarised per row (left-padded or not),
     multi-query and grouped kv heads read in place; the decode steps SDPA with the per-forward mask.
@@ -70,7 +70,7 @@ def test_patched_alibi_attention_matches_upstream(name, padded, monkeypatch):
     import torchembed.kernels.alibi_attention as attention
     from torchembed.kernels import alibi_flash_triton
 
-    monkeypatch.setattr(attention, "DENSE_MAX_ELEMENTS", 0)
+    alibi_policy(dense_max_elements=0)
     launched = []
     original = alibi_flash_triton.ForwardPlan.__call__
     monkeypatch.setattr(alibi_flash_triton.ForwardPlan, "__call__", lambda *a: launched.append(1) or original(*a))

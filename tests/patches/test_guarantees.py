@@ -199,14 +199,14 @@ def test_torch_compile_fullgraph_no_new_graph_breaks(name, load):
 
 @pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi"])
-def test_alibi_masks_derived_once_per_forward(name, padded, load, decode_masks_built, monkeypatch):
+def test_alibi_masks_derived_once_per_forward(name, padded, load, decode_masks_built, monkeypatch, alibi_policy):
     """A patched ALiBi model derives its per-forward tensors once for all layers (host time), not
     once per layer: the decode step's SDPA mask, and the prefill's row summary of the mask for the
     fused kernel (the kernel stubbed on CPU) — with a padded batch (a mask tensor per forward) and
     without (Falcon's layers then get no mask at all: no summary; the kept unpadded bias keys the cache)."""
     import torchembed.kernels.alibi_attention as kernel
 
-    monkeypatch.setattr(kernel, "DENSE_MAX_ELEMENTS", 0)  # the kernel at any size
+    alibi_policy(dense_max_elements=0)  # the kernel at any size
     monkeypatch.setattr(kernel, "use_kernel", lambda fused, t, what="": True)
     monkeypatch.setattr(kernel, "attempt", lambda q, *a, **kw: torch.zeros_like(q))  # (the kernel: not under test)
     summaries = []
@@ -237,18 +237,17 @@ def test_alibi_masks_derived_once_per_forward(name, padded, load, decode_masks_b
 
 @pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi"])
-def test_small_alibi_prefill_materialises_its_bias_once_per_forward(name, padded, load, monkeypatch):
+def test_small_alibi_prefill_materialises_its_bias_once_per_forward(name, padded, load, monkeypatch, alibi_policy):
     """The materialised-bias path (small training steps; forced here, on CPU, at inference): SDPA with
     the bias made once per forward for all layers, padded or not, and upstream's logits."""
     import torchembed.kernels.alibi_attention as kernel
-    import torchembed.patches.families.alibi as family
 
-    monkeypatch.setattr(kernel, "_FUSED_DEVICES", ("cpu",))
+    alibi_policy(dense_devices=("cpu",))
     monkeypatch.setattr(kernel, "use_kernel", lambda fused, t, what="": True)
     monkeypatch.setattr(kernel, "attempt", lambda *a, **kw: pytest.fail("the fused kernel taken"))
     built = []
-    original = family.prefill_bias
-    monkeypatch.setattr(family, "prefill_bias", lambda *a: built.append(1) or original(*a))
+    original = kernel.prefill_bias
+    monkeypatch.setattr(kernel, "prefill_bias", lambda *a: built.append(1) or original(*a))
     upstream = load(name)
     model = torchembed.patch(copy.deepcopy(upstream))
     ids = torch.randint(1, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))

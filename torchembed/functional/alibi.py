@@ -14,7 +14,7 @@ import numbers
 import torch
 from torch import Tensor
 
-__all__ = ["alibi_slopes", "alibi_bias", "alibi_key_bias", "alibi_decode_bias", "alibi_prefill_bias", "alibi_attention_reference"]
+__all__ = ["alibi_slopes", "alibi_bias", "alibi_key_bias", "causal_keep", "alibi_decode_bias", "alibi_prefill_bias", "alibi_attention_reference"]
 
 
 def alibi_slopes(num_heads: int, device: torch.device | str | None = None, *, max_bias: float = 8.0) -> Tensor:
@@ -70,26 +70,42 @@ def alibi_bias(
     return (-slopes.float()[:, None, None] * distance).to(dtype)
 
 
-def alibi_key_bias(slopes: Tensor, attention_mask: Tensor) -> Tensor:
-    """ALiBi in key-only form, ``slope * (p_j - p_last)``, from a padded 2D mask.
+def alibi_key_bias(slopes: Tensor, attention_mask: Tensor | None = None, *, key_len: int | None = None) -> Tensor:
+    """ALiBi in key-only form, ``slope * (p_j - p_last)``: the one builder of the key bias.
 
-    ``p_j`` is key ``j``'s position counted over non-padded tokens (``cumsum(mask) - 1``), and
-    ``p_last`` the position of the row's last real key. For a causal query at ``p_i`` this differs
-    from ``-slope * (p_i - p_j)`` by ``slope * (p_i - p_last)``, a constant per query row that
-    softmax ignores; being non-positive and zero at the newest key, it keeps the values near the
-    diagonal small, where low-precision dtypes round least.
+    ``p_j`` is key ``j``'s position counted over non-padded tokens (``cumsum(mask) - 1``; without a
+    mask, ``j``), and ``p_last`` the position of the row's last real key. For a causal query at
+    ``p_i`` this differs from ``-slope * (p_i - p_j)`` by ``slope * (p_i - p_last)``, a constant per
+    query row that softmax ignores; being non-positive and zero at the newest key, it keeps the values
+    near the diagonal small, where low-precision dtypes round least.
 
     Args:
         slopes: ``(h,)`` float32.
-        attention_mask: ``(b, k)`` with 1 (or True) for real tokens, 0 for padding.
+        attention_mask: ``(b, k)`` with 1 (or True) for real tokens, 0 for padding; or None with
+            ``key_len``: no padding.
 
     Returns:
-        ``(b, h, k)`` float32; padded keys get 0 (the attention mask removes them).
+        ``(b, h, k)`` float32 (``(1, h, key_len)`` without a mask); padded keys get 0 (the attention
+        mask removes them).
+
+    Raises:
+        ValueError: neither or both of ``attention_mask`` and ``key_len``.
     """
+    if (attention_mask is None) == (key_len is None):
+        raise ValueError("alibi_key_bias takes an attention_mask (b, k) or key_len=, exactly one of them")
+    slopes = slopes if slopes.dtype == torch.float32 else slopes.float()
+    if attention_mask is None:
+        return slopes.view(1, -1, 1) * torch.arange(1 - key_len, 1, device=slopes.device, dtype=torch.float32)
     counts = attention_mask.cumsum(-1, dtype=torch.float32)  # real keys up to and including j
     relative = (counts - counts[..., -1:]) * attention_mask  # p_j - p_last; 0 for padding
-    slopes = slopes if slopes.dtype == torch.float32 else slopes.float()
     return slopes.view(1, -1, 1) * relative.unsqueeze(1)
+
+
+def causal_keep(query_len: int, key_len: int, device: torch.device | str | None = None) -> Tensor:
+    """The causal keep mask, queries at the last ``query_len`` of ``key_len`` positions (as with a KV
+    cache): ``(1, 1, q, k)`` bool, True where query ``i`` may attend key ``j`` (``j <= k - q + i``)."""
+    positions = torch.arange(key_len, device=device)
+    return (positions[None, :] <= positions[key_len - query_len:, None])[None, None]
 
 
 def alibi_decode_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype) -> Tensor:

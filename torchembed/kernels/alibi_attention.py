@@ -1,88 +1,138 @@
-"""ALiBi attention: the fused kernel, and SDPA with the bias where that measured faster.
-
-Press et al., arXiv:2108.12409. :func:`alibi_attention` takes, with ``fused=None`` on CUDA:
-
-* the fused Triton kernel (:func:`torchembed.kernels.alibi_flash.alibi_flash`: the bias computed
-  inside from the slopes or read from a ``(b or 1, h, k)`` key bias, any mask summarised per row,
-  GQA, forward and backward), for every prefill above the size below and for masks of any kind;
-* SDPA with the ``(b, h, q, k)`` bias materialised once per forward (one Triton write,
-  :mod:`torchembed.kernels.alibi_bias`) for a model's prefills (``cache`` given: the layers of one
-  forward share the bias) of at most ``DENSE_MAX_ELEMENTS`` bias elements (``DENSE_GRAD_MAX_ELEMENTS``
-  when gradients are recorded); a call without ``cache`` (``ALiBiEmbedding.attention``) would build
-  the bias for itself alone and takes the kernel. Per layer the kernel is the faster one
-  at every size on the H200 (``benchmarks/results/alibi-kernel.md``, 1 x 16 x 1024 x 64: 0.025 vs
-  0.033 ms), but whole models at these sizes are bound by host time, and there the bias made once
-  for all layers measured faster (``alibi-short.md``, the kernel at every prefill: BLOOM 1 x 2048
-  8.9 ms against 5.6 ms with the materialised bias, ``alibi.md``);
-* SDPA with the per-forward decode mask for the decode steps of a model (``cache`` given; one query,
-  bound by host time: within 1.02x of SDPA without bias on the H200).
-
-``fused=True`` takes the kernel always (or raises :class:`FusedUnavailableError`); ``fused=False``
-and devices where the kernel cannot run take SDPA with the bias built by PyTorch operations
-(:func:`torchembed.functional.alibi.alibi_attention_reference`).
-"""
-
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torchembed.functional.alibi import alibi_attention_reference, alibi_decode_bias
+from torchembed.functional.alibi import alibi_attention_reference, alibi_decode_bias, alibi_key_bias, causal_keep as _build_causal_keep
 from torchembed.kernels.alibi_bias import prefill_bias
 from torchembed.kernels.alibi_flash import attempt, flash_unsupported, mask_rows
 from torchembed.kernels.availability import FusedUnavailableError, use_kernel
 
-__all__ = ["alibi_attention", "causal_keep", "dense_prefill", "prefill_path", "prefill_path_is_auto", "repeat_kv",
-           "MaskCache", "DENSE_MAX_ELEMENTS", "DENSE_GRAD_MAX_ELEMENTS"]
+__all__ = ["AlibiPolicy", "MaskCache", "alibi_attention", "attention_path", "causal_keep", "fallback_path", "forward_cache",
+           "masked_sdpa", "policy", "policy_changed", "prefill_path", "repeat_kv"]
 
-
-_CAUSAL: dict = {}
-# Devices whose prefill may take the materialised bias (tests add "cpu" to exercise it).
-_FUSED_DEVICES: tuple[str, ...] = ("cuda",)
-# "auto": the materialised bias up to the sizes below, else the fused kernel; "kernel": the fused
-# kernel for every prefill it takes; "dense": the materialised bias for every prefill.
 PREFILL_PATHS = ("auto", "kernel", "dense")
-# Bias elements (b * h * q * k) up to which "auto" materialises the bias, once per forward (128 MB
-# of bf16), then SDPA with a mask (see the module docstring for the measurements); beyond, the
-# kernel (the bias would cost memory quadratic in the length). Training steps: the same bound (per
-# layer the kernel's forward + backward is ahead from 4 x 16 x 2048^2 on, 0.51 vs 1.01 ms).
-DENSE_MAX_ELEMENTS = 2**26
-DENSE_GRAD_MAX_ELEMENTS = 2**26
-_PREFILL = os.environ.get("TORCHEMBED_ALIBI_PREFILL", "auto")
-if _PREFILL not in PREFILL_PATHS:
-    raise ValueError(f"TORCHEMBED_ALIBI_PREFILL must be one of {PREFILL_PATHS}, got {_PREFILL!r}")
+
+
+@dataclass(frozen=True)
+class AlibiPolicy:
+    """What :func:`attention_path` decides with (:func:`policy`, :func:`policy_changed`).
+
+    ``prefill``: ``"auto"`` (the materialised bias up to the bounds below, else the kernel), ``"kernel"``
+    (the kernel at every size) or ``"dense"`` (the materialised bias at every size); the process-wide
+    default from ``TORCHEMBED_ALIBI_PREFILL``. ``dense_max_elements``: bias elements (b * h * q * k) up to
+    which a model layer's prefill materialises the bias (2**26: 128 MB of bf16; beyond, memory quadratic
+    in the length); ``dense_grad_max_elements``: the same with gradients recorded (per layer the kernel's
+    forward + backward is ahead from 4 x 16 x 2048^2 on, 0.51 vs 1.01 ms). ``dense_devices``: device
+    types whose prefill may take the materialised bias (tests add "cpu" to exercise it)."""
+
+    prefill: str = "auto"
+    dense_max_elements: int = 2**26
+    dense_grad_max_elements: int = 2**26
+    dense_devices: tuple[str, ...] = ("cuda",)
+
+    def __post_init__(self) -> None:
+        if self.prefill not in PREFILL_PATHS:
+            raise ValueError(f"the prefill path must be one of {PREFILL_PATHS}, got {self.prefill!r}")
+
+
+_policy = AlibiPolicy(prefill=os.environ.get("TORCHEMBED_ALIBI_PREFILL", "auto"))
+
+
+def policy() -> AlibiPolicy:
+    """The policy in force."""
+    return _policy
 
 
 @contextlib.contextmanager
-def prefill_path(path: str):
-    """Within the block, CUDA prefill with ``fused=None`` takes ``path``: ``"auto"`` (the default: the
-    materialised bias up to ``DENSE_MAX_ELEMENTS``, else the fused kernel), ``"kernel"`` (the fused
-    kernel at every size) or ``"dense"`` (the materialised bias at every size), e.g. to measure one
-    against another. The process-wide default comes from ``TORCHEMBED_ALIBI_PREFILL``.
+def policy_changed(**changes: Any) -> Iterator[AlibiPolicy]:
+    """Within the block, the policy in force with ``changes`` (:class:`AlibiPolicy` fields).
+
+    Raises:
+        ValueError: an unknown prefill path; TypeError: a name that is not a field.
+    """
+    global _policy
+    previous, _policy = _policy, dataclasses.replace(_policy, **changes)
+    try:
+        yield _policy
+    finally:
+        _policy = previous
+
+
+def prefill_path(path: str) -> contextlib.AbstractContextManager:
+    """Within the block, CUDA prefill with ``fused=None`` takes ``path``: ``"auto"``, ``"kernel"`` or
+    ``"dense"`` (:class:`AlibiPolicy`), e.g. to measure one against another.
 
     Raises:
         ValueError: an unknown path.
     """
-    global _PREFILL
-    if path not in PREFILL_PATHS:
-        raise ValueError(f"prefill path must be one of {PREFILL_PATHS}, got {path!r}")
-    previous, _PREFILL = _PREFILL, path
-    try:
-        yield
-    finally:
-        _PREFILL = previous
+    return policy_changed(prefill=path)
 
 
-def prefill_path_is_auto() -> bool:
-    """No :func:`prefill_path` other than ``"auto"`` is in force."""
-    return _PREFILL == "auto"
+# ------------------------------------------------------------------------------------------------
+# The decision
+# ------------------------------------------------------------------------------------------------
+
+
+def attention_path(q: Tensor, k: Tensor, *, fused: bool | None, dropout_p: float, layer: bool) -> str:
+    """``"kernel"``, ``"dense"``, ``"decode"`` or ``"reference"`` (the module docstring) for the attention
+    of ``q (b, h, q, d)`` over ``k (b, hk, k, d)``: the one place that decides. ``layer``: the call is a
+    model layer's, whose forward shares what it derives across its layers (decode steps and small
+    prefills are bound by host time there). ``"kernel"`` may still fall back at run time where the kernel
+    does not take the inputs (:func:`fallback_path`)."""
+    if fused:
+        use_kernel(fused, q, _KERNEL)  # (raises where it cannot run)
+        return "kernel"
+    q_len = q.shape[-2]
+    if layer and q_len == 1 and dropout_p == 0.0:
+        return "decode"
+    if fused is None:
+        if layer and _dense(q, k):
+            return "dense"
+        if _policy.prefill != "dense" and not dropout_p and use_kernel(fused, q, _KERNEL):
+            return "kernel"
+    return fallback_path(q, fused)
+
+
+_KERNEL = "the fused ALiBi attention kernel"
+
+
+def fallback_path(q: Tensor, fused: bool | None) -> str:
+    """Where a call goes that the kernel does not take: the materialised bias for a CUDA prefill with
+    ``fused=None`` (outside ``torch.compile``), else the PyTorch reference."""
+    if fused is None and q.shape[-2] != 1 and q.device.type in _policy.dense_devices and not torch.compiler.is_compiling():
+        return "dense"
+    return "reference"
+
+
+def _dense(q: Tensor, k: Tensor) -> bool:
+    """A model layer's prefill materialises the bias: a prefill on a dense device (outside
+    ``torch.compile``) within the policy's bound (any size under ``prefill="dense"``)."""
+    p = _policy
+    q_len = q.shape[-2]
+    if q_len == 1 or q.device.type not in p.dense_devices or torch.compiler.is_compiling() or p.prefill == "kernel":
+        return False
+    if p.prefill == "dense":
+        return True
+    elements = q.shape[0] * q.shape[1] * q_len * k.shape[-2]
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    return elements <= (p.dense_grad_max_elements if grad else p.dense_max_elements)
+
+
+# ------------------------------------------------------------------------------------------------
+# Masks and what a forward derives once
+# ------------------------------------------------------------------------------------------------
+
+_CAUSAL: dict = {}
 
 
 def _causal(q_len: int, k_len: int, device: torch.device) -> tuple[Tensor, "MaskCache"]:
@@ -93,10 +143,15 @@ def _causal(q_len: int, k_len: int, device: torch.device) -> tuple[Tensor, "Mask
         if len(_CAUSAL) >= 8:
             _CAUSAL.clear()
         entry = MaskCache()
-        positions = torch.arange(k_len, device=device)
-        entry.keep = (positions[None, :] <= positions[k_len - q_len:, None])[None, None]
+        entry.keep = _build_causal_keep(q_len, k_len, device)
         _CAUSAL[key] = entry
     return entry.keep, entry
+
+
+def causal_keep(q_len: int, k_len: int, device: torch.device) -> Tensor:
+    """The causal ``keep`` mask, queries at the last ``q_len`` of ``k_len`` positions:
+    ``(1, 1, q, k)`` bool, kept for the last few shapes and shared (do not modify)."""
+    return _causal(q_len, k_len, device)[0]
 
 
 class MaskCache:
@@ -143,6 +198,44 @@ class MaskCache:
             self._source, self.keep, self._memo = None, None, {}
 
 
+# One MaskCache per live HF mask tensor: a forward has one per device of a split model
+# (torchembed.patches.devices). Entries whose mask died are dropped when the table is full.
+_MASKS: dict[int, MaskCache] = {}
+_MASKS_MAX = 8
+
+
+def forward_cache(attention_mask: Tensor | None, to_keep: Callable[[Tensor], Tensor],
+                  anchor: Tensor | None) -> tuple[Tensor | None, MaskCache | None]:
+    """``keep`` (True = attend) for a model's mask and the :class:`MaskCache` of this forward, shared by
+    its layers.
+
+    The cache is keyed by the mask tensor or, when there is none (sdpa masks are skipped for unpadded
+    batches), by ``anchor``: a tensor every layer of the forward receives and no other forward does (a
+    bias built per forward; a constant would keep its cache growing). ``to_keep`` makes the model's mask
+    a ``(b or 1, 1, q, k)`` bool keep mask. None for the cache under ``torch.compile`` (no Python-side
+    caches in a graph) or without mask and anchor."""
+    if torch.compiler.is_compiling():
+        return (None if attention_mask is None else to_keep(attention_mask)), None
+    source = attention_mask if attention_mask is not None else anchor
+    if source is None:
+        return None, None
+    cache = _MASKS.get(id(source))
+    if cache is None or cache.lookup(source) is None:
+        if len(_MASKS) >= _MASKS_MAX:
+            for key in [key for key, entry in _MASKS.items() if not entry.alive()]:  # forward over
+                del _MASKS[key]
+            if len(_MASKS) >= _MASKS_MAX:
+                _MASKS.clear()
+        keep = None if attention_mask is None else to_keep(attention_mask)
+        cache = _MASKS[id(source)] = MaskCache().store(source, keep)
+    return cache.keep, cache
+
+
+# ------------------------------------------------------------------------------------------------
+# The attention
+# ------------------------------------------------------------------------------------------------
+
+
 def alibi_attention(
     q: Tensor,
     k: Tensor,
@@ -155,12 +248,13 @@ def alibi_attention(
     cache: MaskCache | None = None,
     fused: bool | None = None,
     slopes: Tensor | None = None,
+    layer: bool = False,
 ) -> Tensor:
     """Attention with ALiBi: ``softmax(scale * q k^T + bias | keep) v``.
 
     The bias is ``key_bias[b, h, j]`` (a key-only form, as the HF ALiBi models build it) or, given
     ``slopes``, ``slope_h * (j - i)``; either up to a constant per query row, which softmax ignores.
-    Which implementation runs: see the module docstring.
+    Which implementation runs: :func:`attention_path` (the module docstring).
 
     Args:
         q: ``(b, h, q, d)``; k, v: ``(b, hk, k, d)``, ``h`` a multiple of ``hk`` (GQA/MQA).
@@ -175,6 +269,7 @@ def alibi_attention(
             run; True: the fused kernel or :class:`FusedUnavailableError`; False: PyTorch operations
             only (SDPA with the materialised bias).
         slopes: ``(h,)`` per-head slopes, instead of ``key_bias``.
+        layer: a model layer's call (see :func:`attention_path`); its masks are kept in ``cache``.
 
     Returns:
         ``(b, h, q, d)`` in ``q.dtype``. A query row that keeps no key: 0 from the kernel, the mean of
@@ -186,11 +281,10 @@ def alibi_attention(
     """
     if key_bias is None and slopes is None:
         raise ValueError("alibi_attention needs key_bias (b or 1, h, k) or slopes (h,)")
-    q_len = q.shape[-2]
-    if fused or (fused is None and _PREFILL != "dense" and not (q_len == 1 and cache is not None)
-                 and not (cache is not None and dense_prefill(q, k))):
+    path = attention_path(q, k, fused=fused, dropout_p=dropout_p, layer=layer)
+    if path == "kernel":
         why = "it has no dropout (dropout_p > 0)"
-        if not dropout_p and use_kernel(fused, q, "the fused ALiBi attention kernel"):
+        if not dropout_p:
             out = _flash(q, k, v, key_bias, slopes, keep, scale, cache)
             if not isinstance(out, str):
                 return out
@@ -198,21 +292,35 @@ def alibi_attention(
         if fused:
             raise FusedUnavailableError(f"fused=True: the fused ALiBi attention kernel cannot take these inputs: {why}; "
                                         "pass fused=None to run PyTorch's attention there")
+        path = fallback_path(q, fused)
     if key_bias is None:  # slope * (j - (k - 1)): zero at the newest key, small near it
-        positions = torch.arange(1 - k.shape[-2], 1, device=q.device, dtype=torch.float32)
-        key_bias = slopes.to(q.device, torch.float32)[None, :, None] * positions
-    heads = q.shape[1]
-    k, v = repeat_kv(k, heads), repeat_kv(v, heads)
-    if keep is None and q_len > 1:
-        keep, cache = _causal(q_len, k.shape[-2], q.device)
-    if fused is None and dense_prefill(q, k, any_size=True):  # the materialised bias, once per forward
+        key_bias = alibi_key_bias(slopes.to(q.device), key_len=k.shape[-2])
+    q_len = q.shape[-2]
+    if path == "decode":  # the mask is the same for every layer of the forward
+        make = lambda: alibi_decode_bias(key_bias, keep, q.dtype)  # noqa: E731
+        mask = make() if cache is None else cache.memo(key_bias, ("decode", q.dtype), make)
+        return masked_sdpa(q, k, v, mask, scale, dropout_p)
+    if path == "dense":  # the materialised bias, once per forward
+        if keep is None:
+            keep = causal_keep(q_len, k.shape[-2], q.device)
         make = lambda: prefill_bias(key_bias, keep, q.dtype)  # noqa: E731
-        bias = make() if cache is None else cache.memo(key_bias, ("dense", q.dtype), make)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
-    if fused is None and q_len == 1 and cache is not None:  # decode: the mask is the same for every layer
-        bias = cache.memo(key_bias, ("decode", q.dtype), lambda: alibi_decode_bias(key_bias, keep, q.dtype))
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
-    return alibi_attention_reference(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p)
+        mask = make() if cache is None else cache.memo(key_bias, ("dense", q_len, q.dtype), make)
+        return masked_sdpa(q, k, v, mask, scale, dropout_p)
+    heads = q.shape[1]
+    if keep is None and q_len > 1:
+        keep = causal_keep(q_len, k.shape[-2], q.device)
+    return alibi_attention_reference(q, repeat_kv(k, heads), repeat_kv(v, heads), key_bias, keep, scale=scale,
+                                     dropout_p=dropout_p)
+
+
+def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, dropout_p: float) -> Tensor:
+    """SDPA with an additive mask; a decode step broadcasts a multi-query kv head (as upstream's
+    SDPA does) and reads grouped kv heads in place (``enable_gqa``), a prefill gets them repeated."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if q.shape[-2] != 1 and kv_heads != heads:
+        k, v = repeat_kv(k, heads), repeat_kv(v, heads)
+    grouped = kv_heads not in (1, heads)  # a decode step: SDPA reads grouped kv heads in place
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=grouped)
 
 
 def _flash(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None, slopes: Tensor | None, keep: Tensor | None,
@@ -241,27 +349,3 @@ def repeat_kv(x: Tensor, heads: int) -> Tensor:
     if heads % kv:
         raise ValueError(f"{heads} query heads are not a multiple of {kv} key/value heads")
     return x[:, :, None].expand(batch, kv, heads // kv, length, dim).reshape(batch, heads, length, dim)
-
-
-def dense_prefill(q: Tensor, k: Tensor, *, any_size: bool = False) -> bool:
-    """Whether the prefill of ``q (b, h, q, d)`` over ``k (b, hk, k, d)`` takes SDPA with the
-    materialised bias (:func:`torchembed.kernels.alibi_bias.prefill_bias`, one Triton write) with
-    ``fused=None``: a CUDA prefill (outside ``torch.compile``) of at most ``DENSE_MAX_ELEMENTS`` bias
-    elements (``DENSE_GRAD_MAX_ELEMENTS`` when ``q``, ``k`` need gradients), or any under
-    ``prefill_path("dense")`` (or with ``any_size``: wherever the kernel did not run)."""
-    q_len = q.shape[-2]
-    if q_len == 1 or q.device.type not in _FUSED_DEVICES or torch.compiler.is_compiling():
-        return False
-    if any_size or _PREFILL == "dense":
-        return True
-    if _PREFILL != "auto":
-        return False
-    elements = q.shape[0] * q.shape[1] * q_len * k.shape[-2]
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
-    return elements <= (DENSE_GRAD_MAX_ELEMENTS if grad else DENSE_MAX_ELEMENTS)
-
-
-def causal_keep(q_len: int, k_len: int, device: torch.device) -> Tensor:
-    """The causal ``keep`` mask, queries at the last ``q_len`` of ``k_len`` positions:
-    ``(1, 1, q, k)`` bool, shared (do not modify)."""
-    return _causal(q_len, k_len, device)[0]

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from torchembed.functional.alibi import causal_keep
 from torchembed.kernels.availability import kernel_can_run
 from torchembed.kernels.launch import Launches
 from torchembed.kernels.availability import triton_disabled as _triton_disabled
@@ -109,10 +110,7 @@ def _out_like(q: Tensor) -> Tensor:
 
 def _keep_of(q: Tensor, k: Tensor, rows: Optional[Tensor], keep: Optional[Tensor]) -> Tensor:
     q_len, k_len = q.shape[2], k.shape[2]
-    if keep is not None:
-        return keep
-    positions = torch.arange(k_len, device=q.device)
-    return (positions[None, :] <= positions[k_len - q_len:, None])[None, None]
+    return keep if keep is not None else causal_keep(q_len, k_len, q.device)
 
 
 def _scores(q: Tensor, k: Tensor, bias: Tensor, rows: Optional[Tensor], keep: Optional[Tensor], scale: float,

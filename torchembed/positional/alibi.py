@@ -128,7 +128,7 @@ class ALiBiEmbedding(nn.Module):
             alibi = ALiBiEmbedding(num_heads=8)
             out = alibi.attention(q, k, v)      # == softmax(alibi(q @ k^T / sqrt(d)) + causal mask) @ v
         """
-        from torchembed.kernels.alibi_attention import alibi_attention, repeat_kv
+        from torchembed.kernels.alibi_attention import alibi_attention, causal_keep, masked_sdpa, repeat_kv
         from torchembed.kernels.availability import FusedUnavailableError, check_fused
 
         fused = check_fused(fused)
@@ -164,8 +164,7 @@ class ALiBiEmbedding(nn.Module):
         slopes = self.slopes.to(q.device)
         if causal:
             if keep is not None:
-                positions = torch.arange(seq_k, device=q.device)
-                keep = keep & (positions[None, :] <= positions[seq_k - seq_q :, None])[None, None]
+                keep = keep & causal_keep(seq_q, seq_k, q.device)
             # the bias slope * (j - i), computed from the slopes in the kernel (up to a per-row constant)
             return alibi_attention(q, k, v, None, keep, scale=scale, dropout_p=dropout_p, fused=fused, slopes=slopes)
         if fused:
@@ -174,8 +173,7 @@ class ALiBiEmbedding(nn.Module):
         bias = self.bias(seq_q, seq_k).to(q.device)[None]  # (1, h, q, k), exact near the diagonal
         if keep is not None:
             bias = bias.masked_fill(~keep, torch.finfo(q.dtype).min)
-        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p, scale=scale)
+        return masked_sdpa(q, k, v, bias.to(q.dtype), scale, dropout_p)
 
     def _check_qkv(self, q: Tensor, k: Tensor, v: Tensor) -> None:
         """Validate :meth:`attention`'s q, k, v: Python compares only (no kernel, no sync)."""
