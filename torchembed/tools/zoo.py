@@ -27,11 +27,9 @@ import contextlib
 import copy
 import functools
 import inspect
-import io
 import math
 import os
 import re
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from torchembed.tools.zoo_fixes import INPUTS, RUNS, apply_config_fix
+from torchembed.tools.zoo_inputs import _AUDIO, SPECIAL_IDS, _clip, _parts_only, _quiet, _tensors, generic_inputs
 
 __all__ = [
     "SMALL", "FP32_REL_TOL", "ModelTypeStatus", "TinyModelError", "ZooCase", "model_types", "rotary_model_types",
@@ -84,7 +83,6 @@ SMALL: dict[str, Any] = {
 FP32_REL_TOL = 1e-5  # float32 logits: patched within this of upstream (relative to the largest |logit|)
 MAX_PARAMETERS = 20_000_000  # a tiny model runs in milliseconds on a CPU
 MAX_SECONDS = 30.0  # ... its build and one forward well inside this on a busy machine (a slower one: a size not shrunk)
-SPECIAL_IDS = 16  # the top of the small vocabulary is kept for special tokens (image, vision start ...)
 _RECOMPUTED = ("layer_types", "mlp_layer_types", "no_rope_layers", "layers_block_type")  # per-layer lists
 _DERIVED = ("per_layer_config",)  # rebuilt by the config class from the (shrunk) layer types: never passed
 _ALWAYS = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "vocab_size")
@@ -619,7 +617,8 @@ def _all_heads(kwargs: dict[str, Any]) -> dict[str, Any]:
 def _build(model_type: str, kwargs: dict[str, Any]) -> Any:
     """The first config of :func:`_variants` whose model builds, is small and runs a forward of its
     tiny inputs. Which one it was (or the first error, if none runs) is kept on disk per
-    transformers release and version of this module, so that a later process builds it at once.
+    transformers release and version of this module, of :mod:`torchembed.tools.zoo_inputs` and of the
+    fixes, so that a later process builds it at once.
 
     Raises:
         TinyModelError: no variant runs; the message is the first variant's error.
@@ -658,13 +657,13 @@ def _cache_file() -> str:
 
     import transformers
 
+    from torchembed.tools import zoo_fixes, zoo_inputs
     from torchembed.tools.cache import default_cache_dir
-
-    from torchembed.tools import zoo_fixes
 
     fixes = os.path.dirname(zoo_fixes.__file__)
     digest = hashlib.sha256()
-    for file in (__file__, *sorted(os.path.join(fixes, f) for f in os.listdir(fixes) if f.endswith(".py"))):
+    sources = (__file__, zoo_inputs.__file__, *sorted(os.path.join(fixes, f) for f in os.listdir(fixes) if f.endswith(".py")))
+    for file in sources:
         with open(file, "rb") as f:  # a change to any searches afresh
             digest.update(f.read())
     digest = digest.hexdigest()[:12]
@@ -842,313 +841,21 @@ def build_tiny(model_type: str, *, seed: int = 0, device: str | torch.device = "
     return _construct(generic_tiny_config(model_type), seed, dtype).to(device)
 
 
-def _forward_parameters(model: nn.Module) -> set[str]:
-    return set(inspect.signature(model.forward).parameters)
-
-
-def _vision_config(config: Any) -> Any:
-    return getattr(config, "vision_config", None)
-
-
-def _first(config: Any, *keys: str, default: Any = None) -> Any:
-    for key in keys:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return default
-
-
-def _image_candidates(config: Any, params: set[str]) -> Iterator[dict[str, Tensor]]:
-    """Tiny images in the layouts vision towers take: patches with their (t, h, w) grid, flattened
-    (Qwen2-VL and kin) or not, (1, channels, size, size) pixels (with their ``image_sizes`` where the
-    forward takes them), or (1, 1, channels, size, size)."""
-    vision = _vision_config(config) or config
-    gen = torch.Generator().manual_seed(1)
-    channels = _first(vision, "in_channels", "num_channels", "in_chans", default=3)
-    patch = _first(vision, "patch_size", default=8)
-    if "image_grid_thw" in params:
-        kernel = getattr(vision, "merge_kernel_size", None)  # Kimi K2.5: (height, width)
-        merge = _first(vision, "spatial_merge_size", "merge_size", default=kernel[0] if isinstance(kernel, (list, tuple)) else 1)
-        temporal = _first(vision, "temporal_patch_size", "patch_temporal", default=1)  # Muse Spark: patch_temporal
-        side = 2 * merge
-        flat = torch.randn(side * side, channels * temporal * patch * patch, generator=gen)
-        grid = torch.tensor([[1, side, side]])
-        yield {"pixel_values": flat, "image_grid_thw": grid}
-        if temporal == 1:  # Kimi K2.5, PaddleOCR-VL: each patch as a (channels, patch, patch) image
-            yield {"pixel_values": flat.view(-1, channels, patch, patch), "image_grid_thw": grid}
-    if "spatial_shapes" in params:  # SigLIP 2's NaFlex (LFM2-VL): flattened patches, their grid, the real ones
-        side = 2 * _first(config, "downsample_factor", default=1)
-        yield {"pixel_values": torch.randn(1, side * side, channels * patch * patch, generator=gen),
-               "spatial_shapes": torch.tensor([[side, side]]),
-               "pixel_attention_mask": torch.ones(1, side * side, dtype=torch.long)}
-    size = _first(vision, "image_size", default=2 * patch)
-    pinpoints = getattr(config, "image_grid_pinpoints", None)
-    if "image_sizes" in params and pinpoints:  # anyres: an image of the first resolution, its tiles after the overview
-        height, width = pinpoints[0]
-        tiles = 1 + (height // size) * (width // size)
-        yield {"pixel_values": torch.randn(1, tiles, channels, size, size, generator=gen),
-               "image_sizes": torch.tensor([[height, width]])}
-    pixels = torch.randn(1, channels, size, size, generator=gen)
-    sizes = {"image_sizes": torch.tensor([[size, size]])} if "image_sizes" in params else {}
-    high = getattr(config, "high_res_vision_config", None)
-    if "high_res_pixel_values" in params and high is not None:  # DeepSeek-VL hybrid: the image again, for its SAM tower
-        high_size = _first(high, "image_size", default=size)
-        yield {"pixel_values": pixels, "high_res_pixel_values": torch.randn(1, channels, high_size, high_size, generator=gen)}
-    for layout in (pixels, pixels[:, None]):  # (batch, images, channels, height, width): Idefics and kin
-        yield {"pixel_values": layout, **sizes}
-        if sizes:  # image_sizes is optional, and some towers do not take it (LLaVA's CLIP)
-            yield {"pixel_values": layout}
-    if "pixel_attention_mask" in params:  # Granite-Docling: which of the (batch, tiles) are real
-        yield {"pixel_values": pixels[:, None], "pixel_attention_mask": torch.ones(1, 1, dtype=torch.bool)}
-
-
-def _image_tokens(model: nn.Module, images: dict[str, Tensor]) -> int:
-    """How many image-token embeddings the vision tower makes of ``images`` (0 if it has no
-    ``get_image_features``, or it fails on them)."""
-    # a head without it has its base model's (DeepSeek-VL, ModernVBert's masked LM, PerceptionLM, Janus)
-    get = next((g for g in (getattr(model, "get_image_features", None),
-                            getattr(getattr(model, "base_model", None), "get_image_features", None),
-                            getattr(getattr(model, "model", None), "get_image_features", None)) if g is not None), None)
-    if get is None:
-        return 0
-    hidden = model.config.get_text_config().hidden_size
-    with torch.no_grad(), _quiet():
-        out = get(**images)
-    if isinstance(out, (Tensor, list, tuple)):
-        tensors = list(_tensors(out))
-    else:  # the pooled features, else the first layer's of per-layer ones (Granite 4 Vision), else the first output
-        tensors = list(_tensors(getattr(out, "pooler_output", None)))
-        tensors = tensors or list(_tensors(next(iter(getattr(out, "deepstack_features", None) or ()), None)))
-        tensors = tensors or list(_tensors(out[0]))
-    return sum(t.numel() for t in tensors) // hidden
-
-
-def _tensors(value: Any) -> Iterator[Tensor]:
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item)
-
-
-def _special(config: Any, *names: str) -> int | None:
-    for name in names:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-
-
 def tiny_inputs(model: nn.Module, *, seq_len: int = 12, seed: int = 0) -> dict[str, Tensor]:
-    """The inputs the zoo runs ``model`` on: ``input_ids`` (2 rows of ``seq_len`` ids, none of them
-    special), and for a model with a vision tower one tiny image in the layout it takes, its image
-    tokens in row 0 (between the vision start/end tokens where the config has them) and the token
-    type ids that mark them; for a vision tower of its own, just the image. Likewise for a speech LM:
-    tiny audio and its audio tokens in row 0; for an audio model of its own (encoder, codec, time
-    series), just the audio. :data:`~torchembed.tools.zoo_fixes.INPUTS` replaces this per model type.
+    """The inputs the zoo runs ``model`` on: its model type's :data:`~torchembed.tools.zoo_fixes.INPUTS`
+    entry where it has one, else :func:`~torchembed.tools.zoo_inputs.generic_inputs`' choice: ``input_ids``
+    (2 rows of ``seq_len`` ids, none of them special), plus one tiny image (tiny audio) and its image
+    (audio) tokens in row 0 where the model has a vision (audio) tower; for a vision tower or audio model
+    of its own, just the image (audio).
 
     Raises:
         ValueError: the model takes neither ``input_ids`` nor an image or audio, or no image (audio)
             layout tried runs its vision (audio) tower.
     """
-    config = model.config
-    fix = INPUTS.get(getattr(config, "model_type", None))
+    fix = INPUTS.get(getattr(model.config, "model_type", None))
     if fix is not None:
         return fix(model)
-    if _parts_only(model):
-        raise ValueError(f"{type(model).__name__} has no forward (it only generates, from its parts)")
-    params = _forward_parameters(model)
-    if "input_ids" not in params:
-        if {"pixel_values", "hidden_states"} & params or not set(_AUDIO) & params:
-            return _vision_inputs(model, params)
-        return _audio_inputs(model, params, seq_len)
-    vocab = config.get_text_config().vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    inputs: dict[str, Tensor] = {}
-    if "pixel_values" in params and _vision_config(config) is not None:
-        image_id = _special(config, "image_token_id", "image_token_index")
-        if image_id is None:
-            raise ValueError(f"{type(config).__name__} has a vision tower but no image_token_id")
-        first: Exception | None = None
-        for images in _image_candidates(config, params):
-            try:
-                count = _image_tokens(model, images)
-            except Exception as err:  # noqa: BLE001 - try the next layout
-                first = first or err
-                continue
-            if count:
-                break
-        else:
-            raise ValueError(f"no tiny image layout runs {type(model).__name__}'s vision tower "
-                             f"({type(first).__name__}: {first})" if first else "no get_image_features")
-        start, end = _special(config, "vision_start_token_id", "boi_token_id", "boi_token_index"), \
-            _special(config, "vision_end_token_id", "eoi_token_id", "eoi_token_index")
-        row = [t for t in (start,) if t is not None] + [image_id] * count + [t for t in (end,) if t is not None]
-        ids = torch.randint(3, vocab - SPECIAL_IDS, (1, seq_len), generator=gen)
-        media = {i for i in (image_id, _special(config, "video_token_id", "video_token_index")) if i is not None}
-        spare = next(i for i in range(3, vocab) if i not in media)  # not an image token id in the text (EXAONE 4.5's 67)
-        ids[torch.isin(ids, torch.tensor(sorted(media)))] = spare
-        ids = torch.cat((ids[:, :3], torch.tensor([row]), ids[:, 3:]), dim=-1)
-        inputs.update(images)
-        kind = (ids == image_id).int()
-        for name in ("mm_token_type_ids", "token_type_ids"):
-            if name in params:
-                inputs[name] = kind
-                break
-    elif (set(_AUDIO[:3]) & params and (audio_id := _special(config, "audio_token_id", "audio_token_index")) is not None
-          and (speech := _speech(model, params, seq_len)) is not None):
-        audio, count = speech  # a speech LM: its audio tokens in row 0, and the audio
-        ids = torch.randint(3, vocab - SPECIAL_IDS, (1, seq_len), generator=gen)
-        ids = torch.cat((ids[:, :3], torch.full((1, count), audio_id), ids[:, 3:]), dim=-1)
-        inputs.update(audio)
-    else:  # text alone (also a speech LM whose audio tower no tiny audio runs, or which has none by default)
-        ids = torch.randint(3, vocab - SPECIAL_IDS, (2, seq_len), generator=gen)
-    inputs["input_ids"] = ids
-    if "decoder_input_ids" in params and getattr(config, "is_encoder_decoder", False):
-        inputs["decoder_input_ids"] = ids
-    if "sample" in params:  # VibeVoice's audio VAE: its mean, not a draw (the same outputs each run)
-        inputs["sample"] = torch.tensor(False)
-    return inputs
-
-
-def _vision_inputs(model: nn.Module, params: set[str]) -> dict[str, Tensor]:
-    """A vision tower's own inputs: one tiny image in the first layout its forward runs on."""
-    pixels = next((name for name in ("pixel_values", "hidden_states") if name in params), None)
-    if pixels is None:
-        raise ValueError(f"{type(model).__name__}.forward takes neither input_ids nor pixel_values (needs {_required(model)})")
-    grid = next((name for name in ("grid_thw", "image_grid_thw") if name in params), None)
-    first: Exception | None = None
-    for images in _image_candidates(model.config, params | ({"image_grid_thw"} if grid else set())):
-        inputs = {pixels: images["pixel_values"]}
-        if grid and "image_grid_thw" in images:
-            inputs[grid] = images["image_grid_thw"]
-        elif grid:
-            continue
-        inputs.update({k: v for k, v in images.items() if k == "image_sizes"})
-        try:
-            with torch.no_grad(), _quiet():
-                model(**inputs)
-        except Exception as err:  # noqa: BLE001 - try the next layout
-            first = first or err
-            continue
-        return inputs
-    raise ValueError(f"no tiny image layout runs {type(model).__name__} ({type(first).__name__}: {first})")
-
-
-_AUDIO = ("input_features", "audio_mel", "input_values", "past_values", "latents", "inputs_embeds")  # by precedence
-_AUDIO_MASKS = ("attention_mask", "input_features_mask", "feature_attention_mask", "padding_mask", "past_values_padding")
-# where the feature (mel) width of an audio tower is kept, in its config or a sub-config
-_AUDIO_FEATURES = ("num_mel_bins", "input_feat_size", "input_dim", "feature_projection_input_dim", "feature_size")
-AUDIO_FRAMES = 64  # feature frames of the tiny audio: a few positions left after 4x or 8x subsampling
-
-
-def _deep_first(config: Any, keys: tuple[str, ...]) -> int | None:
-    """The first of ``keys`` that ``config`` (or else, breadth first, one of its sub-configs) sets to an int."""
-    level = [config.to_dict() if hasattr(config, "to_dict") else config]
-    while level:
-        for key in keys:
-            for values in level:
-                value = values.get(key)
-                if isinstance(value, int) and not isinstance(value, bool):
-                    return value
-        level = [v for values in level for v in values.values() if isinstance(v, dict)]
-    return None
-
-
-def _hop(config: Any) -> int:
-    """Waveform samples per frame of an audio tower: the product of its convolutions' strides (1 where
-    its config names none)."""
-    level = [config.to_dict()]
-    while level:
-        for values in level:
-            for key in ("downsampling_ratios", "upsampling_ratios", "conv_stride", "patch_sizes", "patch_length"):
-                value = values.get(key)
-                if isinstance(value, int) and not isinstance(value, bool):  # a time series' patch
-                    return value
-                if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
-                    return math.prod(value)  # 1 for none
-            if isinstance(values.get("hop_length"), int):
-                return values["hop_length"]
-        level = [v for values in level for v in values.values() if isinstance(v, dict)]
-    return 1
-
-
-def _audio_candidates(model: nn.Module, params: set[str], seq_len: int) -> Iterator[dict[str, Tensor]]:
-    """Tiny audio in the layouts audio towers take: log-mel features ``(1, frames, mel)`` or
-    ``(1, mel, frames)``, a waveform ``(1, samples)`` or ``(1, channels, samples)`` of a few frames
-    of the tower's hop, a time series ``(1, length)``, or latents / embeddings ``(1, frames, width)``
-    either way round; each without, then with, all-valid masks (and the decoder's token ids of an
-    encoder-decoder)."""
-    config = model.config
-    gen = torch.Generator().manual_seed(2)
-    name = next(n for n in _AUDIO if n in params)
-    if name in ("input_features", "audio_mel"):
-        width = _deep_first(config, _AUDIO_FEATURES) or SMALL["num_mel_bins"]
-        length, first = AUDIO_FRAMES, torch.randn(1, AUDIO_FRAMES, width, generator=gen)
-        layouts = [first, first.transpose(1, 2)]
-    elif name in ("input_values", "past_values"):
-        channels = _first(config, "audio_channels", "channels", "in_channels", default=1)
-        hop = _hop(config) if name == "past_values" else max(_hop(config), 320)  # waveforms: 20 ms at 16 kHz or more
-        length = 16 * hop  # 16 frames
-        wave = torch.randn(1, channels, length, generator=gen) * (0.1 if name == "input_values" else 1.0)  # speech level
-        layouts = [wave, wave[:, 0]] if channels > 1 else [wave[:, 0], wave]
-    else:  # latents of a codec's decoder, embeddings of an encoder
-        width = _first(config, "hidden_size", "d_model", default=SMALL["hidden_size"])
-        length, first = AUDIO_FRAMES // 4, torch.randn(1, AUDIO_FRAMES // 4, width, generator=gen)
-        layouts = [first, first.transpose(1, 2)]
-    decoder = {}
-    if "decoder_input_ids" in params:
-        vocab = config.get_text_config(decoder=True).vocab_size
-        decoder["decoder_input_ids"] = torch.randint(3, vocab - SPECIAL_IDS, (1, seq_len), generator=gen)
-    masks = {m: torch.ones(1, length, dtype=torch.long) for m in _AUDIO_MASKS if m in params}
-    for layout in layouts:
-        yield {name: layout, **decoder}
-        if masks:
-            yield {name: layout, **masks, **decoder}
-
-
-def _speech(model: nn.Module, params: set[str], seq_len: int) -> tuple[dict[str, Tensor], int] | None:
-    """A speech LM's tiny audio in the first layout its ``get_audio_features`` runs on, and how many
-    audio-token embeddings it makes of it (None if none runs: Gemma 4's default config has no audio tower)."""
-    getters = (getattr(m, "get_audio_features", None) for m in (model, getattr(model, "model", None)))
-    # the first that names its audio argument (a wrapper passing *args, **kwargs on: its inner model's)
-    get = next((g for g in getters if g is not None and set(_AUDIO) & set(inspect.signature(g).parameters)), None)
-    if get is None:
-        return None
-    takes = set(inspect.signature(get).parameters)
-    hidden = model.config.get_text_config().hidden_size
-    for audio in _audio_candidates(model, params - {"attention_mask"}, seq_len):  # attention_mask: the tokens'
-        try:
-            with torch.no_grad(), _quiet():
-                out = get(**{k: v for k, v in audio.items() if k in takes})
-        except Exception:  # noqa: BLE001 - try the next layout
-            continue
-        found = [out] if isinstance(out, Tensor) else list(_tensors(getattr(out, "pooler_output", None)))
-        count = sum(t.numel() for t in found) // hidden
-        if count:
-            return audio, count
-    return None
-
-
-def _audio_inputs(model: nn.Module, params: set[str], seq_len: int) -> dict[str, Tensor]:
-    """An audio model's inputs: the first of :func:`_audio_candidates` its forward runs on."""
-    first: Exception | None = None
-    for inputs in _audio_candidates(model, params, seq_len):
-        try:
-            with torch.no_grad(), _quiet():
-                model(**inputs)
-        except Exception as err:  # noqa: BLE001 - try the next layout
-            first = first or err
-            continue
-        return inputs
-    raise ValueError(f"no tiny audio layout runs {type(model).__name__} "
-                     f"({type(first).__name__}: {_clip(str(first))})")
-
-
-def _required(model: nn.Module) -> str:
-    sig = inspect.signature(model.forward)
-    names = [p.name for p in sig.parameters.values() if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-    return ", ".join(names) or "inputs the zoo does not make"
+    return generic_inputs(model, seq_len=seq_len, seed=seed)
 
 
 def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
@@ -1177,12 +884,6 @@ def outputs_of(model: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     # the first floating one: integer outputs (LightGlue's matched indices, a codec's codes) cannot show a
     # small error
     return next((t for t in tensors if t.is_floating_point()), tensors[0])
-
-
-def _parts_only(model: nn.Module) -> bool:
-    """``model`` has no forward of its own: it only generates, calling its parts (Qwen2.5-Omni's thinker,
-    talker and token2wav), so the zoo runs those (inputs: ``{part's path: its inputs}``)."""
-    return type(model).forward is nn.Module.forward
 
 
 def _to(value: Any, device: torch.device | str) -> Any:
@@ -1258,32 +959,6 @@ def zoo_case(model_type: str, device: str | torch.device = "cpu") -> ZooCase:
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
                 setattr(module, name, value.to(device))
     return ZooCase(model_type, model, move(case.inputs), move(case.prompt))
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """No warnings, no transformers logging or prints (PE video's docstring check at each build), and
-    no hub: a default config that would download a part (EdgeTAM's timm backbone) fails at once
-    instead of retrying the network."""
-    import huggingface_hub.constants
-    import transformers.utils.hub
-    from transformers.utils import logging
-
-    verbosity = logging.get_verbosity()
-    offline = huggingface_hub.constants.HF_HUB_OFFLINE, getattr(transformers.utils.hub, "_is_offline_mode", None)
-    logging.set_verbosity_error()
-    huggingface_hub.constants.HF_HUB_OFFLINE = True
-    if offline[1] is not None:
-        transformers.utils.hub._is_offline_mode = True
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.set_verbosity(verbosity)
-        huggingface_hub.constants.HF_HUB_OFFLINE = offline[0]
-        if offline[1] is not None:
-            transformers.utils.hub._is_offline_mode = offline[1]
 
 
 # -- status ------------------------------------------------------------------------------------------
@@ -1394,11 +1069,6 @@ def status_of(model_type: str) -> ModelTypeStatus:
     return ModelTypeStatus(model_type, "patched", how)
 
 
-def _clip(text: str, limit: int = 200) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def survey(types: list[str] | None = None, *, progress: bool = False) -> list[ModelTypeStatus]:
     """:func:`status_of` for each model type (default: every model type with a rotary component).
 
@@ -1433,13 +1103,13 @@ def survey_cache_file() -> str:
 
     import transformers
 
-    import torchembed
     import torchembed.patches
     from torchembed.tools.cache import default_cache_dir
 
     digest = hashlib.sha256()
-    for package in (torchembed, torchembed.patches):
-        root = os.path.dirname(package.__file__)
+    # torchembed's own folder is this module's grandparent (``import torchembed`` here would close an import
+    # circle: the package's lazy ``torchembed.compare`` imports this module)
+    for root in (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torchembed.patches.__file__)):
         for folder, dirs, files in sorted(os.walk(root)):
             dirs.sort()
             for name in sorted(files):

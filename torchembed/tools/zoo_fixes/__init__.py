@@ -8,7 +8,8 @@ builder does not make, one entry says what differs, and why, in the module of it
   (a dict value into a sub-config's dict, recursively); a callable ``fix(default, kwargs)`` edits
   them in place (``default``: the class-default config, for reading what this release has).
 * ``INPUTS``: ``model_type -> inputs(model)``, the tiny inputs to run the built model on
-  (replacing :func:`torchembed.tools.zoo.tiny_inputs`' generic choice).
+  (:func:`torchembed.tools.zoo.tiny_inputs` takes it instead of the generic choice,
+  :func:`torchembed.tools.zoo_inputs.generic_inputs`, whose pieces the fixes may use).
 * ``RUNS``: ``model_type -> run(model, inputs)``, the model's main output on those inputs, where its
   forward takes more than tensors (a video tracker's inference session): replaces ``model(**inputs)``
   in :func:`torchembed.tools.zoo.outputs_of`.

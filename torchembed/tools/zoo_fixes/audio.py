@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from torchembed.tools.zoo_fixes._common import ConfigFix, merge
+from torchembed.tools.zoo_inputs import AUDIO_FRAMES, SPECIAL_IDS, _forward_parameters, _speech, generic_inputs
 
 # Granite Speech: its Conformer encoder's sizes are hidden_dim / num_layers / dim_head, and its Q-Former
 # projector cross-attends to the encoder's output (encoder_hidden_size = the encoder's hidden_dim)
@@ -84,15 +85,11 @@ def _codec_with_semantics(model: nn.Module) -> dict[str, Tensor]:
 
 
 def _gemma3n_audio(model: nn.Module) -> dict[str, Tensor]:
-    from torchembed.tools.zoo import AUDIO_FRAMES
-
     mel = torch.randn(1, AUDIO_FRAMES, model.config.input_feat_size, generator=torch.Generator().manual_seed(2))
     return {"audio_mel": mel, "audio_mel_mask": torch.zeros(1, AUDIO_FRAMES, dtype=torch.bool)}
 
 
 def _kyutai_speech_to_text(model: nn.Module) -> dict[str, Tensor]:
-    from torchembed.tools.zoo import SPECIAL_IDS
-
     config, gen = model.config, torch.Generator().manual_seed(0)
     text = torch.randint(3, config.vocab_size - SPECIAL_IDS, (2, 12, 1), generator=gen)
     codes = torch.randint(0, config.codebook_vocab_size - 1, (2, 12, config.num_codebooks), generator=gen)
@@ -100,11 +97,9 @@ def _kyutai_speech_to_text(model: nn.Module) -> dict[str, Tensor]:
 
 
 def _pe_audio(model: nn.Module) -> dict[str, Tensor]:
-    from torchembed.tools.zoo import SPECIAL_IDS, tiny_inputs
-
     vocab = model.config.text_config.vocab_size
     ids = torch.randint(3, vocab - SPECIAL_IDS, (2, 12), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, **tiny_inputs(model.audio_encoder)}
+    return {"input_ids": ids, **_pe_audio_encoder(model.audio_encoder)}
 
 
 def _pe_audio_encoder(model: nn.Module) -> dict[str, Tensor]:
@@ -112,13 +107,11 @@ def _pe_audio_encoder(model: nn.Module) -> dict[str, Tensor]:
 
 
 def _qwen2_5_omni(model: nn.Module) -> dict[str, Any]:
-    from torchembed.tools.zoo import SPECIAL_IDS, tiny_inputs
-
     gen, config, length = torch.Generator().manual_seed(0), model.config, 12
     talker, dit = config.talker_config, config.token2wav_config.dit_config
     text_vocab = config.thinker_config.text_config.vocab_size
     return {
-        "thinker": tiny_inputs(model.thinker),
+        "thinker": generic_inputs(model.thinker),  # no fix of its own
         # the thinker's embedded prompt (its text ids place the M-RoPE positions), as the talker's first step
         "talker": {"inputs_embeds": torch.randn(1, length, talker.embedding_size, generator=gen),
                    "input_text_ids": torch.randint(3, text_vocab - SPECIAL_IDS, (1, length), generator=gen),
@@ -134,8 +127,6 @@ def _qwen2_5_omni(model: nn.Module) -> dict[str, Any]:
 
 
 def _voxtral_realtime(model: nn.Module) -> dict[str, Tensor]:
-    from torchembed.tools.zoo import SPECIAL_IDS, _forward_parameters, _speech
-
     speech = _speech(model, _forward_parameters(model), 12)
     if speech is None:
         raise ValueError("no tiny audio layout runs Voxtral Realtime's audio tower")

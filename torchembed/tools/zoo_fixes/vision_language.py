@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from torchembed.tools.zoo_fixes._common import ConfigFix, merge
+from torchembed.tools.zoo_inputs import SPECIAL_IDS
 
 __all__ = ["CONFIG", "INPUTS"]
 
@@ -128,8 +129,6 @@ CONFIG: dict[str, ConfigFix] = {
 def _text_ids(model: nn.Module, *parts: list[int] | int, seed: int = 0) -> Tensor:
     """One row of token ids: each int in ``parts`` that many random ordinary ids (none special),
     each list those ids as they are."""
-    from torchembed.tools.zoo import SPECIAL_IDS
-
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(seed)
     row = [torch.randint(3, vocab - SPECIAL_IDS, (part,), generator=gen) if isinstance(part, int)
@@ -241,8 +240,6 @@ def _video_llama_3(model: nn.Module) -> dict[str, Tensor]:
 
 def _idefics(model: nn.Module) -> dict[str, Tensor]:
     """IDEFICS' images enter by cross-attention (no image token): one image, and which tokens attend to it (all)."""
-    from torchembed.tools.zoo import SPECIAL_IDS
-
     config, gen = model.config, torch.Generator().manual_seed(0)
     size, seq_len = config.vision_config.image_size, 12
     return {"input_ids": torch.randint(3, config.vocab_size - SPECIAL_IDS, (1, seq_len), generator=gen),
@@ -253,8 +250,6 @@ def _idefics(model: nn.Module) -> dict[str, Tensor]:
 def _mllama(model: nn.Module) -> dict[str, Tensor]:
     """Mllama's images enter by cross-attention: one image of one tile, its aspect ratio (id 1: 1 x 1)
     and which tokens attend to it (all), after its image token."""
-    from torchembed.tools.zoo import SPECIAL_IDS
-
     config, gen = model.config, torch.Generator().manual_seed(0)
     size, seq_len = config.vision_config.image_size, 12
     ids = torch.randint(3, config.text_config.vocab_size - SPECIAL_IDS, (1, seq_len), generator=gen)
