@@ -81,21 +81,21 @@ def _time_all(cases: dict[str, Callable[[], object]], calls: int, repeats: int) 
 
 def _launch_floors(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The floor under every entry point (CUDA only): the kept launch of ``rotary_fused(q, k, cos, sin)``
-    called directly (its pointer reads and the launcher), and Triton's compiled launcher alone with
-    every argument an int or float made beforehand (read out of the kept launch's closure)."""
-    from torchembed.kernels import direct_launch, rope
+    called directly (a :class:`torchembed.kernels.launch.Launch`: its pointer reads and the launcher), and
+    Triton's compiled launcher alone with every argument an int or float made beforehand (read out of the
+    kept launch)."""
+    from torchembed.kernels import launch, rope
 
     rope.clear_launches()
     kernels.rotary_fused(q, k, cos, sin)  # validated, launched and kept
-    (kept,) = rope.LAUNCHES.values()
-    out = {"floor: the kept launch alone": lambda: kept(q, k, q, k, cos, sin, None, None, 0, 1.0)}
-    cells = dict(zip(kept.__code__.co_freevars, (c.cell_contents for c in kept.__closure__ or ())))
-    if {"entry", "head", "g0", "g1", "g2", "fixed", "constexprs", "index"} <= cells.keys():
-        c = cells
-        stream = direct_launch.raw_stream(c["index"])
-        args = (c["g0"], c["g1"], c["g2"], stream, *c["head"], q.data_ptr(), k.data_ptr(), q.data_ptr(), k.data_ptr(),
-                cos.data_ptr(), sin.data_ptr(), q.data_ptr(), q.data_ptr(), *c["fixed"], 0, 1.0, *c["constexprs"])
-        entry = c["entry"]
+    (key,) = rope.LAUNCHES
+    kept = rope.LAUNCHES.get(key)
+    tensors = (q, k, q, k, cos, sin, q, q)  # (q, k, q_out, k_out, cos, sin, positions, inv_freq): q for the absent
+    out = {"floor: the kept launch alone": lambda: kept(tensors, 0, 1.0)}
+    if kept.entry is not None and launch.direct():
+        args = (*kept.grid, launch.raw_stream(kept.index), *kept.head, *(t.data_ptr() for t in tensors), *kept.fixed,
+                0, 1.0, *kept.tail)
+        entry = kept.entry
         out["floor: Triton's launcher alone"] = lambda: entry(*args)
     return out
 

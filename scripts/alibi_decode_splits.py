@@ -1,9 +1,10 @@
 """How far to split the keys of the fused ALiBi decode kernel: a sweep on the GPU.
 
 For each decode shape (one query per sequence over a KV cache, HF's ``(b, s, h, d)`` memory) and each
-``(DECODE_PROGRAMS_PER_SM, decode block shape)``, the kernel's device time (``triton.testing.do_bench``
-median, ms) next to SDPA without a bias (the floor) in the same run; each candidate's output is
-checked against a float32 reference. Prints a table and writes ``DIR/alibi-decode-splits.json``.
+``(AlibiTuning.decode_programs_per_sm, decode block shape)`` (set with ``alibi_flash_triton.tuned``), the
+kernel's device time (``triton.testing.do_bench`` median, ms) next to SDPA without a bias (the floor) in
+the same run; each candidate's output is checked against a float32 reference. Prints a table and
+writes ``DIR/alibi-decode-splits.json``.
 
     python scripts/alibi_decode_splits.py [--out DIR]
 """
@@ -32,11 +33,10 @@ def main() -> None:
     from triton.testing import do_bench
 
     from torchembed.functional.alibi import alibi_slopes
-    from torchembed.kernels import alibi_flash, alibi_flash_triton as K
+    from torchembed.kernels import alibi_flash_triton as K
     from torchembed.positional import ALiBiEmbedding
 
     dev = torch.device("cuda")
-    default = (K.DECODE_PROGRAMS_PER_SM, dict(K.CONFIGS))
     rows = []
     for b, h, hk, n, d in SHAPES:
         torch.manual_seed(0)
@@ -50,22 +50,19 @@ def main() -> None:
         floor = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=hk != h), return_mode="median")
         for per_sm in PER_SM:
             for cfg in BLOCKS[K.block_d(d)]:
-                K.DECODE_PROGRAMS_PER_SM = per_sm
-                K.CONFIGS[("decode", K.block_d(d), False)] = cfg
-                alibi_flash.clear_plans()
-                try:
-                    out = alibi.attention(q, k, v, fused=True)
-                    err = (out.float() - ref).abs().max().item()
-                    ms = do_bench(lambda: alibi.attention(q, k, v, fused=True), return_mode="median")
-                except Exception as exc:  # a block shape this GPU cannot run
-                    err, ms = float("nan"), f"failed: {type(exc).__name__}: {str(exc)[:80]}"
+                # (tuned forgets the kept plans on entry and exit: each candidate makes its own)
+                with K.tuned(decode_programs_per_sm=per_sm, blocks={("decode", K.block_d(d), False): cfg}):
+                    try:
+                        out = alibi.attention(q, k, v, fused=True)
+                        err = (out.float() - ref).abs().max().item()
+                        ms = do_bench(lambda: alibi.attention(q, k, v, fused=True), return_mode="median")
+                    except Exception as exc:  # a block shape this GPU cannot run
+                        err, ms = float("nan"), f"failed: {type(exc).__name__}: {str(exc)[:80]}"
                 rows.append({"shape": [b, h, hk, n, d], "per_sm": per_sm, "config": list(cfg), "ms": ms,
                              "floor_ms": floor, "max_err": err})
                 print(f"b{b} h{h}/{hk} n{n} d{d} per_sm={per_sm} {cfg}: "
                       f"{ms if isinstance(ms, str) else f'{ms * 1e3:.1f} us'} (floor {floor * 1e3:.1f} us) err {err:.1e}",
                       flush=True)
-        K.DECODE_PROGRAMS_PER_SM, K.CONFIGS = default[0], dict(default[1])
-        alibi_flash.clear_plans()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / "alibi-decode-splits.json"
     path.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

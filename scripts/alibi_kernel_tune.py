@@ -9,8 +9,9 @@
   head dims (a non-power-of-2 one), GQA/MQA, chunked prefill, decode (split keys), left padding, a
   mask with holes, the key-bias form, HF's strided layout; CUDA-graph replay; ``torch.compile``;
 * ``sweep``: times each candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` per kernel and head
-  dim (``triton.testing.do_bench`` median), keeps the fastest in
-  ``alibi_flash_triton.CONFIGS`` for the rest of the run and writes them to ``DIR/alibi-kernel-tune.json``;
+  dim (``triton.testing.do_bench`` median), keeps the fastest for the rest of the run (the blocks of
+  ``alibi_flash_triton.AlibiTuning``, through ``alibi_flash_triton.tuned``) and writes them to
+  ``DIR/alibi-kernel-tune.json``;
 * ``bench``: ``torchembed bench alibi --kernel`` (``--bench-args``) with those block shapes;
 * ``models``: ``torchembed bench alibi`` (``--model-args``) with those block shapes.
 
@@ -20,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -57,6 +59,17 @@ def _kernels():
     from torchembed.kernels import alibi_flash_triton
 
     return alibi_flash_triton
+
+
+# The block shapes chosen so far, in force for the rest of the run: each an ``alibi_flash_triton.tuned``
+# block (merged into the blocks before it) entered here and left when main returns.
+_CHOSEN = contextlib.ExitStack()
+
+
+def _keep_blocks(blocks: dict) -> None:
+    """``blocks`` (``(kind, BLOCK_D, masked) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps, num_stages)``) for
+    the rest of the run (kept plans and launches are forgotten)."""
+    _CHOSEN.enter_context(_kernels().tuned(blocks=blocks))
 
 
 def _case(batch, heads, kv_heads, q_len, k_len, dim, dtype, device, *, masked=False, key_bias=False, grad=False,
@@ -168,22 +181,19 @@ def _run_job(job: tuple) -> str:
         return _run_flex_job(job[1])
     kind, dim, cfg, shape, masked, *variant = job
     try:
-        from torchembed.kernels.alibi_flash import clear_plans
-
         K = _kernels()
         if variant:
             _use_variant(variant[0])
-        K.CONFIGS[(kind, K.block_d(dim), masked)] = cfg
-        clear_plans()
-        q, k, v, bias, keep = _case(*shape, torch.bfloat16, _device(), masked=masked, key_bias=masked,
-                                    grad=kind in ("dkdv", "dq"))
-        if kind in ("fwd", "decode"):
-            with torch.no_grad():
-                _launch_forward(q, k, v, bias, keep, masked)
-        else:
-            _time_backward(q, k, v, bias, keep, masked, reps=False)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        with K.tuned(blocks={(kind, K.block_d(dim), masked): cfg}):  # (plans made afresh inside)
+            q, k, v, bias, keep = _case(*shape, torch.bfloat16, _device(), masked=masked, key_bias=masked,
+                                        grad=kind in ("dkdv", "dq"))
+            if kind in ("fwd", "decode"):
+                with torch.no_grad():
+                    _launch_forward(q, k, v, bias, keep, masked)
+            else:
+                _time_backward(q, k, v, bias, keep, masked, reps=False)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
         return f"ok {job}"
     except Exception as exc:  # reported, the sweep skips it
         return f"FAILED {job}: {type(exc).__name__}: {str(exc)[:300]}"
@@ -356,11 +366,11 @@ def _time_backward(q, k, v, bias, keep, key_bias, reps=True):
     rows = None if keep is None else mask_rows(keep)
     scale = q.shape[-1] ** -0.5
     with torch.no_grad():
-        out, lse = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
+        out, lse, norms = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
     grad = torch.randn_like(out)
 
-    def step():
-        _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias)
+    def step():  # (the forward's key norms, as the eager backward takes them)
+        _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias, norms)
 
     step()
     return _bench(step) if reps else None
@@ -380,19 +390,17 @@ def sweep(args) -> dict:
         best = None
         name = f"{kind}:{variant}" if variant else kind
         for cfg in candidates:
-            K.CONFIGS[key] = cfg
-            clear_plans()
-            try:
-                ms = timer()
-            except Exception as exc:
-                table.append((name, dim, masked, cfg, f"failed: {type(exc).__name__}: {str(exc)[:120]}"))
-                continue
+            with K.tuned(blocks={key: cfg}):  # (plans made afresh with the candidate, forgotten after)
+                try:
+                    ms = timer()
+                except Exception as exc:
+                    table.append((name, dim, masked, cfg, f"failed: {type(exc).__name__}: {str(exc)[:120]}"))
+                    continue
             table.append((name, dim, masked, cfg, ms))
             if best is None or ms < best[1]:
                 best = (cfg, ms)
         if best is not None:
-            K.CONFIGS[key] = best[0]
-            clear_plans()
+            _keep_blocks({key: best[0]})
             chosen[f"{kind},{K.block_d(dim)},{int(masked)}"] = list(best[0])
         return best
 
@@ -412,7 +420,7 @@ def sweep(args) -> dict:
         winner = min(FWD_VARIANTS, key=lambda var: variants[(dim, var)][0][1])
         for masked in (False, True):
             cfg = variants[(dim, winner)][masked][0]
-            K.CONFIGS[("fwd", K.block_d(dim), masked)] = cfg
+            _keep_blocks({("fwd", K.block_d(dim), masked): cfg})
             chosen[f"fwd,{K.block_d(dim)},{int(masked)}"] = list(cfg)
         chosen[f"fwd-variant,{K.block_d(dim)}"] = winner[0]
         _use_variant(winner)  # (the variant of the last head dim stays on for the later phases)
@@ -420,8 +428,8 @@ def sweep(args) -> dict:
         pick("dkdv", dim, False, DKDV[dim], lambda: _time_backward(q, k, v, bias, None, False))
         pick("dq", dim, False, DQ[dim], lambda: _time_backward(q, k, v, bias, None, False))
         for masked in (True,):  # the masked backward takes the causal winners
-            for kind in ("dkdv", "dq"):
-                K.CONFIGS[(kind, K.block_d(dim), masked)] = K.CONFIGS[(kind, K.block_d(dim), False)]
+            _keep_blocks({(kind, K.block_d(dim), masked): K.tuning().blocks[(kind, K.block_d(dim), False)]
+                          for kind in ("dkdv", "dq")})
         decode_cases = [_case(*s, torch.bfloat16, device) for s in decode[dim]]
 
         def decode_time():
@@ -430,7 +438,7 @@ def sweep(args) -> dict:
                            for c in decode_cases)
 
         pick("decode", dim, False, DECODE[dim], decode_time)
-        K.CONFIGS[("decode", K.block_d(dim), True)] = K.CONFIGS[("decode", K.block_d(dim), False)]
+        _keep_blocks({("decode", K.block_d(dim), True): K.tuning().blocks[("decode", K.block_d(dim), False)]})
         del q, k, v, qm, km, vm, decode_cases
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -449,15 +457,16 @@ def apply(chosen: dict) -> None:
     from torchembed.kernels.alibi_flash import clear_plans
 
     clear_plans()
-    K = _kernels()
+    blocks = {}
     for key, cfg in chosen.items():
         if key.startswith("fwd-variant"):
             _use_variant(next(v for v in FWD_VARIANTS if v[0] == cfg))
             continue
         kind, bd, masked = key.split(",")
-        K.CONFIGS[(kind, int(bd), bool(int(masked)))] = tuple(cfg)
+        blocks[(kind, int(bd), bool(int(masked)))] = tuple(cfg)
         if kind in ("dkdv", "dq", "decode"):
-            K.CONFIGS[(kind, int(bd), True)] = tuple(cfg)
+            blocks[(kind, int(bd), True)] = tuple(cfg)
+    _keep_blocks(blocks)
 
 
 def main() -> int:
@@ -474,6 +483,11 @@ def main() -> int:
     parser.add_argument("--model-args", default="", help="options of torchembed bench alibi, one string")
     args = parser.parse_args()
     bench_args, model_args = shlex.split(args.bench_args), shlex.split(args.model_args)
+    with _CHOSEN:  # the block shapes applied or chosen hold until the run ends
+        return _phases(args, bench_args, model_args)
+
+
+def _phases(args, bench_args: list, model_args: list) -> int:
     if args.apply:
         apply(json.loads(Path(args.apply).read_text())["chosen"])
     status = 0

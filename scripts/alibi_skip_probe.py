@@ -114,44 +114,36 @@ def main() -> None:
             if parts * block_k <= s:
                 row[f"key_norms_{parts}x{block_k}_ms"] = _bench(lambda: _norms(K, k, parts, block_k))
         row["key_norms_torch_ms"] = _bench(lambda: torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(-1))
-        base = dict(K.CONFIGS)
         bd = K.block_d(d)
-        configs = CANDIDATES[bd] if args.configs else [K.CONFIGS[("fwd", bd, False)]]
+        configs = CANDIDATES[bd] if args.configs else [K.tuning().blocks[("fwd", bd, False)]]
+        never = 1 << 40  # skip_min_keys that turns the skip off
         for cfg in configs:
-            K.CONFIGS[("fwd", bd, False)] = cfg
             for skip in (False, True):
-                K.SKIP_MIN_KEYS = 0 if skip else 1 << 40
-                plan = K.forward_plan(q, k, v, slopes, None, None, scale, False, False)
-                out = torch.empty(b, s, h, d, device=dev, dtype=q.dtype).transpose(1, 2)
-                t = (q, k, v, out, out, slopes, slopes, slopes, norms if skip else slopes)
-                ms = _bench(lambda: plan.main(t))
+                with K.tuned(blocks={("fwd", bd, False): cfg}, skip_min_keys=0 if skip else never):
+                    plan = K.forward_plan(q, k, v, slopes, None, None, scale, False, False)
+                    out = torch.empty(b, s, h, d, device=dev, dtype=q.dtype).transpose(1, 2)
+                    t = (q, k, v, out, out, slopes, slopes, slopes, norms if skip else slopes)
+                    ms = _bench(lambda: plan.main(t))
                 row[f"fwd_{'skip' if skip else 'all'}_{cfg}_ms"] = ms
             row[f"visited_{cfg}"] = _visited_fraction(q, k, slopes, scale, cfg[0], cfg[1], K.skip_log2(s))
-        K.CONFIGS.clear()
-        K.CONFIGS.update(base)
         if args.backward:
             qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
             grad = torch.randn_like(q)
             with torch.nn.attention.sdpa_kernel(_floor()):
                 o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
                 row["cudnn_bwd_ms"] = _bench(lambda: torch.autograd.grad(o, (qg, kg, vg), grad, retain_graph=True))
-            K.SKIP_MIN_KEYS = 1 << 40
-            fplan = K.forward_plan(q, k, v, slopes, None, None, scale, False, True)
-            out, lse, _ = fplan(q, k, v, slopes, None, None)
-            bd = K.block_d(d)
+            with K.tuned(skip_min_keys=never):
+                fplan = K.forward_plan(q, k, v, slopes, None, None, scale, False, True)
+                out, lse, _ = fplan(q, k, v, slopes, None, None)
             sweeps = {"dkdv": BWD_CANDIDATES["dkdv"][bd], "dq": BWD_CANDIDATES["dq"][bd]} if args.configs else {}
             for skip in (False, True):
-                K.SKIP_MIN_KEYS = 0 if skip else 1 << 40
                 tag = "skip" if skip else "all"
                 variants = [("shipped", None, None)] + [(kind, kind, c) for kind, cs in sweeps.items() for c in cs
                                                         if skip]
                 for name, kind, cfg in variants:
-                    saved = dict(K.CONFIGS)
-                    if kind is not None:
-                        K.CONFIGS[(kind, bd, False)] = cfg
-                    bplan = K.backward_plan(grad, q, k, v, out, slopes, None, None, scale, False)
-                    K.CONFIGS.clear()
-                    K.CONFIGS.update(saved)
+                    blocks = {} if kind is None else {(kind, bd, False): cfg}
+                    with K.tuned(blocks=blocks, skip_min_keys=0 if skip else never):
+                        bplan = K.backward_plan(grad, q, k, v, out, slopes, None, None, scale, False)
                     delta = torch.empty(b, h, s, device=dev, dtype=torch.float32)
                     horizon = torch.empty(bplan.horizon_shape, device=dev, dtype=torch.float32)
                     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

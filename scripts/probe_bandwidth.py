@@ -5,7 +5,7 @@ and by the fused RoPE kernel on q and k (HF layout; per-batch float32 tables, on
 row per token, angles computed in the kernel from position ids or an int offset). Group ``copy``
 adds Triton copy kernels (one tile per program; persistent programs looping over tiles, with and
 without software pipelining) and an experimental persistent RoPE kernel; group ``rope`` adds the
-RoPE kernel with one head per program (``_HPP_CANDIDATES`` empty) against the library's default.
+RoPE kernel with one head per program (``RopeTuning.grouped_heads`` empty) against the library's default.
 Every variant is timed as device time (replayed from a CUDA graph of 10 calls) in ``--repeats``
 interleaved rounds, so a slow spell of the GPU hits all of them alike; ``copy_`` is also timed with
 ``do_bench`` (how the floor bandwidth is measured).
@@ -18,7 +18,6 @@ The floor is the bytes over the 1 GiB ``copy_`` bandwidth (``torchembed.tools.be
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 
@@ -93,19 +92,11 @@ def rope_persistent(q, k, cos, sin, programs: int, block_s: int, warps: int, sta
     return qo, ko
 
 
-@contextlib.contextmanager
 def library_settings(values: dict):
-    """Set ``rope`` launch-configuration globals for one variant (kept launches cleared before and after)."""
-    saved = {name: getattr(rope, name) for name in values}
-    rope.clear_launches()
-    try:
-        for name, value in values.items():
-            setattr(rope, name, value)
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(rope, name, value)
-        rope.clear_launches()
+    """The RoPE kernel's launch configuration for one variant: ``values`` maps fields of
+    :class:`~torchembed.kernels.rope.RopeTuning` to their values (``rope.tuned``: kept launches
+    cleared before and after, the configuration restored after)."""
+    return rope.tuned(**values)
 
 
 def main() -> None:
@@ -137,7 +128,7 @@ def main() -> None:
         cos_b, sin_b = rope_cos_sin(inv, ids_b)
         cos_1, sin_1 = rope_cos_sin(inv, ids_1)
         variants = {"copy_ flat": lambda: flat_out.copy_(flat)}
-        settings: dict[str, dict] = {}  # rope globals per variant (the library's defaults otherwise)
+        settings: dict[str, dict] = {}  # RopeTuning changes per variant (the library's defaults otherwise)
         if "copy" in args.groups:
             for block in (2048, 8192):
                 for warps in (4, 8):
@@ -162,7 +153,7 @@ def main() -> None:
             variants[f"rope {source}"] = fn
             if "rope" in args.groups:  # against the library's default of two heads per program
                 variants[f"rope {source} one head per program"] = fn
-                settings[f"rope {source} one head per program"] = {"_HPP_CANDIDATES": ()}
+                settings[f"rope {source} one head per program"] = {"grouped_heads": ()}
         if "copy" in args.groups:
             ref = rotary_fused(q, k, cos_b, sin_b)
             pers = rope_persistent(q, k, cos_b, sin_b, sms * 8, 16, 4, 1)

@@ -15,6 +15,7 @@ CUDA graph, i.e. device time only; host wall time per call).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -31,23 +32,23 @@ from torchembed.tools.bench import copy_bandwidth, graph_time
 SHAPES = [(1, 2048, 32, 8, 128), (4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (8, 2048, 64, 8, 128)]
 
 
-def _configure(tile: int, hpp: int, warps: int):
-    """``rope._config`` with this setting forced (heads grouped at every grid size)."""
+@contextlib.contextmanager
+def _configured(tile: int, hpp: int, warps: int):
+    """Within the block, launches take this setting: ``rope.tuned`` with ``tile`` pairs per program and
+    ``hpp`` heads per program at every grid size, ``rope._config`` wrapped to give ``warps`` warps to
+    every launch (grouped or not); kept launches are forgotten on entry and exit."""
     original = rope._config
 
     def config(*a):
-        rope._TILE_PAIRS, rope._HPP_MIN_PROGRAMS = tile, 0
-        rope._HPP_CANDIDATES = (hpp,)
-        grid, meta, nqg = original(*a)
-        return grid, dict(meta, num_warps=warps), nqg
+        grid, meta, nqg, _ = original(*a)
+        return grid, meta, nqg, warps
 
-    return config
-
-
-def _reset(saved: dict) -> None:
-    for name, value in saved.items():
-        setattr(rope, name, value)
-    rope.clear_launches()
+    with rope.tuned(tile_pairs=tile, grouped_min_programs=0, grouped_heads=(hpp,), grouped_warps=warps):
+        rope._config = config
+        try:
+            yield
+        finally:
+            rope._config = original
 
 
 def host_us(fn, calls: int = 50) -> float:
@@ -74,7 +75,6 @@ def main() -> None:
                         choices=["table", "table-bf16", "inv_freq", "inv_freq+ids"], help="angle sources to sweep")
     args = parser.parse_args()
     device = torch.device("cuda")
-    saved = {n: getattr(rope, n) for n in ("_config", "_TILE_PAIRS", "_HPP_MIN_PROGRAMS", "_HPP_CANDIDATES")}
     bandwidth = copy_bandwidth(device)  # bytes/s, read + write
     print(f"copy bandwidth (1 GiB) {bandwidth / 1e9:.0f} GB/s", flush=True)
     out = {"copy_bandwidth_gbs": bandwidth / 1e9, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -132,12 +132,8 @@ def main() -> None:
         times: dict[tuple, list[float]] = {setting: [] for setting in space}
         for _ in range(args.repeats):  # interleaved: a slow spell of the GPU hits every setting alike
             for source, tile, hpp, warps in space:
-                rope._config = _configure(tile, hpp, warps)
-                rope.clear_launches()
-                try:
+                with _configured(tile, hpp, warps):
                     times[source, tile, hpp, warps].append(triton.testing.do_bench(sources[source], return_mode="median"))
-                finally:
-                    _reset(saved)
         for (source, tile, hpp, warps), runs in times.items():
             ms = statistics.median(runs)
             rec["forward"].append({"source": source, "tile": tile, "hpp": hpp, "warps": warps,

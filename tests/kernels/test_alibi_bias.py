@@ -109,18 +109,20 @@ def test_batch_times_heads_beyond_the_grid_takes_the_reference(monkeypatch):
     launched = []
     import torchembed.kernels.alibi_bias_triton as triton_module
 
-    monkeypatch.setattr(triton_module, "launch", lambda *a: launched.append(1))
+    monkeypatch.setattr(triton_module, "write", lambda *a: launched.append(1))
     out = prefill_bias(key_bias, keep, torch.float32)
     assert not launched and torch.equal(out, alibi_prefill_bias(key_bias, keep, torch.float32))
 
 
-def test_cuda_launches_are_kept_and_repeated_directly(monkeypatch):
-    """On CUDA the first launch goes through Triton and is kept; a call with the same arguments but
-    pointers then launches the compiled kernel directly (no ``kernel[grid]``), with the same result.
-    Elsewhere (the interpreter) nothing is kept."""
+def test_launches_are_kept_and_repeated_directly_on_cuda(monkeypatch):
+    """The first launch goes through Triton and is kept (``alibi_bias_triton.LAUNCHES``, on every
+    device); a call with the same arguments but pointers repeats it, with the same result: on CUDA
+    through the compiled kernel's launcher (no ``kernel[grid]``), on the interpreter through
+    ``kernel[grid]`` each time."""
     import torchembed.kernels.alibi_bias_triton as triton_module
+    from torchembed.kernels import launch
 
-    triton_module._KEPT.clear()
+    monkeypatch.setattr(launch, "_direct", True)
     calls = []
     original = triton_module._alibi_bias_kernel
 
@@ -130,15 +132,21 @@ def test_cuda_launches_are_kept_and_repeated_directly(monkeypatch):
             return original[grid]
 
     monkeypatch.setattr(triton_module, "_alibi_bias_kernel", Counting())
-    key_bias, keep = _case(2, 3, 40, 40, 2)
-    first = prefill_bias(key_bias, keep, torch.bfloat16)
-    other_bias = key_bias * 0.5  # same shapes and strides, other values and pointers
-    second = prefill_bias(other_bias, keep, torch.bfloat16)
-    assert torch.equal(first, alibi_prefill_bias(key_bias, keep, torch.bfloat16))
-    assert torch.equal(second, alibi_prefill_bias(other_bias, keep, torch.bfloat16))
-    if DEV == "cuda":
-        assert len(calls) == 1 and len(triton_module._KEPT) == 1 and triton_module._DIRECT
-        prefill_bias(key_bias[:1], keep, torch.bfloat16)  # another shape: Triton again, kept too
-        assert len(calls) == 2 and len(triton_module._KEPT) == 2
-    else:
-        assert len(calls) == 2 and not triton_module._KEPT
+    triton_module.LAUNCHES.clear()  # (kept launches hold the kernel they were set up with)
+    try:
+        key_bias, keep = _case(2, 3, 40, 40, 2)
+        first = prefill_bias(key_bias, keep, torch.bfloat16)
+        other_bias = key_bias * 0.5  # same shapes and strides, other values and pointers
+        second = prefill_bias(other_bias, keep, torch.bfloat16)
+        assert torch.equal(first, alibi_prefill_bias(key_bias, keep, torch.bfloat16))
+        assert torch.equal(second, alibi_prefill_bias(other_bias, keep, torch.bfloat16))
+        assert len(triton_module.LAUNCHES) == 1
+        if DEV == "cuda":
+            assert len(calls) == 1 and launch.direct()
+        else:
+            assert len(calls) == 2
+        third = prefill_bias(key_bias[:1], keep, torch.bfloat16)  # another shape: Triton again, kept too
+        assert torch.equal(third, alibi_prefill_bias(key_bias[:1], keep, torch.bfloat16))
+        assert len(triton_module.LAUNCHES) == 2 and len(calls) == (2 if DEV == "cuda" else 3)
+    finally:
+        triton_module.LAUNCHES.clear()

@@ -7,8 +7,6 @@ compared tensor (the kernel rounds its inputs' products, the probabilities and t
 each, in the input dtype; the accumulation is float32).
 """
 
-import contextlib
-
 import pytest
 import torch
 
@@ -329,30 +327,22 @@ _STEEP = (1.0, 4.0, 0.5)  # slopes steep enough that, 256 keys long, most tiles 
 
 
 @pytest.fixture
-def skipping(monkeypatch):
-    """The skip from the first key on (the shipped threshold keeps it for long prefills only); plans
-    made before are forgotten so that the next call makes its plan with it."""
+def skipping():
+    """The skip from the first key on (the shipped ``AlibiTuning.skip_min_keys`` keeps it for long
+    prefills only), through ``alibi_flash_triton.tuned``: plans made before are forgotten so that the
+    next call makes its plan with it."""
     from torchembed.kernels import alibi_flash as flash
     from torchembed.kernels import alibi_flash_triton as triton_kernels
 
-    monkeypatch.setattr(triton_kernels, "SKIP_MIN_KEYS", 0)
-    flash.clear_plans()
-    yield triton_kernels
-    flash.clear_plans()
+    with triton_kernels.tuned(skip=True, skip_min_keys=0):  # (tuned forgets the kept plans on entry and exit)
+        assert not len(flash._PLANS)
+        yield triton_kernels
+    assert not len(flash._PLANS)
 
 
-@contextlib.contextmanager
 def _every_key(triton_kernels):
-    """The skip off for the calls inside (plans made afresh on the way in and out)."""
-    from torchembed.kernels.alibi_flash import clear_plans
-
-    triton_kernels.SKIP_NEGLIGIBLE = False
-    clear_plans()
-    try:
-        yield
-    finally:
-        triton_kernels.SKIP_NEGLIGIBLE = True
-        clear_plans()
+    """The skip off for the calls inside (``tuned(skip=False)``: plans made afresh on the way in and out)."""
+    return triton_kernels.tuned(skip=False)
 
 
 def _far_keys_poisoned(v, first_row, margin):
@@ -386,7 +376,7 @@ def test_negligible_keys_are_not_visited_and_the_result_is_exact(dtype, padded, 
     assert torch.isnan(unskipped[:, :, late]).any()
 
 
-def test_a_skip_bound_too_loose_is_caught(skipping, monkeypatch):
+def test_a_skip_bound_too_loose_is_caught(skipping):
     """Fault injection: a margin of -40 bits leaves out keys that carry weight, and the comparison with
     the float64 attention fails; the shipped margin passes it."""
     b, h, n, d = 1, len(_STEEP), 256, 16
@@ -395,32 +385,25 @@ def test_a_skip_bound_too_loose_is_caught(skipping, monkeypatch):
     truth, _ = _oracle(q, k, v, slopes, None, False, d**-0.5)
     with torch.no_grad():
         _close(alibi_flash(q, k, v, slopes, scale=d**-0.5), truth.detach(), torch.float32)
-        monkeypatch.setattr(skipping, "SKIP_MARGIN_BITS", -40.0)
-        from torchembed.kernels.alibi_flash import clear_plans
-
-        clear_plans()
-        with pytest.raises(AssertionError):
+        with skipping.tuned(skip_margin_bits=-40.0), pytest.raises(AssertionError):
             _close(alibi_flash(q, k, v, slopes, scale=d**-0.5), truth.detach(), torch.float32)
 
 
 @pytest.mark.parametrize("margin", [None, -40.0])
-def test_a_skip_bound_too_loose_is_caught_in_the_backward(margin, skipping, monkeypatch):
+def test_a_skip_bound_too_loose_is_caught_in_the_backward(margin, skipping):
     """Fault injection for the backward's cuts (dq's first key, dk/dv's last query block): the forward
     with the shipped margin, the backward with -40 bits: its gradients leave the float64 ones (the
     shipped margin, the control, matches them)."""
-    from torchembed.kernels.alibi_flash import clear_plans
-
     b, h, n, d = 1, len(_STEEP), 256, 16
     slopes = torch.tensor(_STEEP, device=DEV) / 8
     q, k, v = _inputs(b, h, h, n, n, d, torch.float32, seed=28)
     out = alibi_flash(q, k, v, slopes, scale=d**-0.5)
     truth, leaves = _oracle(q, k, v, slopes, None, False, d**-0.5)
     _close(out, truth.detach(), torch.float32)
-    if margin is not None:
-        monkeypatch.setattr(skipping, "SKIP_MARGIN_BITS", margin)
-        clear_plans()
     grad = torch.randn_like(out)
-    out.backward(grad)
+    # the backward plan is made when the backward runs: with the margin of the block it runs in
+    with skipping.tuned() if margin is None else skipping.tuned(skip_margin_bits=margin):
+        out.backward(grad)
     truth.backward(grad.double())
     wrong = []
     for name, got, leaf in zip("qkv", (q, k, v), leaves):

@@ -61,7 +61,13 @@ def test_persistent_rope_matches_the_library_kernel(programs):
 def test_library_settings_restores_the_kernel_module():
     probe = _load()
     rope = probe.rope
-    before = rope._TILE_PAIRS, rope._HPP_CANDIDATES
-    with probe.library_settings({"_TILE_PAIRS": 512, "_HPP_CANDIDATES": (4,)}):
-        assert (rope._TILE_PAIRS, rope._HPP_CANDIDATES) == (512, (4,))
-    assert (rope._TILE_PAIRS, rope._HPP_CANDIDATES) == before
+    before = rope.tuning()
+    with probe.library_settings({"tile_pairs": 512, "grouped_heads": (4,)}):
+        now = rope.tuning()
+        assert (now.tile_pairs, now.grouped_heads) == (512, (4,))
+        assert now.grouped_min_programs == before.grouped_min_programs  # the fields not named: unchanged
+    assert rope.tuning() == before
+    with pytest.raises(TypeError):  # a name that is not a field of RopeTuning
+        with probe.library_settings({"heads_per_program": 2}):
+            pass
+    assert rope.tuning() == before

@@ -15,6 +15,7 @@ construction, see rope_triton.py); a real > 2**31-element tensor is rotated only
 the memory for it (``test_tensor_past_2_31_elements``).
 """
 
+import contextlib
 import os
 import re
 import subprocess
@@ -29,7 +30,7 @@ from torchembed.kernels import interpret_mode, kernel_can_run, rotary_fused, tri
 if not triton_available():
     pytest.skip("triton is not importable", allow_module_level=True)
 
-from torchembed.kernels import rope, rope_triton  # noqa: E402  (imports triton)
+from torchembed.kernels import launch, rope, rope_triton  # noqa: E402  (imports triton)
 from torchembed.kernels.rope import RopeArgs  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -176,7 +177,8 @@ def run_case(B=2, Hq=3, Hk=1, S=7, D=64, R=None, dtype=torch.float32, interleave
 
 
 def _config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleaved, conjugate, inplace):
-    """``rope._config`` of a call with these facts (meta tensors: only shapes and dtypes matter)."""
+    """``rope._config`` of a call with these facts (meta tensors: only shapes and dtypes matter):
+    ``(grid, meta, q head groups, warps)``."""
     q, k = (torch.empty(B, H, S, D, dtype=dtype, device="meta") for H in (Hq, Hk))
     table = torch.empty(half, device="meta") if use_inv_freq else torch.empty(1, S, half, device="meta")
     positions = None if pos_mode == 0 else torch.empty((B,) if pos_mode == 1 else (B, S), dtype=torch.long, device="meta")
@@ -187,7 +189,7 @@ def _config(B, Hq, Hk, S, D, half, dtype, pos_mode, use_inv_freq, interleaved, c
 
 @pytest.fixture(autouse=True)
 def _forget_kept_launches():
-    """Kept launches carry the tuning knobs and stand-ins of the test that made them."""
+    """Kept launches carry the tuning and stand-ins of the test that made them."""
     yield
     rope.clear_launches()
 
@@ -216,7 +218,7 @@ class LaunchCounter:
 def launches(monkeypatch):
     counter = LaunchCounter(rope_triton.rope_kernel)
     monkeypatch.setattr(rope_triton, "rope_kernel", counter)
-    monkeypatch.setattr(rope, "_DIRECT", False)  # count every launch through kernel[grid]
+    monkeypatch.setattr(launch, "_direct", False)  # count every launch through kernel[grid]
     return counter
 
 
@@ -267,7 +269,7 @@ def test_partial_rotary(R, interleaved, inplace, poisoned):
 @pytest.mark.parametrize("Hq,Hk", [(3, 1), (5, 5), (4, 2), (1, 3)])
 @pytest.mark.parametrize("S", [1, 37])  # 37 > BLOCK_S (32 for D=64): several token blocks
 def test_heads_and_lengths(Hq, Hk, S, poisoned):
-    grid, meta, _ = _config(2, Hq, Hk, S, 64, 32, torch.float32, 0, False, False, False, False)
+    grid, meta, _, _ = _config(2, Hq, Hk, S, 64, 32, torch.float32, 0, False, False, False, False)
     if S == 37:
         token_axis = 1 if meta["HEADS_FAST"] else 0
         assert grid[token_axis] > 1, "expected S to span several token blocks"
@@ -275,45 +277,40 @@ def test_heads_and_lengths(Hq, Hk, S, poisoned):
 
 
 @pytest.mark.parametrize("heads_fast", [False, True])
-def test_grid_orders(monkeypatch, poisoned, heads_fast):
-    monkeypatch.setattr(rope, "_HEADS_FAST", heads_fast)
-    monkeypatch.setattr(rope, "_HPP_CANDIDATES", (4, 2))
-    rope.clear_launches()  # kept launches carry the knobs of their first call
-    monkeypatch.setattr(rope, "_HPP_MIN_PROGRAMS", 0)
-    run_case(B=2, Hq=4, Hk=2, S=37, D=64)
-    run_case(B=1, Hq=3, Hk=1, S=1, D=128, pos_mode="ids")
+def test_grid_orders(poisoned, heads_fast):
+    with rope.tuned(heads_fast=heads_fast, grouped_heads=(4, 2), grouped_min_programs=0):  # (kept launches forgotten)
+        grid, meta, _, _ = _config(2, 4, 2, 37, 64, 32, torch.float32, 0, False, False, False, False)
+        assert meta["HEADS_FAST"] is heads_fast and grid[1 if heads_fast else 0] == 2  # the token blocks' axis
+        run_case(B=2, Hq=4, Hk=2, S=37, D=64)
+        run_case(B=1, Hq=3, Hk=1, S=1, D=128, pos_mode="ids")
 
 
-def test_heads_per_program_grouping(monkeypatch, poisoned):
+def test_heads_per_program_grouping(poisoned):
     # Prefill-sized grids group several heads per program; force it at a small size.
-    monkeypatch.setattr(rope, "_HPP_MIN_PROGRAMS", 0)
-    monkeypatch.setattr(rope, "_HPP_CANDIDATES", (4, 2))
-    monkeypatch.setattr(rope, "_HEADS_FAST", False)
-    rope.clear_launches()  # kept launches carry the knobs of their first call
-    grid, meta, nqg = _config(2, 4, 2, 9, 64, 32, torch.float32, 0, False, False, False, False)
-    assert meta["HPP"] == 2 and nqg == 2 and grid[1] == 3
-    run_case(B=2, Hq=4, Hk=2, S=9, D=64)
-    run_case(B=2, Hq=4, Hk=2, S=9, D=64, R=32, interleaved=True, inplace=True, pos_mode="ids")
+    with rope.tuned(grouped_min_programs=0, grouped_heads=(4, 2), heads_fast=False):  # (kept launches forgotten)
+        grid, meta, nqg, _ = _config(2, 4, 2, 9, 64, 32, torch.float32, 0, False, False, False, False)
+        assert meta["HPP"] == 2 and nqg == 2 and grid[1] == 3
+        run_case(B=2, Hq=4, Hk=2, S=9, D=64)
+        run_case(B=2, Hq=4, Hk=2, S=9, D=64, R=32, interleaved=True, inplace=True, pos_mode="ids")
 
 
-def test_prefill_grids_group_two_heads_per_program(monkeypatch, poisoned):
+def test_prefill_grids_group_two_heads_per_program(poisoned):
     # Prefill-sized grids share the cos/sin work (in-kernel angles or table loads) between two
     # heads of a program (8 warps); decode-sized grids keep one head per program. The default
     # candidates, forced at a small size.
-    monkeypatch.setattr(rope, "_HPP_MIN_PROGRAMS", 0)
-    rope.clear_launches()  # kept launches carry the knobs of their first call
-    for use_inv_freq in (True, False):
-        grid, meta, nqg = _config(2, 4, 2, 9, 64, 32, torch.float32, 1, use_inv_freq, False,
-                                                      False, False)
-        assert meta["HPP"] == 2 and nqg == 2 and meta["num_warps"] == rope._WARPS_GROUPED
-    monkeypatch.setattr(rope, "_HPP_MIN_PROGRAMS", 4096)
-    decode = _config(32, 32, 8, 1, 128, 64, torch.bfloat16, 0, False, False, False, True)
-    assert decode[1]["HPP"] == 1  # 32 x 40 programs: below the threshold
-    run_case(B=2, Hq=4, Hk=2, S=9, D=64)  # tables, two heads per program
-    run_case(B=2, Hq=4, Hk=2, S=9, D=64, source="inv_freq", pos_mode="batch")
-    run_case(B=2, Hq=4, Hk=2, S=9, D=64, R=32, source="inv_freq", pos_mode="ids", interleaved=True, inplace=True,
-             dtype=torch.bfloat16)
-    run_case(B=2, Hq=3, Hk=1, S=9, D=64, source="inv_freq", pos_mode="int")  # 3 and 1 heads: no pair, HPP 1
+    with rope.tuned(grouped_min_programs=0):  # (kept launches forgotten)
+        for use_inv_freq in (True, False):
+            grid, meta, nqg, warps = _config(2, 4, 2, 9, 64, 32, torch.float32, 1, use_inv_freq, False,
+                                             False, False)
+            assert meta["HPP"] == 2 and nqg == 2 and warps == rope.tuning().grouped_warps
+        with rope.tuned(grouped_min_programs=4096):
+            decode = _config(32, 32, 8, 1, 128, 64, torch.bfloat16, 0, False, False, False, True)
+        assert decode[1]["HPP"] == 1  # 32 x 40 programs: below the threshold
+        run_case(B=2, Hq=4, Hk=2, S=9, D=64)  # tables, two heads per program
+        run_case(B=2, Hq=4, Hk=2, S=9, D=64, source="inv_freq", pos_mode="batch")
+        run_case(B=2, Hq=4, Hk=2, S=9, D=64, R=32, source="inv_freq", pos_mode="ids", interleaved=True, inplace=True,
+                 dtype=torch.bfloat16)
+        run_case(B=2, Hq=3, Hk=1, S=9, D=64, source="inv_freq", pos_mode="int")  # 3 and 1 heads: no pair, HPP 1
 
 
 @pytest.mark.skipif(DEV != "cuda" or not torch.cuda.is_available()
@@ -441,7 +438,7 @@ def test_launch_is_kept(launches, monkeypatch):
     cos, sin = make_table(4, 32, (1,))
     want = oracle(q, k, cos, sin)
     rotary_fused(q, k, cos, sin)
-    assert rope._key(q, k, cos, sin, None, None, 1.0, False, False, False) in rope.LAUNCHES
+    assert rope._key(q, k, cos, sin, None, None, 1.0, False, False, False, 0) in rope.LAUNCHES
     made = []
     monkeypatch.setattr(rope, "_config", lambda *args: made.append(args))
     qo, ko = rotary_fused(q, k, cos, sin)
@@ -760,18 +757,15 @@ def test_hypothesis_random_cases(case):
     old = os.environ.get("TORCHEMBED_DISABLE_TRITON")
     if backend == "torch":
         os.environ["TORCHEMBED_DISABLE_TRITON"] = "1"
-    min_programs = rope._HPP_MIN_PROGRAMS
-    rope.clear_launches()  # launch configs are kept per shape, not per threshold
+    rope.clear_launches()  # launch configs are kept per shape, not per tuning
     try:
-        if grouped:
-            rope._HPP_MIN_PROGRAMS = 0
-            if backend == "triton":
-                grid, meta, _ = _config(case["B"], case["Hq"], case["Hk"], case["S"], case["D"],
-                                                            case["R"] // 2, case["dtype"], 0, False, False, False, False)
+        with rope.tuned(grouped_min_programs=0) if grouped else contextlib.nullcontext():
+            if grouped and backend == "triton":
+                grid, meta, _, _ = _config(case["B"], case["Hq"], case["Hk"], case["S"], case["D"],
+                                           case["R"] // 2, case["dtype"], 0, False, False, False, False)
                 assert meta["HPP"] == 2
-        run_case(gen=torch.Generator().manual_seed(seed), **case)
+            run_case(gen=torch.Generator().manual_seed(seed), **case)
     finally:
-        rope._HPP_MIN_PROGRAMS = min_programs
         rope.clear_launches()
         if old is None:
             os.environ.pop("TORCHEMBED_DISABLE_TRITON", None)
@@ -780,12 +774,13 @@ def test_hypothesis_random_cases(case):
 
 
 def _triton_launch(monkeypatch, call):
-    """``call()`` launched through ``kernel[grid]`` (Triton's own binding), nothing kept after."""
-    monkeypatch.setattr(rope, "_DIRECT", False)
-    out = call()
-    out = tuple(t.clone() for t in out)
-    monkeypatch.setattr(rope, "_DIRECT", True)
+    """``call()`` launched through ``kernel[grid]`` (Triton's own binding), nothing kept after; the
+    direct launch on for the calls that follow (restored after the test)."""
+    with launch.direct_launches(False):
+        out = call()
+        out = tuple(t.clone() for t in out)
     rope.clear_launches()
+    monkeypatch.setattr(launch, "_direct", True)
     return out
 
 
@@ -797,19 +792,20 @@ def test_direct_launch_replays_the_compiled_kernel(monkeypatch):
     first = rotary_fused(q, k, cos, sin)  # compiles through kernel[grid] and keeps the launch
     assert len(rope.LAUNCHES) == 1
     second = rotary_fused(q, k, cos, sin)  # the kept launch
-    assert rope._DIRECT, "the direct launch failed and switched itself off"
+    assert launch.direct(), "the direct launch failed and switched itself off"
     for out in (first, second):
         assert torch.equal(out[0], expected[0]) and torch.equal(out[1], expected[1])
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="direct launch replays compiled CUDA kernels")
 def test_direct_launch_keys_alignment_and_table_dtype(monkeypatch):
-    """A kept launch is never used on a misaligned view (a launch compiled for one is not kept), nor
-    on bfloat16 tables when it was compiled for float32 ones; each call matches Triton's own launch."""
+    """A launch compiled for a misaligned view is kept and repeated on views of the same alignment; a
+    launch compiled for float32 tables is never used on bfloat16 ones; each call matches Triton's own
+    launch."""
     base_q, base_k = make_qk(2, 4, 2, 9, 64 + 1, torch.bfloat16)
     cases = {
         "aligned": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (2,)), 1),
-        "misaligned": ((base_q[..., 1:], base_k[..., 1:]), make_table(9, 32, (2,)), 0),  # data_ptr % 16 == 2
+        "misaligned": ((base_q[..., 1:], base_k[..., 1:]), make_table(9, 32, (2,)), 1),  # data_ptr % 16 == 2
         "bf16 tables": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (2,), torch.bfloat16), 1),
     }
     for name, ((q, k), (cos, sin), kept) in cases.items():
@@ -817,9 +813,20 @@ def test_direct_launch_keys_alignment_and_table_dtype(monkeypatch):
         for _ in range(2):  # the first call compiles and keeps the launch, the second uses it
             got = rotary_fused(q, k, cos, sin)
             assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), name
-        assert rope._DIRECT, f"{name}: the direct launch failed and switched itself off"
+        assert launch.direct(), f"{name}: the direct launch failed and switched itself off"
         assert len(rope.LAUNCHES) == kept, name
         rope.clear_launches()
+    # one key, two alignments: the launch kept for aligned tables goes through Triton for misaligned
+    # ones (and the other way round), each call exact
+    (q, k), (cos, sin) = cases["aligned"][:2]
+    shifted = torch.empty(cos.numel() + 1, dtype=cos.dtype, device=DEV)[1:].view_as(cos).copy_(cos)  # data_ptr % 16 == 4
+    assert shifted.stride() == cos.stride() and shifted.data_ptr() % 16
+    for first, then in ((cos, shifted), (shifted, cos)):
+        expected = _triton_launch(monkeypatch, lambda: rotary_fused(q, k, cos, sin))
+        for table in (first, then, first, then):
+            got = rotary_fused(q, k, table, sin)
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), table.data_ptr() % 16
+        assert launch.direct() and len(rope.LAUNCHES) == 1
 
 
 def _tables_keys() -> int:
@@ -829,27 +836,26 @@ def _tables_keys() -> int:
 @pytest.mark.skipif(DEV != "cuda", reason="the hot path replays compiled CUDA kernels")
 def test_hot_path_keeps_one_launch_per_layout_and_matches(monkeypatch):
     """``rotary_fused(..., inplace=True)`` (the patched attention's call at inference) keeps one launch per (shapes,
-    strides, dtypes) in the shared cache; a misaligned view gets none; each call matches Triton's own
-    launch."""
+    strides, dtypes) in the shared cache, a misaligned view's too (compiled for its alignment); each call
+    matches Triton's own launch."""
     base_q, base_k = make_qk(2, 4, 2, 9, 64 + 1, torch.bfloat16, layout="hf")
     cases = {
         "hf layout": (make_qk(2, 4, 2, 9, 64, torch.bfloat16, layout="hf"), make_table(9, 32, (2,)), 1),
         "contiguous": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (1,)), 2),
-        "misaligned": ((base_q[..., 1:], base_k[..., 1:]), make_table(9, 32, (2,)), 2),
-        "bf16 tables": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (2,), torch.bfloat16), 3),
+        "misaligned": ((base_q[..., 1:], base_k[..., 1:]), make_table(9, 32, (2,)), 3),
+        "bf16 tables": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (2,), torch.bfloat16), 4),
     }
-    monkeypatch.setattr(rope, "_DIRECT", True)
+    monkeypatch.setattr(launch, "_direct", True)
     for name, ((q, k), (cos, sin), entries) in cases.items():
-        monkeypatch.setattr(rope, "_DIRECT", False)
-        expected = tuple(t.clone() for t in rotary_fused(q, k, cos, sin))
-        monkeypatch.setattr(rope, "_DIRECT", True)
+        with launch.direct_launches(False):
+            expected = tuple(t.clone() for t in rotary_fused(q, k, cos, sin))
         for call in range(3):  # the first call keeps the launch, the next ones use it
             # clone keeps dense strides; the misaligned view is cut again from a clone of its base
             q_in, k_in = (base_q.clone()[..., 1:], base_k.clone()[..., 1:]) if name == "misaligned" else (q.clone(), k.clone())
             got = rotary_fused(q_in, k_in, cos, sin, inplace=True)
             assert got[0] is q_in and got[1] is k_in
             assert torch.equal(q_in, expected[0]) and torch.equal(k_in, expected[1]), (name, call)
-        assert rope._DIRECT, f"{name}: the direct launch failed and switched itself off"
+        assert launch.direct(), f"{name}: the direct launch failed and switched itself off"
         assert _tables_keys() == entries, name
 
 
@@ -883,7 +889,7 @@ def test_every_position_form_replays_exactly(monkeypatch):
                 for _ in range(3):
                     got = call()
                     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), (S, name, inplace)
-                assert rope._DIRECT, (S, name, inplace)
+                assert launch.direct(), (S, name, inplace)
 
 
 class _FakeKernel:
@@ -922,19 +928,38 @@ class _FakeKernel:
         return go
 
 
+# The kernel's constexprs in the order of ``rope._config``'s meta dict: the order a kept launch passes
+# them to the launcher of a kernel without ``arg_names`` (the stand-in below; Triton's kernels: their
+# signature's order).
+_CONSTEXPRS = ("HALF", "D", "BLOCK_D", "BLOCK_P", "BLOCK_S", "HPP", "POS_MODE", "USE_INV_FREQ", "INTERLEAVED",
+               "CONJUGATE", "HALVES", "HAS_PASS", "CDT", "EMULATE_RTNE", "HEADS_FAST")
+
+
+def _stand_in_gpu(monkeypatch, kernel):
+    """``kernel`` for the RoPE kernel, tensors taken for a GPU's, the direct launch on."""
+    monkeypatch.setattr(rope_triton, "rope_kernel", kernel)
+    monkeypatch.setattr(launch, "_direct", True)
+    monkeypatch.setattr(launch, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(launch, "raw_stream", lambda index: "stream")
+    rope.clear_launches()
+
+
+def _constexprs(meta):
+    assert set(meta) == {*_CONSTEXPRS, "num_warps"}, sorted(meta)
+    return tuple(meta[name] for name in _CONSTEXPRS)
+
+
 def test_kept_launches_replay_what_was_launched(monkeypatch):
     """Plumbing of the launch cache, on any machine (stand-ins for the compiled kernel and the GPU): a
     miss launches through ``kernel[grid]`` and keeps the launch under its key; the next call with that
     key calls the launcher's entry point with this call's pointers (ints) and the kept arguments; a
-    launch compiled for misaligned pointers is not kept; a launcher that raises switches the direct
-    launch off, and Triton's own launch takes over."""
+    call whose pointers' alignment differs from the one the kept launch was compiled with goes through
+    ``kernel[grid]`` (a launch compiled for misaligned pointers is kept, and repeated directly for
+    pointers of that alignment only); a launcher that raises switches the direct launch off, and
+    Triton's own launch takes over."""
     kernel = _FakeKernel()
-    monkeypatch.setattr(rope_triton, "rope_kernel", kernel)
-    monkeypatch.setattr(rope, "_DIRECT", True)
-    monkeypatch.setattr(rope, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(rope.direct_launch, "raw_stream", lambda index: "stream")
+    _stand_in_gpu(monkeypatch, kernel)
     monkeypatch.setattr(rope, "kernel_can_run", lambda t: True)
-    rope.clear_launches()
     q, k = make_qk(1, 4, 2, 3, 16, torch.float32, layout="hf")
     cos, sin = make_table(3, 8, (1,))
 
@@ -943,7 +968,7 @@ def test_kept_launches_replay_what_was_launched(monkeypatch):
         got = kernel.entries[-1]
         assert got[:13] == (*grid, "stream", "function", "coop", "pdl", None, None, "metadata", None, None, None)
         assert got[13:21] == tuple(t.data_ptr() for t in pointers)
-        assert got[21:] == tuple(args[8:]) + tuple(meta[name] for name in rope._CONSTEXPR_NAMES)
+        assert got[21:] == tuple(args[8:]) + _constexprs(meta)
 
     rotary_fused(q, k, cos, sin, inplace=True)  # miss: kernel[grid], kept
     assert len(kernel.launches) == 1 and not kernel.entries and _tables_keys() == 1
@@ -959,28 +984,39 @@ def test_kept_launches_replay_what_was_launched(monkeypatch):
     expect_entry((q, k, qo, ko, inv_freq, inv_freq, positions, inv_freq))
 
     base = torch.empty(2 * 3 * 8 + 1, device=DEV)
-    for _ in range(2):  # cos misaligned: launched by Triton each time, never kept
-        rotary_fused(q, k, base[1:25].view(1, 3, 8), sin, inplace=True)
-    assert len(kernel.launches) == 4 and _tables_keys() == 1
-    rotary_fused(q, k, cos, sin, inplace=True)  # aligned again: the launch kept before
+    shifted = base[1:25].view(1, 3, 8)  # cos's key, data_ptr % 16 == 4
+    assert rope._key(q, k, shifted, sin, None, None, 1.0, False, True, False, 0) == rope._key(
+        q, k, cos, sin, None, None, 1.0, False, True, False, 0)
+    for _ in range(2):  # cos misaligned: the launch kept for aligned tables goes through Triton each time
+        rotary_fused(q, k, shifted, sin, inplace=True)
+        assert kernel.launches[-1][1][4] is shifted  # this call's table
+    assert len(kernel.launches) == 4 and len(kernel.entries) == 2 and _tables_keys() == 1
+    rotary_fused(q, k, cos, sin, inplace=True)  # aligned again: the launch kept before, directly
     assert len(kernel.launches) == 4 and len(kernel.entries) == 3
 
+    rope.clear_launches()  # now compiled first for the misaligned table: kept, direct for that alignment only
+    rotary_fused(q, k, shifted, sin, inplace=True)
+    assert len(kernel.launches) == 5 and len(kernel.entries) == 3 and _tables_keys() == 1
+    rotary_fused(q, k, shifted, sin, inplace=True)
+    assert len(kernel.launches) == 5 and len(kernel.entries) == 4
+    expect_entry((q, k, q, k, shifted, sin, q, q))
+    rotary_fused(q, k, cos, sin, inplace=True)  # aligned: through Triton, the kept launch unchanged
+    assert len(kernel.launches) == 6 and len(kernel.entries) == 4 and kernel.launches[-1][1][4] is cos
+    rotary_fused(q, k, shifted, sin, inplace=True)
+    assert len(kernel.launches) == 6 and len(kernel.entries) == 5 and _tables_keys() == 1
+
     kernel.fail = True
-    rotary_fused(q, k, cos, sin, inplace=True)  # the launcher raises: direct launch off, Triton's launch instead
-    assert not rope._DIRECT and len(kernel.launches) == 5
-    rotary_fused(q, k, cos, sin, inplace=True)  # kept again, as a kernel[grid] launch
-    assert len(kernel.launches) == 6 and len(kernel.entries) == 3
+    rotary_fused(q, k, shifted, sin, inplace=True)  # the launcher raises: direct launch off, Triton's launch instead
+    assert not launch.direct() and len(kernel.launches) == 7 and len(kernel.entries) == 5
+    rotary_fused(q, k, shifted, sin, inplace=True)  # kept still, as a kernel[grid] launch
+    assert len(kernel.launches) == 8 and len(kernel.entries) == 5
 
 
 def test_kept_launch_calls_the_python_wrapper_of_a_packed_launcher(monkeypatch):
     """Where the launcher's C entry takes its arguments packed (a later Triton), the kept launch
     calls the launcher's Python wrapper, with the arguments Triton's own launch passes it."""
     kernel = _FakeKernel(packed=True)
-    monkeypatch.setattr(rope_triton, "rope_kernel", kernel)
-    monkeypatch.setattr(rope, "_DIRECT", True)
-    monkeypatch.setattr(rope, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(rope.direct_launch, "raw_stream", lambda index: "stream")
-    rope.clear_launches()
+    _stand_in_gpu(monkeypatch, kernel)
     q, k = make_qk(1, 4, 2, 3, 16, torch.float32, layout="hf")
     cos, sin = make_table(3, 8, (1,))
     rotary_fused(q, k, cos, sin, inplace=True)
@@ -990,7 +1026,7 @@ def test_kept_launch_calls_the_python_wrapper_of_a_packed_launcher(monkeypatch):
     assert len(kernel.launches) == 1 and got[0] == "wrapper"
     assert got[1:10] == (*grid, "stream", "function", "metadata", None, None, None)
     assert got[10:18] == tuple(t.data_ptr() for t in (q, k, q, k, cos, sin, q, q))
-    assert got[18:] == tuple(args[8:]) + tuple(meta[name] for name in rope._CONSTEXPR_NAMES)
+    assert got[18:] == tuple(args[8:]) + _constexprs(meta)
 
 
 # ------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ memory viewed as ``(b, h, s, d)``), in one run, ``triton.testing.do_bench`` medi
   at least this) and cuDNN's fused attention, so the table shows which one the floor is and how far
   apart the two are (CUDA only).
 * ``torchembed``: ``ALiBiEmbedding.attention`` as dispatched by default (``fused=None``: the fused
-  kernel wherever it runs; from ``SKIP_MIN_KEYS`` keys it leaves out the keys of negligible weight);
+  kernel wherever it runs; from ``AlibiTuning.skip_min_keys`` keys it leaves out the keys of negligible weight);
 * ``kernel``: ``ALiBiEmbedding.attention(fused=True)``: the fused kernel, bias computed inside.
 * ``flex``: ``flex_attention`` (compiled) with the ALiBi ``score_mod`` and a causal block mask
   made once outside the timing (prefill only).

@@ -281,9 +281,9 @@ def host_overhead(providers: list[str], args: argparse.Namespace, device: torch.
             record = {"shape": shape._asdict(), "shape_label": shape.label, "section": "host", "provider": provider,
                       "impl": impl, "us_per_call": ms * 1e3}
             if impl == "triton" and device.type == "cuda":  # still replaying compiled kernels directly?
-                from torchembed.kernels import rope
+                from torchembed.kernels import launch
 
-                record["direct_launch"] = rope._DIRECT
+                record["direct_launch"] = launch.direct()
             records.append(record)
     return records
 
