@@ -19,6 +19,7 @@ from torchembed import kernels
 from torchembed.kernels.availability import check_fused, why_not
 from torchembed.patches import families  # noqa: F401  (registers the adapters)
 from torchembed.patches.actions import Component
+from torchembed.patches.attention_backends import DecodeBackendHooks
 from torchembed.patches.errors import FusedUnavailableError, StructureError, UnsupportedModelError
 from torchembed.patches.registry import Family, PatchOptions, family_for, supported_families
 
@@ -26,6 +27,7 @@ __all__ = ["patch", "unpatch", "is_patched", "patched", "find_positional_compone
 
 M = TypeVar("M", bound=nn.Module)
 _RECORD = "_torchembed_patch"
+_BACKENDS = "attention-backends"  # the kind of the decode-step backend choice (not a positional component)
 
 
 @dataclass
@@ -37,7 +39,8 @@ class PatchRecord:
 
     @property
     def components(self) -> list[Component]:
-        return [a.component for a in self.actions]
+        """The positional components swapped (not the decode-step backend choice)."""
+        return [a.component for a in self.actions if a.component.kind != _BACKENDS]
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -94,13 +97,18 @@ def _check_fused(model: nn.Module, family: Family, fused: bool | None) -> None:
                                     "model.to('cuda') first), or pass fused=None to use it only where it can run")
 
 
-def _plan(model: nn.Module, family: Family, fused: bool | None) -> list[Any]:
-    """Every action of every adapter, each adapter having checked the structure it relies on."""
+def _plan(model: nn.Module, family: Family, fused: bool | None, cudnn_decode: bool = False) -> list[Any]:
+    """Every action of every adapter, each adapter having checked the structure it relies on; then,
+    unless ``cudnn_decode``, the decode-step backend choice (:mod:`torchembed.patches.attention_backends`)."""
     options = PatchOptions(fused=fused)
     actions = [action for adapter in family.adapters for action in adapter.plan(model, model.config, options, family)]
     if not actions:
         raise StructureError(family.name, type(model).__name__, "at least one positional component",
                              "none (the installed transformers may have restructured this model)")
+    if not cudnn_decode:
+        component = Component("", _BACKENDS, f"{type(model).__qualname__} SDPA backends",
+                              "torchembed.patches.attention_backends.DecodeBackendHooks")
+        actions.append(DecodeBackendHooks(component, model))
     return actions
 
 
@@ -121,7 +129,7 @@ def find_positional_components(model: nn.Module) -> list[Component]:
     if record is not None:
         return record.components
     family = _family_of(model)
-    return [action.component for action in _plan(model, family, None)]
+    return [action.component for action in _plan(model, family, None) if action.component.kind != _BACKENDS]
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -129,7 +137,7 @@ def is_patched(model: nn.Module) -> bool:
     return getattr(_base(model), _RECORD, None) is not None
 
 
-def patch(model: M, fused: bool | None = None, *, strict: bool = True) -> M:
+def patch(model: M, fused: bool | None = None, *, strict: bool = True, cudnn_decode: bool = False) -> M:
     """Swap torchembed's positional components into a loaded HF model, in place.
 
     Args:
@@ -138,6 +146,9 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True) -> M:
             the PyTorch path elsewhere; ``True`` requires the kernel; ``False`` never uses it.
         strict: if False, an unsupported model (or one whose transformers code is not structured as
             torchembed expects) is returned untouched with a warning.
+        cudnn_decode: keep SDPA's own backend choice for decode steps without an attention mask; by
+            default a CUDA decode step without a mask leaves cuDNN out, which builds a plan for every
+            new key length (:mod:`torchembed.patches.attention_backends`).
 
     Returns:
         The same model object. Patching a patched model is a no-op. A patched model inside
@@ -161,7 +172,7 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True) -> M:
     inner = _take_over_inner_patches(model)
     record = PatchRecord(family)
     try:
-        actions = _plan(model, family, fused)
+        actions = _plan(model, family, fused, cudnn_decode)
         for action in actions:
             action.apply()
             record.actions.append(action)
@@ -210,13 +221,13 @@ def unpatch(model: M) -> M:
 
 
 @contextlib.contextmanager
-def patched(model: M, fused: bool | None = None) -> Iterator[M]:
+def patched(model: M, fused: bool | None = None, *, cudnn_decode: bool = False) -> Iterator[M]:
     """``with torchembed.patched(model): ...`` patches for the block, then restores.
 
     A model that was already patched on entry stays patched on exit.
     """
     was_patched = is_patched(model)
-    patch(model, fused=fused)
+    patch(model, fused=fused, cudnn_decode=cudnn_decode)
     try:
         yield model
     finally:
