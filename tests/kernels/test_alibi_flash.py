@@ -506,3 +506,31 @@ def test_skipping_prefill_after_a_cache_is_exact(dtype, skipping):
     _check(q, k, v, slopes)
     with torch.no_grad():
         assert torch.isfinite(alibi_flash(q, k, _far_keys_poisoned(v, 200, 136), slopes, scale=0.25)).all()
+
+
+def _compiled_variants(kernel) -> int:
+    caches = getattr(kernel, "device_caches", None)
+    if not isinstance(caches, dict):
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="counts Triton compiles on CUDA")
+def test_decode_compiles_once_across_context_lengths():
+    """A decode loop (one query over a growing cache, slopes and a key bias with a padding mask) compiles
+    the split-key kernel once per configuration, not whenever the key count changes its divisibility."""
+    from torchembed.kernels import alibi_flash_triton as K
+    from torchembed.kernels.alibi_flash import alibi_flash
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 1, 64, generator=gen).to(DEV, torch.bfloat16)
+    slopes = torch.rand(4).to(DEV)
+    for n in (300, 301):  # warm: whatever the first call compiles
+        k = torch.randn(1, 4, n, 64).to(DEV, torch.bfloat16)
+        alibi_flash(q, k, k, slopes, scale=0.125)
+    before = (_compiled_variants(K._decode_kernel), _compiled_variants(K._combine_kernel))
+    for n in range(302, 340):  # every residue mod 16, twice
+        k = torch.randn(1, 4, n, 64).to(DEV, torch.bfloat16)
+        out = alibi_flash(q, k, k, slopes, scale=0.125)
+    assert torch.isfinite(out).all()
+    assert (_compiled_variants(K._decode_kernel), _compiled_variants(K._combine_kernel)) == before

@@ -422,7 +422,14 @@ def _fwd_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# What grows with the cache is not specialised on (Triton would compile a variant each time the key
+# count or a key-bias/mask stride changes between "divisible by 16" and not): one compile per decode
+# configuration, whatever the context length. (K/V strides stay specialised: their alignment feeds
+# vectorised loads, and a cache's are multiples of the head dim.)
+_DECODE_LENGTHS = ("sbb", "sbh", "smb", "smm", "N", "CHUNK")
+
+
+@triton.jit(do_not_specialize=_DECODE_LENGTHS)
 def _decode_kernel(
     Q, K, V, Out, Lse, Part, Bias, Rows, Keep,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
@@ -508,7 +515,7 @@ def _decode_kernel(
         tl.store(part + BLOCK_D + 1, l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("SPLITS",))
 def _combine_kernel(
     Out, Lse, Part,
     sob, soh, som, sod,
