@@ -20,6 +20,7 @@ BENCHMARKS = {
     "alibi": "fused ALiBi attention in BLOOM, MPT, Falcon-ALiBi: prefill and decode, patched vs upstream",
     "e2e": "end-to-end prefill and decode of ~1B LLaMA, Mistral, Falcon configs, patched vs upstream",
     "train": "one bf16 training step (forward, backward, AdamW), patched vs upstream",
+    "long": "long context (16k-128k): prefill and decode of 7-8B shapes, patched vs upstream, with floors",
 }
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 

@@ -1,0 +1,235 @@
+"""``torchembed bench long``: long context on one GPU, patched against upstream.
+
+For the shapes of MPT-7B-StoryWriter, BLOOM-7B1, Falcon-RW-7B (ALiBi), LLaMA-3.1-8B (llama3 RoPE scaling)
+and Qwen3-8B (random weights, ``--layers`` of their layers, bf16, batch 1), at each ``--contexts``
+length: a prefill of that many tokens through the base model (no LM head), then ``--steps`` decode steps
+on its cache in a plain loop (``model(next, past_key_values=cache)``, synchronised each step; the median
+of the steps after the first two). Each cell: ms, tokens/s, peak memory (GB, weights included) and its
+floor: prefill FLOPs at the GPU's measured bf16 matmul rate, decode bytes (weights + KV cache) at its
+measured copy bandwidth. An out-of-memory is recorded as ``OOM``. The prefill is timed once after a
+warm-up prefill of 1,024 tokens.
+
+    torchembed bench long [--models mpt llama] [--contexts 16384 65536] [--layers 4] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchembed.tools import bench
+from torchembed.tools.options import count
+
+MODELS = ("mpt", "bloom", "falcon", "llama", "qwen3")
+VARIANTS = ("upstream", "patched")
+
+
+def make_config(name: str, layers: int, context: int, smoke: bool) -> Any:
+    """The model's shape with ``layers`` layers (the smoke shapes are tiny)."""
+    import transformers
+
+    hidden, heads, ffn = (64, 4, 128) if smoke else (4096, 32, 14336)
+    if name == "mpt":
+        return transformers.MptConfig(d_model=hidden, n_heads=heads, n_layers=layers, expansion_ratio=4,
+                                      vocab_size=512 if smoke else 50432, max_seq_len=context + 64, use_cache=True,
+                                      attn_config={"alibi": True, "alibi_bias_max": 8})
+    if name == "bloom":
+        return transformers.BloomConfig(hidden_size=hidden, n_head=heads, n_layer=layers,
+                                        vocab_size=512 if smoke else 250880)
+    if name == "falcon":
+        return transformers.FalconConfig(hidden_size=hidden, num_attention_heads=heads * (1 if smoke else 2),
+                                         num_hidden_layers=layers, vocab_size=512 if smoke else 65024, alibi=True,
+                                         multi_query=False, new_decoder_architecture=False, parallel_attn=False,
+                                         bias=True, attn_implementation="sdpa")
+    if name == "llama":
+        return transformers.LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_attention_heads=heads,
+                                        num_key_value_heads=heads // 4, num_hidden_layers=layers,
+                                        vocab_size=512 if smoke else 128256, max_position_embeddings=131072,
+                                        rope_theta=500000.0, attn_implementation="sdpa",
+                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    if name == "qwen3":
+        return transformers.Qwen3Config(hidden_size=hidden, intermediate_size=128 if smoke else 12288,
+                                        num_attention_heads=heads, num_key_value_heads=heads // 4,
+                                        head_dim=hidden // heads, num_hidden_layers=layers,
+                                        vocab_size=512 if smoke else 151936, max_position_embeddings=131072,
+                                        rope_theta=1000000.0, attn_implementation="sdpa")
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
+
+
+def kv_bytes(config: Any, context: int, dtype_bytes: int) -> int:
+    """Bytes of the KV cache of ``context`` tokens (batch 1)."""
+    config = config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * context * dtype_bytes
+
+
+def prefill_flops(base: nn.Module, config: Any, context: int) -> float:
+    """Matmul FLOPs of a causal prefill: 2 per weight per token in the layers, and the attention's
+    ``q k^T`` and ``p v`` over the causal half (``2 * S^2 * hidden`` per layer)."""
+    config = config.get_text_config()
+    layer_weights = sum(p.numel() for name, p in base.named_parameters() if p.dim() == 2 and "emb" not in name and "wte" not in name)
+    return 2.0 * layer_weights * context + 2.0 * config.num_hidden_layers * context**2 * config.hidden_size
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """Measured FLOP/s of an 8192^3 matmul in ``dtype`` (CPU: 512^3)."""
+    n = 8192 if device.type == "cuda" else 512
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    ms = bench.do_bench(lambda: a @ b, device)
+    return 2.0 * n**3 / (ms * 1e-3)
+
+
+def _decode_steps(base: nn.Module, cache: Any, vocab: int, steps: int, device: torch.device) -> list[float]:
+    times = []
+    nxt = torch.randint(3, vocab - 16, (1, 1), device=device)
+    for _ in range(steps):
+        bench.sync(device)
+        start = time.perf_counter()
+        out = base(input_ids=nxt, past_key_values=cache, use_cache=True)
+        bench.sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+        cache = out.past_key_values
+    return times
+
+
+def measure_cell(base: nn.Module, config: Any, context: int, args: argparse.Namespace,
+                 device: torch.device) -> dict[str, Any]:
+    """Prefill and decode of one (model, variant, context)."""
+    vocab = config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(args.seed)
+    record: dict[str, Any] = {}
+    with torch.no_grad():
+        warm = torch.randint(3, vocab - 16, (1, min(1024, context)), generator=gen).to(device)
+        base(input_ids=warm, use_cache=True)
+        del warm
+        bench.free_memory(device)
+        ids = torch.randint(3, vocab - 16, (1, context), generator=gen).to(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            bench.sync(device)
+            start = time.perf_counter()
+            out = base(input_ids=ids, use_cache=True)
+            bench.sync(device)
+            record["prefill_ms"] = (time.perf_counter() - start) * 1e3
+            steps = _decode_steps(base, out.past_key_values, vocab, args.steps, device)
+            record["decode_steps_ms"] = steps
+            record["decode_ms"] = statistics.median(steps[2:] if len(steps) > 3 else steps)
+        except Exception as exc:  # noqa: BLE001 - OOM (or another failure) is a result
+            if not bench.is_oom(exc):
+                raise
+            record.setdefault("prefill_ms", "OOM")
+            record["decode_ms"] = "OOM"
+        finally:
+            out = ids = None
+            if device.type == "cuda":
+                record["peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+            gc.collect()
+            bench.free_memory(device)
+    return record
+
+
+def run_model(name: str, args: argparse.Namespace, device: torch.device, bandwidth: float,
+              rate: float, budget: bench.Budget) -> list[dict[str, Any]]:
+    import transformers
+
+    import torchembed
+
+    contexts = sorted(args.contexts)
+    config = make_config(name, args.layers, contexts[-1], args.smoke)
+    torch.manual_seed(args.seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=args.torch_dtype).to(device).eval()
+    base = model.base_model
+    weights = sum(p.numel() * p.element_size() for p in base.parameters())
+    dtype_bytes = next(base.parameters()).element_size()
+    records = []
+    for variant in args.variants:
+        if variant == "patched":
+            torchembed.patch(model)
+        for context in contexts:
+            rec = {"model": name, "variant": variant, "context": context, "layers": args.layers,
+                   "weights_gb": weights / 2**30, "kv_gb": kv_bytes(config, context, dtype_bytes) / 2**30,
+                   "prefill_floor_ms": prefill_flops(base, config, context) / rate * 1e3,
+                   "decode_floor_ms": (weights + kv_bytes(config, context, dtype_bytes)) / bandwidth * 1e3}
+            if budget.exhausted():
+                rec["skipped"] = "time budget"
+            else:
+                rec.update(measure_cell(base, config, context, args, device))
+            records.append(rec)
+            print(" | ".join(_row(rec)), flush=True)
+        if variant == "patched":
+            torchembed.unpatch(model)
+    del model, base
+    bench.free_memory(device)
+    return records
+
+
+def _cell(value: Any, floor: float, per_token: float) -> str:
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:.1f} ({per_token / value * 1e3:,.0f} tok/s; {floor / value:.2f} of floor)"
+
+
+def _row(rec: dict[str, Any]) -> list[str]:
+    if "skipped" in rec:
+        return [rec["model"], rec["variant"], f"{rec['context']:,}", "skipped", "", "", "", ""]
+    return [rec["model"], rec["variant"], f"{rec['context']:,}",
+            _cell(rec.get("prefill_ms"), rec["prefill_floor_ms"], rec["context"]),
+            f"{rec['prefill_floor_ms']:.1f}",
+            _cell(rec.get("decode_ms"), rec["decode_floor_ms"], 1),
+            f"{rec['decode_floor_ms']:.2f}",
+            f"{rec.get('peak_gb', float('nan')):.1f} / {rec['weights_gb'] + rec['kv_gb']:.1f}"]
+
+
+def markdown(records: list[dict[str, Any]], args: argparse.Namespace, bandwidth: float, rate: float) -> str:
+    head = ["model", "variant", "context", "prefill ms", "prefill floor", "decode ms/step", "decode floor",
+            "peak GB / weights + KV"]
+    out = [bench.md_table(head, [_row(r) for r in records]), "",
+           f"{args.layers} layers of each shape, batch 1, {args.dtype}, random weights; base model (no LM head). "
+           f"Prefill: one timed run after a 1,024-token warm-up; decode: the median of {args.steps} plain-loop steps "
+           "(`model(next, past_key_values=cache)`, synchronised) after the first two. Floors: prefill matmul FLOPs at "
+           f"the measured matmul rate ({rate / 1e12:.0f} TFLOP/s), decode bytes (weights + KV cache) at the measured "
+           f"copy bandwidth ({bandwidth / 1e9:.0f} GB/s); \"of floor\" = floor / measured (1.00 = at the floor)."]
+    return "\n".join(out)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", nargs="+", default=None, choices=MODELS, help="default: all")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--contexts", nargs="+", type=count(16), default=None,
+                        help="prefill lengths, then the decode context (default 16384 32768 65536 131072; --smoke: 64 128)")
+    parser.add_argument("--layers", type=count(1), default=4, help="layers of each shape (default 4; --smoke: 2)")
+    parser.add_argument("--steps", type=count(3), default=8, help="decode steps per cell (default 8)")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="torchembed bench long", description=__doc__.splitlines()[0])
+    bench.add_common_args(parser)
+    add_args(parser)
+    args = parser.parse_args(argv)
+    device = bench.setup(args)
+    if args.smoke:
+        args.layers = min(args.layers, 2)
+    args.models = args.models or list(MODELS)
+    args.contexts = args.contexts or ([64, 128] if args.smoke else [16384, 32768, 65536, 131072])
+    env = bench.environment(device)
+    bandwidth, rate = bench.copy_bandwidth(device), matmul_rate(device, args.torch_dtype)
+    budget = bench.Budget(args.max_seconds)
+    records = []
+    with bench.no_interpreter(device):
+        for name in args.models:
+            records += run_model(name, args, device, bandwidth, rate, budget)
+    md = markdown(records, args, bandwidth, rate)
+    print(md)
+    bench.write_results(args, "long", "torchembed bench long", env,
+                        {"copy_bandwidth_gbs": bandwidth / 1e9, "matmul_tflops": rate / 1e12, "results": records}, md)
+    return 0
