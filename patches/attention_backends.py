@@ -7,8 +7,9 @@ measured on an H200 (torch 2.11, 32k keys, two layers of LLaMA-3.1-8B's shape) 3
 2.8 ms with cuDNN left out, and likewise for a patched MPT (40 ms against 4.6 ms); ``generate``, which
 passes a mask, measured no such cost (``benchmarks/results/long-context.md``).
 
-A patched model therefore runs a forward that is a CUDA decode step (at most :data:`DECODE_QUERIES`
-queries) without an attention mask with SDPA restricted to flash, memory-efficient and math attention
+A patched model therefore runs a forward of its base model (what the task model and ``generate`` call,
+and what a loop may call directly) that is a CUDA decode step (at most :data:`DECODE_QUERIES` queries)
+without an attention mask with SDPA restricted to flash, memory-efficient and math attention
 (the same function; numerics within bf16 rounding of cuDNN's): a forward pre-hook enters
 ``torch.nn.attention.sdpa_kernel`` and a forward hook that runs also when the forward raises leaves it.
 Per instance and switchable: ``torchembed.patch(model, cudnn_decode=True)`` keeps SDPA's own choice.

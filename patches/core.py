@@ -106,9 +106,12 @@ def _plan(model: nn.Module, family: Family, fused: bool | None, cudnn_decode: bo
         raise StructureError(family.name, type(model).__name__, "at least one positional component",
                              "none (the installed transformers may have restructured this model)")
     if not cudnn_decode:
-        component = Component("", _BACKENDS, f"{type(model).__qualname__} SDPA backends",
+        base = getattr(model, "base_model", model)  # what every caller's forward reaches (the task model calls it)
+        base = base if isinstance(base, nn.Module) else model
+        path = next((name for name, module in model.named_modules() if module is base), "")
+        component = Component(path, _BACKENDS, f"{type(base).__qualname__} SDPA backends",
                               "torchembed.patches.attention_backends.DecodeBackendHooks")
-        actions.append(DecodeBackendHooks(component, model))
+        actions.append(DecodeBackendHooks(component, base))
     return actions
 
 

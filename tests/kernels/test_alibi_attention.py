@@ -133,6 +133,20 @@ def test_decode_mask_is_built_once_per_forward_and_matches_per_layer(monkeypatch
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_long_context_decode_takes_the_split_key_kernel(monkeypatch, alibi_policy, dtype, tol):
+    """From ``decode_kernel_min_keys`` keys a model layer's decode step (a padded batch, grouped kv heads)
+    runs the fused kernel, no SDPA mask, and matches float64; below, the decode mask."""
+    q, k, v, key_bias, keep = _case(2, 4, 1, 80, 32, dtype, pad=5, kv_heads=2)
+    kernel, masks = _count(monkeypatch, module, "attempt"), _count(monkeypatch, module, "alibi_decode_bias")
+    alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=MaskCache().store(keep, keep), layer=True)
+    assert (len(kernel), len(masks)) == (0, 1)
+    alibi_policy(decode_kernel_min_keys=80)
+    out = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=MaskCache().store(keep, keep), layer=True)
+    assert (len(kernel), len(masks)) == (1, 1)
+    torch.testing.assert_close(out.double(), _truth(q, k, v, key_bias, keep, 32**-0.5), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("pad", [0, 3])
 def test_small_prefill_materialises_the_bias_once_per_forward(monkeypatch, dtype, tol, pad, alibi_policy):
     """CUDA prefills of at most ``dense_max_elements`` bias elements (``b * h * q * k``) take SDPA with

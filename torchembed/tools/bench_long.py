@@ -7,7 +7,7 @@ on its cache in a plain loop (``model(next, past_key_values=cache)``, synchronis
 of the steps after the first two). Each cell: ms, tokens/s, peak memory (GB, weights included) and its
 floor: prefill FLOPs at the GPU's measured bf16 matmul rate, decode bytes (weights + KV cache) at its
 measured copy bandwidth. An out-of-memory is recorded as ``OOM``. The prefill is timed once after a
-warm-up prefill of 1,024 tokens.
+warm-up prefill of 4,096 tokens (past the small-prefill bound: the kernels compile there).
 
     torchembed bench long [--models mpt llama] [--contexts 16384 65536] [--layers 4] [--steps 8]
 """
@@ -108,7 +108,7 @@ def measure_cell(base: nn.Module, config: Any, context: int, args: argparse.Name
     gen = torch.Generator().manual_seed(args.seed)
     record: dict[str, Any] = {}
     with torch.no_grad():
-        warm = torch.randint(3, vocab - 16, (1, min(1024, context)), generator=gen).to(device)
+        warm = torch.randint(3, vocab - 16, (1, min(4096, context)), generator=gen).to(device)
         base(input_ids=warm, use_cache=True)
         del warm
         bench.free_memory(device)
@@ -195,7 +195,7 @@ def markdown(records: list[dict[str, Any]], args: argparse.Namespace, bandwidth:
             "peak GB / weights + KV"]
     out = [bench.md_table(head, [_row(r) for r in records]), "",
            f"{args.layers} layers of each shape, batch 1, {args.dtype}, random weights; base model (no LM head). "
-           f"Prefill: one timed run after a 1,024-token warm-up; decode: the median of {args.steps} plain-loop steps "
+           f"Prefill: one timed run after a 4,096-token warm-up; decode: the median of {args.steps} plain-loop steps "
            "(`model(next, past_key_values=cache)`, synchronised) after the first two. Floors: prefill matmul FLOPs at "
            f"the measured matmul rate ({rate / 1e12:.0f} TFLOP/s), decode bytes (weights + KV cache) at the measured "
            f"copy bandwidth ({bandwidth / 1e9:.0f} GB/s); \"of floor\" = floor / measured (1.00 = at the floor)."]
