@@ -91,7 +91,7 @@ def main() -> None:
         for label, fused in variants:
             if label != "upstream":
                 torchembed.unpatch(model)
-                torchembed.patch(model, fused=fused)
+                torchembed.patch(model, fused=fused, cudnn_decode=True)  # SDPA's own choice: the cuDNN toggle below decides
             for cudnn in (True, False):
                 torch.backends.cuda.enable_cudnn_sdp(cudnn)
                 try:
