@@ -155,24 +155,14 @@ class RotaryEmbedding(nn.Module):
             ValueError: shapes, devices or positions that do not fit (see the class docstring),
                 each naming what was expected and what was given.
         """
-        if self.fused is not False and type(q) is Tensor and q.dim() == 4 and q.shape[-1] == self.dim and (
-                seq_dim == -2 or seq_dim == 2):
+        if self.fused is not False and self._kernel_first(q, seq_dim, offset, position_ids) and use_rope_kernel(self.fused, q):
             # (b, h, s, d) on the kernel: rotary_fused checks what this call's shapes must satisfy (once
             # per layout: a call like one it ran before is its kept launch); any ValueError from it means
             # the call needs the module's own checks below, which name the problem in its terms.
-            if position_ids is None:
-                positions = offset
-            elif type(offset) is int and offset == 0 and type(position_ids) is Tensor:
-                positions = position_ids[None] if position_ids.dim() == 1 else position_ids
-            else:
-                positions = None
-            if (type(positions) is int or (type(positions) is Tensor and positions.is_cuda)) and use_rope_kernel(
-                    self.fused, q):
-                try:
-                    return kernels.rotary_fused(q, k, inv_freq=self._buffers["inv_freq"], scale=self.attention_scaling,
-                                                positions=positions, interleaved=self.interleaved)
-                except ValueError:
-                    pass
+            try:
+                return self._fused(q, k, offset, position_ids, self._buffers["inv_freq"])
+            except ValueError:
+                pass
         inv_freq = self.inv_freq
         seq_len = self._check(q, k, seq_dim, inv_freq)
         nd = q.dim()
@@ -187,6 +177,15 @@ class RotaryEmbedding(nn.Module):
         if moved:
             return q_out.movedim(-2, seq_dim), k_out.movedim(-2, seq_dim)
         return q_out, k_out
+
+    def _kernel_first(self, q: Tensor, seq_dim: int, offset: int | Tensor, position_ids: Tensor | None) -> bool:
+        """A call the kernel may take before the module's checks: ``(b, h, s, d)`` with the sequence at
+        dim 2, and positions the kernel reads as given (an int or CUDA ``(b,)`` offset, or CUDA position ids)."""
+        if type(q) is not Tensor or q.dim() != 4 or q.shape[-1] != self.dim or (seq_dim != -2 and seq_dim != 2):
+            return False
+        if position_ids is None:
+            return type(offset) is int or (type(offset) is Tensor and offset.is_cuda)
+        return type(offset) is int and offset == 0 and type(position_ids) is Tensor and position_ids.is_cuda
 
     @property
     def use_fused(self) -> bool:
