@@ -20,6 +20,7 @@ positional component (``find_positional_components`` does not list them).
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +57,14 @@ def _on_cuda(t: torch.Tensor) -> bool:  # (a function, so that tests can stand i
     return t.is_cuda
 
 
-_OPEN: list[contextlib.ExitStack] = []  # one per trapped forward running now (nested models: several)
+class _Open(threading.local):
+    """Per thread: one ExitStack per hooked forward running now (nested models: several), innermost last."""
+
+    def __init__(self) -> None:
+        self.stacks: list[contextlib.ExitStack] = []
+
+
+_OPEN = _Open()
 
 
 class EnterDecodeBackends:
@@ -68,15 +76,15 @@ class EnterDecodeBackends:
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]))
-        _OPEN.append(stack)
+        _OPEN.stacks.append(stack)
 
 
 class LeaveDecodeBackends:
     """Forward hook (always called, also when the forward raised): SDPA's previous choice again."""
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if _OPEN:
-            _OPEN.pop().close()
+        if _OPEN.stacks:
+            _OPEN.stacks.pop().close()
 
 
 @dataclass
