@@ -101,8 +101,24 @@ def _decode_steps(base: nn.Module, cache: Any, vocab: int, steps: int, device: t
     return times
 
 
+def generate_ms(model: nn.Module, context: int, vocab: int, new_tokens: int, seed: int, device: torch.device) -> float:
+    """``generate``'s time per new token at ``context`` tokens of prompt: (generate(n) - generate(1)) / (n - 1),
+    greedy, with the attention mask a user passes (after one warm-up call)."""
+    ids = torch.randint(3, vocab - 16, (1, context), generator=torch.Generator().manual_seed(seed)).to(device)
+    kwargs = dict(do_sample=False, pad_token_id=0, use_cache=True)
+    times = []
+    with torch.no_grad():
+        for n in (2, 1, new_tokens):  # (the first: a warm-up)
+            bench.sync(device)
+            start = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, **kwargs)
+            bench.sync(device)
+            times.append(time.perf_counter() - start)
+    return (times[2] - times[1]) / (new_tokens - 1) * 1e3
+
+
 def measure_cell(base: nn.Module, config: Any, context: int, args: argparse.Namespace,
-                 device: torch.device) -> dict[str, Any]:
+                 device: torch.device, model: nn.Module | None = None) -> dict[str, Any]:
     """Prefill and decode of one (model, variant, context)."""
     vocab = config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(args.seed)
@@ -124,11 +140,17 @@ def measure_cell(base: nn.Module, config: Any, context: int, args: argparse.Name
             steps = _decode_steps(base, out.past_key_values, vocab, args.steps, device)
             record["decode_steps_ms"] = steps
             record["decode_ms"] = statistics.median(steps[2:] if len(steps) > 3 else steps)
+            out = None
+            if model is not None and args.generate:
+                bench.free_memory(device)
+                record["generate_ms"] = generate_ms(model, context, vocab, args.generate, args.seed, device)
         except Exception as exc:  # noqa: BLE001 - OOM (or another failure) is a result
             if not bench.is_oom(exc):
                 raise
             record.setdefault("prefill_ms", "OOM")
-            record["decode_ms"] = "OOM"
+            record.setdefault("decode_ms", "OOM")
+            if args.generate:
+                record.setdefault("generate_ms", "OOM")
         finally:
             out = ids = None
             if device.type == "cuda":
@@ -163,9 +185,9 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, bandwid
             if budget.exhausted():
                 rec["skipped"] = "time budget"
             else:
-                rec.update(measure_cell(base, config, context, args, device))
+                rec.update(measure_cell(base, config, context, args, device, model))
             records.append(rec)
-            print(" | ".join(_row(rec)), flush=True)
+            print(" | ".join(_row(rec, bool(args.generate))), flush=True)
         if variant == "patched":
             torchembed.unpatch(model)
     del model, base
@@ -179,24 +201,27 @@ def _cell(value: Any, floor: float, per_token: float) -> str:
     return f"{value:.1f} ({per_token / value * 1e3:,.0f} tok/s; {floor / value:.2f} of floor)"
 
 
-def _row(rec: dict[str, Any]) -> list[str]:
+def _row(rec: dict[str, Any], generate: bool) -> list[str]:
     if "skipped" in rec:
-        return [rec["model"], rec["variant"], f"{rec['context']:,}", "skipped", "", "", "", ""]
+        return [rec["model"], rec["variant"], f"{rec['context']:,}", "skipped", "", "", *([""] if generate else []), "", ""]
     return [rec["model"], rec["variant"], f"{rec['context']:,}",
             _cell(rec.get("prefill_ms"), rec["prefill_floor_ms"], rec["context"]),
             f"{rec['prefill_floor_ms']:.1f}",
             _cell(rec.get("decode_ms"), rec["decode_floor_ms"], 1),
+            *([_cell(rec.get("generate_ms"), rec["decode_floor_ms"], 1)] if generate else []),
             f"{rec['decode_floor_ms']:.2f}",
             f"{rec.get('peak_gb', float('nan')):.1f} / {rec['weights_gb'] + rec['kv_gb']:.1f}"]
 
 
 def markdown(records: list[dict[str, Any]], args: argparse.Namespace, bandwidth: float, rate: float) -> str:
-    head = ["model", "variant", "context", "prefill ms", "prefill floor", "decode ms/step", "decode floor",
-            "peak GB / weights + KV"]
-    out = [bench.md_table(head, [_row(r) for r in records]), "",
+    head = ["model", "variant", "context", "prefill ms", "prefill floor", "decode ms/step",
+            *(["generate ms/token"] if args.generate else []), "decode floor", "peak GB / weights + KV"]
+    out = [bench.md_table(head, [_row(r, bool(args.generate)) for r in records]), "",
            f"{args.layers} layers of each shape, batch 1, {args.dtype}, random weights; base model (no LM head). "
            f"Prefill: one timed run after a 4,096-token warm-up; decode: the median of {args.steps} plain-loop steps "
-           "(`model(next, past_key_values=cache)`, synchronised) after the first two. Floors: prefill matmul FLOPs at "
+           "(`model(next, past_key_values=cache)`, synchronised) after the first two"
+           + ("; generate: (generate(N) - generate(1)) / (N - 1) with the task model and its mask" if args.generate else "")
+           + ". Floors: prefill matmul FLOPs at "
            f"the measured matmul rate ({rate / 1e12:.0f} TFLOP/s), decode bytes (weights + KV cache) at the measured "
            f"copy bandwidth ({bandwidth / 1e9:.0f} GB/s); \"of floor\" = floor / measured (1.00 = at the floor)."]
     return "\n".join(out)
@@ -209,6 +234,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="prefill lengths, then the decode context (default 16384 32768 65536 131072; --smoke: 64 128)")
     parser.add_argument("--layers", type=count(1), default=4, help="layers of each shape (default 4; --smoke: 2)")
     parser.add_argument("--steps", type=count(3), default=8, help="decode steps per cell (default 8)")
+    parser.add_argument("--generate", type=count(2), default=0, metavar="N",
+                        help="also time generate() per new token, (generate(N) - generate(1)) / (N - 1), with its "
+                             "attention mask (default: off; each costs two more prefills)")
 
 
 def main(argv: list[str]) -> int:
