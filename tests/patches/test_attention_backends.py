@@ -83,3 +83,28 @@ def test_patch_records_the_hooks_and_unpatch_removes_them():
     assert count(patched) == (hooks[0] + 1, hooks[1] + 1)
     off = torchembed.patch(copy.deepcopy(model), cudnn_decode=True)
     assert count(off) == hooks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="SDPA's backends differ on CUDA only")
+def test_a_decode_loop_without_cudnn_matches_upstream_within_bf16():
+    """A plain decode loop (no mask) of the patched model (SDPA without cuDNN) against upstream (SDPA's own
+    choice): each step's bf16 logits agree within bf16 rounding of the logits' scale."""
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                                      num_hidden_layers=2, vocab_size=256, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    upstream = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    ids = torch.randint(0, 256, (1, 300), device="cuda")
+    outs = []
+    with torch.no_grad():
+        for model in (upstream, patched):
+            cache = transformers.DynamicCache()
+            out = model(ids, past_key_values=cache)
+            steps = []
+            nxt = ids[:, -1:]
+            for _ in range(4):
+                out = model(nxt, past_key_values=out.past_key_values)
+                steps.append(out.logits.float())
+            outs.append(torch.cat(steps))
+    scale = outs[0].abs().max()
+    assert (outs[0] - outs[1]).abs().max() <= 2**-6 * scale
