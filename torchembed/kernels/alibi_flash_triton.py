@@ -67,7 +67,6 @@ __all__ = ["AlibiTuning", "DECODE_ROWS", "LOG2E", "BackwardPlan", "ForwardPlan",
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # fixed when triton.jit decorates the kernels
 LOG2E = 1.4426950408889634
-_NEG = -1.0e30  # the running maximum starts here (finite: a fully masked tile then gives exp2(-inf) = 0)
 
 
 # ----------------------------------------------------------------------------------------------
