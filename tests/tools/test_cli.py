@@ -195,7 +195,7 @@ def test_bench_without_a_name_lists_the_benchmarks(capsys) -> None:
     code, out, err = run(capsys, "bench")
     assert code == 2 and out == ""
     assert "arguments are required" not in err and "Traceback" not in err
-    assert err.splitlines()[0] == "torchembed bench: which benchmark? name one of rope, alibi, e2e, train"
+    assert err.splitlines()[0] == "torchembed bench: which benchmark? name one of rope, alibi, e2e, train, long"
     for name in cli.BENCHMARKS:
         assert f"  {name} " in err
     assert "./torchembed-results" in err
