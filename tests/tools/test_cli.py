@@ -200,7 +200,7 @@ def test_bench_without_a_name_lists_the_benchmarks(capsys) -> None:
         assert f"  {name} " in err
     assert "./torchembed-results" in err
     code, _, err = run(capsys, "bench", "--smoke")
-    assert code == 2 and err.startswith("torchembed bench: which benchmark? name one of rope, alibi, e2e, train before")
+    assert code == 2 and err.startswith("torchembed bench: which benchmark? name one of rope, alibi, e2e, train, long before")
 
 
 def test_bench_option_checks_are_one_line(capsys) -> None:
