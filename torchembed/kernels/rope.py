@@ -387,12 +387,13 @@ def _reference_tables(a: RopeArgs) -> Tuple[Tensor, Tensor]:
         pos = (ar + a.offset)[None] if a.positions is None else a.positions.long()
         if pos.dim() == 1:
             pos = pos[:, None] + ar
-        if a.inv_freq is not None:
-            angle = pos.float()[..., None] * a.inv_freq.float()  # the float32 angle, as the kernel computes it
-            angle = angle.double() if a.q.dtype == torch.float64 else angle
-            c, s = angle.cos(), angle.sin()
-        else:
+        if a.inv_freq is None:
             c, s = a.cos[pos], a.sin[pos]
+        elif a.q.dtype == torch.float64:  # the kernel's float32 angle, its cos and sin in float64
+            angle = (pos.float()[..., None] * a.inv_freq.float()).double()
+            c, s = angle.cos(), angle.sin()
+        else:  # the float32 angle and tables, as the kernel computes them
+            c, s = functional.rope_cos_sin(a.inv_freq.float(), pos)
     if a.scale != 1.0:
         c, s = c.float() * a.scale, s.float() * a.scale
     if a.halves == 2:  # the transpose of halves == 1: the two halves' sines exchanged
