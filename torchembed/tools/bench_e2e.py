@@ -186,16 +186,20 @@ def run_case(name: str, models: dict[str, nn.Module], batch: int, prompt: int, a
     return records
 
 
+def kv_cache_bytes(config: Any, batch: int, context: int, dtype_bytes: int) -> int:
+    """Bytes of the KV cache of ``context`` tokens of ``batch`` sequences."""
+    config = config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * batch * kv_heads * head_dim * context * dtype_bytes
+
+
 def decode_floor_ms(model: nn.Module, batch: int, context: int, bandwidth: float) -> float:
     """The decode step's floor: every weight and the KV cache of ``context`` tokens read once, at the
     measured copy bandwidth (bytes/s, read + write). What no implementation can beat on this GPU."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_kv_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    dtype_bytes = next(model.parameters()).element_size()
-    cache = 2 * config.num_hidden_layers * batch * kv_heads * head_dim * context * dtype_bytes
+    cache = kv_cache_bytes(model.config, batch, context, next(model.parameters()).element_size())
     return (weights + cache) / bandwidth * 1e3
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from torchembed.tools import bench
+from torchembed.tools.bench_e2e import decode_floor_ms, kv_cache_bytes
 from torchembed.tools.options import count
 
 MODELS = ("mpt", "bloom", "falcon", "llama", "qwen3")
@@ -61,15 +62,6 @@ def make_config(name: str, layers: int, context: int, smoke: bool) -> Any:
                                         vocab_size=512 if smoke else 151936, max_position_embeddings=131072,
                                         rope_theta=1000000.0, attn_implementation="sdpa")
     raise ValueError(f"unknown model {name!r}; choose from {MODELS}")
-
-
-def kv_bytes(config: Any, context: int, dtype_bytes: int) -> int:
-    """Bytes of the KV cache of ``context`` tokens (batch 1)."""
-    config = config.get_text_config()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * context * dtype_bytes
 
 
 def prefill_flops(base: nn.Module, config: Any, context: int) -> float:
@@ -179,9 +171,9 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, bandwid
             torchembed.patch(model)
         for context in contexts:
             rec = {"model": name, "variant": variant, "context": context, "layers": args.layers,
-                   "weights_gb": weights / 2**30, "kv_gb": kv_bytes(config, context, dtype_bytes) / 2**30,
+                   "weights_gb": weights / 2**30, "kv_gb": kv_cache_bytes(config, 1, context, dtype_bytes) / 2**30,
                    "prefill_floor_ms": prefill_flops(base, config, context) / rate * 1e3,
-                   "decode_floor_ms": (weights + kv_bytes(config, context, dtype_bytes)) / bandwidth * 1e3}
+                   "decode_floor_ms": decode_floor_ms(base, 1, context, bandwidth)}
             if budget.exhausted():
                 rec["skipped"] = "time budget"
             else:
