@@ -206,14 +206,21 @@ def _vision_inputs(model: nn.Module, params: set[str]) -> dict[str, Tensor]:
     if pixels is None:
         raise ValueError(f"{type(model).__name__}.forward takes neither input_ids nor pixel_values (needs {_required(model)})")
     grid = next((name for name in ("grid_thw", "image_grid_thw") if name in params), None)
+
+    def layouts() -> Iterator[dict[str, Tensor]]:
+        for images in _image_candidates(model.config, params | ({"image_grid_thw"} if grid else set())):
+            if grid and "image_grid_thw" not in images:
+                continue
+            inputs = {pixels: images["pixel_values"], **({grid: images["image_grid_thw"]} if grid else {})}
+            yield {**inputs, **{k: v for k, v in images.items() if k == "image_sizes"}}
+
+    return _first_that_runs(model, layouts(), "image")
+
+
+def _first_that_runs(model: nn.Module, candidates: Iterator[dict[str, Tensor]], kind: str) -> dict[str, Tensor]:
+    """The first of ``candidates`` that ``model``'s forward runs on; else a ValueError naming the first error."""
     first: Exception | None = None
-    for images in _image_candidates(model.config, params | ({"image_grid_thw"} if grid else set())):
-        inputs = {pixels: images["pixel_values"]}
-        if grid and "image_grid_thw" in images:
-            inputs[grid] = images["image_grid_thw"]
-        elif grid:
-            continue
-        inputs.update({k: v for k, v in images.items() if k == "image_sizes"})
+    for inputs in candidates:
         try:
             with torch.no_grad(), _quiet():
                 model(**inputs)
@@ -221,7 +228,7 @@ def _vision_inputs(model: nn.Module, params: set[str]) -> dict[str, Tensor]:
             first = first or err
             continue
         return inputs
-    raise ValueError(f"no tiny image layout runs {type(model).__name__} ({type(first).__name__}: {first})")
+    raise ValueError(f"no tiny {kind} layout runs {type(model).__name__} ({type(first).__name__}: {_clip(str(first))})")
 
 
 def _required(model: nn.Module) -> str:
@@ -330,17 +337,7 @@ def _speech(model: nn.Module, params: set[str], seq_len: int) -> tuple[dict[str,
 
 def _audio_inputs(model: nn.Module, params: set[str], seq_len: int) -> dict[str, Tensor]:
     """An audio model's inputs: the first of :func:`_audio_candidates` its forward runs on."""
-    first: Exception | None = None
-    for inputs in _audio_candidates(model, params, seq_len):
-        try:
-            with torch.no_grad(), _quiet():
-                model(**inputs)
-        except Exception as err:  # noqa: BLE001 - try the next layout
-            first = first or err
-            continue
-        return inputs
-    raise ValueError(f"no tiny audio layout runs {type(model).__name__} "
-                     f"({type(first).__name__}: {_clip(str(first))})")
+    return _first_that_runs(model, _audio_candidates(model, params, seq_len), "audio")
 
 
 # -- used by the zoo too -------------------------------------------------------------------------------
