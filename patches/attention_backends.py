@@ -19,7 +19,6 @@ positional component (``find_positional_components`` does not list them).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -58,33 +57,41 @@ def _on_cuda(t: torch.Tensor) -> bool:  # (a function, so that tests can stand i
 
 
 class _Open(threading.local):
-    """Per thread: one ExitStack per hooked forward running now (nested models: several), innermost last."""
+    """Per thread: for each hooked forward running now (nested models: several), innermost last, the
+    backend context it entered, or None."""
 
     def __init__(self) -> None:
-        self.stacks: list[contextlib.ExitStack] = []
+        self.contexts: list[Any] = []
 
 
 _OPEN = _Open()
+
+
+def _no_cudnn() -> Any:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class EnterDecodeBackends:
     """Forward pre-hook (with kwargs): for a :func:`trapped` call, SDPA without cuDNN until the forward ends."""
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        stack = contextlib.ExitStack()
+        context = None
         if not torch.compiler.is_compiling() and trapped(args, kwargs):
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]))
-        _OPEN.stacks.append(stack)
+            context = _no_cudnn()
+            context.__enter__()
+        _OPEN.contexts.append(context)
 
 
 class LeaveDecodeBackends:
     """Forward hook (always called, also when the forward raised): SDPA's previous choice again."""
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if _OPEN.stacks:
-            _OPEN.stacks.pop().close()
+        if _OPEN.contexts:
+            context = _OPEN.contexts.pop()
+            if context is not None:
+                context.__exit__(None, None, None)
 
 
 @dataclass
