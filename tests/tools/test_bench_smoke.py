@@ -1,4 +1,4 @@
-"""``torchembed bench {rope,e2e,alibi} --smoke``: each runs on CPU in seconds and writes JSON and
+"""``torchembed bench {rope,e2e,alibi,long} --smoke``: each runs on CPU in seconds and writes JSON and
 markdown with one finite entry per provider (variant) x shape. No timing assertions."""
 
 from __future__ import annotations
@@ -184,3 +184,20 @@ def test_dispatch_and_validation(tmp_path: Path) -> None:
     assert bench.main(["nope"]) == 2
     with pytest.raises(ValueError, match="B,S,HQ,HK,D"):
         bench.main(["rope", "--smoke", "--out", str(tmp_path), "--shapes", "1,2,3"])
+
+
+def test_long_smoke(tmp_path: Path) -> None:
+    """Every model x variant x context has a finite prefill, decode and generate time, its floors and the
+    memory columns; the markdown names the method."""
+    pytest.importorskip("transformers")
+    data, md = _run("long", tmp_path, "--models", "mpt", "llama", "--contexts", "32", "--steps", "3", "--generate", "2")
+    records = data["results"]
+    assert data["copy_bandwidth_gbs"] > 0 and data["matmul_tflops"] > 0
+    for model in ("mpt", "llama"):
+        for variant in ("upstream", "patched"):
+            rec = _one(records, model=model, variant=variant, context=32)
+            assert len(rec["decode_steps_ms"]) == 3
+            for key in ("prefill_ms", "decode_ms", "prefill_floor_ms", "decode_floor_ms", "kv_gb", "weights_gb"):
+                assert _finite(rec[key]) and rec[key] > 0, (model, variant, key, rec[key])
+            assert _finite(rec["generate_ms"])  # a difference of two timings: its sign is noise on a busy CPU
+    assert "generate ms/token" in md and "plain-loop steps" in md and "of floor" in md
