@@ -122,7 +122,7 @@ def main() -> None:
                 with K.tuned(blocks={("fwd", bd, False): cfg}, skip_min_keys=0 if skip else never):
                     plan = K.forward_plan(q, k, v, slopes, None, None, scale, False, False)
                     out = torch.empty(b, s, h, d, device=dev, dtype=q.dtype).transpose(1, 2)
-                    t = (q, k, v, out, out, slopes, slopes, slopes, norms if skip else slopes)
+                    t = (q, k, v, out, out, slopes, slopes, slopes, norms if skip else slopes, slopes)
                     ms = _bench(lambda: plan.main(t))
                 row[f"fwd_{'skip' if skip else 'all'}_{cfg}_ms"] = ms
             row[f"visited_{cfg}"] = _visited_fraction(q, k, slopes, scale, cfg[0], cfg[1], K.skip_log2(s))
@@ -154,10 +154,10 @@ def main() -> None:
                     suffix = "" if kind is None else f"_{cfg}"
                     if kind in (None, "dkdv"):
                         row[f"dkdv_{tag}{suffix}_ms"] = _bench(
-                            lambda: bplan.dkdv((q, k, v, grad, lse, delta, dk, dv, slopes, slopes, slopes, hz)))
+                            lambda: bplan.dkdv((q, k, v, grad, lse, delta, dk, dv, slopes, slopes, slopes, hz, slopes)))
                     if kind in (None, "dq"):
                         row[f"dq_{tag}{suffix}_ms"] = _bench(
-                            lambda: bplan.dq((q, k, v, grad, lse, delta, dq, slopes, slopes, slopes, nrm)))
+                            lambda: bplan.dq((q, k, v, grad, lse, delta, dq, slopes, slopes, slopes, nrm, slopes)))
                     if kind is None:
                         row[f"delta_{tag}_ms"] = _bench(lambda: bplan.delta(dt))
                         row[f"backward_{tag}_ms"] = _bench(

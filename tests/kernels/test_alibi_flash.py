@@ -508,6 +508,167 @@ def test_skipping_prefill_after_a_cache_is_exact(dtype, skipping):
         assert torch.isfinite(alibi_flash(q, k, _far_keys_poisoned(v, 200, 136), slopes, scale=0.25)).all()
 
 
+# ------------------------------------------------------------------------------------------------
+# Keys of negligible weight are not visited (key-bias mode: the patched BLOOM, MPT and Falcon)
+# ------------------------------------------------------------------------------------------------
+
+
+def _padded_key_bias(slopes, pads, n):
+    """BLOOM's key bias: ``slope * (cumsum(mask) - 1) * mask`` per batch row of left padding ``pads``
+    (0 on the padding), ``(B, H, N)`` float32."""
+    positions = torch.arange(n, device=DEV)
+    valid = positions[None, :] >= torch.tensor(pads, device=DEV)[:, None]
+    counted = (valid.cumsum(-1) - 1).clamp_min(0) * valid
+    return slopes[None, :, None] * counted[:, None, :].float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_key_bias_negligible_keys_are_not_visited_and_the_result_is_exact(dtype, padded, skipping):
+    """As the slopes test, with the key bias the patched models pass (padding: 0 on the padded keys):
+    NaN in the far keys' values stays out of the late rows, which equal the float64 attention; with the
+    skip off it reaches them."""
+    b, h, n, d = 2, len(_STEEP), 256, 16
+    slopes = torch.tensor(_STEEP, device=DEV)
+    pads = [0, 7] if padded else [0, 0]
+    keep = _left_padded_keep(b, n, n, pads) if padded else None
+    bias = _padded_key_bias(slopes, pads, n)
+    q, k, v = _inputs(b, h, 1, n, n, d, dtype, seed=31, grad=False)
+    truth, _ = _oracle(q, k, v, bias, keep, True, d**-0.5)
+    late = slice(192, n)
+    poisoned = _far_keys_poisoned(v, 192, 128)
+    with torch.no_grad():
+        out = alibi_flash(q, k, poisoned, bias, scale=d**-0.5, keep=keep, key_bias=True)
+        assert torch.isfinite(out[:, :, late]).all()
+        _close(out[:, :, late], truth.detach()[:, :, late], dtype)
+        _close(alibi_flash(q, k, v, bias, scale=d**-0.5, keep=keep, key_bias=True), truth.detach(), dtype)
+        with _every_key(skipping):
+            unskipped = alibi_flash(q, k, poisoned, bias, scale=d**-0.5, keep=keep, key_bias=True)
+    assert torch.isnan(unskipped[:, :, late]).any()
+
+
+def _sink_bias(n):
+    """Steep ALiBi key biases with one far key (position 3) as high as the newest: a bias that is not
+    monotone, where the far key carries weight in every row."""
+    bias = _padded_key_bias(torch.tensor(_STEEP, device=DEV), [0], n)
+    bias[:, :, 3] = bias[:, :, -1]
+    return bias
+
+
+def test_a_far_key_of_high_bias_is_visited(skipping, monkeypatch):
+    """The bound is the running maximum of the key bias, not the bias at the position: a far key as
+    high as the newest is visited (outputs and gradients equal the float64 attention). Fault injection:
+    with the bias itself as its own running maximum the search skips past it and the comparison
+    fails. Queries at the last 40 positions (a prefill). Gradients to 1e-4: the sink's probability (near 1 in every
+    row) comes from base-2 scores and log-sum-exps of magnitude up to ~180 (slope 4 over 40 rows), each
+    rounded to 2**-24 of that in float32, and dv of the sink sums 40 such rows."""
+    n, d = 256, 16
+    bias = _sink_bias(n)
+    q, k, v = _inputs(1, len(_STEEP), len(_STEEP), 40, n, d, torch.float32, seed=32)
+    out = alibi_flash(q, k, v, bias, scale=d**-0.5, key_bias=True)
+    truth, leaves = _oracle(q, k, v, bias, None, True, d**-0.5)
+    _close(out, truth.detach(), torch.float32)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    truth.backward(grad.double())
+    for got, leaf in zip((q, k, v), leaves):
+        torch.testing.assert_close(got.grad.double(), leaf.grad, rtol=1e-4, atol=1e-4 * leaf.grad.abs().max().item())
+    monkeypatch.setattr(skipping, "running_max", lambda key_bias: key_bias.contiguous())
+    with skipping.tuned(), torch.no_grad(), pytest.raises(AssertionError):  # (plans made afresh)
+        _close(alibi_flash(q, k, v, bias, scale=d**-0.5, key_bias=True), truth.detach(), torch.float32)
+
+
+@pytest.mark.parametrize("margin", [None, -40.0])
+def test_key_bias_skip_bound_too_loose_is_caught(margin, skipping):
+    """Fault injection in key-bias mode, forward and backward: -40 bits leaves out keys with weight
+    and the outputs and every gradient leave the float64 attention's; the shipped margin matches."""
+    b, h, n, d = 1, len(_STEEP), 256, 16
+    bias = _padded_key_bias(torch.tensor(_STEEP, device=DEV) / 8, [0], n)
+    q, k, v = _inputs(b, h, h, n, n, d, torch.float32, seed=33)
+    truth, leaves = _oracle(q, k, v, bias, None, True, d**-0.5)
+    with skipping.tuned() if margin is None else skipping.tuned(skip_margin_bits=margin):
+        out = alibi_flash(q, k, v, bias, scale=d**-0.5, key_bias=True)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+    truth.backward(grad.double())
+    wrong = []
+    for name, got, want in zip("oqkv", (out, q.grad, k.grad, v.grad), (truth, *(t.grad for t in leaves))):
+        try:
+            _close(got, want.detach(), torch.float32)
+        except AssertionError:
+            wrong.append(name)
+    assert wrong == ([] if margin is None else ["o", "q", "k", "v"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_key_bias_skipping_backward_is_exact(dtype, padded, skipping):
+    """Gradients with the skip on in key-bias mode (padded: right after 7 keys of padding) equal the
+    float64 attention's, grouped kv heads included."""
+    b, h, n, d = 2, 6, 256, 16
+    pads = [0, 7] if padded else [0, 0]
+    keep = _left_padded_keep(b, n, n, pads) if padded else None
+    q, k, v = _inputs(b, h, 3, n, n, d, dtype, seed=34)
+    _check(q, k, v, _padded_key_bias(torch.tensor(_STEEP * 2, device=DEV), pads, n), keep=keep, key_bias=True)
+
+
+def test_key_bias_skipping_backward_does_not_visit_far_pairs(skipping):
+    """Key-bias mode: NaN in the late rows' output gradient stays out of dk/dv of the first keys, NaN in
+    the first keys' values out of dq of the late rows; with the skip off both arrive."""
+    b, h, n, d = 1, len(_STEEP), 256, 16
+    bias = _padded_key_bias(torch.tensor(_STEEP, device=DEV), [0], n)
+
+    def grads(poison_v: bool) -> tuple:
+        q, k, v = _inputs(b, h, h, n, n, d, torch.float32, seed=35)
+        v_in = _far_keys_poisoned(v, 192, 128).requires_grad_() if poison_v else v
+        out = alibi_flash(q, k, v_in, bias, scale=d**-0.5, key_bias=True)
+        grad = torch.randn_like(out)
+        if not poison_v:
+            grad[:, :, 192:] = float("nan")
+        out.backward(grad)
+        return q.grad, k.grad, (v_in.grad if poison_v else v.grad)
+
+    dq, _, _ = grads(poison_v=True)
+    assert torch.isfinite(dq[:, :, 192:]).all()
+    _, dk, dv = grads(poison_v=False)
+    assert torch.isfinite(dk[:, :, :64]).all() and torch.isfinite(dv[:, :, :64]).all()
+    with _every_key(skipping):
+        dq, _, _ = grads(poison_v=True)
+        _, dk, dv = grads(poison_v=False)
+    assert torch.isnan(dq[:, :, 192:]).any() and torch.isnan(dk[:, :, :64]).any()
+
+
+def test_a_nan_key_bias_far_back_is_not_skipped(skipping):
+    """A NaN in the key bias counts as +inf in its running maximum: no key after it is skipped, and
+    NaN reaches the same outputs and gradients as with the skip off."""
+    n = 256
+    bias = _padded_key_bias(torch.tensor(_STEEP, device=DEV), [0], n)
+    bias[:, :, 5] = float("nan")
+    q, k, v = _inputs(1, len(_STEEP), len(_STEEP), n, n, 16, torch.float32, seed=36, grad=False)
+
+    def run() -> list:
+        inputs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = alibi_flash(*inputs, bias, scale=0.25, key_bias=True)
+        out.backward(torch.ones_like(out))
+        return [out.detach(), *(t.grad for t in inputs)]
+
+    skipped = run()
+    with _every_key(skipping):
+        visited = run()
+    assert torch.isnan(visited[0][:, :, 192:]).any()
+    for got, want in zip(skipped, visited):
+        assert torch.isnan(want).any() and torch.equal(torch.isnan(got), torch.isnan(want))
+
+
+def test_running_max_of_the_key_bias():
+    """The skip's bound in key-bias mode: a running maximum along the keys, NaN as +inf, -inf kept."""
+    from torchembed.kernels.alibi_flash_triton import running_max
+
+    bias = torch.tensor([[[0.0, -1.0, 2.0, float("-inf"), 1.0], [float("-inf"), float("nan"), 0.0, -5.0, 1.0]]])
+    want = torch.tensor([[[0.0, 0.0, 2.0, 2.0, 2.0], [float("-inf"), float("inf"), float("inf"), float("inf"), float("inf")]]])
+    torch.testing.assert_close(running_max(bias.expand(2, -1, -1)), want.expand(2, -1, -1))
+
+
 def _compiled_variants(kernel) -> int:
     caches = getattr(kernel, "device_caches", None)
     if not isinstance(caches, dict):

@@ -27,11 +27,13 @@ Which keys a row sees (``MASK``):
 
 Every key block a row cannot see is skipped: a query block visits ``[min lo, max hi)`` only, in up to
 three loops (the masked tiles at the end first -- causal: the diagonal --, then the unmasked bulk, then
-the masked tiles at the start), so the bulk of a causal prefill runs with no mask arithmetic. With the
-slopes (``SKIP``, long prefills) the keys whose weight is provably negligible are not visited either:
-ALiBi's bias falls with distance, and ``|q.k| <= |q| |k|`` bounds every score by the head's largest key
-norm (:func:`_first_needed`; dq likewise against the saved log-sum-exp, and dk/dv stop after the last
-query block whose horizon, written by the delta kernel, reaches the key block). Programs of the
+the masked tiles at the start), so the bulk of a causal prefill runs with no mask arithmetic. In long
+prefills (``SKIP``) the keys whose weight is provably negligible are not visited either: ALiBi's bias
+falls with distance, and ``|q.k| <= |q| |k|`` bounds every score by the head's largest key norm
+(:func:`_first_needed`; dq likewise against the saved log-sum-exp, and dk/dv stop after the last query
+block whose horizon, written by the delta kernel, reaches the key block). With slopes the first needed
+key follows from the slope; with a key bias (padding makes it non-monotone) from its running maximum
+``reach`` (:func:`running_max`), which bounds the bias of every key up to a position. Programs of the
 shallowest slopes (ALiBi's last heads: the most keys to visit) are scheduled first.
 Every index is int64 before it meets a stride; all tensors take any strides. On Hopper and later GPUs
 the prefill kernel reads keys and values through tensor descriptors (``TMA``: the tensor memory
@@ -209,21 +211,47 @@ def _qk_bound(q, knorm, qk_scale):
 
 
 @triton.jit
-def _first_needed(m_i, q, knorm, c0, slope2, qk_scale, skip_log2, row_ok, N):
-    """The first key position any row of a query block needs (slopes mode, ``SKIP``): a key ``j``
-    is negligible for row ``i`` when even the Cauchy-Schwarz bound of its score,
-    ``|qk_scale| * |q_i| * knorm + slope2 * (j - c0)``, is below ``m_i - skip_log2`` (``m_i`` a score
-    the row has, base 2; ``knorm`` the largest key norm of the head): its weight is then under
-    ``2**-skip_log2`` of the row's largest. The bias falls with distance, so every key before that
-    position is negligible too. Rows that saw no key yet, NaN, a slope <= 0: nothing is skipped (0)."""
+def _first_reaching(Reach, reach_base, t, N, STEPS):
+    """The first key position ``j`` with ``reach[j] >= t`` (``N``: none), elementwise over ``t`` (a
+    scalar or a tensor): ``reach`` (key-bias mode: the running maximum of the key bias, NaN as inf)
+    does not decrease, so a binary search of ``STEPS >= bit_length(N)`` halvings finds it."""
+    lo = tl.zeros_like(t).to(tl.int32)
+    hi = lo + N
+    for _ in range(0, STEPS):
+        mid = (lo + hi) // 2
+        r = tl.load(Reach + reach_base + mid.to(tl.int64), mask=mid < N, other=float("inf"))
+        left = r >= t
+        hi = tl.where(left, mid, hi)
+        lo = tl.where(left, lo, mid + 1)
+    return lo
+
+
+@triton.jit
+def _first_needed(m_i, q, knorm, c0, kb0, slope2, qk_scale, skip_log2, row_ok, N, Reach, reach_base, STEPS,
+                  BIAS: tl.constexpr):
+    """The first key position any row of a query block needs (``SKIP``): a key ``j`` is negligible
+    for row ``i`` when even the Cauchy-Schwarz bound of its score, ``|qk_scale| * |q_i| * knorm +
+    bias2(j)`` (base 2, relative to ``c0``), is below ``m_i - skip_log2`` (``m_i`` a score the row has;
+    ``knorm`` the largest key norm of the head): its weight is then under ``2**-skip_log2`` of the
+    row's largest. Slopes: ``bias2(j) = slope2 * (j - c0)`` falls with distance, so every key before
+    that position is negligible too (a slope <= 0: nothing is skipped). Key bias: every key up to
+    ``j`` has a bias at most ``reach[j]``, the running maximum, and the first position where it
+    reaches the rows' smallest threshold is found by :func:`_first_reaching`. Rows that saw no key
+    yet, NaN: nothing is skipped (0)."""
     room = m_i - skip_log2 - _qk_bound(q, knorm, qk_scale)
-    j = c0.to(tl.float32) + room / tl.where(slope2 > 0.0, slope2, 1.0)
-    j = tl.where(row_ok, j, 3.0e38)  # rows past M constrain nothing
-    j = tl.where(j == j, j, -3.0e38)  # NaN: every key
-    first = tl.min(j, 0)
-    first = tl.where(slope2 > 0.0, first, -3.0e38)
-    first = tl.minimum(tl.maximum(first, 0.0), N * 1.0)
-    return first.to(tl.int32)
+    if BIAS == 0:
+        j = c0.to(tl.float32) + room / tl.where(slope2 > 0.0, slope2, 1.0)
+        j = tl.where(row_ok, j, 3.0e38)  # rows past M constrain nothing
+        j = tl.where(j == j, j, -3.0e38)  # NaN: every key
+        first = tl.min(j, 0)
+        first = tl.where(slope2 > 0.0, first, -3.0e38)
+        first = tl.minimum(tl.maximum(first, 0.0), N * 1.0)
+        return first.to(tl.int32)
+    else:
+        t = kb0 + room * 0.6931471805599453  # the key bias below which a key is negligible for the row
+        t = tl.where(row_ok, t, 3.0e38)
+        t = tl.where(t == t, t, -3.0e38)
+        return _first_reaching(Reach, reach_base, tl.min(t, 0), N, STEPS)
 
 
 @triton.jit
@@ -338,10 +366,10 @@ def _key_ranges(lo, hi, irregular, row_ok, N, BLOCK_N: tl.constexpr, MASK: tl.co
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, Lse, Bias, Rows, Keep, KNorm,
+    Q, K, V, Out, Lse, Bias, Rows, Keep, KNorm, Reach,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
-    sbb, sbh, sbn, srb, smb, smm, smn,
-    H, GROUP, M, N,
+    sbb, sbh, sbn, srb, smb, smm, smn, sxb, sxh,
+    H, GROUP, M, N, STEPS,
     qk_scale, skip_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, STORE_LSE: tl.constexpr,
@@ -393,7 +421,8 @@ def _fwd_kernel(
         needed = first
         if SKIP:  # keys whose weight is provably below 2**-skip_log2 of every row's largest: not visited
             knorm = _head_key_norm(KNorm, b * (H // GROUP) + hk, _NORM_PARTS)
-            needed = _first_needed(m_i, q, knorm, c0, slope2, qk_scale, skip_log2, row_ok, N) // BLOCK_N * BLOCK_N
+            needed = _first_needed(m_i, q, knorm, c0, kb0, slope2, qk_scale, skip_log2, row_ok, N, Reach,
+                                   b * sxb + h * sxh, STEPS, BIAS) // BLOCK_N * BLOCK_N
         for start_n in range(tl.maximum(full_lo, needed), full_hi, BLOCK_N):  # the bulk: no mask arithmetic
             start_n = tl.multiple_of(start_n, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base,
@@ -561,15 +590,17 @@ def _combine_kernel(
 
 @triton.jit
 def _bwd_delta_kernel(Out, DO, Delta, Q, Lse, Bias, Rows, KNorm, Horizon,
-                      sob, soh, som, sod, sgb, sgh, sgm, sgd, sqb, sqh, sqm, sqd, sbh, srb, H, GROUP, M, N,
+                      sob, soh, som, sod, sgb, sgh, sgm, sgd, sqb, sqh, sqm, sqd, sbb, sbh, sbn, srb, H, GROUP, M, N,
                       qk_scale, skip_log2,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
-                      SKIP: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BIAS: tl.constexpr,
+                      MASK: tl.constexpr, SKIP: tl.constexpr):
     """``delta[b, h, i] = sum_d dO * O`` (float32), the rowsum the softmax backward subtracts. ``SKIP``
-    (slopes mode) also ``horizon[b, h, block]``: the smallest over the block's rows of ``lse_i + slope2 *
-    c_i - bound_i - skip_log2`` (``c_i`` the row's last key, ``bound_i`` :func:`_qk_bound` with the head's
-    largest key norm): a key block whose last key ``j`` has ``slope2 * j`` below it gives every row of the
-    query block a weight under ``2**-skip_log2`` (-inf where that cannot be shown: NaN, a slope <= 0)."""
+    also ``horizon[b, h, block]``: the smallest over the block's rows of ``lse_i + bias2(c_i) - bound_i -
+    skip_log2`` (``c_i`` the row's last key, ``bias2`` the base-2 bias at a key relative to key 0:
+    ``slope2 * c_i`` or ``log2(e) * key_bias[c_i]``, ``bound_i`` :func:`_qk_bound` with the head's
+    largest key norm): a key block whose base-2 bias is at most ``bias2(j)`` at every key (its last key
+    ``j``; key bias: the running maximum there) below it gives every row of the query block a weight
+    under ``2**-skip_log2`` (-inf where that cannot be shown: NaN, a slope <= 0)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -585,11 +616,17 @@ def _bwd_delta_kernel(Out, DO, Delta, Q, Lse, Bias, Rows, KNorm, Horizon,
         q = tl.load(Q + b * sqb + h * sqh + rows * sqm + offs_d[None, :] * sqd, mask=m, other=0.0)
         lse = tl.load(Lse + bh * M + offs_m, mask=row_ok, other=float("inf"))
         lo, hi, irregular = _row_ranges(Rows, b * srb, offs_m, row_ok, M, N, MASK)
-        slope2 = _head_slope(Bias, h, sbh, 0)
         knorm = _head_key_norm(KNorm, b * (H // GROUP) + h // GROUP, _NORM_PARTS)
-        t = lse + slope2 * tl.maximum(hi - 1, 0).to(tl.float32) - _qk_bound(q, knorm, qk_scale) - skip_log2
+        c = tl.maximum(hi - 1, 0)
+        if BIAS == 0:
+            slope2 = _head_slope(Bias, h, sbh, 0)
+            bias_c = slope2 * c.to(tl.float32)
+        else:
+            bias_c = tl.load(Bias + b * sbb + h * sbh + c.to(tl.int64) * sbn, mask=row_ok, other=0.0) * 1.4426950408889634
+        t = lse + bias_c - _qk_bound(q, knorm, qk_scale) - skip_log2
         t = tl.where(t == t, t, float("-inf"))  # (NaN, inf - inf: needed)
-        t = tl.where(slope2 > 0.0, t, float("-inf"))  # (a slope <= 0: the bias does not fall with distance)
+        if BIAS == 0:
+            t = tl.where(slope2 > 0.0, t, float("-inf"))  # (a slope <= 0: the bias does not fall with distance)
         t = tl.where(row_ok, t, float("inf"))
         tl.store(Horizon + bh * tl.num_programs(0) + pid_m, tl.min(t, 0))
 
@@ -656,10 +693,10 @@ def _reach(Horizon, bh, NH, thr, M, HBLOCK: tl.constexpr):
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, Bias, Rows, Keep, Horizon,
+    Q, K, V, DO, Lse, Delta, DK, DV, Bias, Rows, Keep, Horizon, Reach,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgm, sgd,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-    sbb, sbh, sbn, srb, smb, smm, smn,
+    sbb, sbh, sbn, srb, smb, smm, smn, sxb, sxh,
     H, GROUP, M, N, NH,
     qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -692,8 +729,13 @@ def _bwd_dkdv_kernel(
         bias_base = b * sbb + h * sbh
         slope2 = _head_slope(Bias, h, sbh, BIAS)
         stop_m = M
-        if SKIP:  # the block's largest bias is at its last key
-            stop_m = _reach(Horizon, bh, NH, slope2 * (j0 + BLOCK_N - 1).to(tl.float32), M, HBLOCK)
+        if SKIP:  # the block's largest bias is at most the (running maximum of the) bias at its last key
+            if BIAS == 0:
+                thr = slope2 * (j0 + BLOCK_N - 1).to(tl.float32)
+            else:
+                j_last = tl.minimum(j0 + BLOCK_N, N) - 1
+                thr = tl.load(Reach + b * sxb + h * sxh + j_last.to(tl.int64)) * 1.4426950408889634
+            stop_m = _reach(Horizon, bh, NH, thr, M, HBLOCK)
         if MASK == 0:
             off = N - M
             start_m = tl.maximum(j0 - off, 0) // BLOCK_M * BLOCK_M
@@ -758,10 +800,10 @@ def _bwd_q_tile(dq, q, do, lse, delta, lo, hi, k_base, v_base, Bias, bias_base, 
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, Bias, Rows, Keep, KNorm,
+    Q, K, V, DO, Lse, Delta, DQ, Bias, Rows, Keep, KNorm, Reach,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgm, sgd, sdqb, sdqh, sdqm, sdqd,
-    sbb, sbh, sbn, srb, smb, smm, smn,
-    H, GROUP, M, N,
+    sbb, sbh, sbn, srb, smb, smm, smn, sxb, sxh,
+    H, GROUP, M, N, STEPS,
     qk_scale, scale, skip_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SKIP: tl.constexpr,
@@ -803,7 +845,8 @@ def _bwd_dq_kernel(
         needed = first
         if SKIP:  # as the forward's, against the log-sum-exp: p = exp2(s - lse) < 2**-skip_log2 before it
             knorm = _head_key_norm(KNorm, b * (H // GROUP) + hk, _NORM_PARTS)
-            needed = _first_needed(lse, q, knorm, c0, slope2, qk_scale, skip_log2, row_ok, N) // BLOCK_N * BLOCK_N
+            needed = _first_needed(lse, q, knorm, c0, kb0, slope2, qk_scale, skip_log2, row_ok, N, Reach,
+                                   b * sxb + h * sxh, STEPS, BIAS) // BLOCK_N * BLOCK_N
         for start_n in range(tl.maximum(full_lo, needed), full_hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             dq = _bwd_q_tile(dq, q, do, lse, delta, lo, hi, k_base, v_base, Bias, bias_base, keep_base, offs_m,
@@ -967,18 +1010,34 @@ def mask_rows(keep: Tensor) -> Tensor:
     return rows
 
 
-# Keys of negligible weight (slopes mode): ALiBi's bias falls linearly with distance, so far enough back
-# every score is provably below the row's largest by more than skip_margin_bits + log2(keys) bits
-# (Cauchy-Schwarz on q.k with the head's largest key norm): the kernels do not visit those keys. What
+# Keys of negligible weight: ALiBi's bias falls linearly with distance, so far enough back every score is
+# provably below the row's largest by more than skip_margin_bits + log2(keys) bits (Cauchy-Schwarz on q.k
+# with the head's largest key norm): the kernels do not visit those keys. With slopes the position follows
+# from the slope; with a key bias (padding: not monotone) from its running maximum (running_max). What
 # they leave out is under 2**-skip_margin_bits of each row's softmax mass, below float32 rounding.
 # TORCHEMBED_ALIBI_SKIP=0 visits every key. skip_min_keys: shorter calls are not worth the key-norm pass
 # (H200, 2026-12-02, scripts/alibi_skip_probe.py: 4 x 16 x 2048 x 64 forward 0.107 + 0.011 ms for the
 # norms against 0.131 without the skip; 1 x 16 x 1024 x 64 0.0228 + 0.006 against 0.0225).
 
 
-def skips_negligible(key_bias: bool, k_len: int) -> bool:
+def skips_negligible(k_len: int) -> bool:
     """Whether a prefill of ``k_len`` keys leaves out the keys of negligible weight."""
-    return _tuning.skip and not key_bias and k_len >= _tuning.skip_min_keys
+    return _tuning.skip and k_len >= _tuning.skip_min_keys
+
+
+def running_max(key_bias: Tensor) -> Tensor:
+    """``(B or 1, H, N)`` float32, contiguous: ``out[..., j] = max(key_bias[..., :j + 1])`` with NaN as
+    +inf (a NaN bias then keeps every key after it), the bound the skip takes in key-bias mode."""
+    inf = float("inf")
+    return torch.cummax(key_bias.nan_to_num(nan=inf, posinf=inf, neginf=-inf), dim=-1).values.contiguous()
+
+
+def _reach_strides(bias: Tensor, key_bias: bool) -> tuple[int, int]:
+    """The batch and head strides of :func:`running_max` of ``bias`` (0, 0: slopes mode, unread)."""
+    if not key_bias:
+        return 0, 0
+    heads, k_len = bias.shape[1], bias.shape[2]
+    return (0 if bias.shape[0] == 1 else heads * k_len), k_len
 
 
 def skip_log2(k_len: int) -> float:
@@ -1029,7 +1088,7 @@ class ForwardPlan:
     ``backwards``: its :class:`BackwardPlan` by the output gradient's strides (kept by the caller)."""
 
     __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "main", "combine", "prefill",
-                 "norms", "backwards")
+                 "norms", "reach", "backwards")
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None,
                  keep: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -1041,9 +1100,12 @@ class ForwardPlan:
         keep_t = bias if keep is None else keep.view(torch.uint8)
         norms = None
         if self.prefill:  # (norms: the skip's NormPlan, or None)
+            reach = bias
             if self.norms is not None:
                 norms = self.norms(k)
-            self.main((q, k, v, out, lse_t, bias, rows_t, keep_t, bias if norms is None else norms))
+                if self.reach:
+                    reach = running_max(bias)
+            self.main((q, k, v, out, lse_t, bias, rows_t, keep_t, bias if norms is None else norms, reach))
         elif self.combine is None and not self.part:
             self.main((q, k, v, out, lse_t, bias, rows_t, keep_t))
         else:
@@ -1074,6 +1136,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
     strides = (*_strides4(q), *_strides4(k), *_strides4(v), *out4, sbb, sbh, sbn, srb, smb, smm, smn)
     qk_scale = float(scale) * LOG2E
     plan = ForwardPlan()
+    plan.reach = key_bias
     plan.out_shape, plan.out_stride, plan.dtype, plan.device = (batch, heads, q_len, head_dim), out_stride, q.dtype, q.device
     plan.need_lse, plan.part, plan.combine, plan.prefill, plan.norms = need_lse, 0, None, False, None
     plan.backwards = {}
@@ -1103,12 +1166,13 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
             plan.main = lambda t, main=main: main((t[0], t[1], t[2], t[3], t[4], t[3], t[5], t[6], t[7]))
         return plan
     block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, masked)
-    skip = skips_negligible(key_bias, k_len)
+    skip = skips_negligible(k_len)
     plan.prefill, plan.norms = True, NormPlan(k) if skip else None
 
     def launch(tma: bool) -> Launch:
         return Launch(_fwd_kernel, (_cdiv(q_len, block_m), batch * heads, 1),
-                      (*strides, heads, group, q_len, k_len, qk_scale, skip_log2(k_len)),
+                      (*strides, *_reach_strides(bias, key_bias), heads, group, q_len, k_len, k_len.bit_length(),
+                       qk_scale, skip_log2(k_len)),
                       {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
                        "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "STORE_LSE": need_lse,
                        "TMA": tma, "SKIP": skip}, num_warps=warps, num_stages=stages)
@@ -1167,24 +1231,27 @@ class BackwardPlan:
     forward's key norms where it skipped (else computed here by ``norms``, the skip's :class:`NormPlan`,
     None without the skip)."""
 
-    __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq", "norms", "horizon_shape")
+    __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq", "norms", "reach", "horizon_shape")
 
     def __call__(self, grad, q, k, v, out, lse, bias, rows, keep, norms=None) -> tuple[Tensor, Tensor, Tensor]:
         # (each buffer allocated just before the first launch that needs it: the launches start sooner)
         delta = torch.empty(self.delta_shape, dtype=torch.float32, device=self.device)
         rows_t = bias if rows is None else rows
+        reach = bias
         if self.norms is not None:
             if norms is None:
                 norms = self.norms(k)
             horizon = torch.empty(self.horizon_shape, dtype=torch.float32, device=self.device)
+            if self.reach:
+                reach = running_max(bias)
         else:
             norms = horizon = bias  # (unread)
         self.delta((out, grad, delta, q, lse, bias, rows_t, norms, horizon))
         keep_t = bias if keep is None else keep.view(torch.uint8)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        self.dkdv((q, k, v, grad, lse, delta, dk, dv, bias, rows_t, keep_t, horizon))
+        self.dkdv((q, k, v, grad, lse, delta, dk, dv, bias, rows_t, keep_t, horizon, reach))
         dq = torch.empty_like(q)
-        self.dq((q, k, v, grad, lse, delta, dq, bias, rows_t, keep_t, norms))
+        self.dq((q, k, v, grad, lse, delta, dq, bias, rows_t, keep_t, norms, reach))
         return dq, dk, dv
 
 
@@ -1199,20 +1266,22 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
     masked = rows is not None
     srb, smb, smm, smn = _mask_strides(rows, keep)
     sbb, sbh, sbn = _bias_strides(bias, key_bias)
-    tail = (sbb, sbh, sbn, srb, smb, smm, smn)
+    tail = (sbb, sbh, sbn, srb, smb, smm, smn, *_reach_strides(bias, key_bias))
     qk_scale = float(scale) * LOG2E
     like = lambda t: _strides4(torch.empty_like(t, device="meta"))  # noqa: E731  (empty_like's strides)
     plan = BackwardPlan()
-    skip = skips_negligible(key_bias, k_len)
+    skip = skips_negligible(k_len)
     plan.delta_shape, plan.device, plan.norms = (batch, heads, q_len), q.device, NormPlan(k) if skip else None
+    plan.reach = key_bias
     floats = (qk_scale, float(scale), skip_log2(k_len))
     block = 16 if _INTERPRET else 64
     n_horizon = _cdiv(q_len, block)
     plan.horizon_shape = (batch, heads, n_horizon)
     plan.delta = Launch(_bwd_delta_kernel, (n_horizon, batch * heads, 1),
-                        (*_strides4(out), *_strides4(grad), *_strides4(q), sbh, srb, heads, group, q_len, k_len,
-                         qk_scale, skip_log2(k_len)),
-                        {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd, "MASK": int(masked), "SKIP": skip},
+                        (*_strides4(out), *_strides4(grad), *_strides4(q), sbb, sbh, sbn, srb, heads, group, q_len,
+                         k_len, qk_scale, skip_log2(k_len)),
+                        {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd, "BIAS": int(key_bias),
+                         "MASK": int(masked), "SKIP": skip},
                         num_warps=4, num_stages=1)
     common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad))
     consts = {"HEAD_DIM": head_dim, "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec}
@@ -1224,7 +1293,7 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
                         "HBLOCK": block}, num_warps=warps, num_stages=stages)
     block_m, block_n, warps, stages = config_for("dq", head_dim, q.dtype, masked)
     plan.dq = Launch(_bwd_dq_kernel, (_cdiv(q_len, block_m), batch * heads, 1),
-                     (*common, *like(q), *tail, heads, group, q_len, k_len, *floats),
+                     (*common, *like(q), *tail, heads, group, q_len, k_len, k_len.bit_length(), *floats),
                      {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
                       "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": skip}, num_warps=warps, num_stages=stages)
     return plan

@@ -161,7 +161,8 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, bandwid
     contexts = sorted(args.contexts)
     config = make_config(name, args.layers, contexts[-1], args.smoke)
     torch.manual_seed(args.seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=args.torch_dtype).to(device).eval()
+    with device:  # (weights made where they run: a 7B model's random init on the host takes minutes)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=args.torch_dtype).eval()
     base = model.base_model
     weights = sum(p.numel() * p.element_size() for p in base.parameters())
     dtype_bytes = next(base.parameters()).element_size()
