@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--trace-sync", action="store_true", help="print where a synchronising step synchronises")
     args = parser.parse_args()
     device = torch.device("cuda")
     rows = []
@@ -79,6 +80,17 @@ def main() -> None:
                     base(input_ids=nxt, past_key_values=cache, use_cache=True)
                     torch.cuda.synchronize()
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), flush=True)
+            if args.trace_sync and steps[-1][2]:  # where the step synchronises: the first such call raises
+                torch.cuda.set_sync_debug_mode(2)
+                try:
+                    with torch.no_grad():
+                        base(input_ids=nxt, past_key_values=cache, use_cache=True)
+                except RuntimeError:
+                    import traceback
+
+                    print("".join(traceback.format_exc().splitlines(keepends=True)[-24:]), flush=True)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
             cache = None
             torch.cuda.empty_cache()
         del model, base

@@ -364,7 +364,7 @@ def _key_ranges(lo, hi, irregular, row_ok, N, BLOCK_N: tl.constexpr, MASK: tl.co
     return first, full_lo, full_hi, n_a, n_b, hi_max, holes
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("STEPS",))  # (the search's length: no compile per power of two)
 def _fwd_kernel(
     Q, K, V, Out, Lse, Bias, Rows, Keep, KNorm, Reach,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
@@ -798,7 +798,7 @@ def _bwd_q_tile(dq, q, do, lse, delta, lo, hi, k_base, v_base, Bias, bias_base, 
     return _dot_acc(ds.to(k.dtype), k, dq, PREC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("STEPS",))  # (the search's length: no compile per power of two)
 def _bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, Bias, Rows, Keep, KNorm, Reach,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgm, sgd, sdqb, sdqh, sdqm, sdqd,
