@@ -76,10 +76,12 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
             if context == max(args.contexts):
-                with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                with torch.no_grad(), torch.profiler.profile(activities=activities) as prof:
                     base(input_ids=nxt, past_key_values=cache, use_cache=True)
                     torch.cuda.synchronize()
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18), flush=True)
+                for key in ("self_cpu_time_total", "self_device_time_total"):
+                    print(prof.key_averages().table(sort_by=key, row_limit=14, max_name_column_width=60), flush=True)
             if args.trace_sync and steps[-1][2]:  # where the step synchronises: the first such call raises
                 torch.cuda.set_sync_debug_mode(2)
                 try:
@@ -88,7 +90,7 @@ def main() -> None:
                 except RuntimeError:
                     import traceback
 
-                    print("".join(traceback.format_exc().splitlines(keepends=True)[-24:]), flush=True)
+                    print("".join(traceback.format_exc().splitlines(keepends=True)[-40:]), flush=True)
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
             cache = None

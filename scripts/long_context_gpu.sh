@@ -19,8 +19,8 @@ for phase in "$@"; do
     check)
       timeout 110 "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_alibi_flash.py \
         tests/patches/test_attention_backends.py -k "key_bias or far_key or running_max or cuda or compiles" 2>&1 | tail -n 6
-      timeout 70 "$PYTHON" scripts/decode_host_time.py --models mpt --contexts 1024 65536 --layers 4 --steps 6 \
-        --trace-sync 2>&1 | grep -v "^ \|^-\|Name" | tail -n 40 ;;
+      timeout 90 "$PYTHON" scripts/decode_host_time.py --models mpt bloom --contexts 1024 65536 --layers 2 --steps 6 \
+        --trace-sync --out "$RESULTS/decode-host-time.json" 2>&1 | grep -v "^---\|profiler.py\|_warn_once" ;;
     mpt)
       timeout 130 "$PYTHON" -m torchembed bench long --models mpt --variants patched --layers 32 --contexts 32768 65536 \
         --steps 8 --out "$RESULTS" --name long-context-mpt-32-after --max-seconds 100 2>&1 | tail -n 4 ;;
