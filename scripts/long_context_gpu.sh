@@ -29,7 +29,7 @@ for phase in "$@"; do
         --steps 6 --out "$RESULTS" --name long-context-bloom-30 --max-seconds 160 2>&1 | tail -n 8 ;;
     llama)
       timeout 330 "$PYTHON" -m torchembed bench long --models llama --layers 32 --contexts 131072 \
-        --steps 8 --generate 4 --out "$RESULTS" --name long-context-llama-32 --max-seconds 300 2>&1 | tail -n 8 ;;
+        --steps 8 --generate 32 --out "$RESULTS" --name long-context-llama-32 --max-seconds 300 2>&1 | tail -n 8 ;;
     others)
       timeout 240 "$PYTHON" -m torchembed bench long --models falcon qwen3 --layers 4 --contexts 16384 65536 131072 \
         --steps 8 --out "$RESULTS" --name long-context-falcon-qwen3-4 --max-seconds 200 2>&1 | tail -n 12 ;;
