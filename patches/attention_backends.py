@@ -1,15 +1,16 @@
 """Decode steps without a per-length cuDNN plan build: SDPA's backend choice for a patched model.
 
 On Hopper GPUs PyTorch's ``scaled_dot_product_attention`` prefers its cuDNN backend for half-precision
-attention, and cuDNN builds a new execution plan for every new key length. A decode loop that calls the
-model without an attention mask (``model(next_token, past_key_values=cache)``) meets it at every step:
-measured on an H200 (torch 2.11, 32k keys, two layers of LLaMA-3.1-8B's shape) 38-40 ms per step against
-2.8 ms with cuDNN left out, and likewise for a patched MPT (40 ms against 4.6 ms); ``generate``, which
-passes a mask, measured no such cost (``benchmarks/results/long-context.md``).
+attention, and cuDNN builds a new execution plan for every new key length: a decode loop meets a new
+length at every step. Measured on an H200 (torch 2.11, transformers 5.17): a plain loop
+(``model(next_token, past_key_values=cache)``), two layers of LLaMA-3.1-8B's shape at 32k keys, 38-40 ms
+per step against 2.8 ms with cuDNN left out (a patched MPT: 40 against 4.6 ms); ``generate`` with its
+attention mask (transformers drops an all-ones mask and SDPA takes cuDNN again), four layers at 64k keys,
+65 ms per token against 7 ms once the lengths' plans exist (``benchmarks/results/long-context.md``).
 
 A patched model therefore runs a forward of its base model (what the task model and ``generate`` call,
-and what a loop may call directly) that is a CUDA decode step (at most :data:`DECODE_QUERIES` queries)
-without an attention mask with SDPA restricted to flash, memory-efficient and math attention
+and what a loop may call directly) that is a CUDA decode step (at most :data:`DECODE_QUERIES` queries,
+with or without an attention mask) with SDPA restricted to flash, memory-efficient and math attention
 (the same function; numerics within bf16 rounding of cuDNN's): a forward pre-hook enters
 ``torch.nn.attention.sdpa_kernel`` and a forward hook that runs also when the forward raises leaves it.
 Per instance and switchable: ``torchembed.patch(model, cudnn_decode=True)`` keeps SDPA's own choice.
@@ -34,11 +35,9 @@ DECODE_QUERIES = 16  # a decode step, speculative ones included: at most this ma
 
 
 def trapped(args: tuple, kwargs: dict) -> bool:
-    """Whether a model's forward call is a CUDA decode step without an attention mask (where SDPA would
-    take cuDNN and build a plan for the new key length). Reads ``input_ids`` (keyword or first
-    positional argument) or ``inputs_embeds`` and ``attention_mask`` (keyword)."""
-    if kwargs.get("attention_mask") is not None:
-        return False
+    """Whether a model's forward call is a CUDA decode step (where SDPA would take cuDNN and build a plan
+    for the new key length), with or without an attention mask. Reads ``input_ids`` (keyword or first
+    positional argument) or ``inputs_embeds`` (keyword)."""
     x = kwargs.get("input_ids")
     if x is None and args and isinstance(args[0], torch.Tensor):
         x = args[0]

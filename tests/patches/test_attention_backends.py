@@ -1,5 +1,5 @@
 """The decode-step backend choice of a patched model: SDPA without cuDNN inside a trapped forward (a
-CUDA decode step without a mask), SDPA's own choice elsewhere and after it, also when it raises."""
+CUDA decode step, with or without a mask), SDPA's own choice elsewhere and after it, also when it raises."""
 
 import copy
 
@@ -53,7 +53,7 @@ def test_untrapped_forwards_keep_sdpas_choice():
     assert seen == [before] * 2
 
 
-def test_trapped_names_cuda_decode_steps_without_a_mask(monkeypatch):
+def test_trapped_names_cuda_decode_steps(monkeypatch):
     ids, long_ids = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, attention_backends.DECODE_QUERIES + 1, dtype=torch.long)
     embeds = torch.zeros(1, 1, 8)
     assert not attention_backends.trapped((ids,), {})  # CPU
@@ -61,7 +61,7 @@ def test_trapped_names_cuda_decode_steps_without_a_mask(monkeypatch):
     assert attention_backends.trapped((ids,), {})
     assert attention_backends.trapped((), {"input_ids": ids})
     assert attention_backends.trapped((), {"inputs_embeds": embeds})
-    assert not attention_backends.trapped((ids,), {"attention_mask": torch.ones(1, 5)})  # generate passes one
+    assert attention_backends.trapped((ids,), {"attention_mask": torch.ones(1, 5)})  # generate passes one
     assert not attention_backends.trapped((long_ids,), {})  # a prefill
     assert not attention_backends.trapped((), {})
 
@@ -87,8 +87,9 @@ def test_patch_records_the_hooks_and_unpatch_removes_them():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="SDPA's backends differ on CUDA only")
 def test_a_decode_loop_without_cudnn_matches_upstream_within_bf16():
-    """A plain decode loop (no mask) of the patched model (SDPA without cuDNN) against upstream (SDPA's own
-    choice): each step's bf16 logits agree within bf16 rounding of the logits' scale."""
+    """A decode loop (two steps without a mask, two with one) of the patched model (SDPA without cuDNN)
+    against upstream (SDPA's own choice): each step's bf16 logits agree within bf16 rounding of the
+    logits' scale."""
     config = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                                       num_hidden_layers=2, vocab_size=256, attn_implementation="sdpa")
     torch.manual_seed(0)
@@ -102,8 +103,9 @@ def test_a_decode_loop_without_cudnn_matches_upstream_within_bf16():
             out = model(ids, past_key_values=cache)
             steps = []
             nxt = ids[:, -1:]
-            for _ in range(4):
-                out = model(nxt, past_key_values=out.past_key_values)
+            for i in range(4):  # without a mask, then with the mask generate passes
+                mask = None if i < 2 else torch.ones(1, ids.shape[1] + i + 1, dtype=torch.long, device="cuda")
+                out = model(nxt, past_key_values=out.past_key_values, attention_mask=mask)
                 steps.append(out.logits.float())
             outs.append(torch.cat(steps))
     scale = outs[0].abs().max()
