@@ -186,7 +186,12 @@ def _cache_of(arguments: dict[str, Any]) -> Any:
 
 
 def _cache_update(cache: Any, k: Tensor, v: Tensor, layer_idx: int, arguments: dict[str, Any]) -> tuple[Tensor, Tensor]:
-    """``cache.update`` as each release calls it (4.x passes ``cache_position`` for static caches)."""
+    """``cache.update`` as each release calls it (4.x passes ``cache_position`` for static caches), with
+    ``k`` and ``v`` made contiguous first: they are strided views of the fused query-key-value projection
+    (BLOOM's heads interleave q, k and v), and a strided new key sends each decode step's concatenation
+    of the whole cache down CUDA's slow copy path (BLOOM-7B1 shape at 65k tokens on an H200: 1.7 ms per
+    layer and tensor; see ``benchmarks/results/long-context.md``)."""
+    k, v = k.contiguous(), v.contiguous()
     position = arguments.get("cache_position")
     if position is None:
         return cache.update(k, v, layer_idx)

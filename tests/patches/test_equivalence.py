@@ -89,3 +89,26 @@ def test_training_step_gradients_match(name, load):
             assert param.grad is None, pname
             continue
         torch.testing.assert_close(param.grad, ref_grad, rtol=1e-4, atol=1e-5 * ref_grad.abs().max().item() + 1e-12, msg=pname)
+
+
+@pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi", "falcon-alibi-mha"])
+def test_alibi_families_give_the_cache_contiguous_keys_and_values(name, load, monkeypatch):
+    """The patched ALiBi families hand the cache contiguous keys and values (prefill and decode), not
+    strided views of the fused query-key-value projection (whose concatenation onto a long cache takes
+    a slow copy path on CUDA)."""
+    import transformers
+
+    model = torchembed.patch(load(name))
+    seen = []
+    update = transformers.DynamicCache.update
+
+    def spy(self, key_states, value_states, *args, **kwargs):
+        seen.append(key_states.is_contiguous() and value_states.is_contiguous())
+        return update(self, key_states, value_states, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.DynamicCache, "update", spy)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = model(ids, past_key_values=transformers.DynamicCache(), use_cache=True)
+        model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+    assert len(seen) == 2 * model.config.num_hidden_layers and all(seen)

@@ -1000,7 +1000,10 @@ def mask_rows(keep: Tensor) -> Tensor:
     key = (keep.shape, keep.stride(), keep.device)
     launch = _ROWS_LAUNCHES.get(key)
     if launch is None:
-        block_q, block_k = (16, 32) if _INTERPRET else (32, 256)
+        # decode-shaped masks (a few rows, many keys): one program scans a row, so wide key blocks (a
+        # 65k-key row: 8 blocks of 8192 instead of 256 of 256)
+        block_q = min(32, _pow2(q_len))
+        block_q, block_k = (16, 32) if _INTERPRET else (block_q, max(256, 8192 // block_q))
         s = keep.stride()
         launch = _ROWS_LAUNCHES.keep(key, Launch(
             _rows_kernel, (_cdiv(q_len, block_q), batch, 1),
