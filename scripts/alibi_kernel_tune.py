@@ -366,11 +366,11 @@ def _time_backward(q, k, v, bias, keep, key_bias, reps=True):
     rows = None if keep is None else mask_rows(keep)
     scale = q.shape[-1] ** -0.5
     with torch.no_grad():
-        out, lse, norms = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
+        out, lse, bounds = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
     grad = torch.randn_like(out)
 
-    def step():  # (the forward's key norms, as the eager backward takes them)
-        _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias, norms)
+    def step():  # (the forward's skip bounds, as the eager backward takes them)
+        _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias, bounds)
 
     step()
     return _bench(step) if reps else None

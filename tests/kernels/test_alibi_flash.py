@@ -320,10 +320,19 @@ def test_gradients_with_create_graph_cannot_be_differentiated_again():
 
 
 # ------------------------------------------------------------------------------------------------
-# Keys of negligible weight are not visited (slopes mode)
+# Keys of negligible weight are not visited (slopes; the key bias of the patched BLOOM, MPT, Falcon)
 # ------------------------------------------------------------------------------------------------
 
 _STEEP = (1.0, 4.0, 0.5)  # slopes steep enough that, 256 keys long, most tiles are provably negligible
+
+
+def _padded_key_bias(slopes, pads, n):
+    """BLOOM's key bias: ``slope * (cumsum(mask) - 1) * mask`` per batch row of left padding ``pads``
+    (0 on the padding), ``(B, H, N)`` float32."""
+    positions = torch.arange(n, device=DEV)
+    valid = positions[None, :] >= torch.tensor(pads, device=DEV)[:, None]
+    counted = (valid.cumsum(-1) - 1).clamp_min(0) * valid
+    return slopes[None, :, None] * counted[:, None, :].float()
 
 
 @pytest.fixture
@@ -354,25 +363,28 @@ def _far_keys_poisoned(v, first_row, margin):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("padded", [False, True])
-def test_negligible_keys_are_not_visited_and_the_result_is_exact(dtype, padded, skipping):
+@pytest.mark.parametrize("key_bias", [False, True])
+def test_negligible_keys_are_not_visited_and_the_result_is_exact(dtype, padded, key_bias, skipping):
     """Far keys are left out: with NaN in their values the late rows stay finite and equal the float64
     attention of the clean values (whose far weights are below 2**-32 of each row's mass); with the
-    skip off the same NaN reaches them (the check can fail)."""
+    skip off the same NaN reaches them (the check can fail). Slopes, and the key bias the patched
+    models pass (padding: 0 on the padded keys)."""
     b, h, n, d = 2, len(_STEEP), 256, 16
     slopes = torch.tensor(_STEEP, device=DEV)
-    keep = _left_padded_keep(b, n, n, [0, 7]) if padded else None
-    q, k, v = _inputs(b, h, 1, n, n, d, dtype, seed=21, grad=False)
-    truth, _ = _oracle(q, k, v, slopes, keep, False, d**-0.5)
+    pads = [0, 7] if padded else [0, 0]
+    keep = _left_padded_keep(b, n, n, pads) if padded else None
+    bias = _padded_key_bias(slopes, pads, n) if key_bias else slopes
+    q, k, v = _inputs(b, h, 1, n, n, d, dtype, seed=31 if key_bias else 21, grad=False)
+    truth, _ = _oracle(q, k, v, bias, keep, key_bias, d**-0.5)
     late = slice(192, n)  # rows whose every needed key is within 128 positions (GPU tiles included)
     poisoned = _far_keys_poisoned(v, 192, 128)
     with torch.no_grad():
-        out = alibi_flash(q, k, poisoned, slopes, scale=d**-0.5, keep=keep)
-    assert torch.isfinite(out[:, :, late]).all()
-    _close(out[:, :, late], truth.detach()[:, :, late], dtype)
-    with torch.no_grad():  # every row of the clean call, too
-        _close(alibi_flash(q, k, v, slopes, scale=d**-0.5, keep=keep), truth.detach(), dtype)
-    with _every_key(skipping), torch.no_grad():
-        unskipped = alibi_flash(q, k, poisoned, slopes, scale=d**-0.5, keep=keep)
+        out = alibi_flash(q, k, poisoned, bias, scale=d**-0.5, keep=keep, key_bias=key_bias)
+        assert torch.isfinite(out[:, :, late]).all()
+        _close(out[:, :, late], truth.detach()[:, :, late], dtype)
+        _close(alibi_flash(q, k, v, bias, scale=d**-0.5, keep=keep, key_bias=key_bias), truth.detach(), dtype)
+        with _every_key(skipping):
+            unskipped = alibi_flash(q, k, poisoned, bias, scale=d**-0.5, keep=keep, key_bias=key_bias)
     assert torch.isnan(unskipped[:, :, late]).any()
 
 
@@ -416,25 +428,31 @@ def test_a_skip_bound_too_loose_is_caught_in_the_backward(margin, skipping):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("padded", [False, True])
-def test_skipping_backward_is_exact(dtype, padded, skipping):
+@pytest.mark.parametrize("key_bias", [False, True])
+def test_skipping_backward_is_exact(dtype, padded, key_bias, skipping):
     """Gradients with the skip on equal the float64 attention's (dq leaves out far key tiles, dk/dv far
-    query blocks)."""
-    b, h, n, d = 2, len(_STEEP), 256, 16
-    keep = _left_padded_keep(b, n, n, [0, 7]) if padded else None
-    q, k, v = _inputs(b, h, h, n, n, d, dtype, seed=23)
-    _check(q, k, v, torch.tensor(_STEEP, device=DEV), keep=keep)
+    query blocks), slopes and key bias (padded: right after 7 keys of padding), grouped kv heads."""
+    b, h, n, d = 2, 6, 256, 16
+    pads = [0, 7] if padded else [0, 0]
+    keep = _left_padded_keep(b, n, n, pads) if padded else None
+    q, k, v = _inputs(b, h, 3, n, n, d, dtype, seed=34 if key_bias else 23)
+    slopes = torch.tensor(_STEEP * 2, device=DEV)
+    _check(q, k, v, _padded_key_bias(slopes, pads, n) if key_bias else slopes, keep=keep, key_bias=key_bias)
 
 
-def test_skipping_backward_does_not_visit_far_pairs(skipping):
+@pytest.mark.parametrize("key_bias", [False, True])
+def test_skipping_backward_does_not_visit_far_pairs(key_bias, skipping):
     """NaN in the output gradient of the late rows does not reach dk/dv of the first keys, and NaN in
-    the first keys' values does not reach dq of the late rows, with the skip on; with it off both do."""
+    the first keys' values does not reach dq of the late rows, with the skip on; with it off both do.
+    Slopes and key bias."""
     b, h, n, d = 1, len(_STEEP), 256, 16
     slopes = torch.tensor(_STEEP, device=DEV)
+    bias = _padded_key_bias(slopes, [0], n) if key_bias else slopes
 
     def grads(poison_v: bool) -> tuple:
-        q, k, v = _inputs(b, h, h, n, n, d, torch.float32, seed=24)
+        q, k, v = _inputs(b, h, h, n, n, d, torch.float32, seed=35 if key_bias else 24)
         v_in = _far_keys_poisoned(v, 192, 128).requires_grad_() if poison_v else v
-        out = alibi_flash(q, k, v_in, slopes, scale=d**-0.5)
+        out = alibi_flash(q, k, v_in, bias, scale=d**-0.5, key_bias=key_bias)
         grad = torch.randn_like(out)
         if not poison_v:
             grad[:, :, 192:] = float("nan")
@@ -513,40 +531,6 @@ def test_skipping_prefill_after_a_cache_is_exact(dtype, skipping):
 # ------------------------------------------------------------------------------------------------
 
 
-def _padded_key_bias(slopes, pads, n):
-    """BLOOM's key bias: ``slope * (cumsum(mask) - 1) * mask`` per batch row of left padding ``pads``
-    (0 on the padding), ``(B, H, N)`` float32."""
-    positions = torch.arange(n, device=DEV)
-    valid = positions[None, :] >= torch.tensor(pads, device=DEV)[:, None]
-    counted = (valid.cumsum(-1) - 1).clamp_min(0) * valid
-    return slopes[None, :, None] * counted[:, None, :].float()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("padded", [False, True])
-def test_key_bias_negligible_keys_are_not_visited_and_the_result_is_exact(dtype, padded, skipping):
-    """As the slopes test, with the key bias the patched models pass (padding: 0 on the padded keys):
-    NaN in the far keys' values stays out of the late rows, which equal the float64 attention; with the
-    skip off it reaches them."""
-    b, h, n, d = 2, len(_STEEP), 256, 16
-    slopes = torch.tensor(_STEEP, device=DEV)
-    pads = [0, 7] if padded else [0, 0]
-    keep = _left_padded_keep(b, n, n, pads) if padded else None
-    bias = _padded_key_bias(slopes, pads, n)
-    q, k, v = _inputs(b, h, 1, n, n, d, dtype, seed=31, grad=False)
-    truth, _ = _oracle(q, k, v, bias, keep, True, d**-0.5)
-    late = slice(192, n)
-    poisoned = _far_keys_poisoned(v, 192, 128)
-    with torch.no_grad():
-        out = alibi_flash(q, k, poisoned, bias, scale=d**-0.5, keep=keep, key_bias=True)
-        assert torch.isfinite(out[:, :, late]).all()
-        _close(out[:, :, late], truth.detach()[:, :, late], dtype)
-        _close(alibi_flash(q, k, v, bias, scale=d**-0.5, keep=keep, key_bias=True), truth.detach(), dtype)
-        with _every_key(skipping):
-            unskipped = alibi_flash(q, k, poisoned, bias, scale=d**-0.5, keep=keep, key_bias=True)
-    assert torch.isnan(unskipped[:, :, late]).any()
-
-
 def _sink_bias(n):
     """Steep ALiBi key biases with one far key (position 3) as high as the newest: a bias that is not
     monotone, where the far key carries weight in every row."""
@@ -598,44 +582,6 @@ def test_key_bias_skip_bound_too_loose_is_caught(margin, skipping):
         except AssertionError:
             wrong.append(name)
     assert wrong == ([] if margin is None else ["o", "q", "k", "v"])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("padded", [False, True])
-def test_key_bias_skipping_backward_is_exact(dtype, padded, skipping):
-    """Gradients with the skip on in key-bias mode (padded: right after 7 keys of padding) equal the
-    float64 attention's, grouped kv heads included."""
-    b, h, n, d = 2, 6, 256, 16
-    pads = [0, 7] if padded else [0, 0]
-    keep = _left_padded_keep(b, n, n, pads) if padded else None
-    q, k, v = _inputs(b, h, 3, n, n, d, dtype, seed=34)
-    _check(q, k, v, _padded_key_bias(torch.tensor(_STEEP * 2, device=DEV), pads, n), keep=keep, key_bias=True)
-
-
-def test_key_bias_skipping_backward_does_not_visit_far_pairs(skipping):
-    """Key-bias mode: NaN in the late rows' output gradient stays out of dk/dv of the first keys, NaN in
-    the first keys' values out of dq of the late rows; with the skip off both arrive."""
-    b, h, n, d = 1, len(_STEEP), 256, 16
-    bias = _padded_key_bias(torch.tensor(_STEEP, device=DEV), [0], n)
-
-    def grads(poison_v: bool) -> tuple:
-        q, k, v = _inputs(b, h, h, n, n, d, torch.float32, seed=35)
-        v_in = _far_keys_poisoned(v, 192, 128).requires_grad_() if poison_v else v
-        out = alibi_flash(q, k, v_in, bias, scale=d**-0.5, key_bias=True)
-        grad = torch.randn_like(out)
-        if not poison_v:
-            grad[:, :, 192:] = float("nan")
-        out.backward(grad)
-        return q.grad, k.grad, (v_in.grad if poison_v else v.grad)
-
-    dq, _, _ = grads(poison_v=True)
-    assert torch.isfinite(dq[:, :, 192:]).all()
-    _, dk, dv = grads(poison_v=False)
-    assert torch.isfinite(dk[:, :, :64]).all() and torch.isfinite(dv[:, :, :64]).all()
-    with _every_key(skipping):
-        dq, _, _ = grads(poison_v=True)
-        _, dk, dv = grads(poison_v=False)
-    assert torch.isnan(dq[:, :, 192:]).any() and torch.isnan(dk[:, :, :64]).any()
 
 
 def test_a_nan_key_bias_far_back_is_not_skipped(skipping):

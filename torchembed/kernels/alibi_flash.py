@@ -210,8 +210,8 @@ def _plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse):
 
 def _forward(q, k, v, bias, rows, keep, scale, key_bias,
              need_lse) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-    """``(out, lse, key norms)``; the norms (None unless the kernel skipped negligible keys) spare the
-    backward its own pass over the keys."""
+    """``(out, lse, bounds)``; the skip's bounds (None unless the kernel skipped negligible keys: key
+    norms and the key bias's running maximum) spare the backward its own pass over the keys."""
     if not kernel_can_run(q):
         return (*_forward_reference(q, k, v, bias, rows, keep, scale, key_bias), None)
     if _empty(q, k):
@@ -226,7 +226,7 @@ def _empty(q: Tensor, k: Tensor) -> bool:
 
 
 def _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias,
-                     norms: Optional[Tensor] = None, plan=None) -> tuple[Tensor, Tensor, Tensor]:
+                     bounds: Optional[tuple[Tensor, Tensor]] = None, plan=None) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` by the kernels; ``plan``: the forward's, which keeps its backward plans by the
     output gradient's strides (else the backward plan is looked up by the whole signature)."""
     if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
@@ -236,14 +236,14 @@ def _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias,
         if backward is None:
             backward = plan.backwards[grad.stride()] = _triton.backward_plan(grad, q, k, v, out, bias, rows, keep,
                                                                             scale, key_bias)
-        return backward(grad, q, k, v, out, lse, bias, rows, keep, norms)
+        return backward(grad, q, k, v, out, lse, bias, rows, keep, bounds)
     key = ("backward", grad.shape, grad.stride(), out.stride(), *_signature(q, k, v, bias, rows, keep, scale,
                                                                            key_bias, True))
     backward = _PLANS.get(key)
     if backward is None:
         backward = _PLANS.keep(key, (_triton or _kernels()).backward_plan(grad, q, k, v, out, bias, rows, keep, scale,
                                                                      key_bias))
-    return backward(grad, q, k, v, out, lse, bias, rows, keep, norms)
+    return backward(grad, q, k, v, out, lse, bias, rows, keep, bounds)
 
 
 def _mask_rows(keep: Tensor) -> Tensor:
@@ -312,18 +312,18 @@ class _AlibiFlash(torch.autograd.Function):
 
     ``apply(q, k, v, call)`` with ``call = (bias, rows, keep, scale, key_bias, plan)``: what takes no
     gradient travels in one tuple (each argument of ``apply`` costs host time) and is kept on the
-    context, as are the kernel's own lse and key norms; ``plan``: the kept forward plan (None: the
+    context, as are the kernel's own lse and the skip's bounds; ``plan``: the kept forward plan (None: the
     PyTorch implementation, or nothing to launch)."""
 
     @staticmethod
     def forward(ctx, q, k, v, call):
         bias, rows, keep, scale, key_bias, plan = call
         if plan is None:
-            out, lse, norms = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
+            out, lse, bounds = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
         else:
-            out, lse, norms = plan(q, k, v, bias, rows, keep)
+            out, lse, bounds = plan(q, k, v, bias, rows, keep)
         ctx.save_for_backward(q, k, v, out)
-        ctx.call, ctx.lse, ctx.norms = call, lse, norms
+        ctx.call, ctx.lse, ctx.bounds = call, lse, bounds
         return out
 
     @staticmethod
@@ -343,7 +343,7 @@ class _AlibiFlash(torch.autograd.Function):
         bias, rows, keep, scale, key_bias, plan = ctx.call
         if plan is None and not kernel_can_run(q):
             return _backward_reference(grad_out, q, k, v, out, ctx.lse, bias, rows, keep, scale, key_bias)
-        return _backward_kernel(grad_out, q, k, v, out, ctx.lse, bias, rows, keep, scale, key_bias, ctx.norms, plan)
+        return _backward_kernel(grad_out, q, k, v, out, ctx.lse, bias, rows, keep, scale, key_bias, ctx.bounds, plan)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1049,31 +1049,32 @@ def skip_log2(k_len: int) -> float:
 
 
 class NormPlan:
-    """The key-norm pass of one key signature: ``plan(k) -> (B, Hk, NORM_PARTS)`` float32, the largest
-    key norm of each slice of the keys of ``k (B, Hk, N, D)`` (inf where a key has a NaN: the kernels
-    then skip nothing); one launch, ``NORM_PARTS`` programs per (batch, kv head). The kernels take the
-    maximum over the slices."""
+    """The skip's bounds for one key signature: ``plan(k, bias) -> (norms, reach)``. ``norms (B, Hk,
+    NORM_PARTS)`` float32: the largest key norm of each slice of the keys of ``k (B, Hk, N, D)`` (inf
+    where a key has a NaN: the kernels then skip nothing), one launch of ``NORM_PARTS`` programs per
+    (batch, kv head), the kernels taking the maximum over the slices; ``reach``: :func:`running_max` of
+    a key bias (``key_bias``), else ``bias`` itself (unread)."""
 
-    __slots__ = ("shape", "device", "launch")
+    __slots__ = ("shape", "device", "launch", "key_bias")
 
-    def __init__(self, k: Tensor) -> None:
+    def __init__(self, k: Tensor, key_bias: bool = False) -> None:
         batch, kv_heads, k_len, head_dim = k.shape
-        self.shape, self.device = (batch, kv_heads, NORM_PARTS), k.device
+        self.shape, self.device, self.key_bias = (batch, kv_heads, NORM_PARTS), k.device, key_bias
         chunk = _cdiv(k_len, NORM_PARTS)
         block_k = 16 if _INTERPRET else min(64, max(16, _pow2(chunk)))
         self.launch = Launch(_key_norm_kernel, (NORM_PARTS, batch * kv_heads, 1), (kv_heads, k_len, chunk, *_strides4(k)),
                              {"HEAD_DIM": head_dim, "BLOCK_K": block_k, "BLOCK_D": block_d(head_dim), "PARTS": NORM_PARTS},
                              num_warps=4, num_stages=1)
 
-    def __call__(self, k: Tensor) -> Tensor:
+    def __call__(self, k: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
         out = torch.empty(self.shape, dtype=torch.float32, device=self.device)
         self.launch((k, out))
-        return out
+        return out, running_max(bias) if self.key_bias else bias
 
 
 def key_norms(k: Tensor) -> Tensor:
-    """:class:`NormPlan` of ``k``, run once (the plans keep theirs)."""
-    return NormPlan(k)(k)
+    """The key norms of :class:`NormPlan` of ``k``, run once (the plans keep theirs)."""
+    return NormPlan(k)(k, k)[0]
 
 
 def _sms(device: torch.device) -> int:
@@ -1087,28 +1088,25 @@ def _sms(device: torch.device) -> int:
 class ForwardPlan:
     """The forward of one call signature (shapes, strides, dtypes, device, mask form, scale): its
     launches (the prefill kernel, or the split-key decode kernel and its combine) and the buffers
-    each call allocates. ``plan(q, k, v, bias, rows, keep) -> (out, lse or None, norms or None)``;
+    each call allocates. ``plan(q, k, v, bias, rows, keep) -> (out, lse or None, bounds or None)``;
     ``backwards``: its :class:`BackwardPlan` by the output gradient's strides (kept by the caller)."""
 
     __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "main", "combine", "prefill",
-                 "norms", "reach", "backwards")
+                 "norms", "backwards")
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None,
                  keep: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """``(out, lse or None, key norms or None)`` (the norms: what the skip's backward reuses)."""
+        """``(out, lse or None, the skip's bounds or None)`` (the bounds: what the skip's backward reuses)."""
         out = torch.empty_strided(self.out_shape, self.out_stride, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.out_shape[:3], dtype=torch.float32, device=self.device) if self.need_lse else None
         lse_t = out if lse is None else lse
         rows_t = bias if rows is None else rows  # (unread without a mask: any pointer will do)
         keep_t = bias if keep is None else keep.view(torch.uint8)
-        norms = None
+        bounds = None
         if self.prefill:  # (norms: the skip's NormPlan, or None)
-            reach = bias
             if self.norms is not None:
-                norms = self.norms(k)
-                if self.reach:
-                    reach = running_max(bias)
-            self.main((q, k, v, out, lse_t, bias, rows_t, keep_t, bias if norms is None else norms, reach))
+                bounds = self.norms(k, bias)
+            self.main((q, k, v, out, lse_t, bias, rows_t, keep_t, *(bounds or (bias, bias))))
         elif self.combine is None and not self.part:
             self.main((q, k, v, out, lse_t, bias, rows_t, keep_t))
         else:
@@ -1116,7 +1114,7 @@ class ForwardPlan:
             self.main((q, k, v, out, lse_t, part, bias, rows_t, keep_t))
             if self.combine is not None:
                 self.combine((out, lse_t, part))
-        return out, lse, norms
+        return out, lse, bounds
 
 
 def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None, keep: Tensor | None,
@@ -1139,7 +1137,6 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
     strides = (*_strides4(q), *_strides4(k), *_strides4(v), *out4, sbb, sbh, sbn, srb, smb, smm, smn)
     qk_scale = float(scale) * LOG2E
     plan = ForwardPlan()
-    plan.reach = key_bias
     plan.out_shape, plan.out_stride, plan.dtype, plan.device = (batch, heads, q_len, head_dim), out_stride, q.dtype, q.device
     plan.need_lse, plan.part, plan.combine, plan.prefill, plan.norms = need_lse, 0, None, False, None
     plan.backwards = {}
@@ -1170,7 +1167,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
         return plan
     block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, masked)
     skip = skips_negligible(k_len)
-    plan.prefill, plan.norms = True, NormPlan(k) if skip else None
+    plan.prefill, plan.norms = True, NormPlan(k, key_bias) if skip else None
 
     def launch(tma: bool) -> Launch:
         return Launch(_fwd_kernel, (_cdiv(q_len, block_m), batch * heads, 1),
@@ -1230,25 +1227,21 @@ class _TmaLaunch:
 
 class BackwardPlan:
     """The backward of one call signature: ``delta = rowsum(dO * O)``, then the dk/dv and dq kernels.
-    ``plan(grad, q, k, v, out, lse, bias, rows, keep, norms=None) -> (dq, dk, dv)``; ``norms``: the
-    forward's key norms where it skipped (else computed here by ``norms``, the skip's :class:`NormPlan`,
-    None without the skip)."""
+    ``plan(grad, q, k, v, out, lse, bias, rows, keep, bounds=None) -> (dq, dk, dv)``; ``bounds``: the
+    forward's where it skipped (else made here by ``norms``, the skip's :class:`NormPlan`, None without
+    the skip)."""
 
-    __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq", "norms", "reach", "horizon_shape")
+    __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq", "norms", "horizon_shape")
 
-    def __call__(self, grad, q, k, v, out, lse, bias, rows, keep, norms=None) -> tuple[Tensor, Tensor, Tensor]:
+    def __call__(self, grad, q, k, v, out, lse, bias, rows, keep, bounds=None) -> tuple[Tensor, Tensor, Tensor]:
         # (each buffer allocated just before the first launch that needs it: the launches start sooner)
         delta = torch.empty(self.delta_shape, dtype=torch.float32, device=self.device)
         rows_t = bias if rows is None else rows
-        reach = bias
         if self.norms is not None:
-            if norms is None:
-                norms = self.norms(k)
+            norms, reach = bounds or self.norms(k, bias)
             horizon = torch.empty(self.horizon_shape, dtype=torch.float32, device=self.device)
-            if self.reach:
-                reach = running_max(bias)
         else:
-            norms = horizon = bias  # (unread)
+            norms = horizon = reach = bias  # (unread)
         self.delta((out, grad, delta, q, lse, bias, rows_t, norms, horizon))
         keep_t = bias if keep is None else keep.view(torch.uint8)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -1274,8 +1267,7 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
     like = lambda t: _strides4(torch.empty_like(t, device="meta"))  # noqa: E731  (empty_like's strides)
     plan = BackwardPlan()
     skip = skips_negligible(k_len)
-    plan.delta_shape, plan.device, plan.norms = (batch, heads, q_len), q.device, NormPlan(k) if skip else None
-    plan.reach = key_bias
+    plan.delta_shape, plan.device, plan.norms = (batch, heads, q_len), q.device, NormPlan(k, key_bias) if skip else None
     floats = (qk_scale, float(scale), skip_log2(k_len))
     block = 16 if _INTERPRET else 64
     n_horizon = _cdiv(q_len, block)
