@@ -22,7 +22,7 @@ Parts (``--parts``, comma-separated):
   loss difference.
 * ``tp``: transformers' own tensor parallelism: the ~1B LLaMA checkpoint loaded with
   ``from_pretrained(tp_plan="auto")`` under ``torch.distributed.run`` (one process per GPU,
-  ``scripts/tp_worker.py``), patched. Its logits against the float32 one-GPU reference (patched no
+  this script with ``--tp-rank``), patched. Its logits against the float32 one-GPU reference (patched no
   worse than upstream, as ``infer``) and against the patched one-GPU bf16 model (the mean
   difference within twice that model's own bf16 error: tensor parallelism only reorders sums);
   unpatch bit-exact; greedy generation, upstream and patched in turns: decode ms/token.
@@ -48,12 +48,11 @@ from typing import Any
 
 import torch
 
-from torchembed.tools.launch import free_port, run_launcher
+from torchembed.tools.launch import free_port, hide_gpus, run_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "scripts" / "train_distributed.py"
 PARTS = ("infer", "parity", "tp", "speed")
-TP_WORKER = ROOT / "scripts" / "tp_worker.py"
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 ERROR_ALLOWANCE = 1.05  # patched bf16 mean error vs float32 <= 1.05 x upstream's
 PARAM_ATOL, LOSS_RTOL = 1e-5, 1e-5
@@ -265,10 +264,10 @@ def tensor_parallel(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(args.gpus)))
     prompt, new_tokens = (16, 4) if args.smoke else (512, 64)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.gpus}", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", str(TP_WORKER), "--checkpoint", str(path), "--inputs",
+           f"--master-port={free_port()}", __file__, "--tp-rank", "--checkpoint", str(path), "--inputs",
            str(workdir / "tp_inputs.pt"), "--out", str(workdir / "tp"), "--repeats", str(args.repeats),
            "--prompt", str(prompt), "--new-tokens", str(new_tokens)] + (["--cpu"] if args.smoke else [])
-    print(f"[tp] {args.gpus} processes: {' '.join(cmd[cmd.index(str(TP_WORKER)):])}", flush=True)
+    print(f"[tp] {args.gpus} processes: {' '.join(cmd[cmd.index('--tp-rank'):])}", flush=True)
     run = run_launcher(cmd, timeout_s=args.timeout, env=env, cwd=ROOT)
     if run.returncode != 0 or run.timed_out or not (workdir / "tp.json").exists():
         print(f"[tp] FAILED rc={run.returncode}\n{run.output[-3000:]}", flush=True)
@@ -292,6 +291,92 @@ def tensor_parallel(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                         and (record["generated_tokens_equal"] or not args.smoke))
     print(f"[tp] {json.dumps({k: v for k, v in record.items() if k != 'generate'})}", flush=True)
     return record
+
+
+# --- tp: one rank of the tensor-parallel run (this script, started with --tp-rank) -------------------
+
+
+def tp_rank(argv: list[str]) -> None:
+    """One process of the ``tp`` part: ``from_pretrained(path, tp_plan="auto")``, patched. Every rank runs
+    the same steps; rank 0 writes ``--out`` (``.pt``: logits of upstream, patched and unpatched on the
+    batch in ``--inputs``; ``.json``: the checks and greedy-generation timings, upstream and patched in
+    turns on the same model). ``--cpu``: gloo processes on the CPU, float32."""
+    import torch.distributed as dist
+
+    from torchembed.patches.loading import load_upstream
+
+    parser = argparse.ArgumentParser(prog="multi_gpu.py --tp-rank")
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--inputs", type=Path, required=True, help="a torch.save'd dict of forward inputs")
+    parser.add_argument("--out", type=Path, required=True, help="rank 0 writes OUT.pt and OUT.json")
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    if args.cpu:
+        hide_gpus()
+
+    import transformers
+
+    import torchembed
+    from torchembed.tools import bench
+
+    transformers.logging.set_verbosity_error()
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    if not args.cpu:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    model = load_upstream(transformers.AutoModelForCausalLM, args.checkpoint, tp_plan="auto", dtype=dtype).eval()
+    device = next(model.parameters()).device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs = {k: v.to(device) for k, v in torch.load(args.inputs).items()}
+
+    @torch.no_grad()
+    def logits() -> torch.Tensor:
+        return model(**inputs).logits.float().cpu()
+
+    upstream = logits()
+    torchembed.patch(model)
+    patched = logits()
+    components = len(torchembed.find_positional_components(model))
+    sharded = type(model.model.layers[0].self_attn.q_proj.weight).__name__
+    torchembed.unpatch(model)
+    restored = logits()
+
+    generate = []
+    for batch in (1, 8):
+        ids = torch.randint(1, model.config.vocab_size, (batch, args.prompt), generator=torch.Generator().manual_seed(batch))
+        ids = ids.to(device)
+        runs: dict[str, list] = {"upstream": [], "patched": []}
+        for repeat in range(args.repeats + 1):  # the first round warms up
+            for variant in runs:
+                if variant == "patched":
+                    torchembed.patch(model)
+                out = bench.generate_timed(model, ids, args.new_tokens)
+                torchembed.unpatch(model)
+                if repeat:
+                    runs[variant].append(out)
+        row = {"batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens}
+        for variant, timings in runs.items():
+            per_token = bench.stats([t["per_token"] for t in timings])
+            row[variant] = {"prefill_ms": bench.stats([t["prefill"] for t in timings]), "per_token_ms": per_token}
+        row["decode_speedup"] = row["upstream"]["per_token_ms"]["median"] / row["patched"]["per_token_ms"]["median"]
+        generate.append(row)
+    # the greedy tokens of a patched and an upstream generation agree on this model too
+    ids = inputs["input_ids"][:1]
+    with torch.no_grad():
+        tokens_up = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        torchembed.patch(model)
+        tokens_pt = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        torchembed.unpatch(model)
+    if rank == 0:
+        torch.save({"upstream": upstream, "patched": patched, "restored": restored}, args.out.with_suffix(".pt"))
+        record = {"world_size": world, "weights": sharded, "components_patched": components,
+                  "unpatch_bit_exact": torch.equal(restored, upstream),
+                  "generated_tokens_equal": torch.equal(tokens_up.cpu(), tokens_pt.cpu()), "generate": generate}
+        args.out.with_suffix(".json").write_text(json.dumps(record))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 # --- training runs (parity, speed) ------------------------------------------------------------
@@ -543,4 +628,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    if sys.argv[1:2] == ["--tp-rank"]:
+        tp_rank(sys.argv[2:])
+    else:
+        sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""``scripts/pool_paired.py``: pooling the per-repeat upstream / patched ratios of e2e result files."""
+"""``benchmarks/pool_paired.py``: pooling the per-repeat upstream / patched ratios of e2e result files."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from torchembed.tools import bench
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "pool_paired.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pool_paired.py"
 
 
 def _load():

@@ -6,7 +6,7 @@ kernel's device time (``triton.testing.do_bench`` median, ms) next to SDPA witho
 the same run; each candidate's output is checked against a float32 reference. Prints a table and
 writes ``DIR/alibi-decode-splits.json``.
 
-    python scripts/alibi_decode_splits.py [--out DIR]
+    python benchmarks/probes/alibi_decode_splits.py [--out DIR]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Per (phase, model, batch, prompt length) this pools the samples of every file gi
 median with a bootstrap 95 % interval (resampling the pooled samples), as a markdown table.
 Runs recorded before ``bench e2e`` kept the per-repeat ratio (no ``paired_speedup``) are skipped.
 
-    python scripts/pool_paired.py benchmarks/results/e2e.json ... [--out pooled.md]
+    python benchmarks/pool_paired.py benchmarks/results/e2e.json ... [--out pooled.md]
 """
 
 from __future__ import annotations

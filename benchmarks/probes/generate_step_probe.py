@@ -5,7 +5,7 @@ attention mask, ``--new`` greedy tokens; a streamer synchronises and stamps each
 per-token time is the median interval between tokens (the prefill is not in it). The two variants
 alternate ``--rounds`` times; then the operators of a few generate steps by device and host time.
 
-    python scripts/generate_step_probe.py [--context 65536] [--layers 4] [--new 48]
+    python benchmarks/probes/generate_step_probe.py [--context 65536] [--layers 4] [--new 48]
 """
 
 from __future__ import annotations

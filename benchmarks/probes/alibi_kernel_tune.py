@@ -1,6 +1,6 @@
 """The fused ALiBi attention kernel on the GPU: correctness, block-shape sweep, then the benchmarks.
 
-    python scripts/alibi_kernel_tune.py [--out DIR] [--phases warm check sweep bench models] [--smoke]
+    python benchmarks/probes/alibi_kernel_tune.py [--out DIR] [--phases warm check sweep bench models] [--smoke]
                                         [--apply FILE] [--bench-args "..."] [--model-args "..."]
 
 * ``warm``: compiles every kernel variant the later phases launch, in parallel processes (Triton's

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Everything that needs a CUDA GPU, in one go: the test suite on the GPU (fused kernels for real),
-# numerics of every family with the fused kernel, and the benchmarks. Results (JSON + markdown)
-# go to $RESULTS (default benchmarks/results/<date>), logs to $RESULTS/logs.
-#   STEPS="tests compare rope alibi e2e" bash scripts/gpu_suite.sh
+# Everything that needs a CUDA GPU, in one go: GPU tests, numerics with the kernel, benchmarks.
+# The test suite on the GPU (fused kernels for real), numerics of every family with the fused kernel,
+# and the benchmarks. Results (JSON + markdown) go to $RESULTS (default benchmarks/results/<date>),
+# logs to $RESULTS/logs.
+#   STEPS="tests compare rope alibi e2e" bash benchmarks/probes/gpu_suite.sh
 # Uses the interpreter's own torch/triton/transformers (no install of those).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
 RESULTS=${RESULTS:-benchmarks/results/$(date +%F)}
 STEPS=${STEPS:-tests compare rope alibi e2e}
@@ -39,10 +40,10 @@ for step in $STEPS; do
              timeout "${COMPARE_LIMIT:-600}" "$PYTHON" -m torchembed compare --device cuda --json \
                >"$RESULTS/compare_cuda.json" 2>"$RESULTS/logs/compare.log"
              echo "=== compare: rc=$? (1 = a mismatch)" ;;
-    tune)    run tune "${TUNE_LIMIT:-600}" "$PYTHON" scripts/tune_rope.py ;;
+    tune)    run tune "${TUNE_LIMIT:-600}" "$PYTHON" benchmarks/probes/tune_rope.py ;;
     rope)    run rope "${ROPE_LIMIT:-900}" "$PYTHON" -m torchembed bench rope --out "$RESULTS" ${ROPE_ARGS:-} ;;
     alibi)   run alibi "${ALIBI_LIMIT:-900}" "$PYTHON" -m torchembed bench alibi --out "$RESULTS" ${ALIBI_ARGS:---variants upstream patched patched-kernel} ;;
-    alibi-kernel) run alibi-kernel "${ALIBI_KERNEL_LIMIT:-600}" "$PYTHON" scripts/alibi_kernel_tune.py --out "$RESULTS" ${ALIBI_KERNEL_ARGS:-} ;;
+    alibi-kernel) run alibi-kernel "${ALIBI_KERNEL_LIMIT:-600}" "$PYTHON" benchmarks/probes/alibi_kernel_tune.py --out "$RESULTS" ${ALIBI_KERNEL_ARGS:-} ;;
     e2e)     run e2e "${E2E_LIMIT:-1200}" "$PYTHON" -m torchembed bench e2e --out "$RESULTS" ${E2E_ARGS:-} ;;
     *) echo "unknown step $step" ;;
   esac

@@ -7,7 +7,7 @@ start: the step is synchronised before), the whole step (synchronised), and the 
 synchronisations inside the forward (``torch.cuda.set_sync_debug_mode``). Medians of the steps after
 the first two; then one step's top operators by host time at the longest context.
 
-    python scripts/decode_host_time.py [--models mpt llama] [--contexts 1024 8192 65536] [--layers 4]
+    python benchmarks/probes/decode_host_time.py [--models mpt llama] [--contexts 1024 8192 65536] [--layers 4]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ time ``--steps`` plain-loop decode steps (``model(next, past_key_values=cache)``
 decode (``fused=True``). Prints per-step times (the first steps show compiles and plan builds) and the
 top host-time operators of one step.
 
-    python scripts/long_decode_probe.py [--context 32768] [--layers 2] [--steps 8]
+    python benchmarks/probes/long_decode_probe.py [--context 32768] [--layers 2] [--steps 8]
 """
 
 from __future__ import annotations

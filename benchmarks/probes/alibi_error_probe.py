@@ -1,7 +1,8 @@
-"""Errors of bf16 ALiBi attention against a float32 reference, max and mean, for the fused kernel,
-FlexAttention + ALiBi and SDPA with the materialised bias (GPU).
+"""Errors of bf16 ALiBi attention against float32: the fused kernel, FlexAttention + ALiBi, SDPA + bias (GPU).
 
-    python scripts/alibi_error_probe.py [--out FILE] [--seeds N] [--shapes B,H,S,D ...]
+Max and mean error of each against a float32 reference.
+
+    python benchmarks/probes/alibi_error_probe.py [--out FILE] [--seeds N] [--shapes B,H,S,D ...]
 
 Per causal prefill shape and seed (standard-normal q, k, v laid out as (B, S, H, D)), over batch 0, all
 heads, every query row: max |out - ref| and mean |out - ref|.

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Side by side on one GPU: this checkout against an older tree of the package (BASE, a folder with a
-# checkout of another commit): RoPE device time (README shapes), host time per decode call of each
-# public RoPE route, the ALiBi layer table (one attention layer, forward), e2e decode of LLaMA.
-#   BASE=_baseline RESULTS=$OUT bash scripts/compare_commits_gpu.sh
+# Speed of this checkout against another commit's tree, side by side on one GPU.
+# BASE is a folder with a checkout of the other commit. Measured: RoPE device time (README shapes),
+# host time per decode call of each public RoPE route, the ALiBi layer table (one attention layer,
+# forward), e2e decode of LLaMA.
+#   BASE=_baseline RESULTS=$OUT bash benchmarks/probes/compare_commits_gpu.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3}
 BASE=${BASE:?a folder holding the other commit\'s tree}
 RESULTS=${RESULTS:-benchmarks/results/compare-$(date +%F)}

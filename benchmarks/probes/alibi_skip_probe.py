@@ -1,6 +1,6 @@
 """Where the time of the ALiBi kernels goes with and without the negligible-key skip (GPU).
 
-    python scripts/alibi_skip_probe.py [--out FILE] [--shapes B,H,S,D ...] [--configs]
+    python benchmarks/probes/alibi_skip_probe.py [--out FILE] [--shapes B,H,S,D ...] [--configs]
 
 Per causal prefill shape (bf16, random normal inputs laid out as (B, S, H, D) like a model's): the
 forward kernel alone with the skip off and on (key norms computed beforehand), the key-norm pass alone,

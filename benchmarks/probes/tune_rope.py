@@ -9,7 +9,7 @@ from ``inv_freq`` in the kernel), tokens per program (tile), heads per program, 
 -- and forward+backward of the default setting timed three ways (``do_bench``; replayed from a
 CUDA graph, i.e. device time only; host wall time per call).
 
-    python scripts/tune_rope.py [--json out.json] [--quick]
+    python benchmarks/probes/tune_rope.py [--json out.json] [--quick]
 """
 
 from __future__ import annotations

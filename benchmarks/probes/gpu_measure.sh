@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The measurements behind the README's ALiBi and RoPE host/CPU tables, in one GPU-machine call:
-# the ALiBi attention layer against its anchors, the ALiBi models, the RoPE host time per decode call,
+# The measurements behind the README's ALiBi and RoPE host/CPU tables, in one GPU-machine call.
+# The ALiBi attention layer against its anchors, the ALiBi models, the RoPE host time per decode call,
 # and SmolLM2-135M-shaped end-to-end on the host's CPU (float32 and bf16, 1 and 4 threads).
-#   OUT=DIR bash scripts/gpu_measure.sh      (results and logs in DIR, packed into DIR/results.tar)
+#   OUT=DIR bash benchmarks/probes/gpu_measure.sh      (results and logs in DIR, packed into DIR/results.tar)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-torchembed-results}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT/m"

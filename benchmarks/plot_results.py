@@ -1,6 +1,6 @@
 """Plot benchmark JSON files (from ``torchembed bench ...``) as PNGs next to them.
 
-    python scripts/plot_results.py benchmarks/results
+    python benchmarks/plot_results.py benchmarks/results
 """
 
 from __future__ import annotations

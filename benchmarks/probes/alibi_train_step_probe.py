@@ -1,6 +1,6 @@
 """Forward + backward of ALiBi attention against cuDNN's causal attention (no bias), three ways (GPU).
 
-    python scripts/alibi_train_step_probe.py [--out FILE] [--shapes B,H,S,D ...] [--repeats N]
+    python benchmarks/probes/alibi_train_step_probe.py [--out FILE] [--shapes B,H,S,D ...] [--repeats N]
 
 Per causal prefill shape (bf16, inputs laid out as (B, S, H, D) like a model's, viewed as (B, H, S, D)),
 for cuDNN's SDPA without bias (the floor), ``alibi_flash`` (the kernel's entry point) and

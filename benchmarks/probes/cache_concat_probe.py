@@ -4,7 +4,7 @@
 contiguous or a view with a head stride of ``3 * 128`` (BLOOM's fused q, k, v), as DynamicCache does
 each step; CUDA-event medians. The floor: reading and writing the cache at the measured copy rate.
 
-    python scripts/cache_concat_probe.py [--keys 16384 65536]
+    python benchmarks/probes/cache_concat_probe.py [--keys 16384 65536]
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 A left-padded batch of 2, 100 decode steps with the growing attention mask (as ``generate`` passes it),
 one thread; prints the median and best of 5 runs in ms per step. Run it with ``PYTHONPATH`` set to each
-of two checkouts in turn to compare their host cost (benchmarks/results/redesign-speed.md).
+of two checkouts in turn to compare their host cost.
 
-    PYTHONPATH=. python scripts/alibi_decode_host.py LABEL
+    PYTHONPATH=. python benchmarks/probes/alibi_decode_host.py LABEL
 """
 
 import time, statistics, torch, transformers, torchembed, sys
