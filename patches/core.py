@@ -19,7 +19,7 @@ from torchembed import kernels
 from torchembed.kernels.availability import check_fused, why_not
 from torchembed.patches import families  # noqa: F401  (registers the adapters)
 from torchembed.patches.actions import Component
-from torchembed.patches.attention_backends import DecodeBackendHooks
+from torchembed.patches.forward_scope import ForwardScopeHooks
 from torchembed.patches.errors import FusedUnavailableError, StructureError, UnsupportedModelError
 from torchembed.patches.registry import Family, PatchOptions, family_for, supported_families
 
@@ -27,7 +27,7 @@ __all__ = ["patch", "unpatch", "is_patched", "patched", "find_positional_compone
 
 M = TypeVar("M", bound=nn.Module)
 _RECORD = "_torchembed_patch"
-_BACKENDS = "attention-backends"  # the kind of the decode-step backend choice (not a positional component)
+_SCOPE = "forward-scope"  # the kind of the per-forward hooks (not a positional component)
 
 
 @dataclass
@@ -39,8 +39,8 @@ class PatchRecord:
 
     @property
     def components(self) -> list[Component]:
-        """The positional components swapped (not the decode-step backend choice)."""
-        return [a.component for a in self.actions if a.component.kind != _BACKENDS]
+        """The positional components swapped (not the per-forward hooks)."""
+        return [a.component for a in self.actions if a.component.kind != _SCOPE]
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -98,20 +98,19 @@ def _check_fused(model: nn.Module, family: Family, fused: bool | None) -> None:
 
 
 def _plan(model: nn.Module, family: Family, fused: bool | None, cudnn_decode: bool = False) -> list[Any]:
-    """Every action of every adapter, each adapter having checked the structure it relies on; then,
-    unless ``cudnn_decode``, the decode-step backend choice (:mod:`torchembed.patches.attention_backends`)."""
-    options = PatchOptions(fused=fused)
+    """Every action of every adapter, each adapter having checked the structure it relies on; then the
+    hooks that keep one forward's derivations for that forward (:mod:`torchembed.patches.forward_scope`)."""
+    options = PatchOptions(fused=fused, cudnn_decode=cudnn_decode)
     actions = [action for adapter in family.adapters for action in adapter.plan(model, model.config, options, family)]
     if not actions:
         raise StructureError(family.name, type(model).__name__, "at least one positional component",
                              "none (the installed transformers may have restructured this model)")
-    if not cudnn_decode:
-        base = getattr(model, "base_model", model)  # what every caller's forward reaches (the task model calls it)
-        base = base if isinstance(base, nn.Module) else model
-        path = next((name for name, module in model.named_modules() if module is base), "")
-        component = Component(path, _BACKENDS, f"{type(base).__qualname__} SDPA backends",
-                              "torchembed.patches.attention_backends.DecodeBackendHooks")
-        actions.append(DecodeBackendHooks(component, base))
+    base = getattr(model, "base_model", model)  # what every caller's forward reaches (the task model calls it)
+    base = base if isinstance(base, nn.Module) else model
+    path = next((name for name, module in model.named_modules() if module is base), "")
+    component = Component(path, _SCOPE, f"{type(base).__qualname__} forward",
+                          "torchembed.patches.forward_scope.ForwardScopeHooks")
+    actions.append(ForwardScopeHooks(component, base))
     return actions
 
 
@@ -132,7 +131,7 @@ def find_positional_components(model: nn.Module) -> list[Component]:
     if record is not None:
         return record.components
     family = _family_of(model)
-    return [action.component for action in _plan(model, family, None) if action.component.kind != _BACKENDS]
+    return [action.component for action in _plan(model, family, None) if action.component.kind != _SCOPE]
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -149,9 +148,11 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True, cudnn_dec
             the PyTorch path elsewhere; ``True`` requires the kernel; ``False`` never uses it.
         strict: if False, an unsupported model (or one whose transformers code is not structured as
             torchembed expects) is returned untouched with a warning.
-        cudnn_decode: keep SDPA's own backend choice for decode steps without an attention mask; by
-            default a CUDA decode step without a mask leaves cuDNN out, which builds a plan for every
-            new key length (:mod:`torchembed.patches.attention_backends`).
+        cudnn_decode: leave a CUDA decode step's attention to what upstream calls (SDPA, which picks its
+            backend, cuDNN on recent GPUs: a plan built for every new key length). By default a decode
+            step (at most :data:`~torchembed.patches.attention.DECODE_QUERIES` new tokens) runs
+            torchembed's split-key decode kernel, decided per call for this model only
+            (:mod:`torchembed.patches.attention`).
 
     Returns:
         The same model object. Patching a patched model is a no-op. A patched model inside

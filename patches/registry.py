@@ -27,6 +27,7 @@ class PatchOptions:
     """Choices made once per ``patch`` call and handed to every adapter."""
 
     fused: bool | None  # None: Triton where it can run; True: always (checked up front); False: never
+    cudnn_decode: bool = False  # decode steps' attention left to upstream (SDPA's backend choice)
 
 
 class Adapter(Protocol):

@@ -19,6 +19,7 @@ from torch import Tensor
 from torchembed import functional, kernels
 from torchembed.functional.rope import apply_rotary
 from torchembed.kernels.availability import FusedUnavailableError
+from torchembed.kernels.per_forward import current
 from torchembed.kernels.rope import use_rope_kernel
 from torchembed.patches.binding import CallSignature
 from torchembed.patches.recognition import (
@@ -55,9 +56,6 @@ class RotaryHelper:
                        and not rotation.trailing and rotation.broadcast in ("hs", "param")
                        and rotation.unsqueeze_default == 1 and not rotation.mrope and not rotation.indexed
                        and not rotation.tail and not rotation.prefix)
-        self._tables: tuple | None = None  # the last tables and their half tables (one forward's)
-        self._mrope: tuple | None = None  # the last M-RoPE tables and their merged ones
-        self._prep: tuple | None = None  # the last tables and their PyTorch-path forms (:meth:`_prepared`)
 
     @classmethod
     def get(cls, rotation: Rotation, upstream: Callable, fused: bool | None) -> "RotaryHelper":
@@ -117,13 +115,8 @@ class RotaryHelper:
 
     def _merged(self, first: Tensor, second: Tensor, sections: Any) -> tuple[Tensor, Tensor]:
         """M-RoPE tables merged (:func:`merge_mrope`), once per forward."""
-        kept = self._mrope
-        if kept is not None and kept[0] is first and kept[1] is second and kept[2] == list(sections):
-            return kept[3], kept[4]
-        merged = merge_mrope(first, sections), merge_mrope(second, sections)
-        if not torch.compiler.is_compiling():
-            self._mrope = (first, second, list(sections), *merged)
-        return merged
+        return _per_forward((first, second), (id(self), "mrope", tuple(sections)),
+                            lambda: (merge_mrope(first, sections), merge_mrope(second, sections)))
 
     def _rotate_sections(self, x: Tensor, first: Tensor, second: Tensor, sections: int, unsqueeze: int) -> Tensor:
         """Multidimensional RoPE: ``x (..., d)`` as ``sections`` equal feature sections, each rotated
@@ -140,17 +133,14 @@ class RotaryHelper:
         return apply_rotary(x.unflatten(-1, (sections, width)), c, s).flatten(-2)
 
     def _half(self, first: Tensor, second: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The half tables of ``(first, second)``, kept while the same tables come (every layer of a
-        forward gets the same ones)."""
-        kept = self._tables
-        if kept is not None and kept[0] is first and kept[1] is second:
-            return kept[2], kept[3]
-        c, s = self.rotation.half_tables(first, second)
-        if self.rotation.layout == "complex":  # views of every other float: copied once per forward
-            c, s = c.contiguous(), s.contiguous()
-        if not torch.compiler.is_compiling():
-            self._tables = (first, second, c, s)
-        return c, s
+        """The half tables of ``(first, second)``, once per forward (every layer gets the same tables)."""
+        def make() -> tuple[Tensor, Tensor]:
+            c, s = self.rotation.half_tables(first, second)
+            if self.rotation.layout == "complex":  # views of every other float: copied once per forward
+                c, s = c.contiguous(), s.contiguous()
+            return c, s
+
+        return _per_forward((first, second), (id(self), "half"), make)
 
     def _own_tables(self, first: Tensor, second: Tensor | None) -> tuple[Tensor, Tensor] | None:
         """The helper's own ``(cos, sin)`` where it multiplies each feature by its own entry (``cat``
@@ -237,16 +227,11 @@ class RotaryHelper:
     def _prepared(self, tables: tuple[Tensor, Tensor], rule: str, unsqueeze: int | None,
                   dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``tables`` broadcast as the helper does and in the rotation's compute dtype (float32, or
-        float64 for float64 inputs), kept while the same tables come: every layer of a forward gets
-        the same ones, so the PyTorch path converts them once per forward, not once per tensor."""
-        key = (rule, unsqueeze, torch.float64 if dtype == torch.float64 else torch.float32)
-        kept = self._prep
-        if kept is not None and kept[0] is tables[0] and kept[1] is tables[1] and kept[2] == key:
-            return kept[3], kept[4]
-        cb, sb = (_broadcast(t, rule, unsqueeze).to(key[2]) for t in tables)
-        if not torch.compiler.is_compiling():
-            self._prep = (tables[0], tables[1], key, cb, sb)
-        return cb, sb
+        float64 for float64 inputs), once per forward: every layer of a forward gets the same ones, so
+        the PyTorch path converts them once per forward, not once per tensor."""
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        return _per_forward(tables, ("prep", rule, unsqueeze, compute),
+                            lambda: tuple(_broadcast(t, rule, unsqueeze).to(compute) for t in tables))
 
     def _kernel_views(self, xs: list[Tensor], c: Tensor, rule: str | None):
         """``xs`` as the kernel's ``(B, H, S, D)`` views and a function making ``(B or 1, S, R/2)``
@@ -284,6 +269,13 @@ class RotaryHelper:
                 return None
         cb, sb = self._prepared((cos, sin), self.rotation.broadcast, 1, q.dtype)
         return functional.apply_rotary(q, cb, sb, full=True), functional.apply_rotary(k, cb, sb, full=True)
+
+
+def _per_forward(sources: tuple, tag: tuple, make: Callable[[], Any]) -> Any:
+    """``make()``, kept for the rest of this forward of a patched model (its other layers get the same
+    tables: :mod:`torchembed.kernels.per_forward`); computed afresh outside one and inside a graph."""
+    scope = None if torch.compiler.is_compiling() else current()
+    return make() if scope is None else scope.memo(sources, tag, make)
 
 
 def _rows(table: Tensor, x: Tensor, rule: str) -> Tensor:

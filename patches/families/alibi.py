@@ -55,36 +55,60 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchembed.functional.alibi import alibi_key_bias, alibi_slopes
-from torchembed.kernels.alibi_attention import alibi_attention, causal_keep, forward_cache
+from torchembed.kernels.alibi_attention import alibi_attention, causal_keep
+from torchembed.kernels.per_forward import current
 from torchembed.patches.actions import AddForwardPreHook, Component
 from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
 from torchembed.patches.devices import ShareDeviceCopies
 from torchembed.patches.errors import StructureError
 from torchembed.patches.registry import Family, PatchOptions, register
 
-__all__ = ["bloom_alibi_tensor", "falcon_key_bias", "falcon_no_model_bias", "mpt_alibi_tensor"]
+__all__ = ["AlibiOptions", "InstanceConstants", "bloom_alibi_tensor", "falcon_key_bias", "falcon_no_model_bias", "mpt_alibi_tensor"]
 
 
-# What the model builders derive from the config alone, built once per (heads, ..., device)
-# instead of at every forward (a host-to-device copy and a few launches per decode step).
-_CONSTANTS: dict[tuple, Tensor] = {}
+class InstanceConstants:
+    """What a patched model derives from its config alone (the slopes, MPT's bias table), built once per
+    (heads, length, device) instead of at every forward (a host-to-device copy and a few launches per
+    decode step) and kept per model instance: at most :attr:`LIMIT` entries, the oldest dropped. Inside a
+    graph that ``torch.compile`` traces nothing is kept (the graph builds them). A copy of the model (deep
+    copy, pickle) starts empty."""
+
+    LIMIT = 4
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple, Tensor] = {}
+
+    def get(self, key: tuple, make: Any) -> Tensor:
+        if torch.compiler.is_compiling():
+            return make()
+        value = self._kept.get(key)
+        if value is None:
+            if len(self._kept) >= self.LIMIT:
+                del self._kept[next(iter(self._kept))]
+            value = self._kept[key] = make()
+        return value
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __deepcopy__(self, memo: dict) -> "InstanceConstants":
+        return InstanceConstants()
+
+    def __reduce__(self) -> tuple:
+        return (InstanceConstants, ())
 
 
-def _constant(key: tuple, make: Any) -> Tensor:
-    if torch.compiler.is_compiling():  # inside a graph: build it there
-        return make()
-    value = _CONSTANTS.get(key)
-    if value is None:
-        value = _CONSTANTS[key] = make()
-    return value
+def _slopes(constants: InstanceConstants | None, num_heads: int, device: torch.device) -> Tensor:
+    make = lambda: alibi_slopes(num_heads, device)  # noqa: E731
+    return make() if constants is None else constants.get(("slopes", num_heads, device), make)
 
 
-def bloom_alibi_tensor(attention_mask: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
+def bloom_alibi_tensor(attention_mask: Tensor, num_heads: int, dtype: torch.dtype, *,
+                       constants: InstanceConstants | None = None) -> Tensor:
     """BLOOM's bias from a ``(b, k)`` mask: ``(b * h, 1, k)`` float32 (torchembed's BLOOM
-    attention consumes it in float32; ``dtype`` is ignored)."""
+    attention consumes it in float32; ``dtype`` is ignored). ``constants``: the model's."""
     batch, length = attention_mask.shape
-    device = attention_mask.device
-    slopes = _constant(("slopes", num_heads, device), lambda: alibi_slopes(num_heads, device))
+    slopes = _slopes(constants, num_heads, attention_mask.device)
     return alibi_key_bias(slopes, attention_mask).reshape(batch * num_heads, 1, length)
 
 
@@ -97,7 +121,8 @@ def falcon_no_model_bias(attention_mask: Tensor, num_heads: int, dtype: torch.dt
     return None
 
 
-def falcon_key_bias(attention_mask: Tensor | None, num_heads: int, k_len: int, device: torch.device) -> Tensor:
+def falcon_key_bias(attention_mask: Tensor | None, num_heads: int, k_len: int, device: torch.device, *,
+                    constants: InstanceConstants | None = None) -> Tensor:
     """Falcon's ALiBi bias in key-only form, ``(b or 1, h, k)`` float32, from the layer's causal mask.
 
     Falcon counts key positions over the keys that are not padding (``cumsum`` of the 2-D mask);
@@ -108,47 +133,58 @@ def falcon_key_bias(attention_mask: Tensor | None, num_heads: int, k_len: int, d
     Args:
         attention_mask: ``(b, q, k)`` or ``(b, 1, q, k)``, bool (True = attend) or additive float
             (0 = attend); None: no padding (plain causal attention).
-        num_heads: h; ``k_len``: keys; ``device``: where the slopes live.
+        num_heads: h; ``k_len``: keys; ``device``: where the slopes live; ``constants``: the model's.
     """
-    slopes = _constant(("slopes", num_heads, device), lambda: alibi_slopes(num_heads, device))
+    slopes = _slopes(constants, num_heads, device)
     if attention_mask is None:
-        return _causal_key_bias(slopes, k_len)
+        return alibi_key_bias(slopes, key_len=k_len)
     row = attention_mask[..., -1, :]  # the newest query's row: (b, 1, k) or (b, k)
     last_row = (row if row.dtype == torch.bool else row == 0).reshape(row.shape[0], -1)  # (b, k) keys it attends
     return alibi_key_bias(slopes, last_row)
 
 
-def _causal_key_bias(slopes: Tensor, k_len: int) -> Tensor:
-    """``slope * (j - (k - 1))`` ``(1, h, k)``: the bias of unpadded keys. Kept for the last few
-    (slopes, k) pairs, so that the layers of one forward get the same tensor and what is derived
-    from it (decode mask, the kernel's bias) is derived once (:func:`_attention`)."""
-    def make() -> Tensor:
-        return alibi_key_bias(slopes, key_len=k_len)
-
-    if torch.compiler.is_compiling():
-        return make()
-    key = (id(slopes), k_len)
-    bias = _CAUSAL_BIAS.pop(key, None)
-    if bias is None:
-        bias = make()
-        if len(_CAUSAL_BIAS) >= 4:  # a decode loop moves on to longer keys: drop the oldest
-            del _CAUSAL_BIAS[next(iter(_CAUSAL_BIAS))]
-    _CAUSAL_BIAS[key] = bias  # (re)inserted last
-    return bias
-
-
-_CAUSAL_BIAS: dict[tuple[int, int], Tensor] = {}  # keyed by id of a slopes tensor of _CONSTANTS (kept alive there)
-
-
-def mpt_alibi_tensor(num_heads: int, sequence_length: int, alibi_bias_max: float = 8, device=None) -> Tensor:
-    """MPT's bias ``(h, 1, L)`` float32: ``slope * (j - (L - 1))`` for keys ``j < L``. It depends
-    on the config only: built once per (heads, length, max bias, device) and shared (read-only)."""
+def mpt_alibi_tensor(num_heads: int, sequence_length: int, alibi_bias_max: float = 8, device=None, *,
+                     constants: InstanceConstants | None = None) -> Tensor:
+    """MPT's bias ``(h, 1, L)`` float32: ``slope * (j - (L - 1))`` for keys ``j < L``. It depends on
+    the config only: built once per (heads, length, max bias, device) and kept in the model's
+    ``constants`` (read-only)."""
 
     def make() -> Tensor:
         slopes = alibi_slopes(num_heads, device, max_bias=float(alibi_bias_max))
         return alibi_key_bias(slopes, key_len=sequence_length).transpose(0, 1)  # (1, h, L) -> (h, 1, L)
 
-    return _constant(("mpt", num_heads, sequence_length, float(alibi_bias_max), torch.device(device or "cpu")), make)
+    if constants is None:
+        return make()
+    return constants.get(("mpt", num_heads, sequence_length, float(alibi_bias_max), torch.device(device or "cpu")), make)
+
+
+class BoundBuilder:
+    """A family's bias builder with one model's :class:`InstanceConstants` bound (what a patched model
+    calls as its ``build_alibi_tensor``/``build_mpt_alibi_tensor``); picklable, named as the function."""
+
+    def __init__(self, function: Any, constants: InstanceConstants | None = None) -> None:
+        self.function, self.constants = function, constants if constants is not None else InstanceConstants()
+        self.__module__, self.__qualname__, self.__name__ = function.__module__, function.__qualname__, function.__name__
+        self.__doc__ = function.__doc__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        return self.function(*args, constants=self.constants, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return (BoundBuilder, (self.function,))
+
+    def __repr__(self) -> str:
+        return f"<{self.__qualname__} of one model ({len(self.constants)} constants kept)>"
+
+
+class OverrideBuilder(OverrideMethod):
+    """:class:`OverrideMethod` whose replacement gets each module's own :class:`InstanceConstants`."""
+
+    def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[Any]:
+        actions = super().plan(model, config, options, family)
+        for action in actions:
+            action.value = BoundBuilder(self.replacement)
+        return actions
 
 
 _CACHE_NAMES = ("cache", "past_key_values", "layer_past", "past_key_value")  # across releases
@@ -205,10 +241,10 @@ def _upstream(module: nn.Module, args: tuple, kwargs: dict, **changed: Any) -> A
     return type(module).forward(module, **{**_arguments(module, args, kwargs), **changed})
 
 
-def bloom_attention_forward(self: nn.Module, *args: Any, fused: bool | None = None,
+def bloom_attention_forward(self: nn.Module, *args: Any, options: AlibiOptions | None = None,
                             **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-    """``BloomAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs; ``fused``:
-    the patch's choice, see :func:`_attention`).
+    """``BloomAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs; ``options``:
+    the patch's choices and the model's constants, see :func:`_attention`).
 
     Upstream's forward runs instead for ``output_attentions``, a ``head_mask`` (4.x) and the
     ``slow_but_exact`` tensor-parallel emulation, with the bias in the model dtype it expects.
@@ -230,18 +266,18 @@ def bloom_attention_forward(self: nn.Module, *args: Any, fused: bool | None = No
         attention_mask = attention_mask[..., :k_len]
     heads = self.num_heads
     dropout = self.attention_dropout.p if self.training else 0.0
-    context = _attention(q, k, v, attention_mask, _bloom_keep, alibi, alibi, "bloom",
+    context = _attention(q, k, v, attention_mask, _bloom_keep, alibi, "bloom",
                          lambda: alibi.view(batch, heads, -1),  # (b*h,1,k) -> (b,h,k)
-                         scale=self.inv_norm_factor, dropout_p=dropout, fused=fused)
+                         scale=self.inv_norm_factor, dropout_p=dropout, options=options)
     context = context.transpose(1, 2).reshape(batch, q_len, self.hidden_size)  # (b, s, h*d)
     output = F.dropout(self.dense(context), p=self.hidden_dropout, training=self.training) + residual
     return output, None
 
 
-def falcon_attention_forward(self: nn.Module, *args: Any, fused: bool | None = None,
+def falcon_attention_forward(self: nn.Module, *args: Any, options: AlibiOptions | None = None,
                              **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-    """``FalconAttention.forward`` for ALiBi models with torchembed's ALiBi attention (``fused``: the
-    patch's choice, see :func:`_attention`).
+    """``FalconAttention.forward`` for ALiBi models with torchembed's ALiBi attention (``options``: the
+    patch's choices and the model's constants, see :func:`_attention`).
 
     Computes upstream's sdpa path, ``softmax(q k^T / sqrt(d) + alibi / sqrt(d) | mask) v``, with the
     bias derived from the mask (:func:`falcon_key_bias`); an ``alibi`` argument (4.57-5.24, None
@@ -268,7 +304,7 @@ def falcon_attention_forward(self: nn.Module, *args: Any, fused: bool | None = N
             "into; patch the whole model (torchembed.patch), not only its attention"
         )
     if a.get("output_attentions") or a.get("head_mask") is not None:
-        return _falcon_upstream(self, args, kwargs, a)
+        return _falcon_upstream(self, args, kwargs, a, options)
     batch, q_len, _ = hidden_states.shape
     q, k, v = _falcon_qkv(self, hidden_states)
     cache = _cache_of(a)
@@ -277,16 +313,15 @@ def falcon_attention_forward(self: nn.Module, *args: Any, fused: bool | None = N
     k_len = k.shape[-2]
     scale, heads = self.inv_norm_factor, self.num_heads
     dropout = getattr(self.attention_dropout, "p", self.attention_dropout) if self.training else 0.0  # 5.25: a float
-    # what every layer of this forward receives: the mask, or without one the (kept) unpadded bias
-    shared = attention_mask if attention_mask is not None else falcon_key_bias(None, heads, k_len, q.device)
-    context = _attention(q, k, v, attention_mask, _falcon_keep, shared, shared, ("falcon", scale),
-                         lambda: falcon_key_bias(attention_mask, heads, k_len, q.device) * scale,  # upstream: alibi / sqrt(d)
-                         scale=scale, dropout_p=dropout, fused=fused)
+    constants = options.constants if options is not None else None
+    context = _attention(q, k, v, attention_mask, _falcon_keep, attention_mask, ("falcon", scale, k_len),
+                         lambda: falcon_key_bias(attention_mask, heads, k_len, q.device, constants=constants) * scale,
+                         scale=scale, dropout_p=dropout, options=options)  # (upstream: alibi / sqrt(d))
     context = context.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)  # (b, q, h*d)
     return self.dense(context), None
 
 
-def _falcon_upstream(self: nn.Module, args: tuple, kwargs: dict, a: dict[str, Any]) -> Any:
+def _falcon_upstream(self: nn.Module, args: tuple, kwargs: dict, a: dict[str, Any], options: AlibiOptions) -> Any:
     """Upstream's eager ``FalconAttention.forward`` (attention weights, head masks) on what this
     release expects, computing the same function as the patched path: 4.57-5.24 take the key bias
     as ``alibi`` ``(b * h, 1, k)`` beside the unfolded additive mask; 5.25 takes the bias folded
@@ -296,7 +331,8 @@ def _falcon_upstream(self: nn.Module, args: tuple, kwargs: dict, a: dict[str, An
     k_len = hidden_states.shape[1] + (past.get_seq_length(self.layer_idx) if past is not None else 0)
     if attention_mask is not None:
         k_len = attention_mask.shape[-1]
-    bias = falcon_key_bias(attention_mask, self.num_heads, k_len, hidden_states.device)  # (b or 1, h, k)
+    constants = options.constants if options is not None else None
+    bias = falcon_key_bias(attention_mask, self.num_heads, k_len, hidden_states.device, constants=constants)  # (b or 1, h, k)
     mask = _additive_mask(attention_mask, hidden_states, k_len)  # (b or 1, 1, q, k)
     if "alibi" in _parameter_names(type(self).forward):
         batch = hidden_states.shape[0]
@@ -346,10 +382,10 @@ def _additive_mask(attention_mask: Tensor | None, hidden_states: Tensor, k_len: 
     return torch.where(keep, zero, torch.finfo(hidden_states.dtype).min)
 
 
-def mpt_attention_forward(self: nn.Module, *args: Any, fused: bool | None = None,
+def mpt_attention_forward(self: nn.Module, *args: Any, options: AlibiOptions | None = None,
                           **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-    """``MptAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs; ``fused``:
-    the patch's choice, see :func:`_attention`).
+    """``MptAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs; ``options``:
+    the patch's choices and the model's constants, see :func:`_attention`).
 
     Upstream's ``MptAttention`` always returns its attention weights; ``MptBlock`` does not pass
     ``output_attentions`` down. :class:`AttentionWeightsRequest` (a pre-hook on each block) records
@@ -383,10 +419,9 @@ def mpt_attention_forward(self: nn.Module, *args: Any, fused: bool | None = None
         return position_bias[None, :, 0, -k_len:]
 
     dropout = self.attn_dropout_p if self.training else 0.0
-    # MPT's mask is True where masked. It carries the forward's masks: the ALiBi table outlives the
-    # forward (a constant), so it cannot.
-    context = _attention(q, k, v, attention_mask, torch.logical_not, attention_mask, position_bias, ("mpt", k_len),
-                         key_bias, scale=self.softmax_scale, dropout_p=dropout, fused=fused)
+    # MPT's mask is True where masked
+    context = _attention(q, k, v, attention_mask, torch.logical_not, position_bias, ("mpt", k_len),
+                         key_bias, scale=self.softmax_scale, dropout_p=dropout, options=options)
     context = context.transpose(1, 2).reshape(batch, q_len, -1)  # (b, s, h*d)
     return self.out_proj(context), None
 
@@ -427,18 +462,24 @@ class RequestAttentionWeights:
         return actions
 
 
-def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, to_keep: Any, anchor: Tensor | None,
-               source: Tensor | None, tag: Any, key_bias: Any, *, scale: float, dropout_p: float,
-               fused: bool | None) -> Tensor:
+def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, to_keep: Any, source: Tensor | None,
+               tag: Any, key_bias: Any, *, scale: float, dropout_p: float, options: "AlibiOptions | None") -> Tensor:
     """ALiBi attention of one patched layer, ``(b, h, q, d)``; ``k``, ``v`` may have fewer heads: the
-    policy's (:func:`torchembed.kernels.alibi_attention.alibi_attention` with ``layer=True``), with the
-    forward's cache (:func:`~torchembed.kernels.alibi_attention.forward_cache`: keyed by HF's mask or,
-    without one, by ``anchor``). ``key_bias()`` builds the ``(b or 1, h, k)`` float32 bias from
-    ``source``, the bias tensor every layer receives (``tag`` names the family's derivation), once per
-    forward; ``to_keep`` makes HF's mask a keep mask."""
-    keep, cache = forward_cache(attention_mask, to_keep, anchor)
-    bias = key_bias() if cache is None or source is None else cache.memo(source, tag, key_bias)
-    return alibi_attention(q, k, v, bias, keep, scale=scale, dropout_p=dropout_p, cache=cache, fused=fused, layer=True)
+    policy's (:func:`torchembed.kernels.alibi_attention.alibi_attention` with ``layer=True``), with what
+    this forward derives once for all its layers kept in its
+    :class:`~torchembed.kernels.per_forward.PerForward` (none outside a patched model's forward):
+    ``to_keep`` makes HF's mask a keep mask, ``key_bias()`` builds the ``(b or 1, h, k)`` float32 bias from
+    ``source``, the tensor every layer receives (``tag`` names the family's derivation)."""
+    cache = None if torch.compiler.is_compiling() else current()
+    if cache is None:
+        keep = None if attention_mask is None else to_keep(attention_mask)
+        bias = key_bias()
+    else:
+        keep = None if attention_mask is None else cache.memo(attention_mask, "keep", lambda: to_keep(attention_mask))
+        bias = cache.memo(source, tag, key_bias)
+    fused, sdpa_decode = (options.fused, options.sdpa_decode) if options is not None else (None, False)
+    return alibi_attention(q, k, v, bias, keep, scale=scale, dropout_p=dropout_p, cache=cache, fused=fused, layer=True,
+                           sdpa_decode=sdpa_decode)
 
 
 def _parameter_names(fn: Any) -> tuple[str, ...]:
@@ -450,32 +491,50 @@ def _parameter_names(fn: Any) -> tuple[str, ...]:
         return ()
 
 
-class AlibiForward:
-    """A family's patched attention forward with the patch's ``fused`` choice bound: called as
-    ``forward(module, *args, **kwargs)``; picklable and deep-copyable (rebuilt from the module-level
-    function and the choice), named as the function."""
+class AlibiOptions:
+    """What a patched ALiBi model's attention forwards share: the patch's ``fused`` and decode choice
+    (``sdpa_decode``: the patch's ``cudnn_decode``) and the model's :class:`InstanceConstants`."""
 
-    def __init__(self, forward: Any, fused: bool | None) -> None:
-        self.forward, self.fused = forward, fused
+    __slots__ = ("fused", "sdpa_decode", "constants")
+
+    def __init__(self, fused: bool | None, sdpa_decode: bool = False) -> None:
+        self.fused, self.sdpa_decode, self.constants = fused, sdpa_decode, InstanceConstants()
+
+    def __reduce__(self) -> tuple:
+        return (AlibiOptions, (self.fused, self.sdpa_decode))
+
+    def __repr__(self) -> str:
+        return f"AlibiOptions(fused={self.fused}, sdpa_decode={self.sdpa_decode})"
+
+
+class AlibiForward:
+    """A family's patched attention forward with one model's :class:`AlibiOptions` bound: called as
+    ``forward(module, *args, **kwargs)``; picklable and deep-copyable (rebuilt from the module-level
+    function and the choices), named as the function."""
+
+    def __init__(self, forward: Any, options: AlibiOptions) -> None:
+        self.forward, self.options = forward, options
         self.__module__, self.__qualname__, self.__name__ = forward.__module__, forward.__qualname__, forward.__name__
         self.__doc__ = forward.__doc__
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(module, *args, fused=self.fused, **kwargs)
+        return self.forward(module, *args, options=self.options, **kwargs)
 
     def __reduce__(self) -> tuple:
-        return (AlibiForward, (self.forward, self.fused))
+        return (AlibiForward, (self.forward, self.options))
 
     def __repr__(self) -> str:
-        return f"<{self.__qualname__} fused={self.fused}>"
+        return f"<{self.__qualname__} {self.options}>"
 
 
 class ReplaceAlibiForward(ReplaceForward):
-    """:class:`ReplaceForward` whose forward gets the patch's ``fused`` (``PatchOptions.fused``):
-    False keeps the attention to PyTorch operations, True requires the fused kernel."""
+    """:class:`ReplaceForward` whose forwards (every layer of one model) share one :class:`AlibiOptions`:
+    the patch's ``fused`` (False keeps the attention to PyTorch operations, True requires the fused
+    kernel) and ``cudnn_decode``, and the model's constants."""
 
     def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[Any]:
-        bound = ReplaceForward(self.class_name, AlibiForward(self.forward, options.fused), self.requires,
+        shared = AlibiOptions(options.fused, options.cudnn_decode)
+        bound = ReplaceForward(self.class_name, AlibiForward(self.forward, shared), self.requires,
                                self.cache_any_of, self.kind)
         return bound.plan(model, config, options, family)
 
@@ -498,7 +557,7 @@ register(
         model_type="bloom",
         encoding="alibi",
         adapters=(
-            OverrideMethod("BloomModel", "build_alibi_tensor", bloom_alibi_tensor, ("attention_mask", "num_heads", "dtype")),
+            OverrideBuilder("BloomModel", "build_alibi_tensor", bloom_alibi_tensor, ("attention_mask", "num_heads", "dtype")),
             ReplaceGlobals("BloomModel", required={}, optional={"_get_alibi_slopes": alibi_slopes}),  # same signature
             ReplaceAlibiForward("BloomAttention", bloom_attention_forward, _ATTENTION_NEEDS["bloom"], _CACHE_ANY),
             ShareDeviceCopies(),
@@ -511,7 +570,7 @@ register(
         model_type="mpt",
         encoding="alibi",
         adapters=(
-            OverrideMethod("MptModel", "build_mpt_alibi_tensor", mpt_alibi_tensor,
+            OverrideBuilder("MptModel", "build_mpt_alibi_tensor", mpt_alibi_tensor,
                            ("num_heads", "sequence_length", "alibi_bias_max", "device")),
             ReplaceAlibiForward("MptAttention", mpt_attention_forward, _ATTENTION_NEEDS["mpt"], _CACHE_ANY),
             RequestAttentionWeights("MptBlock"),

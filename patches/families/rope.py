@@ -33,6 +33,7 @@ from typing import Any
 from torch import nn
 
 from torchembed.patches.actions import Component, InstanceMethod, OverrideAttribute
+from torchembed.patches.attention import AttentionFunctions
 from torchembed.patches.adapters import qualname
 from torchembed.patches.errors import FusedUnavailableError, StructureError, UnsupportedModelError
 from torchembed.patches.rebind import attribute_names, chain, find_globals, global_names
@@ -118,6 +119,11 @@ def class_rotations(cls: type) -> ClassRotations:
     return result
 
 
+def _is_attention_table(name: str, value: Any) -> bool:
+    """transformers' table of attention functions, as an attention's code loads it."""
+    return name == "ALL_ATTENTION_FUNCTIONS" and hasattr(value, "get")
+
+
 def _is_apply_like(name: str) -> bool:
     return is_rotation_name(name) and ("apply" in name or "rotary_pos" in name)
 
@@ -197,7 +203,12 @@ class ReplaceRotationHelpers:
                 if not used:  # a forward that rotates only through its methods
                     continue
                 where = upstream if name == "forward" else f"{qualname(method)} calling {', '.join(sorted(used))}"
-                component = Component(path, "rope-apply", where, f"torchembed RotaryHelper ({described})")
+                replacement = f"torchembed RotaryHelper ({described})"
+                if not options.cudnn_decode:  # its SDPA decode steps: torchembed's split-key kernel, per call
+                    for table, found in find_globals(method, _is_attention_table).items():
+                        used[table] = AttentionFunctions.get_for(found[0][1], options.fused)
+                        replacement += "; SDPA decode steps -> torchembed DecodeAttention"
+                component = Component(path, "rope-apply", where, replacement)
                 actions.append(OverrideAttribute(component, module, name, InstanceMethod(module, method, used)))
         return actions
 

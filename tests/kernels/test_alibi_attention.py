@@ -10,7 +10,8 @@ import torch
 import torchembed
 from torchembed.functional.alibi import alibi_key_bias, alibi_slopes
 from torchembed.kernels import alibi_attention as module
-from torchembed.kernels.alibi_attention import MaskCache, alibi_attention, prefill_path
+from torchembed.kernels.alibi_attention import alibi_attention, prefill_path
+from torchembed.kernels.per_forward import PerForward
 from torchembed.kernels.availability import FusedUnavailableError
 
 pytest.importorskip("triton")
@@ -47,7 +48,7 @@ def _count(monkeypatch, target, name):
 @pytest.mark.parametrize("q_len, k_len", [(40, 40), (1, 50), (12, 50)])
 def test_matches_float64(dtype, tol, q_len, k_len):
     q, k, v, key_bias, keep = _case(2, 4, q_len, k_len, 32, dtype)
-    cache = MaskCache().store(keep, keep)
+    cache = PerForward()
     out = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache, layer=True)
     again = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache, layer=True)  # cached row summary / mask
     truth = _truth(q, k, v, key_bias, keep, 32**-0.5)
@@ -85,9 +86,8 @@ def test_slopes_form_matches_the_key_bias_form():
         alibi_attention(q, k, v, None, scale=0.25)
 
 
-def test_mask_cache_memo_is_per_source_and_dies_with_the_mask():
-    keep = torch.ones(1, 1, 1, 4, dtype=torch.bool)
-    cache = MaskCache().store(keep, keep)
+def test_per_forward_memo_is_per_source_identity_and_tag():
+    cache = PerForward()
     a, b = torch.zeros(3), torch.zeros(3)
     calls = []
 
@@ -95,16 +95,13 @@ def test_mask_cache_memo_is_per_source_and_dies_with_the_mask():
         return lambda: calls.append(x) or x + 1
 
     first = cache.memo(a, "t", make(a))
-    assert cache.memo(a, "t", make(a)) is first and len(calls) == 1  # same source: cached
+    assert cache.memo(a, "t", make(a)) is first and len(calls) == 1  # same source: kept
     cache.memo(b, "t", make(b))  # equal values, another tensor: computed again
     cache.memo(a, "other", make(a))  # another tag: computed again
-    assert len(calls) == 3
-    del keep  # the forward is over
-    fresh = torch.ones(1, 1, 1, 4, dtype=torch.bool)
-    assert cache.lookup(fresh) is None
-    cache.store(fresh, fresh)
-    cache.memo(a, "t", make(a))
-    assert len(calls) == 4, "a new mask must not see the previous forward's entries"
+    cache.memo((a, b), "t", make(a))  # a pair of sources
+    assert cache.memo((a, b), "t", make(a)) is not None and len(calls) == 4
+    cache.memo((b, a), "t", make(a))  # another order: another entry
+    assert len(calls) == 5 and len(cache) == 5
 
 
 def test_the_mask_summary_is_derived_once_per_forward(monkeypatch, alibi_policy):
@@ -112,7 +109,7 @@ def test_the_mask_summary_is_derived_once_per_forward(monkeypatch, alibi_policy)
     alibi_policy(dense_max_elements=0)  # a prefill above the materialised-bias bound
     built = _count(monkeypatch, module, "mask_rows")
     q, k, v, key_bias, keep = _case(2, 4, 24, 24, 16, torch.float32)
-    cache = MaskCache().store(keep, keep)
+    cache = PerForward()
     outs = [alibi_attention(q, k, v, key_bias, keep, scale=0.25, cache=cache, layer=True) for _ in range(3)]
     assert len(built) == 1
     for out in outs[1:]:
@@ -124,8 +121,9 @@ def test_decode_mask_is_built_once_per_forward_and_matches_per_layer(monkeypatch
     mask is derived once and gives the kernel's result (without a cache)."""
     q, k, v, key_bias, keep = _case(2, 4, 1, 80, 32, torch.float32)
     built = _count(monkeypatch, module, "alibi_decode_bias")
-    cache = MaskCache().store(keep, keep)
-    outs = [alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache, layer=True) for _ in range(3)]
+    cache = PerForward()
+    outs = [alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache, layer=True, sdpa_decode=True)
+            for _ in range(3)]
     uncached = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5)
     assert len(built) == 1
     for out in outs:
@@ -133,17 +131,22 @@ def test_decode_mask_is_built_once_per_forward_and_matches_per_layer(monkeypatch
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-def test_long_context_decode_takes_the_split_key_kernel(monkeypatch, alibi_policy, dtype, tol):
-    """From ``decode_kernel_min_keys`` keys a model layer's decode step (a padded batch, grouped kv heads)
-    runs the fused kernel, no SDPA mask, and matches float64; below, the decode mask."""
-    q, k, v, key_bias, keep = _case(2, 4, 1, 80, 32, dtype, pad=5, kv_heads=2)
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_decode_steps_take_the_split_key_kernel(monkeypatch, dtype, tol, q_len):
+    """A model layer's decode step (a padded batch, grouped kv heads, one or a few queries) runs the fused
+    kernel where it runs, no SDPA mask, and matches float64; with ``sdpa_decode`` (the patch's
+    ``cudnn_decode``) a one-query step takes SDPA with the decode mask, built once per forward."""
+    q, k, v, key_bias, keep = _case(2, 4, q_len, 80, 32, dtype, pad=5, kv_heads=2)
     kernel, masks = _count(monkeypatch, module, "attempt"), _count(monkeypatch, module, "alibi_decode_bias")
-    alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=MaskCache().store(keep, keep), layer=True)
-    assert (len(kernel), len(masks)) == (0, 1)
-    alibi_policy(decode_kernel_min_keys=80)
-    out = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=MaskCache().store(keep, keep), layer=True)
-    assert (len(kernel), len(masks)) == (1, 1)
+    out = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=PerForward(), layer=True)
+    assert (len(kernel), len(masks)) == (1, 0)
     torch.testing.assert_close(out.double(), _truth(q, k, v, key_bias, keep, 32**-0.5), atol=tol, rtol=tol)
+    if q_len == 1:
+        cache = PerForward()
+        for _ in range(2):
+            sdpa = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=cache, layer=True, sdpa_decode=True)
+        assert (len(kernel), len(masks)) == (1, 1)
+        torch.testing.assert_close(sdpa.double(), _truth(q, k, v, key_bias, keep, 32**-0.5), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
@@ -159,14 +162,14 @@ def test_small_prefill_materialises_the_bias_once_per_forward(monkeypatch, dtype
     truth = _truth(q, k, v, key_bias, keep, d**-0.5)
     rows = keep.expand(b, h, n, n).any(-1)  # a left-padded query attends to nothing: no truth
     alibi_policy(dense_max_elements=b * h * n * n)
-    cache = MaskCache().store(keep, keep)
+    cache = PerForward()
     for _ in range(3):  # three layers of one forward
         out = alibi_attention(q, k, v, key_bias, keep, scale=d**-0.5, cache=cache, layer=True)
         assert out.dtype == dtype and out.shape == q.shape
         torch.testing.assert_close(out.double()[rows], truth[rows], atol=tol, rtol=tol)
     assert len(built) == 1 and not kernel
     alibi_policy(dense_max_elements=b * h * n * n - 1)  # one element more: the kernel
-    out = alibi_attention(q, k, v, key_bias, keep, scale=d**-0.5, cache=MaskCache().store(keep, keep), layer=True)
+    out = alibi_attention(q, k, v, key_bias, keep, scale=d**-0.5, cache=PerForward(), layer=True)
     torch.testing.assert_close(out.double()[rows], truth[rows], atol=tol, rtol=tol)
     assert len(kernel) == 1
 
@@ -195,7 +198,7 @@ def test_gradients_keep_the_materialised_bias_longer(monkeypatch, alibi_policy):
     assert module.attention_path(*leaves[:2], fused=None, dropout_p=0.0, layer=True) == "dense"
     kernel = _count(monkeypatch, module, "attempt")
     grad = torch.randn_like(q)
-    alibi_attention(*leaves, key_bias, keep, scale=0.25, cache=MaskCache().store(keep, keep), layer=True).backward(grad)
+    alibi_attention(*leaves, key_bias, keep, scale=0.25, cache=PerForward(), layer=True).backward(grad)
     assert not kernel
     ref = [x.double().requires_grad_() for x in (q, k, v)]
     _truth(*ref, key_bias, keep, 0.25).backward(grad.double())
@@ -241,7 +244,7 @@ def test_fused_false_never_calls_a_kernel(monkeypatch, alibi_policy):
     q, k, v, key_bias, keep = _case(2, 4, 24, 24, 16, torch.float32)
     out = alibi_attention(q, k, v, key_bias, keep, scale=0.25, fused=False)
     decode = alibi_attention(q[:, :, -1:], k, v, key_bias, keep[:, :, -1:], scale=0.25, fused=False,
-                             cache=MaskCache().store(keep, keep), layer=True)
+                             cache=PerForward(), layer=True)
     assert not launches and not bias_kernel
     rows = keep.expand(2, 4, 24, 24).any(-1)
     torch.testing.assert_close(out.double()[rows], _truth(q, k, v, key_bias, keep, 0.25)[rows], atol=2e-5, rtol=2e-5)
@@ -319,7 +322,7 @@ def test_patched_models_honour_fused(name, fused, monkeypatch, alibi_policy):
     upstream = _tiny(name)
     patched = torchembed.patch(copy.deepcopy(upstream), fused=fused)
     forwards = [m.forward for m in patched.modules() if "Attention" in type(m).__name__]
-    assert forwards and all(f.function.fused is fused for f in forwards)
+    assert forwards and all(f.function.options.fused is fused for f in forwards)
     ids = torch.randint(0, upstream.config.vocab_size, (2, 20), device=DEV)
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
@@ -334,9 +337,11 @@ def test_patched_models_honour_fused(name, fused, monkeypatch, alibi_policy):
 
 
 def test_the_bound_forward_pickles_and_copies():
-    from torchembed.patches.families.alibi import AlibiForward, bloom_attention_forward
+    from torchembed.patches.families.alibi import AlibiForward, AlibiOptions, bloom_attention_forward
 
-    bound = AlibiForward(bloom_attention_forward, False)
+    bound = AlibiForward(bloom_attention_forward, AlibiOptions(False, sdpa_decode=True))
+    bound.options.constants.get(("slopes",), lambda: torch.ones(2))
     for twin in (pickle.loads(pickle.dumps(bound)), copy.deepcopy(bound)):
-        assert twin.forward is bloom_attention_forward and twin.fused is False
+        assert twin.forward is bloom_attention_forward and twin.options.fused is False and twin.options.sdpa_decode
+        assert len(twin.options.constants) == 0  # a copy keeps no tensors of the original
     assert bound.__qualname__ == bloom_attention_forward.__qualname__

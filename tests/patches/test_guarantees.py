@@ -197,13 +197,15 @@ def test_torch_compile_fullgraph_no_new_graph_breaks(name, load):
     torch.testing.assert_close(out, _out(upstream, dict(input_ids=ids)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cudnn_decode", [False, True])
 @pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi"])
-def test_alibi_masks_derived_once_per_forward(name, padded, load, decode_masks_built, monkeypatch, alibi_policy):
+def test_alibi_masks_derived_once_per_forward(name, padded, cudnn_decode, load, decode_masks_built, monkeypatch,
+                                              alibi_policy):
     """A patched ALiBi model derives its per-forward tensors once for all layers (host time), not
-    once per layer: the decode step's SDPA mask, and the prefill's row summary of the mask for the
-    fused kernel (the kernel stubbed on CPU) — with a padded batch (a mask tensor per forward) and
-    without (Falcon's layers then get no mask at all: no summary; the kept unpadded bias keys the cache)."""
+    once per layer: the fused kernel's row summary of the mask (prefill and decode steps; the kernel
+    stubbed on CPU), or with ``cudnn_decode`` the decode step's SDPA mask — with a padded batch (a mask
+    tensor per forward) and without (Falcon's layers then get no mask at all: no summary)."""
     import torchembed.kernels.alibi_attention as kernel
 
     alibi_policy(dense_max_elements=0)  # the kernel at any size
@@ -217,7 +219,7 @@ def test_alibi_masks_derived_once_per_forward(name, padded, load, decode_masks_b
         modeling = importlib.import_module(falcon.__module__)
         if not hasattr(modeling, "create_causal_mask"):  # 4.x
             monkeypatch.setattr(falcon, "_update_causal_mask", lambda *a, **kw: None)
-    model = torchembed.patch(model)
+    model = torchembed.patch(model, cudnn_decode=cudnn_decode)
     if not padded and name == "falcon-alibi" and hasattr(modeling, "create_causal_mask"):  # 5.x: in the rebuilt forward
         for function in chain(model.transformer.forward.__func__):
             if "create_causal_mask" in global_names(function) and function.__globals__ is not vars(modeling):
@@ -230,9 +232,10 @@ def test_alibi_masks_derived_once_per_forward(name, padded, load, decode_masks_b
         model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0,
                        use_cache=True)  # (MPT configs default to no KV cache)
     layers = model.config.num_hidden_layers  # BLOOM and MPT map it to n_layer(s)
-    assert layers > 1 and len(decode_masks_built) == 2, (layers, len(decode_masks_built))  # two decode steps, each once
     no_mask = not padded and name == "falcon-alibi"
-    assert len(summaries) == (0 if no_mask else 1), len(summaries)  # the prefill: once for all layers
+    forwards_on_kernel = 1 if cudnn_decode else 3  # the prefill, then two decode steps
+    assert layers > 1 and len(decode_masks_built) == (2 if cudnn_decode else 0), len(decode_masks_built)
+    assert len(summaries) == (0 if no_mask else forwards_on_kernel), len(summaries)  # once per forward
 
 
 @pytest.mark.parametrize("padded", [True, False])

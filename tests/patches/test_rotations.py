@@ -401,6 +401,7 @@ def test_the_cpu_path_dispatches_fewer_operations_than_upstream(dtype, tokens, m
     from transformers.models.llama import modeling_llama
 
     from torchembed.functional import rope
+    from torchembed.kernels import per_forward
 
     upstream = modeling_llama.apply_rotary_pos_emb
     helper = RotaryHelper(recognize(upstream), upstream, None)
@@ -408,10 +409,13 @@ def test_the_cpu_path_dispatches_fewer_operations_than_upstream(dtype, tokens, m
     k = torch.randn(1, tokens, 3, 64, dtype=dtype).transpose(1, 2)
     theta = torch.randn(1, tokens, 32)
     cos, sin = (torch.cat((t, t), -1).to(dtype) for t in (theta.cos(), theta.sin()))
+    owner = object()  # a patched model's forward: open while its layers run
+    per_forward.open_forward(owner)
     with torch.no_grad():
         helper(q, k, cos, sin)  # the forward's first layer: the tables prepared and kept
         with _OpLog() as ours, count_calls({rope.apply_rotary.__code__: "apply_rotary"}) as calls:
             got = helper(q, k, cos, sin)
+        per_forward.close_forward(owner)
         with _OpLog() as theirs:
             want = upstream(q, k, cos, sin)
     assert len(theirs.ops) == 16, theirs.ops  # (so the count can fail: upstream's own, as measured)

@@ -3,8 +3,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,11 +13,12 @@ from torch import Tensor
 
 from torchembed.functional.alibi import alibi_attention_reference, alibi_decode_bias, alibi_key_bias, causal_keep as _build_causal_keep
 from torchembed.kernels.alibi_bias import prefill_bias
-from torchembed.kernels.alibi_flash import attempt, flash_unsupported, mask_rows
+from torchembed.kernels.alibi_flash import DECODE_QUERIES, attempt, flash_unsupported, mask_rows
 from torchembed.kernels.availability import FusedUnavailableError, use_kernel
+from torchembed.kernels.per_forward import PerForward
 
-__all__ = ["AlibiPolicy", "MaskCache", "alibi_attention", "attention_path", "causal_keep", "fallback_path", "forward_cache",
-           "masked_sdpa", "policy", "policy_changed", "prefill_path", "repeat_kv"]
+__all__ = ["AlibiPolicy", "alibi_attention", "attention_path", "causal_keep", "fallback_path", "masked_sdpa", "policy",
+           "policy_changed", "prefill_path", "repeat_kv"]
 
 PREFILL_PATHS = ("auto", "kernel", "dense")
 
@@ -33,18 +33,13 @@ class AlibiPolicy:
     which a model layer's prefill materialises the bias (2**26: 128 MB of bf16; beyond, memory quadratic
     in the length); ``dense_grad_max_elements``: the same with gradients recorded (per layer the kernel's
     forward + backward is ahead from 4 x 16 x 2048^2 on, 0.51 vs 1.01 ms). ``dense_devices``: device
-    types whose prefill may take the materialised bias (tests add "cpu" to exercise it).
-    ``decode_kernel_min_keys``: from this many keys a model layer's decode step takes the split-key decode
-    kernel instead of SDPA with the decode mask (H200, MPT-7B shape, 32k keys, 2 layers: 3.0 ms per step
-    against 4.6 ms for SDPA without cuDNN, whose one-query attention has a program per head only, and 40 ms
-    with cuDNN, which builds a plan per key length; below, decode steps are bound by host time, where SDPA
-    with the mask measured within 1.02x of SDPA without bias; the crossover between is not measured)."""
+    types whose prefill may take the materialised bias (tests add "cpu" to exercise it). A model layer's
+    decode step (at most ``DECODE_QUERIES`` queries) takes the split-key decode kernel wherever it runs."""
 
     prefill: str = "auto"
     dense_max_elements: int = 2**26
     dense_grad_max_elements: int = 2**26
     dense_devices: tuple[str, ...] = ("cuda",)
-    decode_kernel_min_keys: int = 16384
 
     def __post_init__(self) -> None:
         if self.prefill not in PREFILL_PATHS:
@@ -89,20 +84,25 @@ def prefill_path(path: str) -> contextlib.AbstractContextManager:
 # ------------------------------------------------------------------------------------------------
 
 
-def attention_path(q: Tensor, k: Tensor, *, fused: bool | None, dropout_p: float, layer: bool) -> str:
+def attention_path(q: Tensor, k: Tensor, *, fused: bool | None, dropout_p: float, layer: bool,
+                   sdpa_decode: bool = False) -> str:
     """``"kernel"``, ``"dense"``, ``"decode"`` or ``"reference"`` (the module docstring) for the attention
     of ``q (b, h, q, d)`` over ``k (b, hk, k, d)``: the one place that decides. ``layer``: the call is a
     model layer's, whose forward shares what it derives across its layers (decode steps and small
-    prefills are bound by host time there). ``"kernel"`` may still fall back at run time where the kernel
-    does not take the inputs (:func:`fallback_path`)."""
+    prefills are bound by host time there); its decode steps (one query, or up to ``DECODE_QUERIES``
+    over a KV cache) take
+    the split-key kernel where it runs, or SDPA with the decode mask (``sdpa_decode``: the patch's
+    ``cudnn_decode``). ``"kernel"`` may still fall back at run time where the kernel does not take the
+    inputs (:func:`fallback_path`)."""
     if fused:
         use_kernel(fused, q, _KERNEL)  # (raises where it cannot run)
         return "kernel"
     q_len = q.shape[-2]
-    if layer and q_len == 1 and dropout_p == 0.0:
-        if fused is None and k.shape[-2] >= _policy.decode_kernel_min_keys and use_kernel(None, q, _KERNEL):
-            return "kernel"  # long context: the split-key decode kernel
-        return "decode"
+    if layer and (q_len == 1 or DECODE_QUERIES >= q_len < k.shape[-2]) and dropout_p == 0.0:  # over a KV cache
+        if fused is None and not sdpa_decode and use_kernel(None, q, _KERNEL):
+            return "kernel"
+        if q_len == 1:
+            return "decode"
     if fused is None:
         if layer and _dense(q, k):
             return "dense"
@@ -136,107 +136,11 @@ def _dense(q: Tensor, k: Tensor) -> bool:
     return elements <= (p.dense_grad_max_elements if grad else p.dense_max_elements)
 
 
-# ------------------------------------------------------------------------------------------------
-# Masks and what a forward derives once
-# ------------------------------------------------------------------------------------------------
-
-_CAUSAL: dict = {}
-
-
-def _causal(q_len: int, k_len: int, device: torch.device) -> tuple[Tensor, "MaskCache"]:
-    """The causal ``keep`` mask (queries last) and its cache slot, shared by all layers."""
-    key = (q_len, k_len, device)
-    entry = _CAUSAL.get(key)
-    if entry is None:
-        if len(_CAUSAL) >= 8:
-            _CAUSAL.clear()
-        entry = MaskCache()
-        entry.keep = _build_causal_keep(q_len, k_len, device)
-        _CAUSAL[key] = entry
-    return entry.keep, entry
-
-
-def causal_keep(q_len: int, k_len: int, device: torch.device) -> Tensor:
-    """The causal ``keep`` mask, queries at the last ``q_len`` of ``k_len`` positions:
-    ``(1, 1, q, k)`` bool, kept for the last few shapes and shared (do not modify)."""
-    return _causal(q_len, k_len, device)[0]
-
-
-class MaskCache:
-    """The ``keep`` mask derived from one HF mask tensor and (:meth:`memo`) what else a forward
-    derives once for all its layers (the kernel's row summary of the mask, the key bias, the
-    materialised bias).
-
-    HF passes the same attention-mask tensor to every layer of a forward. Keyed by the identity of
-    the source tensor through a weak reference, so a new forward (a new mask tensor) always recomputes.
-    """
-
-    def __init__(self) -> None:
-        self._source: weakref.ref | None = None
-        self.keep: Tensor | None = None
-        self._memo: dict = {}
-
-    def alive(self) -> bool:
-        """The source tensor still exists (its forward may still be running)."""
-        return self._source is not None and self._source() is not None
-
-    def lookup(self, source: Tensor) -> "MaskCache | None":
-        return self if self._source is not None and self._source() is source else None
-
-    def store(self, source: Tensor, keep: Tensor | None) -> "MaskCache":
-        # When the source mask dies (the forward is over), drop what was derived from it.
-        self._source, self.keep = weakref.ref(source, self._clear), keep
-        self._memo = {}
-        return self
-
-    def memo(self, source: Tensor, tag: Hashable, make: Callable[[], Any]) -> Any:
-        """``make()`` computed once per ``(source, tag)`` while this mask lives: per-forward
-        derivations of tensors every layer receives (the ALiBi bias), shared by the layers.
-        ``source`` is held weakly and checked by identity, so a new tensor never hits an old entry."""
-        entry = self._memo.get((id(source), tag))
-        if entry is not None and entry[0]() is source:
-            return entry[1]
-        value = make()
-        self._memo = {key: e for key, e in self._memo.items() if e[0]() is not None}  # drop dead sources
-        self._memo[(id(source), tag)] = (weakref.ref(source), value)
-        return value
-
-    def _clear(self, ref: weakref.ref) -> None:
-        if ref is self._source:
-            self._source, self.keep, self._memo = None, None, {}
-
-
-# One MaskCache per live HF mask tensor: a forward has one per device of a split model
-# (torchembed.patches.devices). Entries whose mask died are dropped when the table is full.
-_MASKS: dict[int, MaskCache] = {}
-_MASKS_MAX = 8
-
-
-def forward_cache(attention_mask: Tensor | None, to_keep: Callable[[Tensor], Tensor],
-                  anchor: Tensor | None) -> tuple[Tensor | None, MaskCache | None]:
-    """``keep`` (True = attend) for a model's mask and the :class:`MaskCache` of this forward, shared by
-    its layers.
-
-    The cache is keyed by the mask tensor or, when there is none (sdpa masks are skipped for unpadded
-    batches), by ``anchor``: a tensor every layer of the forward receives and no other forward does (a
-    bias built per forward; a constant would keep its cache growing). ``to_keep`` makes the model's mask
-    a ``(b or 1, 1, q, k)`` bool keep mask. None for the cache under ``torch.compile`` (no Python-side
-    caches in a graph) or without mask and anchor."""
-    if torch.compiler.is_compiling():
-        return (None if attention_mask is None else to_keep(attention_mask)), None
-    source = attention_mask if attention_mask is not None else anchor
-    if source is None:
-        return None, None
-    cache = _MASKS.get(id(source))
-    if cache is None or cache.lookup(source) is None:
-        if len(_MASKS) >= _MASKS_MAX:
-            for key in [key for key, entry in _MASKS.items() if not entry.alive()]:  # forward over
-                del _MASKS[key]
-            if len(_MASKS) >= _MASKS_MAX:
-                _MASKS.clear()
-        keep = None if attention_mask is None else to_keep(attention_mask)
-        cache = _MASKS[id(source)] = MaskCache().store(source, keep)
-    return cache.keep, cache
+def causal_keep(q_len: int, k_len: int, device: torch.device, cache: PerForward | None = None) -> Tensor:
+    """The causal ``keep`` mask, queries at the last ``q_len`` of ``k_len`` positions: ``(1, 1, q, k)``
+    bool (:func:`torchembed.functional.alibi.causal_keep`), built once per forward given its ``cache``."""
+    make = lambda: _build_causal_keep(q_len, k_len, device)  # noqa: E731
+    return make() if cache is None else cache.memo(None, ("causal", q_len, k_len, device), make)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -253,10 +157,11 @@ def alibi_attention(
     *,
     scale: float,
     dropout_p: float = 0.0,
-    cache: MaskCache | None = None,
+    cache: PerForward | None = None,
     fused: bool | None = None,
     slopes: Tensor | None = None,
     layer: bool = False,
+    sdpa_decode: bool = False,
 ) -> Tensor:
     """Attention with ALiBi: ``softmax(scale * q k^T + bias | keep) v``.
 
@@ -271,13 +176,15 @@ def alibi_attention(
             mask, static-cache slots included). None: causal, queries at the last positions.
         scale: multiplies ``q k^T``.
         dropout_p: attention dropout (the fused kernel has none: SDPA runs it).
-        cache: where what is derived from ``keep`` and ``key_bias`` is kept across the layers of
-            one forward; pass the same ``key_bias`` tensor to every layer, e.g. via ``cache.memo``.
+        cache: the forward's :class:`~torchembed.kernels.per_forward.PerForward`, where what is derived
+            from ``keep`` and ``key_bias`` is kept for the other layers of the forward; pass the same
+            ``key_bias`` tensor to every layer, e.g. via ``cache.memo``. None: nothing is kept.
         fused: None: the fastest measured path (module docstring), PyTorch where the kernel cannot
             run; True: the fused kernel or :class:`FusedUnavailableError`; False: PyTorch operations
             only (SDPA with the materialised bias).
         slopes: ``(h,)`` per-head slopes, instead of ``key_bias``.
-        layer: a model layer's call (see :func:`attention_path`); its masks are kept in ``cache``.
+        layer: a model layer's call (see :func:`attention_path`).
+        sdpa_decode: a layer's decode steps take SDPA with the decode mask, not the split-key kernel.
 
     Returns:
         ``(b, h, q, d)`` in ``q.dtype``. A query row that keeps no key: 0 from the kernel, the mean of
@@ -289,7 +196,7 @@ def alibi_attention(
     """
     if key_bias is None and slopes is None:
         raise ValueError("alibi_attention needs key_bias (b or 1, h, k) or slopes (h,)")
-    path = attention_path(q, k, fused=fused, dropout_p=dropout_p, layer=layer)
+    path = attention_path(q, k, fused=fused, dropout_p=dropout_p, layer=layer, sdpa_decode=sdpa_decode)
     if path == "kernel":
         why = "it has no dropout (dropout_p > 0)"
         if not dropout_p:
@@ -300,23 +207,23 @@ def alibi_attention(
         if fused:
             raise FusedUnavailableError(f"fused=True: the fused ALiBi attention kernel cannot take these inputs: {why}; "
                                         "pass fused=None to run PyTorch's attention there")
-        path = fallback_path(q, fused)
+        path = "decode" if layer and q.shape[-2] == 1 and not dropout_p else fallback_path(q, fused)
     if key_bias is None:  # slope * (j - (k - 1)): zero at the newest key, small near it
         key_bias = alibi_key_bias(slopes.to(q.device), key_len=k.shape[-2])
     q_len = q.shape[-2]
     if path == "decode":  # the mask is the same for every layer of the forward
         make = lambda: alibi_decode_bias(key_bias, keep, q.dtype)  # noqa: E731
-        mask = make() if cache is None else cache.memo(key_bias, ("decode", q.dtype), make)
+        mask = make() if cache is None else cache.memo((key_bias, keep), ("decode", q.dtype), make)
         return masked_sdpa(q, k, v, mask, scale, dropout_p)
     if path == "dense":  # the materialised bias, once per forward
         if keep is None:
-            keep = causal_keep(q_len, k.shape[-2], q.device)
+            keep = causal_keep(q_len, k.shape[-2], q.device, cache)
         make = lambda: prefill_bias(key_bias, keep, q.dtype)  # noqa: E731
-        mask = make() if cache is None else cache.memo(key_bias, ("dense", q_len, q.dtype), make)
+        mask = make() if cache is None else cache.memo((key_bias, keep), ("dense", q_len, q.dtype), make)
         return masked_sdpa(q, k, v, mask, scale, dropout_p)
     heads = q.shape[1]
     if keep is None and q_len > 1:
-        keep = causal_keep(q_len, k.shape[-2], q.device)
+        keep = causal_keep(q_len, k.shape[-2], q.device, cache)
     return alibi_attention_reference(q, repeat_kv(k, heads), repeat_kv(v, heads), key_bias, keep, scale=scale,
                                      dropout_p=dropout_p)
 
@@ -332,7 +239,7 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, dro
 
 
 def _flash(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None, slopes: Tensor | None, keep: Tensor | None,
-           scale: float, cache: MaskCache | None) -> Tensor | str:
+           scale: float, cache: PerForward | None) -> Tensor | str:
     """The fused kernel, or why it does not take these inputs; the mask's row summary derived once
     per mask tensor (``cache``)."""
     rows = None

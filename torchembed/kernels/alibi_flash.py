@@ -30,10 +30,12 @@ from torchembed.kernels.availability import kernel_can_run
 from torchembed.kernels.launch import Launches
 from torchembed.kernels.availability import triton_disabled as _triton_disabled
 
-__all__ = ["alibi_flash", "attempt", "clear_plans", "flash_unsupported", "mask_rows", "DTYPES", "MAX_HEAD_DIM"]
+__all__ = ["alibi_flash", "attempt", "clear_plans", "flash_unsupported", "mask_rows", "DECODE_QUERIES", "DTYPES",
+           "MAX_HEAD_DIM"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+DECODE_QUERIES = 16  # a model's decode step, speculative ones included: at most this many new tokens
 _MAX_PROGRAMS = 65535  # grid axis 1 holds batch x heads
 _LN2 = 0.6931471805599453
 
@@ -83,8 +85,10 @@ def flash_unsupported(q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor] = 
     return None
 
 
-def _check_bias(bias: Tensor, key_bias: bool, q: Tensor, k: Tensor) -> Tensor:
-    """The bias as the kernel reads it (float32); ValueError naming the shapes that do not fit."""
+def _check_bias(bias: Optional[Tensor], key_bias: bool, q: Tensor, k: Tensor) -> Optional[Tensor]:
+    """The bias as the kernel reads it (float32; None: no bias); ValueError naming the shapes that do not fit."""
+    if bias is None:
+        return None
     heads = q.shape[1]
     if key_bias:
         if bias.dim() != 3 or bias.shape[0] not in (1, q.shape[0]) or bias.shape[1:] != (heads, k.shape[2]):
@@ -121,7 +125,9 @@ def _scores(q: Tensor, k: Tensor, bias: Tensor, rows: Optional[Tensor], keep: Op
     kk = k.to(compute).repeat_interleave(group, 1)
     s = (q.to(compute) @ kk.transpose(-1, -2)) * scale
     k_len = k.shape[2]
-    if key_bias:
+    if bias is None:
+        pass
+    elif key_bias:
         s = s + bias.to(compute)[:, :, None, :]
     else:
         s = s + bias.to(compute)[None, :, None, None] * torch.arange(k_len, device=q.device, dtype=compute)
@@ -189,8 +195,9 @@ def _signature(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Optional[Ten
                scale: float, key_bias: bool, need_lse: bool) -> tuple:
     mask = None if keep is None else (keep.shape, keep.stride(), keep.dtype, keep.device,
                                       None if rows is None else (rows.shape, rows.stride()))
+    bias_key = None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device)
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
-            k.device, v.device, bias.shape, bias.stride(), bias.dtype, bias.device, key_bias, mask, scale, need_lse)
+            k.device, v.device, bias_key, key_bias, mask, scale, need_lse)
 
 
 def clear_plans() -> None:
@@ -263,7 +270,7 @@ def _mask_rows_fake(keep):
 
 
 @torch.library.custom_op("torchembed::alibi_flash", mutates_args=())
-def _flash_op(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Optional[Tensor], keep: Optional[Tensor],
+def _flash_op(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], rows: Optional[Tensor], keep: Optional[Tensor],
               scale: float, key_bias: bool) -> tuple[Tensor, Tensor]:
     out, lse, _ = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
     return out, lse
@@ -275,7 +282,7 @@ def _flash_fake(q, k, v, bias, rows, keep, scale, key_bias):
 
 
 @torch.library.custom_op("torchembed::alibi_flash_backward", mutates_args=())
-def _flash_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bias: Tensor,
+def _flash_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, bias: Optional[Tensor],
                        rows: Optional[Tensor], keep: Optional[Tensor], scale: float,
                        key_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     if not kernel_can_run(q):
@@ -361,7 +368,7 @@ def mask_rows(keep: Tensor) -> Tensor:
     return _mask_rows(keep)
 
 
-def alibi_flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float, key_bias: bool = False,
+def alibi_flash(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], *, scale: float, key_bias: bool = False,
                 keep: Optional[Tensor] = None, rows: Optional[Tensor] = None) -> Tensor:
     """Causal or masked attention with ALiBi computed inside one fused kernel.
 
@@ -378,6 +385,7 @@ def alibi_flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float, 
             strides (HF's ``(b, s, h, d)`` memory viewed as ``(b, h, s, d)`` is read in place),
             ``d <= 256``.
         bias: slopes ``(h,)`` or (``key_bias=True``) a key-only bias ``(b or 1, h, k)``; used in float32.
+            None: no bias (plain attention: what a patched RoPE model's decode steps run).
         scale: multiplies ``q k^T``.
         keep: ``(b or 1, 1, q, k)`` bool, True where a query may attend (padding, KV cache slots, any
             mask); None: causal with the queries at the last ``q`` of the ``k`` positions (``q <= k``).
@@ -397,7 +405,7 @@ def alibi_flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float, 
     return out
 
 
-def attempt(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, *, scale: float, key_bias: bool = False,
+def attempt(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], *, scale: float, key_bias: bool = False,
             keep: Optional[Tensor] = None, rows: Optional[Tensor] = None) -> Tensor | str:
     """:func:`alibi_flash`, or the reason it does not take these inputs (:func:`flash_unsupported`)
     instead of a ValueError: what a dispatcher calls, validating once."""

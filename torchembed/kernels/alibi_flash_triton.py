@@ -8,9 +8,9 @@ dim (padded to a power of two ``BLOCK_D`` inside, masked).
 
 Scores are kept in base-2 units: ``s2 = log2(e) * (scale * q.k + bias)``, so each probability is one
 ``exp2``. The bias of query row ``i`` and key ``j`` is ``slope_h * (j - c_i)`` (``BIAS == 0``, from the
-``(H,)`` slopes) or ``key_bias[b, h, j] - key_bias[b, h, c_i]`` (``BIAS == 1``, from a ``(B or 1, H, N)``
-float32 key bias). ``c_i`` is the row's last kept key. The bias splits into a key part ``kvec[j]``
-(relative to ``c0``, the last key any row of the query block keeps: small near the newest keys, where
+``(H,)`` slopes), ``key_bias[b, h, j] - key_bias[b, h, c_i]`` (``BIAS == 1``, from a ``(B or 1, H, N)``
+float32 key bias) or none (``BIAS == 2``: plain attention, what a RoPE model's decode step runs).
+``c_i`` is the row's last kept key. The bias splits into a key part ``kvec[j]`` (relative to ``c0``, the last key any row of the query block keeps: small near the newest keys, where
 the weight is, so it rounds least there) and a row part ``rvec[i]``. A per-row constant does not change
 softmax: each score adds ``kvec[j]`` only (one fused multiply-add with the scale), and ``rvec`` enters
 once per row, into the log-sum-exp the backward reads (which subtracts it again per row).
@@ -162,10 +162,10 @@ def _row_ranges(Rows, rows_base, offs_m, row_ok, M, N, MASK: tl.constexpr):
 @triton.jit
 def _bias_at(Bias, bias_base, sbn, c0, BIAS: tl.constexpr):
     """The key bias at position ``c0`` (key-bias mode; 0 otherwise)."""
-    if BIAS == 0:
-        return 0.0
-    else:
+    if BIAS == 1:
         return tl.load(Bias + bias_base + c0.to(tl.int64) * sbn)
+    else:
+        return 0.0
 
 
 @triton.jit
@@ -173,9 +173,11 @@ def _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS: tl.constex
     """``rvec[i]``: the row part of the base-2 bias relative to position ``c0``."""
     if BIAS == 0:
         return slope2 * (c0 - c).to(tl.float32)
-    else:
+    elif BIAS == 1:
         kbc = tl.load(Bias + bias_base + c.to(tl.int64) * sbn, mask=row_ok, other=0.0)
         return (kb0 - kbc) * 1.4426950408889634
+    else:
+        return tl.zeros(c.shape, tl.float32)
 
 
 @triton.jit
@@ -184,13 +186,15 @@ def _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS: tl.constex
     bias there, :func:`_bias_at`)."""
     if BIAS == 0:
         return slope2 * (offs_n - c0).to(tl.float32)
-    else:
+    elif BIAS == 1:
         ptr = Bias + bias_base + offs_n.to(tl.int64) * sbn
         if BOUNDED:
             kb = tl.load(ptr, mask=offs_n < N, other=0.0)
         else:
             kb = tl.load(ptr)
         return (kb - kb0) * 1.4426950408889634
+    else:
+        return tl.zeros(offs_n.shape, tl.float32)
 
 
 @triton.jit
@@ -454,7 +458,56 @@ def _fwd_kernel(
 # count or a key-bias/mask stride changes between "divisible by 16" and not): one compile per decode
 # configuration, whatever the context length. (K/V strides stay specialised: their alignment feeds
 # vectorised loads, and a cache's are multiples of the head dim.)
-_DECODE_LENGTHS = ("sbb", "sbh", "smb", "smm", "N", "CHUNK")
+_DECODE_LENGTHS = ("sbb", "sbh", "smb", "smm", "N", "SPLITS")
+
+
+@triton.jit
+def _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows, slope2, c, kbc, start_n, N,
+                 skn, skd, svn, svd, sbn, smn, r_ok, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BIAS: tl.constexpr, MASKED: tl.constexpr, HOLES: tl.constexpr,
+                 PREC: tl.constexpr):
+    """One key tile of a decode program's online softmax. ``MASKED``: the tile straddles some row's
+    ``lo`` or ``hi`` (or the end of the keys); ``HOLES``: it reads ``keep`` as well."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n64 = offs_n.to(tl.int64)
+    kt_ptrs = k_base + n64[None, :] * skn + offs_d[:, None] * skd
+    v_ptrs = v_base + n64[:, None] * svn + offs_d[None, :] * svd
+    if MASKED:
+        n_ok = offs_n < N
+        kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        kt = tl.load(kt_ptrs)
+    else:
+        kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+    s = _dot(q, kt, PREC) * qk_scale
+    if BIAS == 0:
+        s += slope2[:, None] * (offs_n[None, :] - c[:, None]).to(tl.float32)
+    elif BIAS == 1:
+        if MASKED:
+            kb = tl.load(bias_rows[:, None] + n64[None, :] * sbn, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        else:
+            kb = tl.load(bias_rows[:, None] + n64[None, :] * sbn, mask=r_ok[:, None], other=0.0)
+        s += (kb - kbc[:, None]) * 1.4426950408889634
+    if MASKED:
+        keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+        if HOLES:
+            t = tl.load(keep_rows[:, None] + n64[None, :] * smn, mask=r_ok[:, None] & n_ok[None, :], other=0)
+            keep = keep & (t != 0)
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    elif HEAD_DIM == BLOCK_D:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
+    return acc, l_i, m_new
 
 
 @triton.jit(do_not_specialize=_DECODE_LENGTHS)
@@ -462,14 +515,17 @@ def _decode_kernel(
     Q, K, V, Out, Lse, Part, Bias, Rows, Keep,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     sbb, sbh, sbn, srb, smb, smm, smn,
-    H, GROUP, M, N, CHUNK,
+    H, GROUP, M, N, SPLITS,
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SINGLE: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """Rows are the ``GROUP * M`` queries of one (batch, kv head): every kv head's keys are read once
-    per split. ``SINGLE``: one split, the result is written directly; else the split's unnormalised
-    ``(acc, m, l)`` go to ``Part`` for :func:`_combine_kernel`."""
+    per split. The keys its rows keep, ``[min lo, max hi)`` (a static cache's filled part, a padded
+    sequence's own tokens), are split into ``SPLITS`` equal parts on the device, one per program, so
+    empty cache slots and padding are never read, whatever the length the launch was set up for.
+    ``SINGLE``: one split, the result is written directly; else the split's unnormalised ``(acc, m,
+    l)`` go to ``Part`` for :func:`_combine_kernel`."""
     split = tl.program_id(0)
     bk = tl.program_id(1).to(tl.int64)
     Hk = H // GROUP
@@ -485,47 +541,53 @@ def _decode_kernel(
                 mask=r_ok[:, None] & d_ok[None, :], other=0.0)
     lo, hi, irregular = _row_ranges(Rows, b * srb, i, r_ok, M, N, MASK)
     c = tl.maximum(hi - 1, 0)
+    slope2 = 0.0
+    kbc = 0.0
     if BIAS == 0:
         slope2 = tl.load(Bias + h * sbh, mask=r_ok, other=0.0) * 1.4426950408889634
     bias_rows = Bias + b * sbb + h * sbh
     if BIAS == 1:
         kbc = tl.load(bias_rows + c.to(tl.int64) * sbn, mask=r_ok, other=0.0)
-    start = tl.maximum(split * CHUNK, tl.min(tl.where(r_ok, lo, N), 0) // BLOCK_N * BLOCK_N)
-    stop = tl.minimum(split * CHUNK + CHUNK, tl.max(hi, 0))
-    irregular_any = tl.max(irregular, 0) != 0
+    keep_rows = Keep + b * smb + i.to(tl.int64) * smm
+    # this program's share of the keys the rows keep
+    hi_max = tl.max(hi, 0)
+    base = tl.min(tl.where(r_ok, lo, N), 0) // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(tl.maximum(hi_max - base, 0), SPLITS), BLOCK_N) * BLOCK_N
+    start = base + split * chunk
+    stop = tl.minimum(start + chunk, hi_max)
+    # tiles every row keeps whole: [full_lo, full_hi) (none where some row has holes)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(tl.max(tl.where(r_ok, lo, 0), 0), BLOCK_N) * BLOCK_N, start), stop)
+    full_hi = tl.maximum(tl.minimum(tl.min(tl.where(r_ok, hi, N), 0) // BLOCK_N * BLOCK_N, stop), full_lo)
+    holes = False
+    if MASK != 0:
+        holes = tl.max(irregular, 0) != 0
+    if holes:
+        full_hi = full_lo
 
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
-    offs_j = tl.arange(0, BLOCK_N)
-    for start_n in range(start, stop, BLOCK_N):
-        offs_n = start_n + offs_j
-        n_ok = offs_n < N
-        n64 = offs_n.to(tl.int64)
-        kt = tl.load(k_base + n64[None, :] * skn + offs_d[:, None] * skd, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        qk = _dot(q, kt, PREC)
-        if BIAS == 0:
-            bias = slope2[:, None] * (offs_n[None, :] - c[:, None]).to(tl.float32)
-        else:
-            kb = tl.load(bias_rows[:, None] + n64[None, :] * sbn, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-            bias = (kb - kbc[:, None]) * 1.4426950408889634
-        s = qk * qk_scale + bias
-        keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
-        if MASK != 0:
-            if irregular_any:
-                t = tl.load(Keep + b * smb + i.to(tl.int64)[:, None] * smm + n64[None, :] * smn,
-                            mask=r_ok[:, None] & n_ok[None, :], other=0)
-                keep = keep & (t != 0)
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + n64[:, None] * svn + offs_d[None, :] * svd, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
-        m_i = m_new
+    for start_n in range(full_lo, full_hi, BLOCK_N):  # the bulk: no mask arithmetic
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows, slope2, c, kbc,
+                                     start_n, N, skn, skd, svn, svd, sbn, smn, r_ok, qk_scale, HEAD_DIM, BLOCK_N,
+                                     BLOCK_D, BIAS, False, False, PREC)
+    if holes:
+        for start_n in range(start, stop, BLOCK_N):
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows, slope2, c,
+                                         kbc, start_n, N, skn, skd, svn, svd, sbn, smn, r_ok, qk_scale, HEAD_DIM,
+                                         BLOCK_N, BLOCK_D, BIAS, True, True, PREC)
+    else:
+        for start_n in range(full_hi, stop, BLOCK_N):  # the tiles some row ends inside (the newest keys)
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows, slope2, c,
+                                         kbc, start_n, N, skn, skd, svn, svd, sbn, smn, r_ok, qk_scale, HEAD_DIM,
+                                         BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
+        for start_n in range(start, full_lo, BLOCK_N):  # the tiles some row starts inside (padding)
+            acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows, slope2, c,
+                                         kbc, start_n, N, skn, skd, svn, svd, sbn, smn, r_ok, qk_scale, HEAD_DIM,
+                                         BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
 
     if SINGLE:
         seen = l_i > 0.0
@@ -974,7 +1036,14 @@ def _out_strides(batch: int, heads: int, q_len: int, dim: int) -> tuple[int, int
     return (q_len * heads * dim, dim, heads * dim, 1)
 
 
-def _bias_strides(bias: Tensor, key_bias: bool) -> tuple[int, int, int]:
+def _bias_mode(bias: Tensor | None, key_bias: bool) -> int:
+    """The kernels' ``BIAS``: 0 slopes, 1 a key bias, 2 none."""
+    return 2 if bias is None else int(key_bias)
+
+
+def _bias_strides(bias: Tensor | None, key_bias: bool) -> tuple[int, int, int]:
+    if bias is None:
+        return 0, 0, 0
     if not key_bias:  # slopes (H,)
         return 0, bias.stride(0), 0
     s = bias.stride()
@@ -1035,9 +1104,9 @@ def running_max(key_bias: Tensor) -> Tensor:
     return torch.cummax(key_bias.nan_to_num(nan=inf, posinf=inf, neginf=-inf), dim=-1).values.contiguous()
 
 
-def _reach_strides(bias: Tensor, key_bias: bool) -> tuple[int, int]:
-    """The batch and head strides of :func:`running_max` of ``bias`` (0, 0: slopes mode, unread)."""
-    if not key_bias:
+def _reach_strides(bias: Tensor | None, key_bias: bool) -> tuple[int, int]:
+    """The batch and head strides of :func:`running_max` of ``bias`` (0, 0: slopes mode or none, unread)."""
+    if bias is None or not key_bias:
         return 0, 0
     heads, k_len = bias.shape[1], bias.shape[2]
     return (0 if bias.shape[0] == 1 else heads * k_len), k_len
@@ -1094,9 +1163,10 @@ class ForwardPlan:
     __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "main", "combine", "prefill",
                  "norms", "backwards")
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None,
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Tensor | None,
                  keep: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """``(out, lse or None, the skip's bounds or None)`` (the bounds: what the skip's backward reuses)."""
+        bias = q if bias is None else bias  # (no bias: unread)
         out = torch.empty_strided(self.out_shape, self.out_stride, dtype=self.dtype, device=self.device)
         lse = torch.empty(self.out_shape[:3], dtype=torch.float32, device=self.device) if self.need_lse else None
         lse_t = out if lse is None else lse
@@ -1117,11 +1187,11 @@ class ForwardPlan:
         return out, lse, bounds
 
 
-def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | None, keep: Tensor | None,
+def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Tensor | None, keep: Tensor | None,
                  scale: float, key_bias: bool, need_lse: bool) -> ForwardPlan:
     """The :class:`ForwardPlan` of attention of ``q (B, H, M, D)`` over ``k, v (B, Hk, N, D)``: output
     ``(B, H, M, D)`` over ``(B, M, H, D)`` memory and, with ``need_lse``, ``lse (B, H, M)`` float32
-    (base 2). ``bias``: slopes ``(H,)`` or a key bias ``(B or 1, H, N)`` (``key_bias``), float32.
+    (base 2). ``bias``: slopes ``(H,)``, a key bias ``(B or 1, H, N)`` (``key_bias``), float32, or None.
     ``rows``/``keep``: the mask summary and the mask, or None (causal, queries last). Inputs checked
     by the caller."""
     batch, heads, q_len, head_dim = q.shape
@@ -1147,13 +1217,11 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
         # enough programs for every multiprocessor (AlibiTuning.decode_programs_per_sm each), each at least two key blocks long
         sms = _sms(q.device) if q.is_cuda else 16  # (the interpreter: several splits at small shapes)
         splits = max(1, min(_cdiv(_tuning.decode_programs_per_sm * sms, programs), _cdiv(k_len, 2 * block_n)))
-        chunk = _cdiv(_cdiv(k_len, splits), block_n) * block_n
-        splits = _cdiv(k_len, chunk) if k_len else 1
         single = splits == 1
         plan.part = 0 if single else splits * programs * block_r * (bd + 2)
-        plan.main = Launch(_decode_kernel, (splits, programs, 1), (*strides, heads, group, q_len, k_len, chunk, qk_scale),
+        plan.main = Launch(_decode_kernel, (splits, programs, 1), (*strides, heads, group, q_len, k_len, splits, qk_scale),
                            {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_D": bd,
-                            "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "SINGLE": single,
+                            "BIAS": _bias_mode(bias, key_bias), "MASK": int(masked), "PREC": prec, "SINGLE": single,
                             "STORE_LSE": need_lse}, num_warps=warps, num_stages=stages)
         if not single:
             plan.combine = Launch(_combine_kernel, (programs, 1, 1), (*out4, heads, group, q_len, splits),
@@ -1166,7 +1234,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
             plan.main = lambda t, main=main: main((t[0], t[1], t[2], t[3], t[4], t[3], t[5], t[6], t[7]))
         return plan
     block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, masked)
-    skip = skips_negligible(k_len)
+    skip = skips_negligible(k_len) and bias is not None
     plan.prefill, plan.norms = True, NormPlan(k, key_bias) if skip else None
 
     def launch(tma: bool) -> Launch:
@@ -1174,7 +1242,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, rows: Tensor | N
                       (*strides, *_reach_strides(bias, key_bias), heads, group, q_len, k_len, k_len.bit_length(),
                        qk_scale, skip_log2(k_len)),
                       {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
-                       "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec, "STORE_LSE": need_lse,
+                       "BIAS": _bias_mode(bias, key_bias), "MASK": int(masked), "PREC": prec, "STORE_LSE": need_lse,
                        "TMA": tma, "SKIP": skip}, num_warps=warps, num_stages=stages)
 
     plan.main = launch(False)
@@ -1234,6 +1302,7 @@ class BackwardPlan:
     __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq", "norms", "horizon_shape")
 
     def __call__(self, grad, q, k, v, out, lse, bias, rows, keep, bounds=None) -> tuple[Tensor, Tensor, Tensor]:
+        bias = q if bias is None else bias  # (no bias: unread)
         # (each buffer allocated just before the first launch that needs it: the launches start sooner)
         delta = torch.empty(self.delta_shape, dtype=torch.float32, device=self.device)
         rows_t = bias if rows is None else rows
@@ -1251,7 +1320,7 @@ class BackwardPlan:
         return dq, dk, dv
 
 
-def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bias: Tensor, rows: Tensor | None,
+def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bias: Tensor | None, rows: Tensor | None,
                   keep: Tensor | None, scale: float, key_bias: bool) -> BackwardPlan:
     """The :class:`BackwardPlan` of :func:`forward_plan`'s attention (dq, dk, dv like q, k, v)."""
     batch, heads, q_len, head_dim = q.shape
@@ -1266,7 +1335,7 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
     qk_scale = float(scale) * LOG2E
     like = lambda t: _strides4(torch.empty_like(t, device="meta"))  # noqa: E731  (empty_like's strides)
     plan = BackwardPlan()
-    skip = skips_negligible(k_len)
+    skip = skips_negligible(k_len) and bias is not None
     plan.delta_shape, plan.device, plan.norms = (batch, heads, q_len), q.device, NormPlan(k, key_bias) if skip else None
     floats = (qk_scale, float(scale), skip_log2(k_len))
     block = 16 if _INTERPRET else 64
@@ -1275,11 +1344,11 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
     plan.delta = Launch(_bwd_delta_kernel, (n_horizon, batch * heads, 1),
                         (*_strides4(out), *_strides4(grad), *_strides4(q), sbb, sbh, sbn, srb, heads, group, q_len,
                          k_len, qk_scale, skip_log2(k_len)),
-                        {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd, "BIAS": int(key_bias),
+                        {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd, "BIAS": _bias_mode(bias, key_bias),
                          "MASK": int(masked), "SKIP": skip},
                         num_warps=4, num_stages=1)
     common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad))
-    consts = {"HEAD_DIM": head_dim, "BIAS": int(key_bias), "MASK": int(masked), "PREC": prec}
+    consts = {"HEAD_DIM": head_dim, "BIAS": _bias_mode(bias, key_bias), "MASK": int(masked), "PREC": prec}
     block_m, block_n, warps, stages = config_for("dkdv", head_dim, q.dtype, masked)
     plan.dkdv = Launch(_bwd_dkdv_kernel, (_cdiv(k_len, block_n), batch * kv_heads, 1),
                        (*common, *like(k), *like(v), *tail, heads, group, q_len, k_len, n_horizon, *floats[:2]),

@@ -1,0 +1,95 @@
+"""What one forward of a patched model derives once for all its layers, kept for that forward only.
+
+Every layer of an HF model's forward receives the same attention mask, the same ALiBi bias and the same
+rotary ``(cos, sin)`` tables. What torchembed derives from them (the keep mask and its row summary, the
+key bias, the decode mask, the tables in the form the rotation reads) is computed by the first layer that
+needs it and kept in a :class:`PerForward`, which the other layers of the forward find with
+:func:`current`. A patched model opens one when its base model's forward starts and closes it when that
+forward ends (:mod:`torchembed.patches.forward_scope`); everything in it dies with it. Nothing is kept in
+module-level tables, across forwards or across models.
+
+Per thread (each thread of a server runs its own forwards), nested (a patched model called inside
+another's forward gets its own), and not inside a graph ``torch.compile`` traces (the graph computes
+what it needs; nothing Python-side is kept there). Without an open forward (a layer called on its own)
+:func:`current` is None and every layer derives what it needs itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+__all__ = ["PerForward", "current", "open_forward", "close_forward"]
+
+
+class PerForward:
+    """The derivations of one forward: ``memo(sources, tag, make)`` computes ``make()`` once per
+    (source tensors, tag) and returns the kept value to every later layer of the forward.
+
+    Sources are held (strongly) for the forward's duration, so their identities cannot be reused by
+    other tensors while the entry exists; the object is dropped when the forward ends."""
+
+    __slots__ = ("owner", "_memo")
+
+    def __init__(self, owner: int = 0) -> None:
+        self.owner = owner  # id of the module whose forward opened it
+        self._memo: dict[tuple, tuple[Any, Any]] = {}
+
+    def memo(self, sources: Any, tag: Hashable, make: Callable[[], Any]) -> Any:
+        """``make()`` once per ``(sources, tag)`` in this forward. ``sources``: a tensor, a tuple of
+        tensors (matched by identity) or None (``tag`` alone identifies the value)."""
+        if type(sources) is tuple:
+            key = (tuple(map(id, sources)), tag)
+        else:
+            key = (id(sources), tag)
+        entry = self._memo.get(key)
+        if entry is not None:
+            return entry[1]
+        value = make()
+        self._memo[key] = (sources, value)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+
+class _Open(threading.local):
+    """Per thread: the forwards open now, innermost last."""
+
+    def __init__(self) -> None:
+        self.stack: list[PerForward] = []
+
+
+_OPEN = _Open()
+
+
+def current() -> PerForward | None:
+    """The innermost forward open in this thread, or None."""
+    stack = _OPEN.stack
+    return stack[-1] if stack else None
+
+
+def open_forward(owner: object) -> PerForward:
+    """Open a forward of ``owner`` (a module) in this thread. A forward of the same module still open
+    below is a left-over of one that ended without closing (interrupted outside Python's ``Exception``,
+    which forward hooks do not see): it and everything above it are dropped first, since a module's
+    forward does not run inside itself."""
+    stack, key = _OPEN.stack, id(owner)
+    for i, scope in enumerate(stack):
+        if scope.owner == key:
+            del stack[i:]
+            break
+    scope = PerForward(key)
+    stack.append(scope)
+    return scope
+
+
+def close_forward(owner: object) -> None:
+    """Close the innermost open forward of ``owner`` in this thread (and anything opened above it
+    that did not close); nothing when none is open."""
+    stack, key = _OPEN.stack, id(owner)
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i].owner == key:
+            del stack[i:]
+            return
