@@ -1275,7 +1275,9 @@ def _allocate(size: int, alignment: int, stream: Optional[int]) -> Tensor:
 
 class _TmaLaunch:
     """The TMA launch where the key and value pointers are 16-byte aligned (what a descriptor
-    needs), else the pointer launch; makes sure Triton has an allocator for the descriptors."""
+    needs), else the pointer launch. Triton allocates the descriptors' workspace through the allocator
+    of the calling context: where none is set, one (PyTorch's caching allocator) is set for this launch
+    only and the previous one restored after it (nothing changes for other code)."""
 
     __slots__ = ("tma", "plain")
 
@@ -1288,9 +1290,16 @@ class _TmaLaunch:
             return
         from triton.runtime import _allocation
 
-        if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-            triton.set_allocator(_allocate)
-        self.tma(tensors)
+        allocator = _allocation._allocator
+        previous = allocator.get()
+        if not isinstance(previous, _allocation.NullAllocator):
+            self.tma(tensors)
+            return
+        allocator.set(_allocate)
+        try:
+            self.tma(tensors)
+        finally:
+            allocator.set(previous)
 
 
 class BackwardPlan:
