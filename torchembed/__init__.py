@@ -10,19 +10,15 @@ Layers (each uses only the ones above it):
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
-
-from torchembed import functional
-from torchembed.positional import (
-    ALiBiEmbedding,
-    LearnedPositionalEmbedding,
-    RotaryEmbedding,
-    SinusoidalEmbedding,
-)
 
 __version__ = "0.1.0"
 
-# The HF layer is imported on first use: `import torchembed` never imports transformers.
+# Everything is imported on first use: `import torchembed` imports neither torch nor transformers (the
+# command line answers --help without them).
+_SUBMODULES = ("functional", "kernels", "positional", "patches", "tools")
+_POSITIONAL = ("ALiBiEmbedding", "LearnedPositionalEmbedding", "RotaryEmbedding", "SinusoidalEmbedding")
 _PATCH_API = ("patch", "unpatch", "is_patched", "patched", "find_positional_components", "from_pretrained", "supported_families",
               "PatchError", "UnsupportedModelError", "StructureError", "FusedUnavailableError")
 _TOOLS_API = ("compare",)
@@ -39,6 +35,12 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"torchembed.{name}")
+    if name in _POSITIONAL:
+        from torchembed import positional
+
+        return getattr(positional, name)
     if name in _PATCH_API:
         from torchembed import patches
 

@@ -2,7 +2,7 @@
 
 Mistakes at the front door (a missing checkpoint folder, a hub id while the hub is offline, a
 device or kernel this machine does not have, an unknown option value) end with one line on
-stderr saying what is wrong and what to do, and exit code 2; ``--debug`` shows the traceback.
+stderr saying what is wrong and what to do, and exit code 2; ``--debug`` shows the traceback too.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from torchembed.tools.options import Parser, count
@@ -103,6 +104,9 @@ def _compare(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     _check_device(args.device)
     _check_fused(args.fused, args.device)
+    if args.gguf_file and not args.model:
+        raise UsageError("--gguf-file names a file inside the --model folder: torchembed chat --model FOLDER --gguf-file "
+                         "NAME (or --model path/to/file.gguf)")
     _quiet_transformers()
     from torchembed.tools.chat import chat
 
@@ -285,8 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("torchembed: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        if debug or not isinstance(exc, _front_door_errors()):
+        if not isinstance(exc, _front_door_errors()):
             raise
+        if debug:
+            traceback.print_exc()
         print(f"torchembed {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
 

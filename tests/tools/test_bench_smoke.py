@@ -201,3 +201,15 @@ def test_long_smoke(tmp_path: Path) -> None:
                 assert _finite(rec[key]) and rec[key] > 0, (model, variant, key, rec[key])
             assert _finite(rec["generate_ms"])  # a difference of two timings: its sign is noise on a busy CPU
     assert "generate ms/token" in md and "plain-loop steps" in md and "of floor" in md
+
+
+def test_long_smoke_prints_its_table_once_without_nan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Progress goes to stderr as one line per cell; the table is printed once; a column the CPU does not
+    measure (peak GPU memory) reads "-"."""
+    pytest.importorskip("transformers")
+    assert bench.main(["long", "--smoke", "--out", str(tmp_path), "--models", "mpt", "--contexts", "32", "--steps", "3"]) == 0
+    out, err = capsys.readouterr()
+    printed = out + err
+    for variant in ("upstream", "patched"):
+        assert printed.count(f"mpt | {variant} | 32 |") == 1, printed
+    assert "nan" not in printed.lower() and "nan" not in (tmp_path / "long-smoke.md").read_text().lower()

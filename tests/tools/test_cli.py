@@ -52,12 +52,16 @@ def test_missing_folder_subprocess_no_traceback(tmp_path: Path) -> None:
     assert proc.stdout == ""
 
 
-def test_debug_shows_the_traceback(capsys, offline) -> None:
-    from torchembed.patches.loading import CheckpointNotFoundError
-
+def test_debug_shows_the_traceback_and_keeps_the_exit_code(capsys, offline) -> None:
+    """A mistake at the front door exits 2 with or without --debug; --debug adds the traceback."""
     for argv in (["--debug", "compare", "./no/such/dir"], ["compare", "./no/such/dir", "--debug"]):
-        with pytest.raises(CheckpointNotFoundError, match="no such checkpoint folder"):
-            cli.main(argv)
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and "Traceback" in err and "CheckpointNotFoundError" in err, argv
+        assert err.strip().splitlines()[-1] == "torchembed compare: error: no such checkpoint folder: ./no/such/dir"
+    for argv in (["--debug", "compare", "--device", "cuda:7"], ["chat", "hi", "--fused", "on", "--debug"],
+                 ["--debug", "compare", "--seq-len", "0"], ["--debug", "compare", "--gguf-file", "x.gguf"]):
+        code, _, err = run(capsys, *argv)
+        assert code == 2, (argv, err)
 
 
 def test_folder_that_is_not_a_checkpoint(capsys, tmp_path: Path, offline) -> None:
@@ -312,3 +316,54 @@ def test_list_all_survey_is_kept_and_read_back(tmp_path: Path, monkeypatch) -> N
     assert Path(zoo.survey_cache_file()).is_file()
     monkeypatch.setattr(zoo, "status_of", lambda t: pytest.fail(f"{t} checked again"))
     assert zoo.survey(["qwen3", "llama"]) == first[::-1]
+
+
+def test_chat_gguf_file_needs_the_model_folder(capsys, offline) -> None:
+    """Never the default model instead of the file asked for."""
+    code, out, err = run(capsys, "chat", "--gguf-file", "nope.gguf", "--max-new-tokens", "1", "hi")
+    line = one_line_error(err)
+    assert code == 2 and out == "" and "torchembed chat --model FOLDER --gguf-file NAME" in line, line
+
+
+def test_chat_missing_gguf_file_in_the_model_folder(capsys, tmp_path: Path, offline) -> None:
+    code, _, err = run(capsys, "chat", "--model", str(tmp_path), "--gguf-file", "nope.gguf", "hi")
+    assert code == 2 and "no GGUF file 'nope.gguf'" in one_line_error(err)
+
+
+@pytest.mark.parametrize("command", ["compare", "chat"])
+def test_a_file_that_is_not_gguf(capsys, tmp_path: Path, offline, command) -> None:
+    (tmp_path / "junk.gguf").write_bytes(b"not a GGUF file")
+    argv = [str(tmp_path / "junk.gguf")] if command == "compare" else ["--model", str(tmp_path / "junk.gguf"), "hi"]
+    code, _, err = run(capsys, command, *argv)
+    assert code == 2 and f"{tmp_path / 'junk.gguf'} is not a GGUF file" in one_line_error(err)
+
+
+def test_compare_tiny_model_with_a_gguf_file_points_to_list(capsys, offline) -> None:
+    code, _, err = run(capsys, "compare", "llama", "--gguf-file", "x.gguf")
+    line = one_line_error(err)
+    assert code == 2 and "'llama' is a tiny model" in line and "'x.gguf'" in line and "torchembed list" in line, line
+
+
+def test_compare_unknown_name_points_to_list(capsys, offline) -> None:
+    code, _, err = run(capsys, "compare", "lama")
+    line = one_line_error(err)
+    assert code == 2 and "no tiny model 'lama'" in line and "torchembed list" in line and "'llama'" in line, line
+    assert "is not a local folder" in line  # and why no hub id of that name could be had
+
+
+def test_help_imports_neither_torch_nor_transformers() -> None:
+    """``torchembed --help`` is quick: the tools (and torch) are imported when a subcommand runs."""
+    code = ("import sys; from torchembed import cli; cli.main(['--help']); "
+            "print('heavy:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "usage: torchembed" in proc.stdout, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "heavy: []"
+
+
+def test_the_readme_says_how_to_put_torchembed_on_path() -> None:
+    """The scripts install into .venv, which they do not activate: the README says so before the commands."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    quick_start = readme.split("## Quick start", 1)[1].split("## The API", 1)[0]
+    command_line = readme.split("### Command line", 1)[1].split("```bash", 1)[0]
+    for section in (quick_start, command_line):
+        assert "source .venv/bin/activate" in section and ".venv/bin/torchembed" in section

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -178,9 +179,9 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, bandwid
             if budget.exhausted():
                 rec["skipped"] = "time budget"
             else:
+                print(f"long {name} {variant} context {context:,} ...", file=sys.stderr, flush=True)
                 rec.update(measure_cell(base, config, context, args, device, model))
             records.append(rec)
-            print(" | ".join(_row(rec, bool(args.generate))), flush=True)
         if variant == "patched":
             torchembed.unpatch(model)
     del model, base
@@ -203,7 +204,7 @@ def _row(rec: dict[str, Any], generate: bool) -> list[str]:
             _cell(rec.get("decode_ms"), rec["decode_floor_ms"], 1),
             *([_cell(rec.get("generate_ms"), rec["decode_floor_ms"], 1)] if generate else []),
             f"{rec['decode_floor_ms']:.2f}",
-            f"{rec.get('peak_gb', float('nan')):.1f} / {rec['weights_gb'] + rec['kv_gb']:.1f}"]
+            (f"{rec['peak_gb']:.1f}" if "peak_gb" in rec else "-") + f" / {rec['weights_gb'] + rec['kv_gb']:.1f}"]
 
 
 def markdown(records: list[dict[str, Any]], args: argparse.Namespace, bandwidth: float, rate: float) -> str:

@@ -393,17 +393,39 @@ def _source(model: str | os.PathLike[str] | nn.Module, gguf_file: str | None, sc
     checked (``resolve_checkpoint``), and a GGUF checkpoint dequantised once into a temporary folder."""
     if isinstance(model, nn.Module):
         return _name(model), model
-    from torchembed.patches.loading import resolve_checkpoint
-    from torchembed.tools.checkpoints import build_checkpoint, is_tiny_model
+    from torchembed.patches.loading import CheckpointNotFoundError, resolve_checkpoint
+    from torchembed.tools.checkpoints import build_checkpoint, check_gguf_file, is_tiny_model
 
-    if isinstance(model, str) and not gguf_file and not Path(model).expanduser().exists() and is_tiny_model(model):
+    if isinstance(model, str) and not Path(model).expanduser().exists() and is_tiny_model(model):
+        if gguf_file:
+            raise CheckpointNotFoundError(
+                f"{model!r} is a tiny model of the embedded default (torchembed list), made from a config: it has no "
+                f"GGUF file {gguf_file!r}; pass the checkpoint folder that holds it (FOLDER --gguf-file NAME)")
         return model, str(build_checkpoint(model, cache_dir))
-
-    path, hub = resolve_checkpoint(model, **({"gguf_file": gguf_file} if gguf_file else {}))
+    try:
+        path, hub = resolve_checkpoint(model, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except CheckpointNotFoundError as err:
+        if isinstance(model, str) and "/" not in model and Path(model).suffix != ".gguf":  # a name, maybe mistyped
+            raise type(err)(f"no tiny model {model!r} (torchembed list names them{_did_you_mean(model)}), and as a "
+                            f"checkpoint: {err}") from err
+        raise
     gguf = hub.pop("gguf_file", None)
     if not gguf:
         return _name(model), _Checkpoint(path, hub)
+    if os.path.isdir(path):
+        check_gguf_file(os.path.join(path, gguf))
     return Path(gguf).stem, _Checkpoint(_dequantized(path, gguf, hub, scratch))
+
+
+def _did_you_mean(name: str) -> str:
+    """``"; did you mean 'llama'?"`` for the closest tiny model name, or nothing."""
+    import difflib
+
+    from torchembed.tools.checkpoints import TINY_MODELS
+    from torchembed.tools.zoo import text_model_types
+
+    close = difflib.get_close_matches(name, [*TINY_MODELS, *text_model_types()], n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _dequantized(path: str, gguf_file: str, hub: dict[str, Any], scratch: contextlib.ExitStack) -> str:
