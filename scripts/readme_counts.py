@@ -3,9 +3,10 @@
     python scripts/readme_counts.py .venv/bin/python /path/to/venv-5.25/bin/python /path/to/venv-4.57/bin/python
 
 Each interpreter (one with torchembed and a transformers release installed) runs the survey of every
-model type with a rotary component (the same as ``torchembed list --all``, kept in its cache); the
-rows replace the table between the ``<!-- model-types:begin -->`` and ``<!-- model-types:end -->``
-markers of README.md, newest release first. Nothing in the README's counts is typed by hand.
+model type with a rotary component (``torchembed.tools.zoo.survey_counts``: the counts ``torchembed list
+--all`` prints, kept in its cache); the rows replace the table between the ``<!-- model-types:begin -->``
+and ``<!-- model-types:end -->`` markers of README.md, newest release first. Nothing in the README's
+counts is typed by hand: tests/tools/test_readme_counts.py recomputes the row of the installed release.
 """
 
 from __future__ import annotations
@@ -19,28 +20,40 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- model-types:begin -->", "<!-- model-types:end -->"
-STATES = ("patched", "refused", "no tiny model", "part of")
-HEADER = ("| transformers | model types | patched | refused | no tiny model | sub-configs (checked within their "
-          "composite) | no rotary component | partly patched |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+#: the table's columns after the version, each a key of ``survey_counts``; the first is the sum of the others
+COLUMNS = {"model types": "model types", "patched": "patched", "refused": "refused", "no tiny model": "no tiny model",
+           "sub-configs (checked within their composite)": "part of", "no rotary component": "no rotary component",
+           "partly patched": "partly patched"}
+HEADER = "| transformers | " + " | ".join(COLUMNS) + " |\n|---|" + "---:|" * len(COLUMNS)
 _SURVEY = """
 import json, os, transformers
 os.environ.setdefault("USE_HUB_KERNELS", "0")  # (the survey builds models from configs; no loading)
 transformers.logging.set_verbosity_error()
-from torchembed.tools.zoo import model_types, survey
-statuses = survey()
-print(json.dumps({"version": transformers.__version__, "types": len(model_types()),
-                  "states": [s.state for s in statuses]}))
+from torchembed.tools.zoo import survey_counts
+print(json.dumps({"version": transformers.__version__, **survey_counts()}))
 """
 
 
-def row_of(python: str) -> tuple[str, str]:
-    """``(version, markdown row)`` of the survey run by ``python``."""
+def row(version: str, counts: dict[str, int]) -> str:
+    """The table's markdown row of one release's ``survey_counts``."""
+    return "| " + " | ".join([version, *(str(counts[key]) for key in COLUMNS.values())]) + " |"
+
+
+def table(readme: str) -> dict[str, dict[str, int]]:
+    """The README's table: version -> {``survey_counts`` key: count}."""
+    block = readme.split(BEGIN, 1)[1].split(END, 1)[0]
+    rows = {}
+    for line in block.strip().splitlines()[2:]:
+        version, *cells = (cell.strip() for cell in line.strip().strip("|").split("|"))
+        rows[version] = dict(zip(COLUMNS.values(), map(int, cells), strict=True))
+    return rows
+
+
+def counts_of(python: str) -> tuple[str, dict[str, int]]:
+    """``(version, survey_counts)`` of the transformers that ``python`` has."""
     out = subprocess.run([python, "-c", _SURVEY], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     data = json.loads(out.strip().splitlines()[-1])
-    counts = {state: data["states"].count(state) for state in (*STATES, "partly patched")}
-    without = data["types"] - len(data["states"])
-    cells = [data["version"], data["types"], *(counts[s] for s in STATES), without, counts["partly patched"]]
-    return data["version"], "| " + " | ".join(str(c) for c in cells) + " |"
+    return data.pop("version"), data
 
 
 def _key(version: str) -> tuple[int, ...]:
@@ -52,17 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pythons", nargs="+", help="interpreters with torchembed and one transformers release each")
     parser.add_argument("--readme", default=str(ROOT / "README.md"))
     args = parser.parse_args(argv)
-    rows = sorted((row_of(python) for python in args.pythons), key=lambda r: _key(r[0]), reverse=True)
-    table = "\n".join([HEADER, *(row for _, row in rows)])
+    rows = sorted((counts_of(python) for python in args.pythons), key=lambda r: _key(r[0]), reverse=True)
+    text = "\n".join([HEADER, *(row(version, counts) for version, counts in rows)])
     readme = Path(args.readme)
-    text = readme.read_text(encoding="utf-8")
-    if BEGIN not in text or END not in text:
+    content = readme.read_text(encoding="utf-8")
+    if BEGIN not in content or END not in content:
         print(f"{readme}: no {BEGIN} ... {END} block", file=sys.stderr)
         return 1
-    head, rest = text.split(BEGIN, 1)
+    head, rest = content.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}", encoding="utf-8")
-    print(table)
+    readme.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}", encoding="utf-8")
+    print(text)
     return 0
 
 

@@ -127,7 +127,7 @@ def _list(args: argparse.Namespace) -> int:
         return 0
     import transformers
 
-    from torchembed.tools.zoo import model_types, rotary_model_types, survey, survey_cache_file
+    from torchembed.tools.zoo import STATES, model_types, rotary_model_types, survey, survey_cache_file, survey_counts
 
     transformers.logging.set_verbosity_error()
     cache = survey_cache_file()
@@ -137,7 +137,7 @@ def _list(args: argparse.Namespace) -> int:
     statuses = survey(progress=sys.stderr.isatty())
     rotary = [s for s in statuses if s.rotary]
     width = max((len(s.model_type) for s in statuses), default=10) + 1
-    for state in ("patched", "partly patched", "refused", "no tiny model", "part of"):
+    for state in STATES:
         rows = [s for s in rotary if s.state == state]
         if rows:
             print(f"== {state} ({len(rows)})")
@@ -146,13 +146,13 @@ def _list(args: argparse.Namespace) -> int:
     found = {s.model_type for s in rotary}
     without = [t for t in model_types() if t not in found]
     print(f"== no rotary component ({len(without)}): {', '.join(without)}")
-    counts = {state: sum(s.state == state for s in rotary) for state in ("patched", "partly patched", "refused", "no tiny model", "part of")}
+    counts = survey_counts(statuses)
     print(f"{counts['patched']} patched, {counts['refused']} refused (reasons above)"
           + (f", {counts['partly patched']} partly patched (what stays upstream's above)" if counts["partly patched"] else "")
           + (f", {counts['no tiny model']} without a tiny model that upstream runs" if counts["no tiny model"] else "")
           + f", {counts['part of']} sub-configs checked within their composite models"
-          + f", {len(without)} without a rotary component, of the {len(model_types())} model types of transformers "
-          f"{transformers.__version__} (checked on tiny random-weight models built from each config class)")
+          + f", {counts['no rotary component']} without a rotary component, of the {counts['model types']} model types "
+          f"of transformers {transformers.__version__} (checked on tiny random-weight models built from each config class)")
     return 0
 
 

@@ -44,7 +44,7 @@ __all__ = [
     "SMALL", "FP32_REL_TOL", "ModelTypeStatus", "TinyModelError", "ZooCase", "model_types", "rotary_model_types",
     "rotary_code_of", "text_model_types", "generic_tiny_config", "model_class", "build_tiny", "strong_init",
     "tiny_inputs", "zoo_case", "rotary_modules", "rotation_code", "count_calls", "outputs_of", "matches",
-    "status_of", "survey",
+    "status_of", "survey", "survey_counts", "STATES",
 ]
 
 #: attribute -> small value; an attribute is set only where the config (or a sub-config) has it.
@@ -1094,6 +1094,22 @@ def survey(types: list[str] | None = None, *, progress: bool = False) -> list[Mo
     if todo:
         _write_json(path, known)
     return [ModelTypeStatus(t, *known[t]) for t in types]
+
+
+#: the states of a model type with a rotary component, in the order ``torchembed list --all`` prints them
+STATES = ("patched", "partly patched", "refused", "no tiny model", "part of")
+
+
+def survey_counts(statuses: list[ModelTypeStatus] | None = None) -> dict[str, int]:
+    """Model types per state, as ``torchembed list --all`` and the README count them: each of :data:`STATES`
+    among ``statuses`` (default: the whole :func:`survey`), ``"no rotary component"`` for every other model
+    type of the installed transformers (its code has none, or its tiny model uses none) and ``"model types"``
+    for all of them."""
+    statuses = survey() if statuses is None else statuses
+    counts = {state: sum(s.state == state for s in statuses) for state in STATES}
+    counts["no rotary component"] = len(model_types()) - sum(counts.values())
+    counts["model types"] = len(model_types())
+    return counts
 
 
 def survey_cache_file() -> str:
