@@ -31,12 +31,14 @@ def _inputs(b, h, hk, m, n, d, dtype, *, layout="bshd", seed=0, grad=True):
 
 
 def _oracle(q, k, v, bias, keep, key_bias, scale):
-    """float64 attention; ``bias`` slopes (slope * (j - i)) or a key bias; rows that keep nothing: 0."""
+    """float64 attention; ``bias`` slopes (slope * (j - i)), a key bias or None; rows that keep nothing: 0."""
     group = q.shape[1] // k.shape[1]
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
     m, n = q.shape[2], k.shape[2]
     s = qd @ kd.repeat_interleave(group, 1).transpose(-1, -2) * scale
-    if key_bias:
+    if bias is None:
+        pass
+    elif key_bias:
         s = s + bias.double()[:, :, None, :]
     else:
         positions = torch.arange(n, device=q.device).double()
@@ -200,6 +202,41 @@ def test_decode_with_padding_and_a_few_queries():
     keep = _left_padded_keep(2, 3, 120, [0, 50])
     q, k, v = _inputs(2, 4, 2, 3, 120, 32, torch.bfloat16, seed=11)
     _check(q, k, v, alibi_slopes(4, DEV), keep=keep)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_attention_without_a_bias(dtype):
+    """``bias=None``: attention with no bias (a RoPE model's decode step), through the split-key decode
+    kernel (one query; a few over a padded cache) and the prefill kernel with its backward."""
+    q, k, v = _inputs(2, 8, 2, 1, 150, 32, dtype, seed=21)
+    _check(q, k, v, None)
+    keep = _left_padded_keep(2, 3, 120, [0, 50])
+    q, k, v = _inputs(2, 4, 2, 3, 120, 32, dtype, seed=22)
+    _check(q, k, v, None, keep=keep)
+    q, k, v = _inputs(1, 2, 1, 37, 37, 32, dtype, seed=23)
+    _check(q, k, v, None)
+
+
+@pytest.mark.parametrize("key_bias", [None, False, True])
+def test_decode_reads_only_the_keys_some_row_keeps(key_bias):
+    """A static cache (300 slots, the first 100 filled, padding before 20 in one sequence) whose empty
+    slots and padding hold NaN: the decode kernel never reads them (its split follows the kept range)."""
+    b, h, hk, n, filled, d = 2, 4, 2, 300, 100, 32
+    q, k, v = _inputs(b, h, hk, 1, n, d, torch.float32, seed=31, grad=False)
+    keep = torch.zeros(b, 1, 1, n, dtype=torch.bool, device=DEV)
+    keep[..., :filled] = True
+    keep[1, ..., :20] = False
+    k, v = k.clone(), v.clone()
+    for t in (k, v):
+        t.masked_fill_(~keep[:, :, 0, :, None].expand_as(t), float("nan"))
+    slopes = alibi_slopes(h, DEV)
+    bias = None if key_bias is None else slopes if not key_bias else torch.randn(b, h, n, device=DEV)
+    out = alibi_flash(q, k, v, bias, scale=d**-0.5, key_bias=bool(key_bias), keep=keep)
+    assert torch.isfinite(out).all()
+    sub = keep[..., :filled]
+    truth, _ = _oracle(q, k[:, :, :filled].nan_to_num(), v[:, :, :filled].nan_to_num(),
+                       None if bias is None else bias[..., :filled] if key_bias else bias, sub, bool(key_bias), d**-0.5)
+    _close(out, truth.detach(), torch.float32)
 
 
 def test_strided_views_are_read_in_place():

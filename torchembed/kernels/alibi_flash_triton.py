@@ -462,12 +462,13 @@ _DECODE_LENGTHS = ("sbb", "sbh", "smb", "smm", "N", "SPLITS")
 
 
 @triton.jit
-def _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows, slope2, c, kbc, start_n, N,
-                 skn, skd, svn, svd, sbn, smn, r_ok, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+def _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows, slope2, c, kbc, start_n, first,
+                 last, skn, skd, svn, svd, sbn, smn, r_ok, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, BIAS: tl.constexpr, MASKED: tl.constexpr, HOLES: tl.constexpr,
                  PREC: tl.constexpr):
     """One key tile of a decode program's online softmax. ``MASKED``: the tile straddles some row's
-    ``lo`` or ``hi`` (or the end of the keys); ``HOLES``: it reads ``keep`` as well."""
+    ``lo`` or ``hi``; only keys in ``[first, last)`` (those some row keeps) are read, so what lies
+    outside (a static cache's empty slots) never reaches the result. ``HOLES``: it reads ``keep`` too."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -475,7 +476,7 @@ def _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows,
     kt_ptrs = k_base + n64[None, :] * skn + offs_d[:, None] * skd
     v_ptrs = v_base + n64[:, None] * svn + offs_d[None, :] * svd
     if MASKED:
-        n_ok = offs_n < N
+        n_ok = (offs_n >= first) & (offs_n < last)
         kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
     elif HEAD_DIM == BLOCK_D:
         kt = tl.load(kt_ptrs)
@@ -551,7 +552,8 @@ def _decode_kernel(
     keep_rows = Keep + b * smb + i.to(tl.int64) * smm
     # this program's share of the keys the rows keep
     hi_max = tl.max(hi, 0)
-    base = tl.min(tl.where(r_ok, lo, N), 0) // BLOCK_N * BLOCK_N
+    lo_min = tl.min(tl.where(r_ok, lo, N), 0)
+    base = lo_min // BLOCK_N * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(tl.maximum(hi_max - base, 0), SPLITS), BLOCK_N) * BLOCK_N
     start = base + split * chunk
     stop = tl.minimum(start + chunk, hi_max)
@@ -572,22 +574,22 @@ def _decode_kernel(
     for start_n in range(full_lo, full_hi, BLOCK_N):  # the bulk: no mask arithmetic
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows, slope2, c, kbc,
-                                     start_n, N, skn, skd, svn, svd, sbn, smn, r_ok, qk_scale, HEAD_DIM, BLOCK_N,
-                                     BLOCK_D, BIAS, False, False, PREC)
+                                     start_n, lo_min, hi_max, skn, skd, svn, svd, sbn, smn, r_ok, qk_scale, HEAD_DIM,
+                                     BLOCK_N, BLOCK_D, BIAS, False, False, PREC)
     if holes:
         for start_n in range(start, stop, BLOCK_N):
             acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows, slope2, c,
-                                         kbc, start_n, N, skn, skd, svn, svd, sbn, smn, r_ok, qk_scale, HEAD_DIM,
-                                         BLOCK_N, BLOCK_D, BIAS, True, True, PREC)
+                                         kbc, start_n, lo_min, hi_max, skn, skd, svn, svd, sbn, smn, r_ok, qk_scale,
+                                         HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, True, PREC)
     else:
         for start_n in range(full_hi, stop, BLOCK_N):  # the tiles some row ends inside (the newest keys)
             acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows, slope2, c,
-                                         kbc, start_n, N, skn, skd, svn, svd, sbn, smn, r_ok, qk_scale, HEAD_DIM,
-                                         BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
+                                         kbc, start_n, lo_min, hi_max, skn, skd, svn, svd, sbn, smn, r_ok, qk_scale,
+                                         HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
         for start_n in range(start, full_lo, BLOCK_N):  # the tiles some row starts inside (padding)
             acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows, slope2, c,
-                                         kbc, start_n, N, skn, skd, svn, svd, sbn, smn, r_ok, qk_scale, HEAD_DIM,
-                                         BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
+                                         kbc, start_n, lo_min, hi_max, skn, skd, svn, svd, sbn, smn, r_ok, qk_scale,
+                                         HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
 
     if SINGLE:
         seen = l_i > 0.0

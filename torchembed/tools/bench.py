@@ -48,7 +48,7 @@ __all__ = ["add_common_args", "setup", "environment", "do_bench", "host_loop", "
 
 L2_BYTES = 60 * 2**20  # H100/H200 L2 is 50-60 MB; rotate inputs through copies larger than this
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_BENCHMARKS = ("rope", "e2e", "alibi", "train", "long")
+_BENCHMARKS = ("rope", "e2e", "alibi", "train", "long", "decode")
 DEFAULT_OUT = "torchembed-results"  # relative to the current folder
 _written: list[Path] = []  # the files of the last write_results: bench.main says where they went
 

@@ -1,0 +1,208 @@
+"""``torchembed bench decode``: one decode step's attention over a long KV cache, against its floor.
+
+What a patched model's decode step runs (the split-key kernel, :func:`torchembed.kernels.alibi_flash.attempt`)
+against SDPA's backends called the ways transformers calls them (flash, memory-efficient, cuDNN once its
+plan for the length exists, math; grouped heads read natively, packed into the query length as
+transformers 5.2x does for one query with a mask, or repeated), in one run. Cases (bf16, head dim 128):
+
+* ``gqa``: LLaMA-3.1-8B / Qwen3-8B attention (32 query heads over 8 kv heads), batch 1, no mask;
+* ``gqa-padded``: the same, batch 4, left-padded to lengths N, N-1000, N-2000, N-3000 (a bool mask);
+* ``static``: batch 1 over a static cache of N slots of which the first N/8 are filled (a bool mask);
+* ``alibi``: BLOOM-7B1 / MPT-7B attention (32 heads, no grouping), batch 1, the key-only ALiBi bias
+  (SDPA: the bias materialised as its float mask, what ``cudnn_decode=True`` runs).
+
+The floor is the bytes of the keys and values the step must read (the kept keys only) over the measured
+copy bandwidth; "of floor" = floor / time (1.00 = at the floor). ``--sweep`` first times the kernel under
+each launch configuration in a grid (``AlibiTuning``) and uses the best per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from torchembed.tools import bench
+
+__all__ = ["main", "CASES"]
+
+CASES = ("gqa", "gqa-padded", "static", "alibi")
+_BACKENDS = ("flash", "efficient", "cudnn", "math")
+
+
+def _case(name: str, keys: int, device: torch.device, dtype: torch.dtype, smoke: bool) -> dict[str, Any]:
+    """q (b, h, 1, d) over k, v (b, hk, n, d) in a KV cache's layout, the mask (b, 1, 1, n) or None, the
+    ALiBi key bias or None, and the bytes the step must read."""
+    heads, kv_heads, dim = (4, 2, 32) if smoke else (32, 8, 128)
+    batch, lengths, mask_needed, bias = 1, [keys], False, None
+    if name == "gqa-padded":
+        step = max(1, keys // 16) if smoke else 1000
+        batch, lengths, mask_needed = 4, [keys - i * step for i in range(4)], True
+    elif name == "static":
+        lengths, mask_needed = [keys // 8], True
+    elif name == "alibi":
+        kv_heads = heads
+    gen = torch.Generator(device="cpu").manual_seed(keys)
+    q = torch.randn(batch, 1, heads, dim, generator=gen).to(device, dtype).transpose(1, 2)
+    k = torch.randn(batch, kv_heads, keys, dim, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    mask = None
+    if mask_needed:
+        positions = torch.arange(keys, device=device)
+        if name == "static":
+            mask = (positions < lengths[0])[None, None, None, :].expand(batch, 1, 1, keys).contiguous()
+        else:
+            mask = torch.stack([positions >= keys - n for n in lengths])[:, None, None, :]
+    if name == "alibi":
+        from torchembed.functional.alibi import alibi_key_bias, alibi_slopes
+
+        bias = alibi_key_bias(alibi_slopes(heads, device), key_len=keys)
+    kv_bytes = 2 * kv_heads * dim * k.element_size() * sum(lengths)
+    return {"q": q, "k": k, "v": v, "mask": mask, "bias": bias, "bytes": kv_bytes, "batch": batch,
+            "heads": heads, "kv_heads": kv_heads, "dim": dim, "lengths": lengths}
+
+
+def _torchembed(c: dict[str, Any]) -> Callable[[], Any]:
+    from torchembed.kernels.alibi_flash import attempt, mask_rows
+
+    q, k, v, mask, bias = c["q"], c["k"], c["v"], c["mask"], c["bias"]
+    rows = None if mask is None else mask_rows(mask)  # (once per forward for all layers)
+    scale = c["dim"] ** -0.5
+
+    def run() -> Any:
+        out = attempt(q, k, v, bias, scale=scale, key_bias=bias is not None, keep=mask, rows=rows)
+        assert not isinstance(out, str), out
+        return out
+
+    return run
+
+
+def _sdpa_forms(c: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    """SDPA called as transformers calls it for this step: grouped heads natively (``enable_gqa``), packed
+    into the query length (one query with a mask: transformers 5.2x) or repeated; ALiBi: the bias
+    materialised as a float mask."""
+    q, k, v, mask, bias = c["q"], c["k"], c["v"], c["mask"], c["bias"]
+    group, scale = c["heads"] // c["kv_heads"], c["dim"] ** -0.5
+    if bias is not None:
+        from torchembed.functional.alibi import alibi_decode_bias
+
+        additive = alibi_decode_bias(bias, mask, q.dtype)
+        return {"bias mask": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=scale)}
+    forms = {"native gqa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                                  enable_gqa=group > 1)}
+    if group > 1:
+        packed = q.reshape(q.shape[0], c["kv_heads"], group, c["dim"])
+        forms["packed gqa"] = lambda: F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, scale=scale)
+        kr, vr = (x.repeat_interleave(group, 1) for x in (k, v))
+        forms["repeated kv"] = lambda: F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask, scale=scale)
+    return forms
+
+
+def _time_sdpa(c: dict[str, Any], device: torch.device) -> dict[str, float | None]:
+    """The best time of each SDPA backend over the forms it takes (None: it takes none)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    times: dict[str, float | None] = {}
+    for name, backend in backends.items():
+        best = None
+        for form in _sdpa_forms(c).values():
+            with sdpa_kernel([backend]):  # (a benchmark: process-wide switches are fine here)
+                try:
+                    form()
+                except RuntimeError:
+                    continue
+                ms = bench.do_bench(form, device)
+            best = ms if best is None else min(best, ms)
+        times[name] = best
+    return times
+
+
+def _grid(smoke: bool) -> list[tuple[tuple[int, int, int, int], int]]:
+    """(BLOCK_R, BLOCK_N, warps, stages) x decode programs per multiprocessor."""
+    if smoke:
+        return [((16, 16, 4, 1), 1), ((16, 32, 4, 1), 2)]
+    blocks = [(16, n, w, s) for n, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+    return [(b, p) for b in blocks for p in (1, 2, 4)]
+
+
+def _sweep(cases: dict[tuple[str, int], dict[str, Any]], device: torch.device, smoke: bool) -> dict[str, Any]:
+    """The kernel's time per case under each configuration; the best per case."""
+    from torchembed.kernels.alibi_flash_triton import block_d, tuned
+
+    records, best = [], {}
+    for config, per_sm in _grid(smoke):
+        for (name, keys), c in cases.items():
+            key = ("decode", block_d(c["dim"]), c["mask"] is not None)
+            with tuned(blocks={key: config}, decode_programs_per_sm=per_sm):
+                try:
+                    ms = bench.do_bench(_torchembed(c), device)
+                except Exception as exc:  # a configuration that does not compile or fit: recorded
+                    records.append({"case": name, "keys": keys, "config": config, "per_sm": per_sm,
+                                    "error": bench.short_error(exc)})
+                    continue
+            records.append({"case": name, "keys": keys, "config": config, "per_sm": per_sm, "ms": ms})
+            if (name, keys) not in best or ms < best[(name, keys)]["ms"]:
+                best[(name, keys)] = {"config": config, "per_sm": per_sm, "ms": ms}
+    return {"records": records, "best": {f"{n}@{k}": v for (n, k), v in best.items()}}
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="torchembed bench decode", description=__doc__.split("\n\n")[0])
+    bench.add_common_args(parser)
+    parser.add_argument("--keys", type=int, nargs="+", default=[16384, 65536, 131072], help="KV cache lengths")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--sweep", action="store_true", help="time the kernel's launch configurations first")
+    args = parser.parse_args(list(argv))
+    device = bench.setup(args)
+    if args.smoke:
+        args.keys = [64, 256]
+    env = bench.environment(device)
+    bandwidth = bench.copy_bandwidth(device)
+    env["copy_bandwidth_gbs"] = bandwidth / 1e9
+    cases = {(name, n): _case(name, n, device, args.torch_dtype, args.smoke) for name in args.cases for n in args.keys}
+    sweep = _sweep(cases, device, args.smoke) if args.sweep else None
+    rows, records = [], []
+    from torchembed.kernels.alibi_flash_triton import block_d, tuned
+
+    for (name, keys), c in cases.items():
+        floor = c["bytes"] / bandwidth * 1e3
+        chosen = (sweep or {}).get("best", {}).get(f"{name}@{keys}")
+        if chosen:
+            key = ("decode", block_d(c["dim"]), c["mask"] is not None)
+            with tuned(blocks={key: tuple(chosen["config"])}, decode_programs_per_sm=chosen["per_sm"]):
+                ours = bench.do_bench(_torchembed(c), device)
+        else:
+            ours = bench.do_bench(_torchembed(c), device)
+        sdpa = _time_sdpa(c, device) if device.type == "cuda" else {b: None for b in _BACKENDS}
+        timed = [t for t in sdpa.values() if t is not None]
+        best_sdpa = min(timed) if timed else None
+        record = {"case": name, "keys": keys, "batch": c["batch"], "lengths": c["lengths"], "floor_ms": floor,
+                  "torchembed_ms": ours, "sdpa_ms": sdpa, "sdpa_best_ms": best_sdpa,
+                  "config": chosen, "of_floor": floor / ours if ours else None}
+        records.append(record)
+
+        def frac(ms: float | None) -> str:
+            return "-" if ms is None else f"{floor / ms:.2f}"
+
+        rows.append([name, keys, c["batch"], f"{floor * 1e3:.1f}", f"{ours * 1e3:.1f}", frac(ours),
+                     *(frac(sdpa[b]) for b in _BACKENDS),
+                     "-" if best_sdpa is None else f"{best_sdpa / ours:.2f}"])
+        del c
+        bench.free_memory(device)
+    headers = ["case", "keys", "batch", "floor us", "torchembed us", "of floor", *(f"SDPA {b}" for b in _BACKENDS),
+               "SDPA best / torchembed"]
+    md = "\n".join([
+        "One decode step's attention (one query per sequence over the KV cache), as a fraction of the floor "
+        "(K and V bytes of the kept keys once over the measured copy bandwidth; 1.00 = at the floor). SDPA: "
+        "each backend's best over the ways transformers calls it; '-': the backend takes none of them.",
+        "", bench.md_table(headers, rows)])
+    print(md)
+    bench.write_results(args, "decode-attention", "Decode attention against its floor", env,
+                        {"results": records, "sweep": sweep}, md)
+    return 0
