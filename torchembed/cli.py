@@ -22,6 +22,7 @@ BENCHMARKS = {
     "e2e": "end-to-end prefill and decode of ~1B LLaMA, Mistral, Falcon configs, patched vs upstream",
     "train": "one bf16 training step (forward, backward, AdamW), patched vs upstream",
     "long": "long context (16k-128k): prefill and decode of 7-8B shapes, patched vs upstream, with floors",
+    "decode": "one decode step's attention over a long KV cache: the split-key kernel vs SDPA's backends, with floors",
 }
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
 

@@ -19,6 +19,7 @@ each launch configuration in a grid (``AlibiTuning``) and uses the best per case
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -102,8 +103,19 @@ def _sdpa_forms(c: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     return forms
 
 
-def _time_sdpa(c: dict[str, Any], device: torch.device) -> dict[str, float | None]:
-    """The best time of each SDPA backend over the forms it takes (None: it takes none)."""
+def _device_ms(make: Callable[[dict[str, Any]], Callable[[], Any]], copies: list[dict[str, Any]],
+               device: torch.device) -> float:
+    """Device time of one call (ms): calls over rotated input copies (more than L2 together) replayed from
+    a CUDA graph, so the host's cost per call is left out; elsewhere the synchronized wall time."""
+    fns = [make(c) for c in copies]
+    if device.type != "cuda":
+        return bench.do_bench(fns[0], device)
+    per_graph = max(10, len(fns))
+    return bench.graph_time(bench.rotate(fns), device, calls=per_graph - per_graph % len(fns))
+
+
+def _time_sdpa(copies: list[dict[str, Any]], device: torch.device) -> dict[str, float | None]:
+    """The best device time of each SDPA backend over the forms it takes (None: it takes none)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -111,13 +123,13 @@ def _time_sdpa(c: dict[str, Any], device: torch.device) -> dict[str, float | Non
     times: dict[str, float | None] = {}
     for name, backend in backends.items():
         best = None
-        for form in _sdpa_forms(c).values():
+        for form in _sdpa_forms(copies[0]):
             with sdpa_kernel([backend]):  # (a benchmark: process-wide switches are fine here)
                 try:
-                    form()
+                    _sdpa_forms(copies[0])[form]()
                 except RuntimeError:
                     continue
-                ms = bench.do_bench(form, device)
+                ms = _device_ms(lambda c, form=form: _sdpa_forms(c)[form], copies, device)
             best = ms if best is None else min(best, ms)
         times[name] = best
     return times
@@ -165,42 +177,49 @@ def main(argv: Sequence[str]) -> int:
     env = bench.environment(device)
     bandwidth = bench.copy_bandwidth(device)
     env["copy_bandwidth_gbs"] = bandwidth / 1e9
-    cases = {(name, n): _case(name, n, device, args.torch_dtype, args.smoke) for name in args.cases for n in args.keys}
-    sweep = _sweep(cases, device, args.smoke) if args.sweep else None
+    specs = [(name, n) for name in args.cases for n in args.keys]
+    sweep = None
+    if args.sweep:
+        sweep = _sweep({spec: _case(*spec, device, args.torch_dtype, args.smoke) for spec in specs}, device, args.smoke)
+        bench.free_memory(device)
     rows, records = [], []
     from torchembed.kernels.alibi_flash_triton import block_d, tuned
 
-    for (name, keys), c in cases.items():
-        floor = c["bytes"] / bandwidth * 1e3
+    for name, keys in specs:
+        first = _case(name, keys, device, args.torch_dtype, args.smoke)
+        copies = [first] + [_case(name, keys + 0, device, args.torch_dtype, args.smoke)
+                            for _ in range(bench.n_copies(first["bytes"], max_copies=8) - 1)]
+        floor = first["bytes"] / bandwidth * 1e3
         chosen = (sweep or {}).get("best", {}).get(f"{name}@{keys}")
-        if chosen:
-            key = ("decode", block_d(c["dim"]), c["mask"] is not None)
-            with tuned(blocks={key: tuple(chosen["config"])}, decode_programs_per_sm=chosen["per_sm"]):
-                ours = bench.do_bench(_torchembed(c), device)
-        else:
-            ours = bench.do_bench(_torchembed(c), device)
-        sdpa = _time_sdpa(c, device) if device.type == "cuda" else {b: None for b in _BACKENDS}
+        tuning = (tuned(blocks={("decode", block_d(first["dim"]), first["mask"] is not None): tuple(chosen["config"])},
+                        decode_programs_per_sm=chosen["per_sm"]) if chosen else contextlib.nullcontext())
+        with tuning:
+            ours = _device_ms(_torchembed, copies, device)
+            host = bench.host_loop(_torchembed(first), device, calls=50)
+        sdpa = _time_sdpa(copies, device) if device.type == "cuda" else {b: None for b in _BACKENDS}
         timed = [t for t in sdpa.values() if t is not None]
         best_sdpa = min(timed) if timed else None
-        record = {"case": name, "keys": keys, "batch": c["batch"], "lengths": c["lengths"], "floor_ms": floor,
-                  "torchembed_ms": ours, "sdpa_ms": sdpa, "sdpa_best_ms": best_sdpa,
+        record = {"case": name, "keys": keys, "batch": first["batch"], "lengths": first["lengths"], "floor_ms": floor,
+                  "torchembed_ms": ours, "torchembed_host_loop_ms": host, "sdpa_ms": sdpa, "sdpa_best_ms": best_sdpa,
                   "config": chosen, "of_floor": floor / ours if ours else None}
         records.append(record)
 
         def frac(ms: float | None) -> str:
             return "-" if ms is None else f"{floor / ms:.2f}"
 
-        rows.append([name, keys, c["batch"], f"{floor * 1e3:.1f}", f"{ours * 1e3:.1f}", frac(ours),
+        rows.append([name, keys, first["batch"], f"{floor * 1e3:.1f}", f"{ours * 1e3:.1f}", frac(ours),
                      *(frac(sdpa[b]) for b in _BACKENDS),
-                     "-" if best_sdpa is None else f"{best_sdpa / ours:.2f}"])
-        del c
+                     "-" if best_sdpa is None else f"{best_sdpa / ours:.2f}", f"{host * 1e3:.1f}"])
+        del first, copies
         bench.free_memory(device)
     headers = ["case", "keys", "batch", "floor us", "torchembed us", "of floor", *(f"SDPA {b}" for b in _BACKENDS),
-               "SDPA best / torchembed"]
+               "SDPA best / torchembed", "eager call us"]
     md = "\n".join([
-        "One decode step's attention (one query per sequence over the KV cache), as a fraction of the floor "
-        "(K and V bytes of the kept keys once over the measured copy bandwidth; 1.00 = at the floor). SDPA: "
-        "each backend's best over the ways transformers calls it; '-': the backend takes none of them.",
+        "One decode step's attention (one query per sequence over the KV cache): device time (calls replayed "
+        "from a CUDA graph, inputs rotated through copies larger than L2) as a fraction of the floor (K and V "
+        "bytes of the kept keys once over the measured copy bandwidth; 1.00 = at the floor). SDPA: each backend's "
+        "best over the ways transformers calls it; '-': the backend takes none of them. Eager call: wall time per "
+        "call of torchembed's route in a loop of back-to-back calls (host included).",
         "", bench.md_table(headers, rows)])
     print(md)
     bench.write_results(args, "decode-attention", "Decode attention against its floor", env,
