@@ -8,7 +8,7 @@ slower kernels. A patched model's attention code sees :class:`AttentionFunctions
 transformers' ``ALL_ATTENTION_FUNCTIONS`` (the name is rebound in that instance's rebuilt forward only,
 with its rotation helper: :mod:`torchembed.patches.rebind`), whose ``"sdpa"`` entry is a
 :class:`DecodeAttention`: for each call it decides (:func:`decode_step`) whether the call is a decode
-step the kernel takes, and runs either the kernel (:func:`torchembed.kernels.alibi_flash.attempt` without
+step the kernel takes, and runs either the kernel (:func:`torchembed.kernels.alibi.fused_attention` without
 a bias: grouped key/value heads and HF's cache layout read in place, the mask summarised once per forward
 into per-row key ranges, so padding and a static cache's empty slots are never read) or upstream's SDPA
 function with the same arguments. Nothing process-wide changes (no backend flags): other models and
@@ -24,8 +24,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from torchembed.kernels.alibi_flash import DECODE_QUERIES, DTYPES, MAX_HEAD_DIM, attempt, mask_rows
-from torchembed.kernels.availability import use_kernel
+from torchembed.kernels.alibi import DECODE_QUERIES, flash_unsupported, fused_attention, mask_rows
+from torchembed.kernels.launch import use_kernel
 from torchembed.kernels.per_forward import current
 
 __all__ = ["DECODE_QUERIES", "AttentionFunctions", "DecodeAttention", "decode_step"]
@@ -42,26 +42,17 @@ def decode_step(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tenso
                 kwargs: Mapping[str, Any]) -> bool:
     """Whether an SDPA call of HF's attention convention (``query (b, h, q, d)``, ``key``/``value``
     ``(b, hk, k, d)``, a bool keep mask ``(b or 1, 1, q, k)`` or None) is a decode step the split-key
-    kernel computes exactly as upstream does: at most :data:`DECODE_QUERIES` queries (one without a
-    mask), no dropout, one floating dtype, equal head dims up to 256, grouped heads, and no keyword
-    that changes upstream's function (soft-capping, a position bias, a paged cache, ...)."""
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+    kernel computes as upstream does: at most :data:`DECODE_QUERIES` queries (one without a mask: upstream
+    aligns a causal prefill's queries to the first keys), no dropout, inputs the kernel takes
+    (:func:`~torchembed.kernels.alibi.flash_unsupported`), and no keyword that changes upstream's function
+    (soft-capping, a position bias, a paged cache, ...)."""
+    if query.dim() != 4 or query.shape[2] > DECODE_QUERIES or dropout or value.shape[-1] != query.shape[-1]:
         return False
-    batch, heads, q_len, dim = query.shape
-    if q_len > DECODE_QUERIES or dropout or key.shape[-1] != dim or value.shape[-1] != dim or dim > MAX_HEAD_DIM:
+    if attention_mask is None and query.shape[2] != 1:
         return False
-    if query.dtype not in DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+    if any(value is not None and name not in _IGNORED_KWARGS for name, value in kwargs.items()):
         return False
-    kv_heads = key.shape[1]
-    if kv_heads == 0 or heads % kv_heads or key.shape[0] != batch or value.shape[:3] != key.shape[:3]:
-        return False
-    if attention_mask is None:
-        if q_len != 1:
-            return False  # (upstream's is_causal aligns the queries to the first keys there)
-    elif (attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
-          or attention_mask.shape[0] not in (1, batch) or attention_mask.shape[2:] != (q_len, key.shape[2])):
-        return False
-    return all(value is None or name in _IGNORED_KWARGS for name, value in kwargs.items())
+    return flash_unsupported(query, key, value, attention_mask) is None
 
 
 class DecodeAttention:
@@ -76,17 +67,16 @@ class DecodeAttention:
 
     def __call__(self, module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                  dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
-        if self.fused is not False and decode_step(query, key, value, attention_mask, dropout, kwargs) \
-                and use_kernel(None, query):
+        if self.fused is not False and use_kernel(None, query) \
+                and decode_step(query, key, value, attention_mask, dropout, kwargs):
             scale = query.shape[-1] ** -0.5 if scaling is None else scaling
             rows = None
             if attention_mask is not None:
                 scope = None if torch.compiler.is_compiling() else current()
                 make = lambda: mask_rows(attention_mask)  # noqa: E731
                 rows = make() if scope is None else scope.memo(attention_mask, "rows", make)
-            out = attempt(query, key, value, None, scale=scale, keep=attention_mask, rows=rows)
-            if not isinstance(out, str):
-                return out.transpose(1, 2), None  # (b, q, h, d), contiguous
+            out = fused_attention(query, key, value, None, scale=scale, keep=attention_mask, rows=rows)
+            return out.transpose(1, 2), None  # (b, q, h, d), contiguous
         return self.upstream(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
     def __repr__(self) -> str:

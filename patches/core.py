@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from torchembed import kernels
-from torchembed.kernels.availability import check_fused, why_not
+from torchembed.kernels.launch import check_fused, why_not
 from torchembed.patches import families  # noqa: F401  (registers the adapters)
 from torchembed.patches.actions import Component
 from torchembed.patches.forward_scope import ForwardScopeHooks

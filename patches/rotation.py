@@ -18,7 +18,7 @@ from torch import Tensor
 
 from torchembed import functional, kernels
 from torchembed.functional.rope import apply_rotary
-from torchembed.kernels.availability import FusedUnavailableError
+from torchembed.kernels.launch import FusedUnavailableError
 from torchembed.kernels.per_forward import current
 from torchembed.kernels.rope import use_rope_kernel
 from torchembed.patches.binding import CallSignature

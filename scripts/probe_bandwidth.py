@@ -29,6 +29,7 @@ from torchembed.functional.rope import rope_cos_sin
 from torchembed.kernels import rope, rope_triton
 from torchembed.kernels.rope import rotary_fused
 from torchembed.tools.bench import copy_bandwidth, graph_time
+from torchembed.kernels.settings import changed
 
 SHAPES = [(4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (8, 2048, 64, 8, 128)]
 
@@ -96,7 +97,7 @@ def library_settings(values: dict):
     """The RoPE kernel's launch configuration for one variant: ``values`` maps fields of
     :class:`~torchembed.kernels.rope.RopeTuning` to their values (``rope.tuned``: kept launches
     cleared before and after, the configuration restored after)."""
-    return rope.tuned(**values)
+    return changed(rope=dict(**values))
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """How far to split the keys of the fused ALiBi decode kernel: a sweep on the GPU.
 
 For each decode shape (one query per sequence over a KV cache, HF's ``(b, s, h, d)`` memory) and each
-``(AlibiTuning.decode_programs_per_sm, decode block shape)`` (set with ``alibi_flash_triton.tuned``), the
+``(AlibiTuning.decode_programs_per_sm, decode block shape)`` (set with ``settings.changed(alibi=...)``), the
 kernel's device time (``triton.testing.do_bench`` median, ms) next to SDPA without a bias (the floor) in
 the same run; each candidate's output is checked against a float32 reference. Prints a table and
 writes ``DIR/alibi-decode-splits.json``.
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torchembed.kernels.settings import changed
 
 SHAPES = [(1, 16, 16, 4096, 64), (8, 16, 16, 8192, 64), (1, 32, 32, 4096, 128), (8, 32, 32, 8192, 128),
           (1, 32, 8, 16384, 128), (32, 32, 8, 2048, 128)]  # (b, h, kv heads, keys, d)
@@ -33,7 +34,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     from torchembed.functional.alibi import alibi_slopes
-    from torchembed.kernels import alibi_flash_triton as K
+    from torchembed.kernels import alibi as K
     from torchembed.positional import ALiBiEmbedding
 
     dev = torch.device("cuda")
@@ -51,7 +52,7 @@ def main() -> None:
         for per_sm in PER_SM:
             for cfg in BLOCKS[K.block_d(d)]:
                 # (tuned forgets the kept plans on entry and exit: each candidate makes its own)
-                with K.tuned(decode_programs_per_sm=per_sm, blocks={("decode", K.block_d(d), False): cfg}):
+                with changed(alibi=dict(decode_programs_per_sm=per_sm, blocks={("decode", K.block_d(d), False): cfg})):
                     try:
                         out = alibi.attention(q, k, v, fused=True)
                         err = (out.float() - ref).abs().max().item()

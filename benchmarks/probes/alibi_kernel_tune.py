@@ -10,7 +10,7 @@
   mask with holes, the key-bias form, HF's strided layout; CUDA-graph replay; ``torch.compile``;
 * ``sweep``: times each candidate ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` per kernel and head
   dim (``triton.testing.do_bench`` median), keeps the fastest for the rest of the run (the blocks of
-  ``alibi_flash_triton.AlibiTuning``, through ``alibi_flash_triton.tuned``) and writes them to
+  ``settings().alibi``, an ``AlibiTuning``, through ``settings.changed(alibi=...)``) and writes them to
   ``DIR/alibi-kernel-tune.json``;
 * ``bench``: ``torchembed bench alibi --kernel`` (``--bench-args``) with those block shapes;
 * ``models``: ``torchembed bench alibi`` (``--model-args``) with those block shapes.
@@ -32,6 +32,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from torchembed.kernels.settings import changed, settings
 
 # head dim -> candidates (BLOCK_M, BLOCK_N, num_warps, num_stages); decode: (BLOCK_R, BLOCK_N, ...)
 FWD = {64: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 128, 4, 3), (64, 32, 4, 3),
@@ -56,12 +57,12 @@ _SMOKE_DECODE = {64: [(1, 2, 2, 1, 64, 64)], 128: [(1, 2, 2, 1, 64, 128)]}
 
 
 def _kernels():
-    from torchembed.kernels import alibi_flash_triton
+    from torchembed.kernels import alibi
 
-    return alibi_flash_triton
+    return alibi
 
 
-# The block shapes chosen so far, in force for the rest of the run: each an ``alibi_flash_triton.tuned``
+# The block shapes chosen so far, in force for the rest of the run: each a ``settings.changed(alibi=...)``
 # block (merged into the blocks before it) entered here and left when main returns.
 _CHOSEN = contextlib.ExitStack()
 
@@ -69,7 +70,7 @@ _CHOSEN = contextlib.ExitStack()
 def _keep_blocks(blocks: dict) -> None:
     """``blocks`` (``(kind, BLOCK_D, masked) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps, num_stages)``) for
     the rest of the run (kept plans and launches are forgotten)."""
-    _CHOSEN.enter_context(_kernels().tuned(blocks=blocks))
+    _CHOSEN.enter_context(changed(alibi=dict(blocks=blocks)))
 
 
 def _case(batch, heads, kv_heads, q_len, k_len, dim, dtype, device, *, masked=False, key_bias=False, grad=False,
@@ -139,7 +140,7 @@ def _bench(fn) -> float:
 
 
 def _launch_forward(q, k, v, bias, keep, key_bias, need_lse=False):
-    from torchembed.kernels.alibi_flash import _forward, mask_rows
+    from torchembed.kernels.alibi import _forward, mask_rows
 
     rows = None if keep is None else mask_rows(keep)
     return _forward(q, k, v, bias, rows, keep, q.shape[-1] ** -0.5, key_bias, need_lse)
@@ -184,7 +185,7 @@ def _run_job(job: tuple) -> str:
         K = _kernels()
         if variant:
             _use_variant(variant[0])
-        with K.tuned(blocks={(kind, K.block_d(dim), masked): cfg}):  # (plans made afresh inside)
+        with changed(alibi=dict(blocks={(kind, K.block_d(dim), masked): cfg})):  # (plans made afresh inside)
             q, k, v, bias, keep = _case(*shape, torch.bfloat16, _device(), masked=masked, key_bias=masked,
                                         grad=kind in ("dkdv", "dq"))
             if kind in ("fwd", "decode"):
@@ -200,7 +201,7 @@ def _run_job(job: tuple) -> str:
 
 
 def _run_check_job(case: tuple) -> str:
-    from torchembed.kernels.alibi_flash import alibi_flash
+    from torchembed.kernels.alibi import alibi_flash
 
     name, b, h, hk, m, n, d, dtype, masked, key_bias, layout = case
     try:
@@ -282,7 +283,7 @@ CHECK_CASES = [  # (name, batch, heads, kv, q_len, k_len, dim, dtype, masked, ke
 
 
 def check(args) -> bool:
-    from torchembed.kernels.alibi_flash import alibi_flash, mask_rows
+    from torchembed.kernels.alibi import alibi_flash, mask_rows
 
     device = _device()
     small = args.smoke
@@ -320,7 +321,7 @@ def check(args) -> bool:
 
 
 def _check_graph_and_compile(device) -> bool:
-    from torchembed.kernels.alibi_flash import alibi_flash
+    from torchembed.kernels.alibi import alibi_flash
 
     ok = True
     q, k, v, bias, _ = _case(2, 8, 8, 1, 2048, 64, torch.bfloat16, device)
@@ -359,9 +360,9 @@ def _check_graph_and_compile(device) -> bool:
 
 
 def _time_backward(q, k, v, bias, keep, key_bias, reps=True):
-    from torchembed.kernels.alibi_flash import mask_rows
+    from torchembed.kernels.alibi import mask_rows
 
-    from torchembed.kernels.alibi_flash import _backward_kernel, _forward
+    from torchembed.kernels.alibi import _backward_kernel, _forward
 
     rows = None if keep is None else mask_rows(keep)
     scale = q.shape[-1] ** -0.5
@@ -377,7 +378,7 @@ def _time_backward(q, k, v, bias, keep, key_bias, reps=True):
 
 
 def sweep(args) -> dict:
-    from torchembed.kernels.alibi_flash import clear_plans
+    from torchembed.kernels.alibi import clear_plans
 
     K = _kernels()
     device = _device()
@@ -390,7 +391,7 @@ def sweep(args) -> dict:
         best = None
         name = f"{kind}:{variant}" if variant else kind
         for cfg in candidates:
-            with K.tuned(blocks={key: cfg}):  # (plans made afresh with the candidate, forgotten after)
+            with changed(alibi=dict(blocks={key: cfg})):  # (plans made afresh with the candidate, forgotten after)
                 try:
                     ms = timer()
                 except Exception as exc:
@@ -428,7 +429,7 @@ def sweep(args) -> dict:
         pick("dkdv", dim, False, DKDV[dim], lambda: _time_backward(q, k, v, bias, None, False))
         pick("dq", dim, False, DQ[dim], lambda: _time_backward(q, k, v, bias, None, False))
         for masked in (True,):  # the masked backward takes the causal winners
-            _keep_blocks({(kind, K.block_d(dim), masked): K.tuning().blocks[(kind, K.block_d(dim), False)]
+            _keep_blocks({(kind, K.block_d(dim), masked): settings().alibi.blocks[(kind, K.block_d(dim), False)]
                           for kind in ("dkdv", "dq")})
         decode_cases = [_case(*s, torch.bfloat16, device) for s in decode[dim]]
 
@@ -438,7 +439,7 @@ def sweep(args) -> dict:
                            for c in decode_cases)
 
         pick("decode", dim, False, DECODE[dim], decode_time)
-        _keep_blocks({("decode", K.block_d(dim), True): K.tuning().blocks[("decode", K.block_d(dim), False)]})
+        _keep_blocks({("decode", K.block_d(dim), True): settings().alibi.blocks[("decode", K.block_d(dim), False)]})
         del q, k, v, qm, km, vm, decode_cases
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -454,7 +455,7 @@ def sweep(args) -> dict:
 
 
 def apply(chosen: dict) -> None:
-    from torchembed.kernels.alibi_flash import clear_plans
+    from torchembed.kernels.alibi import clear_plans
 
     clear_plans()
     blocks = {}

@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torchembed.kernels.settings import changed, settings
 
 CANDIDATES = {64: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 32, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3)],
               128: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 3), (128, 32, 4, 3)]}
@@ -94,7 +95,7 @@ def main() -> None:
     ap.add_argument("--backward", action="store_true")
     args = ap.parse_args()
     from torchembed.functional.alibi import alibi_slopes
-    from torchembed.kernels import alibi_flash_triton as K
+    from torchembed.kernels import alibi as K
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -115,11 +116,11 @@ def main() -> None:
                 row[f"key_norms_{parts}x{block_k}_ms"] = _bench(lambda: _norms(K, k, parts, block_k))
         row["key_norms_torch_ms"] = _bench(lambda: torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32).amax(-1))
         bd = K.block_d(d)
-        configs = CANDIDATES[bd] if args.configs else [K.tuning().blocks[("fwd", bd, False)]]
+        configs = CANDIDATES[bd] if args.configs else [settings().alibi.blocks[("fwd", bd, False)]]
         never = 1 << 40  # skip_min_keys that turns the skip off
         for cfg in configs:
             for skip in (False, True):
-                with K.tuned(blocks={("fwd", bd, False): cfg}, skip_min_keys=0 if skip else never):
+                with changed(alibi=dict(blocks={("fwd", bd, False): cfg}, skip_min_keys=0 if skip else never)):
                     plan = K.forward_plan(q, k, v, slopes, None, None, scale, False, False)
                     out = torch.empty(b, s, h, d, device=dev, dtype=q.dtype).transpose(1, 2)
                     t = (q, k, v, out, out, slopes, slopes, slopes, norms if skip else slopes, slopes)
@@ -132,7 +133,7 @@ def main() -> None:
             with torch.nn.attention.sdpa_kernel(_floor()):
                 o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
                 row["cudnn_bwd_ms"] = _bench(lambda: torch.autograd.grad(o, (qg, kg, vg), grad, retain_graph=True))
-            with K.tuned(skip_min_keys=never):
+            with changed(alibi=dict(skip_min_keys=never)):
                 fplan = K.forward_plan(q, k, v, slopes, None, None, scale, False, True)
                 out, lse, _ = fplan(q, k, v, slopes, None, None)
             sweeps = {"dkdv": BWD_CANDIDATES["dkdv"][bd], "dq": BWD_CANDIDATES["dq"][bd]} if args.configs else {}
@@ -142,7 +143,7 @@ def main() -> None:
                                                         if skip]
                 for name, kind, cfg in variants:
                     blocks = {} if kind is None else {(kind, bd, False): cfg}
-                    with K.tuned(blocks=blocks, skip_min_keys=0 if skip else never):
+                    with changed(alibi=dict(blocks=blocks, skip_min_keys=0 if skip else never)):
                         bplan = K.backward_plan(grad, q, k, v, out, slopes, None, None, scale, False)
                     delta = torch.empty(b, h, s, device=dev, dtype=torch.float32)
                     horizon = torch.empty(bplan.horizon_shape, device=dev, dtype=torch.float32)

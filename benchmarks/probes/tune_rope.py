@@ -28,6 +28,7 @@ from torchembed.functional.rope import rope_cos_sin
 from torchembed.kernels import rope
 from torchembed.kernels.rope import rotary_fused
 from torchembed.tools.bench import copy_bandwidth, graph_time
+from torchembed.kernels.settings import changed
 
 SHAPES = [(1, 2048, 32, 8, 128), (4, 4096, 32, 8, 128), (1, 32768, 32, 8, 128), (8, 2048, 64, 8, 128)]
 
@@ -43,7 +44,7 @@ def _configured(tile: int, hpp: int, warps: int):
         grid, meta, nqg, _ = original(*a)
         return grid, meta, nqg, warps
 
-    with rope.tuned(tile_pairs=tile, grouped_min_programs=0, grouped_heads=(hpp,), grouped_warps=warps):
+    with changed(rope=dict(tile_pairs=tile, grouped_min_programs=0, grouped_heads=(hpp,), grouped_warps=warps)):
         rope._config = config
         try:
             yield

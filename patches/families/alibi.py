@@ -20,11 +20,11 @@ All three also get torchembed's attention (``BloomAttention``/``MptAttention``/`
 forward, per instance): upstream's eager attention materialises the scores in the model dtype, a
 float32 softmax and the probabilities, and Falcon's model folds the bias into a ``(b, h, q, k)``
 mask in the model dtype that every layer reads; torchembed's runs ALiBi inside one fused Triton
-kernel (:func:`torchembed.kernels.alibi_flash.alibi_flash`: the bias computed in the kernel, any
+kernel (:func:`torchembed.kernels.alibi.alibi_flash`: the bias computed in the kernel, any
 padding mask summarised per row once per forward, multi-query and grouped kv heads read in place,
 forward and backward; nothing quadratic materialised) and, where that measured faster (small
 prefills, decode steps), SDPA with a row-centred bias built once per forward
-(:func:`torchembed.kernels.alibi_attention.alibi_attention`). The patch's ``fused`` reaches the
+(:func:`torchembed.kernels.alibi.alibi_attention`). The patch's ``fused`` reaches the
 attention: ``False`` builds the bias with PyTorch operations only, ``True`` takes the kernel for
 every call.
 ``output_attentions=True`` and BLOOM's ``slow_but_exact`` tensor-parallel emulation fall back to
@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchembed.functional.alibi import alibi_key_bias, alibi_slopes
-from torchembed.kernels.alibi_attention import alibi_attention, causal_keep
+from torchembed.kernels.alibi import alibi_attention, causal_keep
 from torchembed.kernels.per_forward import current
 from torchembed.patches.actions import AddForwardPreHook, Component
 from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
@@ -465,7 +465,7 @@ class RequestAttentionWeights:
 def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, to_keep: Any, source: Tensor | None,
                tag: Any, key_bias: Any, *, scale: float, dropout_p: float, options: "AlibiOptions | None") -> Tensor:
     """ALiBi attention of one patched layer, ``(b, h, q, d)``; ``k``, ``v`` may have fewer heads: the
-    policy's (:func:`torchembed.kernels.alibi_attention.alibi_attention` with ``layer=True``), with what
+    policy's (:func:`torchembed.kernels.alibi.alibi_attention` with ``layer=True``), with what
     this forward derives once for all its layers kept in its
     :class:`~torchembed.kernels.per_forward.PerForward` (none outside a patched model's forward):
     ``to_keep`` makes HF's mask a keep mask, ``key_bias()`` builds the ``(b or 1, h, k)`` float32 bias from

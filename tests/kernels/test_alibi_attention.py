@@ -9,10 +9,10 @@ import torch
 
 import torchembed
 from torchembed.functional.alibi import alibi_key_bias, alibi_slopes
-from torchembed.kernels import alibi_attention as module
-from torchembed.kernels.alibi_attention import alibi_attention, prefill_path
+from torchembed.kernels import alibi as module
+from torchembed.kernels.alibi import alibi_attention, prefill_path
 from torchembed.kernels.per_forward import PerForward
-from torchembed.kernels.availability import FusedUnavailableError
+from torchembed.kernels.launch import FusedUnavailableError
 
 pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,7 +137,7 @@ def test_decode_steps_take_the_split_key_kernel(monkeypatch, dtype, tol, q_len):
     kernel where it runs, no SDPA mask, and matches float64; with ``sdpa_decode`` (the patch's
     ``cudnn_decode``) a one-query step takes SDPA with the decode mask, built once per forward."""
     q, k, v, key_bias, keep = _case(2, 4, q_len, 80, 32, dtype, pad=5, kv_heads=2)
-    kernel, masks = _count(monkeypatch, module, "attempt"), _count(monkeypatch, module, "alibi_decode_bias")
+    kernel, masks = _count(monkeypatch, module, "fused_attention"), _count(monkeypatch, module, "alibi_decode_bias")
     out = alibi_attention(q, k, v, key_bias, keep, scale=32**-0.5, cache=PerForward(), layer=True)
     assert (len(kernel), len(masks)) == (1, 0)
     torch.testing.assert_close(out.double(), _truth(q, k, v, key_bias, keep, 32**-0.5), atol=tol, rtol=tol)
@@ -156,7 +156,7 @@ def test_small_prefill_materialises_the_bias_once_per_forward(monkeypatch, dtype
     the bias materialised, once per forward for all layers (where the H200 measured it faster than
     the kernel); larger ones the kernel. Plain causal and left-padded batches match float64."""
     alibi_policy(dense_devices=(torch.device(DEV).type,))
-    built, kernel = _count(monkeypatch, module, "prefill_bias"), _count(monkeypatch, module, "attempt")
+    built, kernel = _count(monkeypatch, module, "prefill_bias"), _count(monkeypatch, module, "fused_attention")
     b, h, n, d = 2, 3, 40, 16
     q, k, v, key_bias, keep = _case(b, h, n, n, d, dtype, pad=pad)
     truth = _truth(q, k, v, key_bias, keep, d**-0.5)
@@ -178,7 +178,7 @@ def test_a_call_without_a_forward_cache_takes_the_kernel_at_any_size(monkeypatch
     """The materialised bias pays off when the layers of one forward share it (``cache``); a call of
     its own (``ALiBiEmbedding.attention``) would build it for itself alone: the kernel, at every size."""
     alibi_policy(dense_devices=(torch.device(DEV).type,))
-    built, kernel = _count(monkeypatch, module, "prefill_bias"), _count(monkeypatch, module, "attempt")
+    built, kernel = _count(monkeypatch, module, "prefill_bias"), _count(monkeypatch, module, "fused_attention")
     q, k, v, key_bias, keep = _case(1, 2, 24, 24, 16, torch.float32, pad=0)
     alibi_policy(dense_max_elements=2**40)
     out = alibi_attention(q, k, v, key_bias, keep, scale=0.25)
@@ -193,10 +193,10 @@ def test_gradients_keep_the_materialised_bias_longer(monkeypatch, alibi_policy):
     q, k, v, key_bias, keep = _case(1, 2, 16, 16, 16, torch.float32, pad=0)
     alibi_policy(dense_max_elements=0)
     alibi_policy(dense_grad_max_elements=2 * 16 * 16)
-    assert module.attention_path(q, k, fused=None, dropout_p=0.0, layer=True) != "dense"
+    assert module.attention_path(q, k, v, keep, fused=None, dropout_p=0.0, layer=True) != "dense"
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    assert module.attention_path(*leaves[:2], fused=None, dropout_p=0.0, layer=True) == "dense"
-    kernel = _count(monkeypatch, module, "attempt")
+    assert module.attention_path(*leaves, keep, fused=None, dropout_p=0.0, layer=True) == "dense"
+    kernel = _count(monkeypatch, module, "fused_attention")
     grad = torch.randn_like(q)
     alibi_attention(*leaves, key_bias, keep, scale=0.25, cache=PerForward(), layer=True).backward(grad)
     assert not kernel
@@ -211,7 +211,7 @@ def test_prefill_path_forces_one_path(monkeypatch, path, alibi_policy):
     """``prefill_path("dense")`` takes the materialised bias, ``"kernel"`` the kernel, whatever the size."""
     alibi_policy(dense_devices=(torch.device(DEV).type,))
     alibi_policy(dense_max_elements=0 if path == "dense" else 2**40)
-    built, kernel = _count(monkeypatch, module, "prefill_bias"), _count(monkeypatch, module, "attempt")
+    built, kernel = _count(monkeypatch, module, "prefill_bias"), _count(monkeypatch, module, "fused_attention")
     q, k, v, key_bias, keep = _case(1, 2, 32, 32, 16, torch.float32, pad=0)
     with prefill_path(path):
         out = alibi_attention(q, k, v, key_bias, keep, scale=0.25)
@@ -229,11 +229,9 @@ def test_prefill_path_forces_one_path(monkeypatch, path, alibi_policy):
 
 def _kernel_launches(monkeypatch):
     """Count the fused kernel's forward launches."""
-    from torchembed.kernels import alibi_flash_triton
-
     calls = []
-    original = alibi_flash_triton.ForwardPlan.__call__
-    monkeypatch.setattr(alibi_flash_triton.ForwardPlan, "__call__", lambda *a: calls.append(1) or original(*a))
+    original = module.ForwardPlan.__call__
+    monkeypatch.setattr(module.ForwardPlan, "__call__", lambda *a: calls.append(1) or original(*a))
     return calls
 
 
@@ -315,10 +313,8 @@ def test_patched_models_honour_fused(name, fused, monkeypatch, alibi_policy):
     """``patch(model, fused=False)`` keeps the attention on PyTorch operations (no kernel launch, no
     Triton bias write); ``fused=None`` takes the kernel for the prefill (forced past the small-prefill
     bound); both match upstream."""
-    import torchembed.kernels.alibi_bias as bias_module
-
     alibi_policy(dense_max_elements=0)
-    launches, bias_writes = _kernel_launches(monkeypatch), _count(monkeypatch, bias_module, "kernel_can_run")
+    launches, bias_writes = _kernel_launches(monkeypatch), _count(monkeypatch, module, "_write_bias")
     upstream = _tiny(name)
     patched = torchembed.patch(copy.deepcopy(upstream), fused=fused)
     forwards = [m.forward for m in patched.modules() if "Attention" in type(m).__name__]

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from torchembed.functional.alibi import alibi_key_bias, alibi_prefill_bias, alibi_slopes
-from torchembed.kernels import alibi_bias
-from torchembed.kernels.alibi_bias import prefill_bias
+from torchembed.kernels import alibi as alibi_bias
+from torchembed.kernels.alibi import prefill_bias
 
 pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,32 +107,29 @@ def test_batch_times_heads_beyond_the_grid_takes_the_reference(monkeypatch):
     monkeypatch.setattr(alibi_bias, "_MAX_PROGRAMS_Z", 3)
     key_bias, keep = _case(2, 2, 4, 4, 0)
     launched = []
-    import torchembed.kernels.alibi_bias_triton as triton_module
-
-    monkeypatch.setattr(triton_module, "write", lambda *a: launched.append(1))
+    monkeypatch.setattr(alibi_bias, "_write_bias", lambda *a: launched.append(1))
     out = prefill_bias(key_bias, keep, torch.float32)
     assert not launched and torch.equal(out, alibi_prefill_bias(key_bias, keep, torch.float32))
 
 
 def test_launches_are_kept_and_repeated_directly_on_cuda(monkeypatch):
-    """The first launch goes through Triton and is kept (``alibi_bias_triton.LAUNCHES``, on every
-    device); a call with the same arguments but pointers repeats it, with the same result: on CUDA
-    through the compiled kernel's launcher (no ``kernel[grid]``), on the interpreter through
-    ``kernel[grid]`` each time."""
-    import torchembed.kernels.alibi_bias_triton as triton_module
-    from torchembed.kernels import launch
+    """The first launch goes through Triton and is kept (``alibi._BIAS_LAUNCHES``, on every device); a
+    call with the same arguments but pointers repeats it, with the same result: on CUDA through the
+    compiled kernel's launcher (no ``kernel[grid]``), on the interpreter through ``kernel[grid]`` each time."""
+    import torchembed.kernels.alibi_triton as triton_module
+    from torchembed.kernels.settings import settings
 
-    monkeypatch.setattr(launch, "_direct", True)
     calls = []
-    original = triton_module._alibi_bias_kernel
+    original = triton_module._prefill_bias_kernel
 
     class Counting:
         def __getitem__(self, grid):
             calls.append(grid)
             return original[grid]
 
-    monkeypatch.setattr(triton_module, "_alibi_bias_kernel", Counting())
-    triton_module.LAUNCHES.clear()  # (kept launches hold the kernel they were set up with)
+    monkeypatch.setattr(triton_module, "_prefill_bias_kernel", Counting())
+    launches = alibi_bias._BIAS_LAUNCHES
+    launches.clear()  # (kept launches hold the kernel they were set up with)
     try:
         key_bias, keep = _case(2, 3, 40, 40, 2)
         first = prefill_bias(key_bias, keep, torch.bfloat16)
@@ -140,13 +137,13 @@ def test_launches_are_kept_and_repeated_directly_on_cuda(monkeypatch):
         second = prefill_bias(other_bias, keep, torch.bfloat16)
         assert torch.equal(first, alibi_prefill_bias(key_bias, keep, torch.bfloat16))
         assert torch.equal(second, alibi_prefill_bias(other_bias, keep, torch.bfloat16))
-        assert len(triton_module.LAUNCHES) == 1
+        assert len(launches) == 1
         if DEV == "cuda":
-            assert len(calls) == 1 and launch.direct()
+            assert len(calls) == 1 and settings().direct_launch
         else:
             assert len(calls) == 2
         third = prefill_bias(key_bias[:1], keep, torch.bfloat16)  # another shape: Triton again, kept too
         assert torch.equal(third, alibi_prefill_bias(key_bias[:1], keep, torch.bfloat16))
-        assert len(triton_module.LAUNCHES) == 2 and len(calls) == (2 if DEV == "cuda" else 3)
+        assert len(launches) == 2 and len(calls) == (2 if DEV == "cuda" else 3)
     finally:
-        triton_module.LAUNCHES.clear()
+        launches.clear()

@@ -7,12 +7,14 @@ compared tensor (the kernel rounds its inputs' products, the probabilities and t
 each, in the input dtype; the accumulation is float32).
 """
 
+import types
+
 import pytest
 import torch
 
 from tests.helpers import TOL
 from torchembed.functional.alibi import alibi_slopes
-from torchembed.kernels.alibi_flash import alibi_flash, flash_unsupported, mask_rows
+from torchembed.kernels.alibi import alibi_flash, flash_unsupported, mask_rows
 
 pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,11 +144,14 @@ def test_tensor_descriptor_loads_compute_the_same(case, monkeypatch):
     """Keys and values read through tensor descriptors (the TMA path of Hopper GPUs; on CPU the
     interpreter models them): ragged key ends and padded head dims read as zeros, like the masked
     pointer loads."""
-    from torchembed.kernels import alibi_flash as flash
-    from torchembed.kernels import alibi_flash_triton as kernels
+    import dataclasses
+
+    from torchembed.kernels import alibi as flash
+    from torchembed.kernels import alibi as kernels
 
     monkeypatch.setattr(kernels, "_tma_device", lambda device: True)
-    monkeypatch.setattr(kernels, "USE_TMA", True)
+    shipped = kernels.settings()
+    monkeypatch.setattr(kernels, "settings", lambda: dataclasses.replace(shipped, tma=True))
     flash.clear_plans()
     launched = []
     call = kernels._TmaLaunch.__call__
@@ -271,7 +276,7 @@ def test_unsupported_inputs_are_clear_errors():
 
 
 def test_custom_ops_pass_opcheck():
-    from torchembed.kernels.alibi_flash import _flash_op, _mask_rows_op
+    from torchembed.kernels.alibi import _flash_op, _mask_rows_op
 
     q, k, v = _inputs(1, 2, 1, 20, 20, 16, torch.float32, seed=3)
     keep = _left_padded_keep(1, 20, 20, [4])
@@ -306,7 +311,7 @@ def test_compiles_into_one_graph():
 def test_eager_calls_skip_the_custom_op_dispatch(monkeypatch):
     """Eager calls launch the kernel directly (inference) or through an autograd.Function (training):
     the custom op's Python dispatch costs more host time than a small attention takes."""
-    import torchembed.kernels.alibi_flash as module
+    import torchembed.kernels.alibi as module
 
     calls = []
     original = module._flash_op
@@ -321,19 +326,17 @@ def test_eager_calls_skip_the_custom_op_dispatch(monkeypatch):
 
 
 def test_training_calls_reuse_the_forward_plan_and_its_backward_plan(monkeypatch):
-    """A training call like one before takes the kept forward plan without validation and the
-    backward plan kept on it (none is made again), and still computes the oracle's gradients."""
-    from torchembed.kernels import alibi_flash as module
+    """A training call like one before takes the kept forward plan and the backward plan kept on it (none
+    is made again), and still computes the oracle's gradients."""
+    from torchembed.kernels import alibi as module
 
     module.clear_plans()
     q, k, v = _inputs(2, 4, 2, 24, 40, 16, torch.float32, seed=1)
     _check(q, k, v, alibi_slopes(4, DEV))  # makes both plans
-    triton_kernels = module._kernels()
     made = []
     for name in ("forward_plan", "backward_plan"):
-        original = getattr(triton_kernels, name)
-        monkeypatch.setattr(triton_kernels, name, lambda *a, _o=original, _n=name: made.append(_n) or _o(*a))
-    monkeypatch.setattr(module, "flash_unsupported", lambda *a: pytest.fail("validated again"))
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name: made.append(_n) or _o(*a))
     q, k, v = _inputs(2, 4, 2, 24, 40, 16, torch.float32, seed=2)  # fresh inputs, same signature
     _check(q, k, v, alibi_slopes(4, DEV))
     assert made == []
@@ -375,20 +378,20 @@ def _padded_key_bias(slopes, pads, n):
 @pytest.fixture
 def skipping():
     """The skip from the first key on (the shipped ``AlibiTuning.skip_min_keys`` keeps it for long
-    prefills only), through ``alibi_flash_triton.tuned``: plans made before are forgotten so that the
-    next call makes its plan with it."""
-    from torchembed.kernels import alibi_flash as flash
-    from torchembed.kernels import alibi_flash_triton as triton_kernels
+    prefills only), through ``settings.changed``: plans made before are forgotten so that the next call
+    makes its plan with it. Yields ``tuned(**alibi_changes)`` for more changes inside."""
+    from torchembed.kernels import alibi as flash
+    from torchembed.kernels.settings import changed
 
-    with triton_kernels.tuned(skip=True, skip_min_keys=0):  # (tuned forgets the kept plans on entry and exit)
+    with changed(alibi={"skip": True, "skip_min_keys": 0}):  # (changed forgets the kept plans on entry and exit)
         assert not len(flash._PLANS)
-        yield triton_kernels
+        yield types.SimpleNamespace(tuned=lambda **more: changed(alibi=more))
     assert not len(flash._PLANS)
 
 
-def _every_key(triton_kernels):
-    """The skip off for the calls inside (``tuned(skip=False)``: plans made afresh on the way in and out)."""
-    return triton_kernels.tuned(skip=False)
+def _every_key(skipping):
+    """The skip off for the calls inside (plans made afresh on the way in and out)."""
+    return skipping.tuned(skip=False)
 
 
 def _far_keys_poisoned(v, first_row, margin):
@@ -511,7 +514,8 @@ def test_key_norms_by_slice(k_len):
     """The largest key norm per (batch, kv head), as slices the kernels take the maximum of, on strided
     keys, fewer keys than slices included; a NaN key makes its slice inf (so the skip keeps every key
     and NaN reaches the output as without it)."""
-    from torchembed.kernels.alibi_flash_triton import NORM_PARTS, key_norms
+    from torchembed.kernels.alibi import key_norms
+    from torchembed.kernels.alibi_triton import NORM_PARTS
 
     _, k, _ = _inputs(2, 2, 3, 5, k_len, 24, torch.bfloat16, seed=25, grad=False)
     got = key_norms(k)
@@ -594,7 +598,9 @@ def test_a_far_key_of_high_bias_is_visited(skipping, monkeypatch):
     truth.backward(grad.double())
     for got, leaf in zip((q, k, v), leaves):
         torch.testing.assert_close(got.grad.double(), leaf.grad, rtol=1e-4, atol=1e-4 * leaf.grad.abs().max().item())
-    monkeypatch.setattr(skipping, "running_max", lambda key_bias: key_bias.contiguous())
+    from torchembed.kernels import alibi
+
+    monkeypatch.setattr(alibi, "running_max", lambda key_bias: key_bias.contiguous())
     with skipping.tuned(), torch.no_grad(), pytest.raises(AssertionError):  # (plans made afresh)
         _close(alibi_flash(q, k, v, bias, scale=d**-0.5, key_bias=True), truth.detach(), torch.float32)
 
@@ -645,7 +651,7 @@ def test_a_nan_key_bias_far_back_is_not_skipped(skipping):
 
 def test_running_max_of_the_key_bias():
     """The skip's bound in key-bias mode: a running maximum along the keys, NaN as +inf, -inf kept."""
-    from torchembed.kernels.alibi_flash_triton import running_max
+    from torchembed.kernels.alibi import running_max
 
     bias = torch.tensor([[[0.0, -1.0, 2.0, float("-inf"), 1.0], [float("-inf"), float("nan"), 0.0, -5.0, 1.0]]])
     want = torch.tensor([[[0.0, 0.0, 2.0, 2.0, 2.0], [float("-inf"), float("inf"), float("inf"), float("inf"), float("inf")]]])
@@ -663,8 +669,7 @@ def _compiled_variants(kernel) -> int:
 def test_decode_compiles_once_across_context_lengths():
     """A decode loop (one query over a growing cache, slopes and a key bias with a padding mask) compiles
     the split-key kernel once per configuration, not whenever the key count changes its divisibility."""
-    from torchembed.kernels import alibi_flash_triton as K
-    from torchembed.kernels.alibi_flash import alibi_flash
+    from torchembed.kernels import alibi_triton as K
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 1, 64, generator=gen).to(DEV, torch.bfloat16)

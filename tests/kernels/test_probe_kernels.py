@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchembed.kernels.settings import settings
+
 triton = pytest.importorskip("triton")
 
 from torchembed.functional.rope import rope_cos_sin  # noqa: E402
@@ -60,14 +62,13 @@ def test_persistent_rope_matches_the_library_kernel(programs):
 
 def test_library_settings_restores_the_kernel_module():
     probe = _load()
-    rope = probe.rope
-    before = rope.tuning()
+    before = settings().rope
     with probe.library_settings({"tile_pairs": 512, "grouped_heads": (4,)}):
-        now = rope.tuning()
+        now = settings().rope
         assert (now.tile_pairs, now.grouped_heads) == (512, (4,))
         assert now.grouped_min_programs == before.grouped_min_programs  # the fields not named: unchanged
-    assert rope.tuning() == before
+    assert settings().rope == before
     with pytest.raises(TypeError):  # a name that is not a field of RopeTuning
         with probe.library_settings({"heads_per_program": 2}):
             pass
-    assert rope.tuning() == before
+    assert settings().rope == before

@@ -23,6 +23,9 @@ import sys
 
 import pytest
 import torch
+
+from torchembed.kernels import settings as kernel_settings
+from torchembed.kernels.settings import changed
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchembed.kernels import interpret_mode, kernel_can_run, rotary_fused, triton_available
@@ -218,7 +221,7 @@ class LaunchCounter:
 def launches(monkeypatch):
     counter = LaunchCounter(rope_triton.rope_kernel)
     monkeypatch.setattr(rope_triton, "rope_kernel", counter)
-    monkeypatch.setattr(launch, "_direct", False)  # count every launch through kernel[grid]
+    monkeypatch.setattr(launch, "direct", lambda: False)  # count every launch through kernel[grid]
     return counter
 
 
@@ -278,7 +281,7 @@ def test_heads_and_lengths(Hq, Hk, S, poisoned):
 
 @pytest.mark.parametrize("heads_fast", [False, True])
 def test_grid_orders(poisoned, heads_fast):
-    with rope.tuned(heads_fast=heads_fast, grouped_heads=(4, 2), grouped_min_programs=0):  # (kept launches forgotten)
+    with changed(rope=dict(heads_fast=heads_fast, grouped_heads=(4, 2), grouped_min_programs=0)):  # (kept launches forgotten)
         grid, meta, _, _ = _config(2, 4, 2, 37, 64, 32, torch.float32, 0, False, False, False, False)
         assert meta["HEADS_FAST"] is heads_fast and grid[1 if heads_fast else 0] == 2  # the token blocks' axis
         run_case(B=2, Hq=4, Hk=2, S=37, D=64)
@@ -287,7 +290,7 @@ def test_grid_orders(poisoned, heads_fast):
 
 def test_heads_per_program_grouping(poisoned):
     # Prefill-sized grids group several heads per program; force it at a small size.
-    with rope.tuned(grouped_min_programs=0, grouped_heads=(4, 2), heads_fast=False):  # (kept launches forgotten)
+    with changed(rope=dict(grouped_min_programs=0, grouped_heads=(4, 2), heads_fast=False)):  # (kept launches forgotten)
         grid, meta, nqg, _ = _config(2, 4, 2, 9, 64, 32, torch.float32, 0, False, False, False, False)
         assert meta["HPP"] == 2 and nqg == 2 and grid[1] == 3
         run_case(B=2, Hq=4, Hk=2, S=9, D=64)
@@ -298,12 +301,12 @@ def test_prefill_grids_group_two_heads_per_program(poisoned):
     # Prefill-sized grids share the cos/sin work (in-kernel angles or table loads) between two
     # heads of a program (8 warps); decode-sized grids keep one head per program. The default
     # candidates, forced at a small size.
-    with rope.tuned(grouped_min_programs=0):  # (kept launches forgotten)
+    with changed(rope=dict(grouped_min_programs=0)):  # (kept launches forgotten)
         for use_inv_freq in (True, False):
             grid, meta, nqg, warps = _config(2, 4, 2, 9, 64, 32, torch.float32, 1, use_inv_freq, False,
                                              False, False)
-            assert meta["HPP"] == 2 and nqg == 2 and warps == rope.tuning().grouped_warps
-        with rope.tuned(grouped_min_programs=4096):
+            assert meta["HPP"] == 2 and nqg == 2 and warps == kernel_settings.settings().rope.grouped_warps
+        with changed(rope=dict(grouped_min_programs=4096)):
             decode = _config(32, 32, 8, 1, 128, 64, torch.bfloat16, 0, False, False, False, True)
         assert decode[1]["HPP"] == 1  # 32 x 40 programs: below the threshold
         run_case(B=2, Hq=4, Hk=2, S=9, D=64)  # tables, two heads per program
@@ -759,7 +762,7 @@ def test_hypothesis_random_cases(case):
         os.environ["TORCHEMBED_DISABLE_TRITON"] = "1"
     rope.clear_launches()  # launch configs are kept per shape, not per tuning
     try:
-        with rope.tuned(grouped_min_programs=0) if grouped else contextlib.nullcontext():
+        with changed(rope=dict(grouped_min_programs=0)) if grouped else contextlib.nullcontext():
             if grouped and backend == "triton":
                 grid, meta, _, _ = _config(case["B"], case["Hq"], case["Hk"], case["S"], case["D"],
                                            case["R"] // 2, case["dtype"], 0, False, False, False, False)
@@ -776,11 +779,11 @@ def test_hypothesis_random_cases(case):
 def _triton_launch(monkeypatch, call):
     """``call()`` launched through ``kernel[grid]`` (Triton's own binding), nothing kept after; the
     direct launch on for the calls that follow (restored after the test)."""
-    with launch.direct_launches(False):
+    with changed(direct_launch=False):
         out = call()
         out = tuple(t.clone() for t in out)
     rope.clear_launches()
-    monkeypatch.setattr(launch, "_direct", True)
+    monkeypatch.setattr(launch, "_launcher_fails", False)
     return out
 
 
@@ -845,9 +848,9 @@ def test_hot_path_keeps_one_launch_per_layout_and_matches(monkeypatch):
         "misaligned": ((base_q[..., 1:], base_k[..., 1:]), make_table(9, 32, (2,)), 3),
         "bf16 tables": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (2,), torch.bfloat16), 4),
     }
-    monkeypatch.setattr(launch, "_direct", True)
+    monkeypatch.setattr(launch, "_launcher_fails", False)
     for name, ((q, k), (cos, sin), entries) in cases.items():
-        with launch.direct_launches(False):
+        with changed(direct_launch=False):
             expected = tuple(t.clone() for t in rotary_fused(q, k, cos, sin))
         for call in range(3):  # the first call keeps the launch, the next ones use it
             # clone keeps dense strides; the misaligned view is cut again from a clone of its base
@@ -938,7 +941,7 @@ _CONSTEXPRS = ("HALF", "D", "BLOCK_D", "BLOCK_P", "BLOCK_S", "HPP", "POS_MODE", 
 def _stand_in_gpu(monkeypatch, kernel):
     """``kernel`` for the RoPE kernel, tensors taken for a GPU's, the direct launch on."""
     monkeypatch.setattr(rope_triton, "rope_kernel", kernel)
-    monkeypatch.setattr(launch, "_direct", True)
+    monkeypatch.setattr(launch, "_launcher_fails", False)
     monkeypatch.setattr(launch, "_on_gpu", lambda t: True)
     monkeypatch.setattr(launch, "raw_stream", lambda index: "stream")
     rope.clear_launches()

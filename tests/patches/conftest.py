@@ -30,7 +30,7 @@ def load(checkpoint):
 @pytest.fixture
 def decode_masks_built(monkeypatch):
     """A list that grows by one each time the ALiBi attention builds a decode-step SDPA mask."""
-    import torchembed.kernels.alibi_attention as kernel  # the one place that builds it
+    import torchembed.kernels.alibi as kernel  # the one place that builds it
 
     built = []
     original = kernel.alibi_decode_bias

@@ -27,8 +27,8 @@ def _llama(**overrides):
 def gpu_route(monkeypatch):
     """The decode route on CPU tensors (the kernel's PyTorch implementation), its calls counted."""
     monkeypatch.setattr(attention, "use_kernel", lambda fused, t, what="": True)
-    calls, original = [], attention.attempt
-    monkeypatch.setattr(attention, "attempt", lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw))
+    calls, original = [], attention.fused_attention
+    monkeypatch.setattr(attention, "fused_attention", lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw))
     return calls
 
 

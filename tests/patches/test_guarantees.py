@@ -206,11 +206,11 @@ def test_alibi_masks_derived_once_per_forward(name, padded, cudnn_decode, load, 
     once per layer: the fused kernel's row summary of the mask (prefill and decode steps; the kernel
     stubbed on CPU), or with ``cudnn_decode`` the decode step's SDPA mask — with a padded batch (a mask
     tensor per forward) and without (Falcon's layers then get no mask at all: no summary)."""
-    import torchembed.kernels.alibi_attention as kernel
+    import torchembed.kernels.alibi as kernel
 
     alibi_policy(dense_max_elements=0)  # the kernel at any size
     monkeypatch.setattr(kernel, "use_kernel", lambda fused, t, what="": True)
-    monkeypatch.setattr(kernel, "attempt", lambda q, *a, **kw: torch.zeros_like(q))  # (the kernel: not under test)
+    monkeypatch.setattr(kernel, "fused_attention", lambda q, *a, **kw: torch.zeros_like(q))  # (the kernel: not under test)
     summaries = []
     monkeypatch.setattr(kernel, "mask_rows", lambda keep: summaries.append(1) or keep)
     model = load(name)
@@ -243,11 +243,11 @@ def test_alibi_masks_derived_once_per_forward(name, padded, cudnn_decode, load, 
 def test_small_alibi_prefill_materialises_its_bias_once_per_forward(name, padded, load, monkeypatch, alibi_policy):
     """The materialised-bias path (small training steps; forced here, on CPU, at inference): SDPA with
     the bias made once per forward for all layers, padded or not, and upstream's logits."""
-    import torchembed.kernels.alibi_attention as kernel
+    import torchembed.kernels.alibi as kernel
 
     alibi_policy(dense_devices=("cpu",))
     monkeypatch.setattr(kernel, "use_kernel", lambda fused, t, what="": True)
-    monkeypatch.setattr(kernel, "attempt", lambda *a, **kw: pytest.fail("the fused kernel taken"))
+    monkeypatch.setattr(kernel, "fused_attention", lambda *a, **kw: pytest.fail("the fused kernel taken"))
     built = []
     original = kernel.prefill_bias
     monkeypatch.setattr(kernel, "prefill_bias", lambda *a: built.append(1) or original(*a))

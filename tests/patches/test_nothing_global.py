@@ -24,7 +24,7 @@ import torch
 import transformers
 
 import torchembed
-from tests.isolation import (FlagWatcher, compiler_state, global_state, live_tensors, run_threads,
+from tests.isolation import (FlagWatcher, compiler_state, live_tensors, run_threads,
                              tensors_in_library_state)
 
 FAMILIES = ("llama", "falcon-alibi", "bloom")
@@ -34,11 +34,11 @@ NEW_TOKENS = 4
 @pytest.fixture
 def gpu_route(monkeypatch):
     """Decode steps take the kernel route on CPU tensors too (the kernel's PyTorch implementation runs)."""
-    from torchembed.kernels import alibi_attention
+    from torchembed.kernels import alibi
     from torchembed.patches import attention
 
     monkeypatch.setattr(attention, "use_kernel", lambda fused, t, what="": True)
-    monkeypatch.setattr(alibi_attention, "use_kernel", lambda fused, t, what="": True)
+    monkeypatch.setattr(alibi, "use_kernel", lambda fused, t, what="": True)
 
 
 def _inputs(model, batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -199,12 +199,12 @@ def test_bench_without_a_name_lists_the_benchmarks(capsys) -> None:
     code, out, err = run(capsys, "bench")
     assert code == 2 and out == ""
     assert "arguments are required" not in err and "Traceback" not in err
-    assert err.splitlines()[0] == "torchembed bench: which benchmark? name one of rope, alibi, e2e, train, long"
+    assert err.splitlines()[0] == "torchembed bench: which benchmark? name one of rope, alibi, e2e, train, long, decode"
     for name in cli.BENCHMARKS:
         assert f"  {name} " in err
     assert "./torchembed-results" in err
     code, _, err = run(capsys, "bench", "--smoke")
-    assert code == 2 and err.startswith("torchembed bench: which benchmark? name one of rope, alibi, e2e, train, long before")
+    assert code == 2 and err.startswith("torchembed bench: which benchmark? name one of rope, alibi, e2e, train, long, decode before")
 
 
 def test_bench_option_checks_are_one_line(capsys) -> None:

@@ -132,34 +132,58 @@ def alibi_attention_reference(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    key_bias: Tensor,
+    bias: Tensor | None,
     keep: Tensor | None = None,
     *,
     scale: float,
+    key_bias: bool = True,
     dropout_p: float = 0.0,
-) -> Tensor:
-    """Attention with a key-only ALiBi bias via ``scaled_dot_product_attention``.
-
-    ``softmax(scale * q k^T + key_bias | keep) v``. The bias is re-centred per query row so that
-    its largest kept entry is 0 (softmax ignores a per-row constant): the entries near the
-    diagonal, which carry the attention, are then small and exact even in bfloat16, where a
-    key-only bias of hundreds would be rounded to steps of several units. The ``(b, h, q, k)``
-    bias is materialised in ``q.dtype`` (no separate score and float32 softmax tensors, unlike
-    eager attention); the fused path (:mod:`torchembed.kernels.alibi_attention`) materialises none.
+    empty_rows: str = "mean",
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention with ALiBi, the reference: ``softmax(scale * q k^T + bias | keep) v``, the scores
+    materialised in float32 (float64 inputs: float64). What every ALiBi path is tested against, and what
+    runs where no kernel and no faster PyTorch path applies (the CPU, ``fused=False``).
 
     Args:
-        q: ``(b, h, q, d)``; k, v: ``(b, h, k, d)``.
-        key_bias: ``(b or 1, h, k)`` float, added to every query row.
-        keep: ``(b or 1, 1, q, k)`` bool, True where a query may attend; None: everything.
+        q: ``(b, h, q, d)``; k, v: ``(b, hk, k, d)``, ``h`` a multiple of ``hk`` (GQA/MQA).
+        bias: a key-only bias ``(b or 1, h, k)`` (``key_bias=True``), the ``(h,)`` slopes (``key_bias=False``:
+            ``slope * (j - i)`` for a query at position ``i``), or None (no bias).
+        keep: ``(b or 1, 1, q, k)`` bool, True where a query may attend; None: causal with the queries at
+            the last ``q`` of the ``k`` positions (as with a KV cache).
         scale: multiplies ``q k^T``.
+        dropout_p: dropout on the attention weights.
+        empty_rows: what a query row that keeps no key gets: ``"mean"`` (the mean of ``v``: upstream's
+            eager attention, whose mask is finite) or ``"zero"`` (the fused kernel's).
+        return_lse: also return the natural-log log-sum-exp of each row's scores ``(b, h, q)``
+            float32 (+inf for an empty row).
 
     Returns:
-        ``(b, h, q, d)`` in ``q.dtype``. Rows with no key kept attend uniformly (as upstream's
-        eager attention does with its finite mask), never NaN.
+        ``(b, h, q, d)`` in ``q.dtype`` (and the log-sum-exp).
     """
-    make = alibi_decode_bias if q.shape[-2] == 1 else alibi_prefill_bias
-    bias = make(key_bias, keep, q.dtype)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+    compute = torch.promote_types(q.dtype, torch.float32)
+    group = q.shape[1] // k.shape[1]
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    s = (q.to(compute) @ k.to(compute).repeat_interleave(group, 1).transpose(-1, -2)) * scale
+    if bias is not None and key_bias:
+        s = s + bias.to(compute)[:, :, None, :]
+    elif bias is not None:
+        distance = torch.arange(k_len, device=q.device) - torch.arange(k_len - q_len, k_len, device=q.device)[:, None]
+        s = s + bias.to(compute)[None, :, None, None] * distance.to(compute)
+    if keep is None:
+        keep = causal_keep(q_len, k_len, q.device)
+    s = s.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    empty = torch.isinf(lse)[..., None]
+    if empty_rows == "mean":
+        s = s.masked_fill(empty, 0.0)  # every key alike
+    elif empty_rows != "zero":
+        raise ValueError(f"empty_rows must be 'mean' or 'zero', got {empty_rows!r}")
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    if dropout_p:
+        p = torch.nn.functional.dropout(p, dropout_p)
+    out = (p @ v.to(compute).repeat_interleave(group, 1)).to(q.dtype)
+    return (out, lse.float()) if return_lse else out
 
 
 def alibi_prefill_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype) -> Tensor:

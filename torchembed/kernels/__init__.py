@@ -3,19 +3,20 @@
 ``import torchembed.kernels`` never imports Triton: :func:`triton_available` imports it on its first
 call, and a kernel module is imported only when its kernel launches.
 
-* :mod:`~torchembed.kernels.availability`: where the kernels run and the one meaning of ``fused``
-  (``use_kernel``), ``triton_available()``, ``interpret_mode()``, ``kernel_can_run(t)``;
-  ``TORCHEMBED_DISABLE_TRITON=1`` switches every kernel off.
+* :mod:`~torchembed.kernels.launch`: where the kernels run and the one meaning of ``fused``
+  (``use_kernel``), ``triton_available()``, ``interpret_mode()``, ``kernel_can_run(t)``
+  (``TORCHEMBED_DISABLE_TRITON=1`` switches every kernel off), and how every kernel is launched;
+  :mod:`~torchembed.kernels.settings`: their configuration, in one object.
 * ``rotary_fused(q, k, cos, sin, *, inv_freq, scale, positions, interleaved, inplace, conjugate)``:
   RoPE on q and k in one launch (:mod:`~torchembed.kernels.rope`; custom ops ``torchembed::rotary`` /
   ``torchembed::rotary_``), the one route into the RoPE kernel.
-* ALiBi: the fused attention kernel (``alibi_flash.alibi_flash``, custom ops ``torchembed::alibi_flash``,
-  ``torchembed::alibi_flash_backward``, ``torchembed::alibi_mask_rows``), the prefill bias in one write
-  (``alibi_bias.prefill_bias``, custom op ``torchembed::alibi_prefill_bias``) and the dispatch between
-  them (``alibi_attention``).
+* ALiBi (:mod:`~torchembed.kernels.alibi`, device code in ``alibi_triton``): the attention's one
+  dispatch (``alibi_attention``), the fused attention kernel (``alibi_flash``, custom ops
+  ``torchembed::alibi_flash``, ``torchembed::alibi_flash_backward``, ``torchembed::alibi_mask_rows``) and the
+  prefill bias in one write (``prefill_bias``, custom op ``torchembed::alibi_prefill_bias``).
 """
 
-from torchembed.kernels.availability import (
+from torchembed.kernels.launch import (
     FusedUnavailableError,
     interpret_mode,
     kernel_can_run,

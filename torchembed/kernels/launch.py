@@ -1,22 +1,30 @@
-"""One way to launch the library's Triton kernels, and to launch them again cheaply.
+"""Where the library's Triton kernels run, the one meaning of ``fused``, and how they are launched.
 
-``kernel[grid](...)`` re-derives the specialisation of every argument on each call (dtypes, 16-byte
-alignment of pointers, ints equal to 1 or divisible by 16): tens of microseconds of host time on a
-slow host, more than a decode-sized kernel runs. A :class:`Launch` is one launch set up once (grid,
-fixed scalars, constexprs, warps, stages) and then called with its tensors (and the scalars that vary
-per call). On CUDA it keeps the compiled kernel's launcher after its first call and calls it with raw
-pointers while their alignment is what Triton specialised on; elsewhere (the interpreter), or where
-the installed Triton's launcher is called differently, through ``kernel[grid]``. :class:`Launches` is
-the bounded table in which a kernel's host code keeps its launches, under a key it builds from what
-Triton specialises on. Every kernel of the library launches through here.
+Every API that can use a kernel takes ``fused: bool | None`` and decides with :func:`use_kernel`:
 
-``TORCHEMBED_DIRECT_LAUNCH=0``: every launch through ``kernel[grid]``. This module imports neither
-Triton nor a kernel.
+* ``None`` (auto): the kernel where it can run (CUDA tensors, Triton importable; CPU tensors under
+  ``TRITON_INTERPRET=1``), PyTorch ops elsewhere -- quietly;
+* ``True``: the kernel, or :class:`FusedUnavailableError` saying what is missing;
+* ``False``: PyTorch ops only.
+
+``TORCHEMBED_DISABLE_TRITON=1`` makes every kernel unavailable (``fused=None`` then runs PyTorch ops,
+``fused=True`` raises). That variable and ``TRITON_INTERPRET`` are read on every call (well under a
+microsecond), so a switch takes effect at once. Triton is imported on the first question only.
+
+Launching: ``kernel[grid](...)`` re-derives the specialisation of every argument on each call (dtypes,
+16-byte alignment of pointers, ints equal to 1 or divisible by 16): tens of microseconds of host time on
+a slow host, more than a decode-sized kernel runs. A :class:`Launch` is one launch set up once (grid,
+fixed scalars, constexprs, warps, stages) and then called with its tensors (and the scalars that vary per
+call). On CUDA it keeps the compiled kernel's launcher after its first call and calls it with raw
+pointers while their alignment is what Triton specialised on (``KernelSettings.direct_launch``); elsewhere
+(the interpreter), or where the installed Triton's launcher is called differently, through
+``kernel[grid]``. :class:`Launches` is the bounded table in which a kernel's host code keeps its launches
+(no tensors: shapes, strides and the like as keys), under a key it builds from what Triton specialises
+on. Every kernel of the library launches through here. This module imports neither Triton nor a kernel.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Optional
@@ -24,30 +32,118 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["Launch", "Launches", "clear_all", "direct", "direct_launches", "entry_of"]
+from torchembed.kernels.settings import keep_launches_in, settings
 
-# switched off for good when the installed Triton's launcher fails
-_direct = os.environ.get("TORCHEMBED_DIRECT_LAUNCH", "1") == "1"
+__all__ = ["FusedUnavailableError", "Launch", "Launches", "check_fused", "direct", "entry_of", "interpret_mode",
+           "kernel_can_run", "triton_available", "triton_disabled", "use_kernel", "why_not"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Where the kernels run
+# ------------------------------------------------------------------------------------------------
+
+
+class FusedUnavailableError(RuntimeError):
+    """``fused=True`` was asked for where the Triton kernel cannot run."""
+
+
+def _env_flag(name: str, value: str = "1") -> Callable[[], bool]:
+    """A reader of ``os.environ.get(name) == value`` for switches read on every call.
+
+    ``os.environ.get`` pays for a KeyError on a missing name (about 1 us); CPython's ``os.environ``
+    keeps its entries in a dict of encoded names and values, read here directly (the same dict, so
+    changes show at once)."""
+    environ = os.environ
+    data = getattr(environ, "_data", None)
+    try:
+        key, expected = environ.encodekey(name), environ.encodevalue(value)
+    except AttributeError:
+        data = None
+    if not isinstance(data, dict):
+        return lambda: environ.get(name) == value
+    return lambda: data.get(key) == expected
+
+
+triton_disabled = _env_flag("TORCHEMBED_DISABLE_TRITON")
+_interpreting = _env_flag("TRITON_INTERPRET")
+_TRITON_OK: Optional[bool] = None
+
+
+def triton_available() -> bool:
+    """Whether Triton is importable (imported on the first call only; the answer is cached)."""
+    global _TRITON_OK
+    if _TRITON_OK is None:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+
+            _TRITON_OK = True
+        except Exception:  # ImportError, or a broken install failing on import
+            _TRITON_OK = False
+    return _TRITON_OK
+
+
+def interpret_mode() -> bool:
+    """``TRITON_INTERPRET=1``: Triton kernels run (slowly) on CPU tensors."""
+    return _interpreting()
+
+
+def kernel_can_run(t: Tensor) -> bool:
+    """Whether a Triton kernel can run on ``t``: Triton available and ``t`` on CUDA (or on the CPU
+    under ``TRITON_INTERPRET=1``); ``TORCHEMBED_DISABLE_TRITON=1`` forces False."""
+    if triton_disabled() or not (_TRITON_OK or triton_available()):
+        return False
+    return t.is_cuda or (_interpreting() and t.device.type == "cpu")
+
+
+def check_fused(fused: Any, where: str = "fused") -> Optional[bool]:
+    """``fused`` if it is None, True or False; else a TypeError naming ``where``."""
+    if fused is None or fused is True or fused is False:
+        return fused
+    raise TypeError(f"{where} must be None (the kernel where it can run), True (require it) or False (never), "
+                    f"got {fused!r}")
+
+
+def why_not(t: Optional[Tensor] = None) -> str:
+    """What keeps the kernel from running (on ``t``), as the fix to make."""
+    if triton_disabled():
+        return "TORCHEMBED_DISABLE_TRITON=1 switches the Triton kernels off (unset it)"
+    if not triton_available():
+        return "it needs Triton: pip install triton"
+    if t is not None and not kernel_can_run(t):
+        return f"it runs on CUDA tensors (these are on {t.device}): move them with .to('cuda')"
+    return "it cannot run here"
+
+
+def use_kernel(fused: Optional[bool], t: Tensor, what: str = "the fused kernel") -> bool:
+    """Whether to run the kernel on ``t`` for this ``fused`` (see the module docstring).
+
+    Raises:
+        FusedUnavailableError: ``fused=True`` where the kernel cannot run, naming the fix.
+    """
+    if fused is False:
+        return False
+    if kernel_can_run(t):
+        return True
+    if fused:
+        raise FusedUnavailableError(f"fused=True: {what} cannot run: {why_not(t)}; or pass fused=None "
+                                    "(the kernel where it can run, PyTorch elsewhere)")
+    return False
+
+
+# ------------------------------------------------------------------------------------------------
+# Launching
+# ------------------------------------------------------------------------------------------------
+
 # the current CUDA stream of a device index, as the int the launcher takes
 raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
-_TABLES: list["Launches"] = []
+_launcher_fails = False  # the installed Triton's launcher failed once: kernel[grid] from then on
 
 
 def direct() -> bool:
-    """Whether kept launches call the compiled kernel's launcher directly."""
-    return _direct
-
-
-@contextlib.contextmanager
-def direct_launches(on: bool) -> Iterator[None]:
-    """Within the block, kept launches call the launcher directly (``on``) or go through
-    ``kernel[grid]``; the previous setting after it."""
-    global _direct
-    previous, _direct = _direct, bool(on)
-    try:
-        yield
-    finally:
-        _direct = previous
+    """Whether kept launches call the compiled kernel's launcher directly now (the settings say so and
+    the installed Triton's launcher has not failed)."""
+    return settings().direct_launch and not _launcher_fails
 
 
 def _on_gpu(t: Tensor) -> bool:  # (a function, so that tests can stand in a GPU)
@@ -95,7 +191,8 @@ class Launch:
         self.entry = self.head = self.aligned = self.index = None
 
     def __call__(self, tensors: Sequence[Tensor], *varying: Any) -> None:
-        if self.entry is not None and _direct:
+        is_direct = direct()
+        if self.entry is not None and is_direct:
             pointers = [t.data_ptr() for t in tensors]
             if [p & 15 == 0 for p in pointers] == self.aligned:
                 try:
@@ -104,7 +201,7 @@ class Launch:
                 except Exception:  # the installed Triton launches differently: kernel[grid] from now on
                     _switch_direct_off()
         compiled = self.kernel[self.grid](*tensors, *self.fixed, *varying, **self.kwargs)
-        if self.entry is None and _direct and _on_gpu(tensors[0]):
+        if self.entry is None and is_direct and _on_gpu(tensors[0]):
             found = entry_of(compiled)
             if found is not None:
                 self.entry, self.head = found
@@ -113,8 +210,8 @@ class Launch:
 
 
 def _switch_direct_off() -> None:
-    global _direct
-    _direct = False
+    global _launcher_fails
+    _launcher_fails = True
 
 
 class Launches:
@@ -123,7 +220,7 @@ class Launches:
 
     def __init__(self, limit: int) -> None:
         self.limit, self.table = limit, {}
-        _TABLES.append(self)
+        keep_launches_in(self)
 
     def get(self, key: Hashable) -> Any:
         return self.table.get(key)
@@ -143,8 +240,3 @@ class Launches:
     def __iter__(self) -> Iterator[Hashable]:
         return iter(self.table)
 
-
-def clear_all() -> None:
-    """Forget every kept launch of every kernel (after changing a tuning)."""
-    for table in _TABLES:
-        table.clear()

@@ -23,32 +23,29 @@ never their values (:func:`_key`). The first call of a key is validated and laun
 the launch is then kept (:data:`LAUNCHES`, a :class:`torchembed.kernels.launch.Launch`) and a later
 call of the same key repeats it with its own pointers, offset and scale, skipping validation (the key
 implies it) and Triton's per-call binding: a decode step costs little more than the launch itself.
-The launch configuration is a typed :class:`RopeTuning` (:func:`tuned` changes it for a block).
+The launch configuration is ``settings().rope``, a typed :class:`~torchembed.kernels.settings.RopeTuning`.
 
 Routes: eager without gradients -> :func:`_rotate`; eager with autograd -> :class:`_Rotary`;
 ``torch.compile`` -> the custom ops ``torchembed::rotary`` (out of place, same autograd) and
 ``torchembed::rotary_`` (in place, no autograd), whose arguments are :class:`RopeArgs` in order.
-Where the kernel cannot run (:func:`~torchembed.kernels.availability.kernel_can_run`) the same
+Where the kernel cannot run (:func:`~torchembed.kernels.launch.kernel_can_run`) the same
 float32 math runs in PyTorch (:func:`torchembed.functional.apply_rotary`). Whether a caller takes
 the kernel at all is :func:`use_rope_kernel`'s decision.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from torchembed import functional
 from torchembed.kernels import launch
-from torchembed.kernels.availability import kernel_can_run, triton_disabled, use_kernel
+from torchembed.kernels.launch import kernel_can_run, triton_disabled, use_kernel
+from torchembed.kernels.settings import settings
 
-__all__ = ["LAUNCHES", "RopeArgs", "RopeTuning", "clear_launches", "rotary_fused", "tuned", "tuning", "use_rope_kernel"]
+__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "use_rope_kernel"]
 
 
 class RopeArgs(NamedTuple):
@@ -76,62 +73,13 @@ class RopeArgs(NamedTuple):
     halves: int = 0
 
 
-# ------------------------------------------------------------------------------------------
-# Launch configuration. Measured on an H200 (benchmarks/results/rope.md, scripts/tune_rope.py).
-# ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RopeTuning:
-    """The launch configuration of the RoPE kernel (:func:`tuning`, :func:`tuned`).
-
-    ``tile_pairs``: (token, pair) lanes per program (4 KB of bf16 per operand at 1024). Heads per
-    program: several heads share one cos/sin load (or angle computation), but only on prefill-sized
-    grids (at least ``grouped_min_programs`` programs with one head each); decode keeps one head per
-    program for parallelism; ``grouped_heads``: the candidates, the first that divides both head counts
-    wins, run with ``grouped_warps`` warps. ``heads_fast``: head groups fastest on the grid, so the
-    programs running together cover whole tokens (contiguous ``(H, D)`` rows in HF's memory)."""
-
-    tile_pairs: int = 1024
-    grouped_min_programs: int = 4096
-    grouped_heads: tuple[int, ...] = (2,)
-    grouped_warps: int = 8
-    heads_fast: bool = True
-
-
-_tuning = RopeTuning()
-
-
-def tuning() -> RopeTuning:
-    """The configuration launches are set up with now."""
-    return _tuning
-
-
-@contextlib.contextmanager
-def tuned(**changes: Any) -> Iterator[RopeTuning]:
-    """Within the block, new launches take the current :class:`RopeTuning` with ``changes`` (field
-    names and values); kept launches are forgotten on entry and exit.
-
-    Raises:
-        TypeError: a name that is not a field of :class:`RopeTuning`.
-    """
-    global _tuning
-    previous, _tuning = _tuning, dataclasses.replace(_tuning, **changes)
-    LAUNCHES.clear()
-    try:
-        yield _tuning
-    finally:
-        _tuning = previous
-        LAUNCHES.clear()
-
-
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 def _config(a: RopeArgs, inplace: bool) -> tuple[tuple[int, int, int], dict, int]:
     """(grid, meta-parameters, number of q head groups) of the launch for ``a``."""
-    t = _tuning
+    t = settings().rope
     B, Hq, S, D = a.q.shape
     Hk = a.k.shape[1]
     half = (a.inv_freq if a.cos is None else a.cos).shape[-1] // (2 if a.halves else 1)
@@ -521,7 +469,7 @@ def use_rope_kernel(fused: Optional[bool], x: Tensor) -> bool:
     (:func:`torchembed.functional.apply_rotary`): the one place that decides, asked by every caller
     (``RotaryEmbedding``, the patched HF helpers).
 
-    ``fused`` means what it means everywhere (:func:`~torchembed.kernels.availability.use_kernel`), with
+    ``fused`` means what it means everywhere (:func:`~torchembed.kernels.launch.use_kernel`), with
     one addition: while ``torch.compile`` traces, ``fused=None`` takes the PyTorch operations, which
     inductor fuses with the neighbouring norms and projections (an opaque custom op prevents that; the
     compiled decode step measured slower on the kernel, ``benchmarks/results/e2e-compiled-step.md``).

@@ -94,7 +94,7 @@ class ALiBiEmbedding(nn.Module):
         """Attention with this ALiBi bias fused in: ``softmax(q k^T * scale + bias) v``.
 
         Causal attention runs in one fused Triton kernel that computes the bias from the slopes
-        (:func:`torchembed.kernels.alibi_flash.alibi_flash`; no ``(b, h, q, k)`` tensor of any kind)
+        (:func:`torchembed.kernels.alibi.alibi_flash`; no ``(b, h, q, k)`` tensor of any kind)
         where it can run: CUDA tensors, float16/bfloat16/float32, head dim <= 256, no dropout. From
         2048 keys it leaves out the keys whose weight is provably under ``2**-(32 + log2 keys)`` of their
         row's largest (the bias falls with distance; ``TORCHEMBED_ALIBI_SKIP=0`` visits every key).
@@ -109,7 +109,7 @@ class ALiBiEmbedding(nn.Module):
             scale: default ``d ** -0.5``.
             dropout_p: in ``[0, 1]``.
             fused: None: the fused kernel where it runs, PyTorch elsewhere; True: the kernel or
-                :class:`~torchembed.kernels.availability.FusedUnavailableError`; False: PyTorch only.
+                :class:`~torchembed.kernels.launch.FusedUnavailableError`; False: PyTorch only.
 
         Returns:
             ``(b, h, seq_q, d)`` (``v``'s last dim). ``seq_q = 0`` gives an empty
@@ -128,8 +128,8 @@ class ALiBiEmbedding(nn.Module):
             alibi = ALiBiEmbedding(num_heads=8)
             out = alibi.attention(q, k, v)      # == softmax(alibi(q @ k^T / sqrt(d)) + causal mask) @ v
         """
-        from torchembed.kernels.alibi_attention import alibi_attention, causal_keep, masked_sdpa, repeat_kv
-        from torchembed.kernels.availability import FusedUnavailableError, check_fused
+        from torchembed.kernels.alibi import alibi_attention, causal_keep, masked_sdpa, repeat_kv
+        from torchembed.kernels.launch import FusedUnavailableError, check_fused
 
         fused = check_fused(fused)
         checked = None

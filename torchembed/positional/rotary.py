@@ -22,7 +22,7 @@ from torchembed.functional.rope import (
     rope_inv_freq,
     rope_positions,
 )
-from torchembed.kernels.availability import FusedUnavailableError, check_fused, triton_available
+from torchembed.kernels.launch import FusedUnavailableError, check_fused, triton_available
 from torchembed.kernels.rope import use_rope_kernel
 
 __all__ = ["RotaryEmbedding"]

@@ -407,7 +407,8 @@ def generate_timed(model: nn.Module, ids: torch.Tensor, new_tokens: int, **kwarg
     def total(tokens: int) -> float:
         sync(device)
         start = time.perf_counter()
-        model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, **kwargs)
+        model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                       **{"use_cache": True, **kwargs})  # (MPT's configs say no cache: every step would redo the prefix)
         sync(device)
         return (time.perf_counter() - start) * 1e3
 

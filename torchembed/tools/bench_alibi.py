@@ -74,7 +74,7 @@ def build_variants(name: str, args: argparse.Namespace, device: torch.device) ->
 
 class PrefillPath:
     """A patched model whose calls (forward, ``generate``) run under
-    :func:`torchembed.kernels.alibi_attention.prefill_path` ``(path)``."""
+    :func:`torchembed.kernels.alibi.prefill_path` ``(path)``."""
 
     def __init__(self, model: nn.Module | None, path: str) -> None:
         self.model, self.path = model, path
@@ -87,7 +87,7 @@ class PrefillPath:
         return self._under_path(self.model.generate, *args, **kwargs)
 
     def _under_path(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        from torchembed.kernels.alibi_attention import prefill_path
+        from torchembed.kernels.alibi import prefill_path
 
         with prefill_path(self.path):
             return fn(*args, **kwargs)

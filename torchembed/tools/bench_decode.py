@@ -1,6 +1,6 @@
 """``torchembed bench decode``: one decode step's attention over a long KV cache, against its floor.
 
-What a patched model's decode step runs (the split-key kernel, :func:`torchembed.kernels.alibi_flash.attempt`)
+What a patched model's decode step runs (the split-key kernel, :func:`torchembed.kernels.alibi.fused_attention`)
 against SDPA's backends called the ways transformers calls them (flash, memory-efficient, cuDNN once its
 plan for the length exists, math; grouped heads read natively, packed into the query length as
 transformers 5.2x does for one query with a mask, or repeated), in one run. Cases (bf16, head dim 128):
@@ -68,18 +68,13 @@ def _case(name: str, keys: int, device: torch.device, dtype: torch.dtype, smoke:
 
 
 def _torchembed(c: dict[str, Any]) -> Callable[[], Any]:
-    from torchembed.kernels.alibi_flash import attempt, mask_rows
+    from torchembed.kernels.alibi import flash_unsupported, fused_attention, mask_rows
 
     q, k, v, mask, bias = c["q"], c["k"], c["v"], c["mask"], c["bias"]
+    assert flash_unsupported(q, k, v, mask) is None
     rows = None if mask is None else mask_rows(mask)  # (once per forward for all layers)
     scale = c["dim"] ** -0.5
-
-    def run() -> Any:
-        out = attempt(q, k, v, bias, scale=scale, key_bias=bias is not None, keep=mask, rows=rows)
-        assert not isinstance(out, str), out
-        return out
-
-    return run
+    return lambda: fused_attention(q, k, v, bias, scale=scale, key_bias=bias is not None, keep=mask, rows=rows)
 
 
 def _sdpa_forms(c: dict[str, Any]) -> dict[str, Callable[[], Any]]:
@@ -145,13 +140,14 @@ def _grid(smoke: bool) -> list[tuple[tuple[int, int, int, int], int]]:
 
 def _sweep(cases: dict[tuple[str, int], dict[str, Any]], device: torch.device, smoke: bool) -> dict[str, Any]:
     """The kernel's time per case under each configuration; the best per case."""
-    from torchembed.kernels.alibi_flash_triton import block_d, tuned
+    from torchembed.kernels.alibi import block_d
+    from torchembed.kernels.settings import changed
 
     records, best = [], {}
     for config, per_sm in _grid(smoke):
         for (name, keys), c in cases.items():
             key = ("decode", block_d(c["dim"]), c["mask"] is not None)
-            with tuned(blocks={key: config}, decode_programs_per_sm=per_sm):
+            with changed(alibi={"blocks": {key: config}, "decode_programs_per_sm": per_sm}):
                 try:
                     ms = bench.do_bench(_torchembed(c), device)
                 except Exception as exc:  # a configuration that does not compile or fit: recorded
@@ -183,7 +179,8 @@ def main(argv: Sequence[str]) -> int:
         sweep = _sweep({spec: _case(*spec, device, args.torch_dtype, args.smoke) for spec in specs}, device, args.smoke)
         bench.free_memory(device)
     rows, records = [], []
-    from torchembed.kernels.alibi_flash_triton import block_d, tuned
+    from torchembed.kernels.alibi import block_d
+    from torchembed.kernels.settings import changed
 
     for name, keys in specs:
         first = _case(name, keys, device, args.torch_dtype, args.smoke)
@@ -191,8 +188,9 @@ def main(argv: Sequence[str]) -> int:
                             for _ in range(bench.n_copies(first["bytes"], max_copies=8) - 1)]
         floor = first["bytes"] / bandwidth * 1e3
         chosen = (sweep or {}).get("best", {}).get(f"{name}@{keys}")
-        tuning = (tuned(blocks={("decode", block_d(first["dim"]), first["mask"] is not None): tuple(chosen["config"])},
-                        decode_programs_per_sm=chosen["per_sm"]) if chosen else contextlib.nullcontext())
+        key = ("decode", block_d(first["dim"]), first["mask"] is not None)
+        tuning = (changed(alibi={"blocks": {key: tuple(chosen["config"])}, "decode_programs_per_sm": chosen["per_sm"]})
+                  if chosen else contextlib.nullcontext())
         with tuning:
             ours = _device_ms(_torchembed, copies, device)
             host = bench.host_loop(_torchembed(first), device, calls=50)

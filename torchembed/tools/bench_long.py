@@ -9,7 +9,7 @@ floor: prefill FLOPs at the GPU's measured bf16 matmul rate, decode bytes (weigh
 measured copy bandwidth. An out-of-memory is recorded as ``OOM``. The prefill is timed once after a
 warm-up prefill of 4,096 tokens (past the small-prefill bound: the kernels compile there).
 
-    torchembed bench long [--models mpt llama] [--contexts 16384 65536] [--layers 4] [--steps 8]
+    torchembed bench long [--models mpt llama] [--contexts 16384 65536] [--layers 4] [--steps 8] [--generate N] [--compiled N]
 """
 
 from __future__ import annotations
@@ -94,14 +94,23 @@ def _decode_steps(base: nn.Module, cache: Any, vocab: int, steps: int, device: t
     return times
 
 
-def generate_ms(model: nn.Module, context: int, vocab: int, new_tokens: int, seed: int, device: torch.device) -> float:
+def generate_ms(model: nn.Module, context: int, vocab: int, new_tokens: int, seed: int, device: torch.device,
+                compiled: bool = False) -> float:
     """``generate``'s time per new token at ``context`` tokens of prompt: (generate(n) - generate(1)) / (n - 1),
-    greedy, with the attention mask a user passes (after one warm-up call)."""
+    greedy, with the attention mask a user passes (after one warm-up call). ``compiled``: HF's fast path, a
+    static cache and ``torch.compile(fullgraph=True, mode="reduce-overhead")`` (CUDA graphs) of the decode
+    step; the warm-up generates ``n`` tokens first, so the static cache keeps its size (no recompile)."""
     ids = torch.randint(3, vocab - 16, (1, context), generator=torch.Generator().manual_seed(seed)).to(device)
-    kwargs = dict(do_sample=False, pad_token_id=0, use_cache=True)
+    kwargs: dict[str, Any] = dict(do_sample=False, pad_token_id=0, use_cache=True)
+    if compiled:
+        from transformers import CompileConfig
+
+        config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        config._compile_all_devices = device.type != "cuda"  # (--smoke: compiled on the CPU too)
+        kwargs.update(cache_implementation="static", compile_config=config)
     times = []
     with torch.no_grad():
-        for n in (2, 1, new_tokens):  # (the first: a warm-up)
+        for n in (new_tokens if compiled else 2, 1, new_tokens):  # (the first: a warm-up)
             bench.sync(device)
             start = time.perf_counter()
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, **kwargs)
@@ -137,13 +146,17 @@ def measure_cell(base: nn.Module, config: Any, context: int, args: argparse.Name
             if model is not None and args.generate:
                 bench.free_memory(device)
                 record["generate_ms"] = generate_ms(model, context, vocab, args.generate, args.seed, device)
+            if model is not None and args.compiled:
+                bench.free_memory(device)
+                record["compiled_ms"] = generate_ms(model, context, vocab, args.compiled, args.seed, device, compiled=True)
         except Exception as exc:  # noqa: BLE001 - OOM (or another failure) is a result
             if not bench.is_oom(exc):
                 raise
             record.setdefault("prefill_ms", "OOM")
             record.setdefault("decode_ms", "OOM")
-            if args.generate:
-                record.setdefault("generate_ms", "OOM")
+            for name in ("generate", "compiled"):
+                if getattr(args, name):
+                    record.setdefault(f"{name}_ms", "OOM")
         finally:
             out = ids = None
             if device.type == "cuda":
@@ -195,26 +208,30 @@ def _cell(value: Any, floor: float, per_token: float) -> str:
     return f"{value:.1f} ({per_token / value * 1e3:,.0f} tok/s; {floor / value:.2f} of floor)"
 
 
-def _row(rec: dict[str, Any], generate: bool) -> list[str]:
+def _row(rec: dict[str, Any], extra: list[str]) -> list[str]:
     if "skipped" in rec:
-        return [rec["model"], rec["variant"], f"{rec['context']:,}", "skipped", "", "", *([""] if generate else []), "", ""]
+        return [rec["model"], rec["variant"], f"{rec['context']:,}", "skipped", "", "", *([""] * len(extra)), "", ""]
     return [rec["model"], rec["variant"], f"{rec['context']:,}",
             _cell(rec.get("prefill_ms"), rec["prefill_floor_ms"], rec["context"]),
             f"{rec['prefill_floor_ms']:.1f}",
             _cell(rec.get("decode_ms"), rec["decode_floor_ms"], 1),
-            *([_cell(rec.get("generate_ms"), rec["decode_floor_ms"], 1)] if generate else []),
+            *(_cell(rec.get(f"{name}_ms"), rec["decode_floor_ms"], 1) for name in extra),
             f"{rec['decode_floor_ms']:.2f}",
             (f"{rec['peak_gb']:.1f}" if "peak_gb" in rec else "-") + f" / {rec['weights_gb'] + rec['kv_gb']:.1f}"]
 
 
 def markdown(records: list[dict[str, Any]], args: argparse.Namespace, bandwidth: float, rate: float) -> str:
+    extra = [name for name in ("generate", "compiled") if getattr(args, name)]
+    titles = {"generate": "generate ms/token", "compiled": "compiled generate ms/token"}
     head = ["model", "variant", "context", "prefill ms", "prefill floor", "decode ms/step",
-            *(["generate ms/token"] if args.generate else []), "decode floor", "peak GB / weights + KV"]
-    out = [bench.md_table(head, [_row(r, bool(args.generate)) for r in records]), "",
+            *(titles[name] for name in extra), "decode floor", "peak GB / weights + KV"]
+    out = [bench.md_table(head, [_row(r, extra) for r in records]), "",
            f"{args.layers} layers of each shape, batch 1, {args.dtype}, random weights; base model (no LM head). "
            f"Prefill: one timed run after a 4,096-token warm-up; decode: the median of {args.steps} plain-loop steps "
            "(`model(next, past_key_values=cache)`, synchronised) after the first two"
            + ("; generate: (generate(N) - generate(1)) / (N - 1) with the task model and its mask" if args.generate else "")
+           + ("; compiled: the same with a static cache and torch.compile(fullgraph=True, mode=\"reduce-overhead\") "
+              "(CUDA graphs), after a warm-up that compiles" if args.compiled else "")
            + ". Floors: prefill matmul FLOPs at "
            f"the measured matmul rate ({rate / 1e12:.0f} TFLOP/s), decode bytes (weights + KV cache) at the measured "
            f"copy bandwidth ({bandwidth / 1e9:.0f} GB/s); \"of floor\" = floor / measured (1.00 = at the floor)."]
@@ -231,6 +248,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generate", type=count(2), default=0, metavar="N",
                         help="also time generate() per new token, (generate(N) - generate(1)) / (N - 1), with its "
                              "attention mask (default: off; each costs two more prefills)")
+    parser.add_argument("--compiled", type=count(2), default=0, metavar="N",
+                        help="also time HF's compiled static-cache generate() per new token the same way (default: off)")
 
 
 def main(argv: list[str]) -> int:

@@ -121,8 +121,8 @@ def _generate(model: nn.Module, inputs: dict[str, torch.Tensor], kwargs: dict[st
 def _answers(models: dict[str, nn.Module], tokenizer: Any, inputs: dict[str, torch.Tensor], max_new_tokens: int,
              repeats: int) -> list[ChatAnswer]:
     """Each model's answer, timed over ``repeats`` runs, the models alternating (A/B, B/A, ...)."""
-    kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id
-                  if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, use_cache=True,  # (MPT's configs say no cache)
+                  pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     for model in models.values():
         model.generate(**inputs, **{**kwargs, "max_new_tokens": 2})  # warm-up
     runs: dict[str, list[tuple[list[int], float, float]]] = {label: [] for label in models}

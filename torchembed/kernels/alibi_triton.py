@@ -42,34 +42,22 @@ and pointers allow it (16-byte aligned), else through pointers. Matrix products 
 the input dtype (float32: full-precision products) and accumulate in float32; the softmax statistics
 are float32.
 
-Launches are set up once per call signature and kept (:mod:`torchembed.kernels.launch`): the second call
-with the same shapes, strides and dtypes goes straight to the compiled kernel's launcher. This module imports Triton.
+Also here: the mask's row summary (:func:`_rows_kernel`), the key norms of the skip (:func:`_key_norm_kernel`)
+and the prefill bias written in one pass (:func:`_prefill_bias_kernel`). Device code only: the host side
+(validation, plans, launches, custom ops, the policy) is :mod:`torchembed.kernels.alibi`, which imports
+this module (and Triton) on the first launch.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import math
-import os
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, Optional
-
-import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
-from torchembed.kernels.launch import Launch, Launches, clear_all
+from torchembed.kernels.rope_triton import _round_f32_to_bf16_rtne
 
-__all__ = ["AlibiTuning", "DECODE_ROWS", "LOG2E", "BackwardPlan", "ForwardPlan", "backward_plan", "block_d",
-           "config_for", "forward_plan", "mask_rows", "tuned", "tuning"]
+__all__ = ["NORM_PARTS"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # fixed when triton.jit decorates the kernels
 LOG2E = 1.4426950408889634
-
 
 # ----------------------------------------------------------------------------------------------
 # Mask summary: keep (B or 1, 1, M, N) -> rows (B or 1, 3, M) = [lo, hi, irregular]
@@ -927,448 +915,33 @@ def _bwd_dq_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# Block shapes, launches
+# The prefill bias, written once: out[b, h, i, j] = key_bias[b, h, j] - key_bias[b, h, k - q + i]
+# where keep, MIN elsewhere (the difference in float32, rounded once on store). One program writes a
+# BLOCK_Q x BLOCK_K tile of one (b, h); grid (cdiv(k, BLOCK_K), cdiv(q, BLOCK_Q), B * H).
 # ----------------------------------------------------------------------------------------------
 
-# (kernel, BLOCK_D bucket, mask given?) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps, num_stages) for
-# float16/bfloat16: the fastest of scripts/alibi_kernel_tune.py's candidates on an H200 at head dims
-# 64 and 128 (benchmarks/results/alibi-kernel-tune.json; the forward's with keys and values read
-# through tensor descriptors; the masked backward and decode take the causal winners); 16 and 32
-# take 64's, 256 the largest tiles that compile without spilling much (not timed).
-_MEASURED_BLOCKS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
-    **{("fwd", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
-    ("fwd", 128, False): (64, 64, 4, 3),
-    ("fwd", 128, True): (128, 64, 8, 3),
-    **{("fwd", 256, m): (64, 64, 8, 2) for m in (False, True)},
-    **{("dq", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
-    **{("dq", 128, m): (64, 32, 4, 3) for m in (False, True)},
-    **{("dq", 256, m): (64, 32, 8, 2) for m in (False, True)},
-    **{("dkdv", bd, m): (32, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
-    **{("dkdv", 128, m): (64, 64, 4, 2) for m in (False, True)},
-    **{("dkdv", 256, m): (64, 32, 8, 2) for m in (False, True)},
-    # decode: scripts/alibi_decode_splits.py (2026-12-02 08:22 UTC), with decode_programs_per_sm = 1
-    **{("decode", bd, m): (16, 128, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
-    **{("decode", 128, m): (16, 64, 4, 3) for m in (False, True)},
-    **{("decode", 256, m): (16, 32, 4, 2) for m in (False, True)},
-}
-_FP32_CONFIG = {"fwd": (64, 32, 4, 2), "dq": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "decode": (16, 32, 4, 2)}
-_INTERPRET_CONFIG = {"fwd": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "decode": (16, 16, 4, 1)}
-DECODE_ROWS = 64  # the split-key kernel takes calls of at most this many queries per kv head (GROUP * M)
 
-
-@dataclass(frozen=True)
-class AlibiTuning:
-    """The launch configuration of the ALiBi kernels (:func:`tuning`, :func:`tuned`).
-
-    ``blocks``: ``(kernel, BLOCK_D bucket, mask given?) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps,
-    num_stages)`` for float16/bfloat16 (float32 and the interpreter take fixed small tiles).
-    ``decode_programs_per_sm``: the split-key decode splits the keys until its grid has this many
-    programs per multiprocessor. ``skip``, ``skip_margin_bits``, ``skip_min_keys``: the skip of keys
-    of negligible weight (see :func:`skips_negligible`)."""
-
-    blocks: Mapping[tuple[str, int, bool], tuple[int, int, int, int]] = field(
-        default_factory=lambda: MappingProxyType(dict(_MEASURED_BLOCKS)))
-    decode_programs_per_sm: int = 1
-    skip: bool = os.environ.get("TORCHEMBED_ALIBI_SKIP", "1") == "1"
-    skip_margin_bits: float = 32.0
-    skip_min_keys: int = 2048
-
-
-_tuning = AlibiTuning()
-
-
-def tuning() -> AlibiTuning:
-    """The configuration launches are set up with now."""
-    return _tuning
-
-
-@contextlib.contextmanager
-def tuned(**changes: Any) -> Iterator[AlibiTuning]:
-    """Within the block, new launches take the current :class:`AlibiTuning` with ``changes`` (field
-    names and values; ``blocks`` entries are merged into the current ones); kept plans and launches
-    are forgotten on entry and exit.
-
-    Raises:
-        TypeError: a name that is not a field of :class:`AlibiTuning`.
-    """
-    global _tuning
-    if "blocks" in changes:
-        changes["blocks"] = MappingProxyType({**_tuning.blocks, **changes["blocks"]})
-    previous, _tuning = _tuning, dataclasses.replace(_tuning, **changes)
-    clear_all()
-    try:
-        yield _tuning
-    finally:
-        _tuning = previous
-        clear_all()
-_SMS: dict[int, int] = {}
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2(n: int) -> int:
-    """The smallest power of two >= ``n`` (1 for n <= 1)."""
-    return 1 << max(0, n - 1).bit_length()
-
-
-def block_d(head_dim: int) -> int:
-    return max(16, _pow2(head_dim))
-
-
-def config_for(kind: str, head_dim: int, dtype: torch.dtype, masked: bool) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of one kernel at this head dim and dtype, with a
-    mask (``masked``) or causal."""
-    if _INTERPRET:
-        return _INTERPRET_CONFIG[kind]
-    if dtype == torch.float32:
-        return _FP32_CONFIG[kind]
-    return _tuning.blocks[(kind, block_d(head_dim), masked)]
-
-
-def _strides4(t: Tensor) -> tuple[int, int, int, int]:
-    """Strides of a ``(B, heads, S, D)`` tensor, 0 along a batch of 1."""
-    s = t.stride()
-    return (0 if t.shape[0] == 1 else s[0], s[1], s[2], s[3])
-
-
-def _out_strides(batch: int, heads: int, q_len: int, dim: int) -> tuple[int, int, int, int]:
-    """``(B, H, M, D)`` strides over ``(B, M, H, D)`` memory (the output's layout)."""
-    return (q_len * heads * dim, dim, heads * dim, 1)
-
-
-def _bias_mode(bias: Tensor | None, key_bias: bool) -> int:
-    """The kernels' ``BIAS``: 0 slopes, 1 a key bias, 2 none."""
-    return 2 if bias is None else int(key_bias)
-
-
-def _bias_strides(bias: Tensor | None, key_bias: bool) -> tuple[int, int, int]:
-    if bias is None:
-        return 0, 0, 0
-    if not key_bias:  # slopes (H,)
-        return 0, bias.stride(0), 0
-    s = bias.stride()
-    return (0 if bias.shape[0] == 1 else s[0], s[1], s[2])
-
-
-def _mask_strides(rows: Tensor | None, keep: Tensor | None) -> tuple[int, int, int, int]:
-    if rows is None:
-        return 0, 0, 0, 0
-    s = keep.stride()
-    return (0 if rows.shape[0] == 1 else rows.stride(0), 0 if keep.shape[0] == 1 else s[0], s[2], s[3])
-
-
-_ROWS_LAUNCHES = Launches(256)
-
-
-def mask_rows(keep: Tensor) -> Tensor:
-    """``rows (B or 1, 3, M)`` int32 of a bool ``keep (B or 1, 1, M, N)``: ``[lo, hi, irregular]``."""
-    batch, _, q_len, k_len = keep.shape
-    rows = torch.empty(batch, 3, q_len, dtype=torch.int32, device=keep.device)
-    if q_len == 0:
-        return rows
-    key = (keep.shape, keep.stride(), keep.device)
-    launch = _ROWS_LAUNCHES.get(key)
-    if launch is None:
-        # decode-shaped masks (a few rows, many keys): one program scans a row, so wide key blocks (a
-        # 65k-key row: 8 blocks of 8192 instead of 256 of 256)
-        block_q = min(32, _pow2(q_len))
-        block_q, block_k = (16, 32) if _INTERPRET else (block_q, max(256, 8192 // block_q))
-        s = keep.stride()
-        launch = _ROWS_LAUNCHES.keep(key, Launch(
-            _rows_kernel, (_cdiv(q_len, block_q), batch, 1),
-            (q_len, k_len, 0 if batch == 1 else s[0], s[2], s[3], rows.stride(0)),
-            {"BLOCK_Q": block_q, "BLOCK_K": block_k}, num_warps=4, num_stages=1))
-    launch((keep.view(torch.uint8), rows))
-    return rows
-
-
-# Keys of negligible weight: ALiBi's bias falls linearly with distance, so far enough back every score is
-# provably below the row's largest by more than skip_margin_bits + log2(keys) bits (Cauchy-Schwarz on q.k
-# with the head's largest key norm): the kernels do not visit those keys. With slopes the position follows
-# from the slope; with a key bias (padding: not monotone) from its running maximum (running_max). What
-# they leave out is under 2**-skip_margin_bits of each row's softmax mass, below float32 rounding.
-# TORCHEMBED_ALIBI_SKIP=0 visits every key. skip_min_keys: shorter calls are not worth the key-norm pass
-# (H200, 2026-12-02, scripts/alibi_skip_probe.py: 4 x 16 x 2048 x 64 forward 0.107 + 0.011 ms for the
-# norms against 0.131 without the skip; 1 x 16 x 1024 x 64 0.0228 + 0.006 against 0.0225).
-
-
-def skips_negligible(k_len: int) -> bool:
-    """Whether a prefill of ``k_len`` keys leaves out the keys of negligible weight."""
-    return _tuning.skip and k_len >= _tuning.skip_min_keys
-
-
-def running_max(key_bias: Tensor) -> Tensor:
-    """``(B or 1, H, N)`` float32, contiguous: ``out[..., j] = max(key_bias[..., :j + 1])`` with NaN as
-    +inf (a NaN bias then keeps every key after it), the bound the skip takes in key-bias mode."""
-    inf = float("inf")
-    return torch.cummax(key_bias.nan_to_num(nan=inf, posinf=inf, neginf=-inf), dim=-1).values.contiguous()
-
-
-def _reach_strides(bias: Tensor | None, key_bias: bool) -> tuple[int, int]:
-    """The batch and head strides of :func:`running_max` of ``bias`` (0, 0: slopes mode or none, unread)."""
-    if bias is None or not key_bias:
-        return 0, 0
-    heads, k_len = bias.shape[1], bias.shape[2]
-    return (0 if bias.shape[0] == 1 else heads * k_len), k_len
-
-
-def skip_log2(k_len: int) -> float:
-    """The base-2 margin below a row's largest score past which a key is left out."""
-    return _tuning.skip_margin_bits + math.log2(max(k_len, 1))
-
-
-class NormPlan:
-    """The skip's bounds for one key signature: ``plan(k, bias) -> (norms, reach)``. ``norms (B, Hk,
-    NORM_PARTS)`` float32: the largest key norm of each slice of the keys of ``k (B, Hk, N, D)`` (inf
-    where a key has a NaN: the kernels then skip nothing), one launch of ``NORM_PARTS`` programs per
-    (batch, kv head), the kernels taking the maximum over the slices; ``reach``: :func:`running_max` of
-    a key bias (``key_bias``), else ``bias`` itself (unread)."""
-
-    __slots__ = ("shape", "device", "launch", "key_bias")
-
-    def __init__(self, k: Tensor, key_bias: bool = False) -> None:
-        batch, kv_heads, k_len, head_dim = k.shape
-        self.shape, self.device, self.key_bias = (batch, kv_heads, NORM_PARTS), k.device, key_bias
-        chunk = _cdiv(k_len, NORM_PARTS)
-        block_k = 16 if _INTERPRET else min(64, max(16, _pow2(chunk)))
-        self.launch = Launch(_key_norm_kernel, (NORM_PARTS, batch * kv_heads, 1), (kv_heads, k_len, chunk, *_strides4(k)),
-                             {"HEAD_DIM": head_dim, "BLOCK_K": block_k, "BLOCK_D": block_d(head_dim), "PARTS": NORM_PARTS},
-                             num_warps=4, num_stages=1)
-
-    def __call__(self, k: Tensor, bias: Tensor) -> tuple[Tensor, Tensor]:
-        out = torch.empty(self.shape, dtype=torch.float32, device=self.device)
-        self.launch((k, out))
-        return out, running_max(bias) if self.key_bias else bias
-
-
-def key_norms(k: Tensor) -> Tensor:
-    """The key norms of :class:`NormPlan` of ``k``, run once (the plans keep theirs)."""
-    return NormPlan(k)(k, k)[0]
-
-
-def _sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    count = _SMS.get(index)
-    if count is None:
-        count = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return count
-
-
-class ForwardPlan:
-    """The forward of one call signature (shapes, strides, dtypes, device, mask form, scale): its
-    launches (the prefill kernel, or the split-key decode kernel and its combine) and the buffers
-    each call allocates. ``plan(q, k, v, bias, rows, keep) -> (out, lse or None, bounds or None)``;
-    ``backwards``: its :class:`BackwardPlan` by the output gradient's strides (kept by the caller)."""
-
-    __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "main", "combine", "prefill",
-                 "norms", "backwards")
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Tensor | None,
-                 keep: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """``(out, lse or None, the skip's bounds or None)`` (the bounds: what the skip's backward reuses)."""
-        bias = q if bias is None else bias  # (no bias: unread)
-        out = torch.empty_strided(self.out_shape, self.out_stride, dtype=self.dtype, device=self.device)
-        lse = torch.empty(self.out_shape[:3], dtype=torch.float32, device=self.device) if self.need_lse else None
-        lse_t = out if lse is None else lse
-        rows_t = bias if rows is None else rows  # (unread without a mask: any pointer will do)
-        keep_t = bias if keep is None else keep.view(torch.uint8)
-        bounds = None
-        if self.prefill:  # (norms: the skip's NormPlan, or None)
-            if self.norms is not None:
-                bounds = self.norms(k, bias)
-            self.main((q, k, v, out, lse_t, bias, rows_t, keep_t, *(bounds or (bias, bias))))
-        elif self.combine is None and not self.part:
-            self.main((q, k, v, out, lse_t, bias, rows_t, keep_t))
-        else:
-            part = torch.empty(self.part, dtype=torch.float32, device=self.device) if self.part else out
-            self.main((q, k, v, out, lse_t, part, bias, rows_t, keep_t))
-            if self.combine is not None:
-                self.combine((out, lse_t, part))
-        return out, lse, bounds
-
-
-def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Tensor | None, keep: Tensor | None,
-                 scale: float, key_bias: bool, need_lse: bool) -> ForwardPlan:
-    """The :class:`ForwardPlan` of attention of ``q (B, H, M, D)`` over ``k, v (B, Hk, N, D)``: output
-    ``(B, H, M, D)`` over ``(B, M, H, D)`` memory and, with ``need_lse``, ``lse (B, H, M)`` float32
-    (base 2). ``bias``: slopes ``(H,)``, a key bias ``(B or 1, H, N)`` (``key_bias``), float32, or None.
-    ``rows``/``keep``: the mask summary and the mask, or None (causal, queries last). Inputs checked
-    by the caller."""
-    batch, heads, q_len, head_dim = q.shape
-    kv_heads, k_len = k.shape[1], k.shape[2]
-    group = heads // kv_heads
-    bd = block_d(head_dim)
-    prec = 1 if q.dtype == torch.float32 else (2 if _INTERPRET else 0)
-    masked = rows is not None
-    out_stride = _out_strides(batch, heads, q_len, head_dim)
-    srb, smb, smm, smn = _mask_strides(rows, keep)
-    sbb, sbh, sbn = _bias_strides(bias, key_bias)
-    out4 = (0 if batch == 1 else out_stride[0], *out_stride[1:])
-    strides = (*_strides4(q), *_strides4(k), *_strides4(v), *out4, sbb, sbh, sbn, srb, smb, smm, smn)
-    qk_scale = float(scale) * LOG2E
-    plan = ForwardPlan()
-    plan.out_shape, plan.out_stride, plan.dtype, plan.device = (batch, heads, q_len, head_dim), out_stride, q.dtype, q.device
-    plan.need_lse, plan.part, plan.combine, plan.prefill, plan.norms = need_lse, 0, None, False, None
-    plan.backwards = {}
-    if group * q_len <= DECODE_ROWS and (q_len < 16 or k_len >= 8 * q_len):
-        block_r, block_n, warps, stages = config_for("decode", head_dim, q.dtype, masked)
-        block_r = max(block_r, _pow2(group * q_len))
-        programs = batch * kv_heads
-        # enough programs for every multiprocessor (AlibiTuning.decode_programs_per_sm each), each at least two key blocks long
-        sms = _sms(q.device) if q.is_cuda else 16  # (the interpreter: several splits at small shapes)
-        splits = max(1, min(_cdiv(_tuning.decode_programs_per_sm * sms, programs), _cdiv(k_len, 2 * block_n)))
-        single = splits == 1
-        plan.part = 0 if single else splits * programs * block_r * (bd + 2)
-        plan.main = Launch(_decode_kernel, (splits, programs, 1), (*strides, heads, group, q_len, k_len, splits, qk_scale),
-                           {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_D": bd,
-                            "BIAS": _bias_mode(bias, key_bias), "MASK": int(masked), "PREC": prec, "SINGLE": single,
-                            "STORE_LSE": need_lse}, num_warps=warps, num_stages=stages)
-        if not single:
-            plan.combine = Launch(_combine_kernel, (programs, 1, 1), (*out4, heads, group, q_len, splits),
-                                  {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_D": bd, "STORE_LSE": need_lse},
-                                  num_warps=4, num_stages=1)
-        else:
-            plan.part = 0
-            # the decode kernel's signature has the workspace pointer: pass out in its place
-            main = plan.main
-            plan.main = lambda t, main=main: main((t[0], t[1], t[2], t[3], t[4], t[3], t[5], t[6], t[7]))
-        return plan
-    block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, masked)
-    skip = skips_negligible(k_len) and bias is not None
-    plan.prefill, plan.norms = True, NormPlan(k, key_bias) if skip else None
-
-    def launch(tma: bool) -> Launch:
-        return Launch(_fwd_kernel, (_cdiv(q_len, block_m), batch * heads, 1),
-                      (*strides, *_reach_strides(bias, key_bias), heads, group, q_len, k_len, k_len.bit_length(),
-                       qk_scale, skip_log2(k_len)),
-                      {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
-                       "BIAS": _bias_mode(bias, key_bias), "MASK": int(masked), "PREC": prec, "STORE_LSE": need_lse,
-                       "TMA": tma, "SKIP": skip}, num_warps=warps, num_stages=stages)
-
-    plan.main = launch(False)
-    if _tma_layout(k, v):  # keys and values through the tensor memory accelerator where aligned
-        plan.main = _TmaLaunch(launch(True), plan.main)
-    return plan
-
-
-USE_TMA = os.environ.get("TORCHEMBED_ALIBI_TMA", "1") == "1"  # keys/values by TMA on Hopper and later
-
-
-def _tma_layout(k: Tensor, v: Tensor) -> bool:
-    """Keys and values can be read through tensor descriptors: a CUDA device of compute capability 9
-    or later, a Triton that makes them, unit last strides and 16-byte strides."""
-    if not (USE_TMA and hasattr(tl, "make_tensor_descriptor") and _tma_device(k.device)):
-        return False
-    size = k.element_size()
-    return all(t.stride(3) == 1 and all(t.stride(i) * size % 16 == 0 for i in range(3)) for t in (k, v))
-
-
-def _tma_device(device: torch.device) -> bool:
-    """A CUDA device with a tensor memory accelerator (compute capability 9 or later); tests stand
-    in the interpreter (which models descriptors) for one."""
-    return device.type == "cuda" and not _INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def _allocate(size: int, alignment: int, stream: Optional[int]) -> Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-class _TmaLaunch:
-    """The TMA launch where the key and value pointers are 16-byte aligned (what a descriptor
-    needs), else the pointer launch. Triton allocates the descriptors' workspace through the allocator
-    of the calling context: where none is set, one (PyTorch's caching allocator) is set for this launch
-    only and the previous one restored after it (nothing changes for other code)."""
-
-    __slots__ = ("tma", "plain")
-
-    def __init__(self, tma: Launch, plain: Launch) -> None:
-        self.tma, self.plain = tma, plain
-
-    def __call__(self, tensors: Sequence[Tensor]) -> None:
-        if (tensors[1].data_ptr() | tensors[2].data_ptr()) & 15:
-            self.plain(tensors)
-            return
-        from triton.runtime import _allocation
-
-        allocator = _allocation._allocator
-        previous = allocator.get()
-        if not isinstance(previous, _allocation.NullAllocator):
-            self.tma(tensors)
-            return
-        allocator.set(_allocate)
-        try:
-            self.tma(tensors)
-        finally:
-            allocator.set(previous)
-
-
-class BackwardPlan:
-    """The backward of one call signature: ``delta = rowsum(dO * O)``, then the dk/dv and dq kernels.
-    ``plan(grad, q, k, v, out, lse, bias, rows, keep, bounds=None) -> (dq, dk, dv)``; ``bounds``: the
-    forward's where it skipped (else made here by ``norms``, the skip's :class:`NormPlan`, None without
-    the skip)."""
-
-    __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq", "norms", "horizon_shape")
-
-    def __call__(self, grad, q, k, v, out, lse, bias, rows, keep, bounds=None) -> tuple[Tensor, Tensor, Tensor]:
-        bias = q if bias is None else bias  # (no bias: unread)
-        # (each buffer allocated just before the first launch that needs it: the launches start sooner)
-        delta = torch.empty(self.delta_shape, dtype=torch.float32, device=self.device)
-        rows_t = bias if rows is None else rows
-        if self.norms is not None:
-            norms, reach = bounds or self.norms(k, bias)
-            horizon = torch.empty(self.horizon_shape, dtype=torch.float32, device=self.device)
-        else:
-            norms = horizon = reach = bias  # (unread)
-        self.delta((out, grad, delta, q, lse, bias, rows_t, norms, horizon))
-        keep_t = bias if keep is None else keep.view(torch.uint8)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        self.dkdv((q, k, v, grad, lse, delta, dk, dv, bias, rows_t, keep_t, horizon, reach))
-        dq = torch.empty_like(q)
-        self.dq((q, k, v, grad, lse, delta, dq, bias, rows_t, keep_t, norms, reach))
-        return dq, dk, dv
-
-
-def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bias: Tensor | None, rows: Tensor | None,
-                  keep: Tensor | None, scale: float, key_bias: bool) -> BackwardPlan:
-    """The :class:`BackwardPlan` of :func:`forward_plan`'s attention (dq, dk, dv like q, k, v)."""
-    batch, heads, q_len, head_dim = q.shape
-    kv_heads, k_len = k.shape[1], k.shape[2]
-    group = heads // kv_heads
-    bd = block_d(head_dim)
-    prec = 1 if q.dtype == torch.float32 else (2 if _INTERPRET else 0)
-    masked = rows is not None
-    srb, smb, smm, smn = _mask_strides(rows, keep)
-    sbb, sbh, sbn = _bias_strides(bias, key_bias)
-    tail = (sbb, sbh, sbn, srb, smb, smm, smn, *_reach_strides(bias, key_bias))
-    qk_scale = float(scale) * LOG2E
-    like = lambda t: _strides4(torch.empty_like(t, device="meta"))  # noqa: E731  (empty_like's strides)
-    plan = BackwardPlan()
-    skip = skips_negligible(k_len) and bias is not None
-    plan.delta_shape, plan.device, plan.norms = (batch, heads, q_len), q.device, NormPlan(k, key_bias) if skip else None
-    floats = (qk_scale, float(scale), skip_log2(k_len))
-    block = 16 if _INTERPRET else 64
-    n_horizon = _cdiv(q_len, block)
-    plan.horizon_shape = (batch, heads, n_horizon)
-    plan.delta = Launch(_bwd_delta_kernel, (n_horizon, batch * heads, 1),
-                        (*_strides4(out), *_strides4(grad), *_strides4(q), sbb, sbh, sbn, srb, heads, group, q_len,
-                         k_len, qk_scale, skip_log2(k_len)),
-                        {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd, "BIAS": _bias_mode(bias, key_bias),
-                         "MASK": int(masked), "SKIP": skip},
-                        num_warps=4, num_stages=1)
-    common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad))
-    consts = {"HEAD_DIM": head_dim, "BIAS": _bias_mode(bias, key_bias), "MASK": int(masked), "PREC": prec}
-    block_m, block_n, warps, stages = config_for("dkdv", head_dim, q.dtype, masked)
-    plan.dkdv = Launch(_bwd_dkdv_kernel, (_cdiv(k_len, block_n), batch * kv_heads, 1),
-                       (*common, *like(k), *like(v), *tail, heads, group, q_len, k_len, n_horizon, *floats[:2]),
-                       {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
-                        "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": skip,
-                        "HBLOCK": block}, num_warps=warps, num_stages=stages)
-    block_m, block_n, warps, stages = config_for("dq", head_dim, q.dtype, masked)
-    plan.dq = Launch(_bwd_dq_kernel, (_cdiv(q_len, block_m), batch * heads, 1),
-                     (*common, *like(q), *tail, heads, group, q_len, k_len, k_len.bit_length(), *floats),
-                     {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
-                      "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": skip}, num_warps=warps, num_stages=stages)
-    return plan
+@triton.jit
+def _prefill_bias_kernel(
+    kb_ptr, keep_ptr, out_ptr,
+    H, Q, K,
+    skb_b, skb_h, skb_k,
+    skp_b, skp_q, skp_k,
+    so_b, so_h, so_q,
+    MIN,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+):
+    bh = tl.program_id(2).to(tl.int64)
+    b, h = bh // H, bh % H
+    i = tl.program_id(1).to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q).to(tl.int64)
+    j = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K).to(tl.int64)
+    i_in, j_in = i < Q, j < K
+    row = kb_ptr + b * skb_b + h * skb_h
+    key = tl.load(row + j * skb_k, mask=j_in, other=0.0).to(tl.float32)
+    own = tl.load(row + (K - Q + i) * skb_k, mask=i_in, other=0.0).to(tl.float32)
+    m = i_in[:, None] & j_in[None, :]
+    kept = tl.load(keep_ptr + b * skp_b + i[:, None] * skp_q + j[None, :] * skp_k, mask=m, other=0)
+    y = tl.where(kept != 0, key[None, :] - own[:, None], MIN)
+    if EMULATE_RTNE:
+        y = _round_f32_to_bf16_rtne(y)
+    tl.store(out_ptr + b * so_b + h * so_h + i[:, None] * so_q + j[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
