@@ -19,7 +19,7 @@ for phase in "$@"; do
   case $phase in
     check)
       timeout 110 "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_alibi_flash.py \
-        tests/patches/test_attention_backends.py -k "key_bias or far_key or running_max or cuda or compiles" 2>&1 | tail -n 6
+        tests/patches/test_decode_attention.py tests/kernels/test_alibi_flash.py -k "key_bias or far_key or running_max or cuda or compiles" 2>&1 | tail -n 6
       timeout 90 "$PYTHON" benchmarks/probes/decode_host_time.py --models mpt bloom --contexts 1024 65536 --layers 2 --steps 6 \
         --trace-sync --out "$RESULTS/decode-host-time.json" 2>&1 | grep -v "^---\|profiler.py\|_warn_once" ;;
     mpt)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU measurements behind the decode results, by phase (each fits one device call; results in $OUT):
+#   tests   - the CUDA tests of the decode route, the nothing-global suite and the split-key kernel
+#   decode  - torchembed bench decode (decode attention against its floor and SDPA's backends)
+#   depth   - full-depth decode per step: MPT-7B-StoryWriter and BLOOM-7B1 shapes at 65k, LLaMA-3.1-8B at 128k
+#   compiled - compiled static-cache generate at 64k (8 layers), upstream and patched, and the padded batch
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-torchembed-results}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+export PYTHONUNBUFFERED=1
+for phase in "$@"; do
+  case "$phase" in
+    tests)
+      timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/patches/test_decode_attention.py \
+        tests/patches/test_nothing_global.py tests/kernels/test_alibi_flash.py \
+        -k "cuda or without_a_bias or only_the_keys or compiles_once" 2>&1 | tail -n 15 | tee "$OUT/tests.log" ;;
+    decode)
+      timeout 200 python3 -m torchembed bench decode --out "$OUT" 2>&1 | grep -v Warning | grep -v "return {" | tail -n 20 ;;
+    depth)
+      timeout 150 python3 -m torchembed bench long --models mpt bloom --variants patched --contexts 65536 --layers 30 \
+        --steps 6 --name long-depth-alibi --out "$OUT" 2>&1 | tail -n 8
+      timeout 120 python3 -m torchembed bench long --models llama --variants patched --contexts 131072 --layers 32 \
+        --steps 6 --name long-depth-llama --out "$OUT" 2>&1 | tail -n 6 ;;
+    compiled)
+      timeout 330 python3 -m torchembed bench long --models llama bloom --contexts 65536 --layers 8 --steps 6 \
+        --compiled 16 --name long-compiled --out "$OUT" 2>&1 | tail -n 10
+      timeout 200 python3 benchmarks/probes/padded_generate.py --contexts 4096 16384 --layers 8 \
+        --out "$OUT/padded-generate.json" 2>&1 | tail -n 6 ;;
+  esac
+done
