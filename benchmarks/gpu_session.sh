@@ -13,20 +13,23 @@ export PYTHONUNBUFFERED=1
 for phase in "$@"; do
   case "$phase" in
     tests)
-      timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/patches/test_decode_attention.py \
+      timeout 130 python3 -m pytest -q -x -p no:cacheprovider tests/patches/test_decode_attention.py \
         tests/patches/test_nothing_global.py tests/kernels/test_alibi_flash.py \
         -k "cuda or without_a_bias or only_the_keys or compiles_once" 2>&1 | tail -n 15 | tee "$OUT/tests.log" ;;
     decode)
-      timeout 200 python3 -m torchembed bench decode --out "$OUT" 2>&1 | grep -v Warning | grep -v "return {" | tail -n 20 ;;
+      timeout 170 python3 -m torchembed bench decode --out "$OUT" 2>&1 | grep -v Warning | grep -v "return {" | tail -n 18 ;;
     depth)
-      timeout 150 python3 -m torchembed bench long --models mpt bloom --variants patched --contexts 65536 --layers 30 \
-        --steps 6 --name long-depth-alibi --out "$OUT" 2>&1 | tail -n 8
-      timeout 120 python3 -m torchembed bench long --models llama --variants patched --contexts 131072 --layers 32 \
-        --steps 6 --name long-depth-llama --out "$OUT" 2>&1 | tail -n 6 ;;
+      for spec in "mpt 32 65536" "bloom 30 65536" "llama 32 131072"; do
+        set -- $spec
+        timeout 100 python3 -m torchembed bench long --models "$1" --variants patched --layers "$2" --contexts "$3" \
+          --steps 6 --name "long-depth-$1" --out "$OUT" 2>&1 | grep "^| $1"
+      done ;;
     compiled)
-      timeout 330 python3 -m torchembed bench long --models llama bloom --contexts 65536 --layers 8 --steps 6 \
-        --compiled 16 --name long-compiled --out "$OUT" 2>&1 | tail -n 10
-      timeout 200 python3 benchmarks/probes/padded_generate.py --contexts 4096 16384 --layers 8 \
-        --out "$OUT/padded-generate.json" 2>&1 | tail -n 6 ;;
+      timeout 200 python3 -m torchembed bench long --models llama --contexts 65536 --layers 8 --steps 6 \
+        --compiled 16 --name long-compiled-llama --out "$OUT" 2>&1 | grep "^| llama"
+      timeout 100 python3 -m torchembed bench long --models bloom --variants patched --contexts 65536 --layers 8 \
+        --steps 6 --compiled 16 --name long-compiled-bloom --out "$OUT" 2>&1 | grep "^| bloom"
+      timeout 110 python3 benchmarks/probes/padded_generate.py --contexts 4096 16384 --layers 8 --repeats 2 \
+        --out "$OUT/padded-generate.json" 2>&1 | tail -n 4 ;;
   esac
 done
