@@ -24,9 +24,14 @@ def _llama(**overrides):
 
 
 @pytest.fixture
-def gpu_route(monkeypatch):
-    """The decode route on CPU tensors (the kernel's PyTorch implementation), its calls counted."""
+def route_on_cpu(monkeypatch):
+    """The decode route on CPU tensors (the kernel's PyTorch implementation)."""
     monkeypatch.setattr(attention, "use_kernel", lambda fused, t, what="": True)
+
+
+@pytest.fixture
+def gpu_route(route_on_cpu, monkeypatch):
+    """The decode route on CPU tensors, its calls counted."""
     calls, original = [], attention.fused_attention
     monkeypatch.setattr(attention, "fused_attention", lambda *a, **kw: calls.append(a[0].shape) or original(*a, **kw))
     return calls
@@ -149,6 +154,61 @@ def test_a_patched_model_pickles_and_copies_with_its_route(gpu_route):
         gpu_route.clear()
         _generate(twin, ids, torch.ones_like(ids))
         assert len(gpu_route) == 4 * 2
+
+
+def test_compiled_static_cache_decode_is_one_graph_with_the_kernel(route_on_cpu):
+    """HF's fast path (a static cache, ``torch.compile(fullgraph=True)``): six decode steps compile into one
+    graph (no recompilation as the cache fills: its mask and positions are tensors), which holds the
+    split-key kernel's custom op once per layer (the mask summary beside it: no Python-side state in a
+    graph), and give upstream's logits."""
+    from transformers import StaticCache
+
+    upstream = _llama()
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    ids = torch.randint(1, 96, (1, 10), generator=torch.Generator().manual_seed(3))
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def decode(model, compiled):
+        cache = StaticCache(config=model.config, max_cache_len=32)
+        with torch.no_grad():
+            out = model(ids, past_key_values=cache, cache_position=torch.arange(10), use_cache=True)
+            step = torch.compile(model, backend=backend, fullgraph=True) if compiled else model
+            logits = []
+            for i in range(10, 16):
+                out = step(out.logits[:, -1:].argmax(-1), past_key_values=cache, cache_position=torch.tensor([i]),
+                           use_cache=True)
+                logits.append(out.logits)
+        return torch.cat(logits)
+
+    want, got = decode(upstream, False), decode(patched, True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    ops = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    assert len(graphs) == 1
+    assert sum("torchembed.alibi_flash" in op for op in ops) == patched.config.num_hidden_layers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_decode_attention_never_synchronises_with_the_host():
+    """The route's call (mask summary, plan, launches) makes no host synchronisation (what CUDA graphs and a
+    host running ahead need): CUDA's sync debug mode raises on one."""
+    q = torch.randn(2, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    keep = torch.ones(2, 1, 1, 300, dtype=torch.bool, device="cuda")
+    keep[0, ..., :40] = False
+    route = attention.DecodeAttention(attention._upstream_sdpa(), None)
+    route(None, q, k, v, keep)  # (first call: compiles)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            out, _ = route(None, q, k, v, keep)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
