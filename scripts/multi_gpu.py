@@ -25,7 +25,9 @@ Parts (``--parts``, comma-separated):
   this script with ``--tp-rank``), patched. Its logits against the float32 one-GPU reference (patched no
   worse than upstream, as ``infer``) and against the patched one-GPU bf16 model (the mean
   difference within twice that model's own bf16 error: tensor parallelism only reorders sums);
-  unpatch bit-exact; greedy generation, upstream and patched in turns: decode ms/token.
+  unpatch bit-exact; greedy generation, upstream and patched in turns: decode ms/token; on every rank the
+  patched decode steps take torchembed's split-key kernel (counted; with ``--smoke`` its PyTorch
+  implementation stands in for the GPU) and no process-wide flag changes.
 * ``speed``: the ~1B LLaMA config trained in bf16 (``--size 1b``), DDP and FSDP over all GPUs and
   one GPU at the same per-GPU batch, upstream vs patched: tokens/s (median step) and peak memory.
 
@@ -286,9 +288,11 @@ def tensor_parallel(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         max_abs_diff_tp_vs_one_gpu_patched=(logits["patched"] - single_patched).abs()[real].max().item(),
     )
     bound = 1e-5 * reference.abs().max().item() if args.smoke else 2 * own_error  # float32: summation order only
+    route = record.get("decode_route") or []
+    record["decode_route_on_every_rank"] = bool(route) and all(r["route_calls"] > 0 and r["flags_unchanged"] for r in route)
     record["ok"] = bool(err_patched <= ERROR_ALLOWANCE * err_up + 1e-7 and record["unpatch_bit_exact"]
                         and record["components_patched"] > 0 and record["mean_abs_diff_tp_vs_one_gpu_patched"] <= bound
-                        and (record["generated_tokens_equal"] or not args.smoke))
+                        and (record["generated_tokens_equal"] or not args.smoke) and record["decode_route_on_every_rank"])
     print(f"[tp] {json.dumps({k: v for k, v in record.items() if k != 'generate'})}", flush=True)
     return record
 
@@ -335,6 +339,15 @@ def tp_rank(argv: list[str]) -> None:
     def logits() -> torch.Tensor:
         return model(**inputs).logits.float().cpu()
 
+    from torchembed.patches import attention as decode_route
+
+    route_calls = []  # the patched model's decode steps that took torchembed's split-key kernel, on this rank
+    if args.cpu:  # the kernel's PyTorch implementation stands in for the GPU: the route is taken on CPU tensors
+        decode_route.use_kernel = lambda fused, t, what="": True
+    kernel = decode_route.fused_attention
+    decode_route.fused_attention = lambda *a, **kw: route_calls.append(a[0].shape[1]) or kernel(*a, **kw)
+    flags = _process_flags()
+
     upstream = logits()
     torchembed.patch(model)
     patched = logits()
@@ -369,14 +382,25 @@ def tp_rank(argv: list[str]) -> None:
         torchembed.patch(model)
         tokens_pt = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
         torchembed.unpatch(model)
+    per_rank = [None] * world
+    dist.all_gather_object(per_rank, {"route_calls": len(route_calls), "heads_per_rank": sorted(set(route_calls)),
+                                      "flags_unchanged": _process_flags() == flags})
     if rank == 0:
         torch.save({"upstream": upstream, "patched": patched, "restored": restored}, args.out.with_suffix(".pt"))
         record = {"world_size": world, "weights": sharded, "components_patched": components,
                   "unpatch_bit_exact": torch.equal(restored, upstream),
-                  "generated_tokens_equal": torch.equal(tokens_up.cpu(), tokens_pt.cpu()), "generate": generate}
+                  "generated_tokens_equal": torch.equal(tokens_up.cpu(), tokens_pt.cpu()), "generate": generate,
+                  "decode_route": per_rank}
         args.out.with_suffix(".json").write_text(json.dumps(record))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _process_flags() -> tuple:
+    """Process-wide settings a patched model must leave alone (SDPA's backend switches, math flags)."""
+    cuda = torch.backends.cuda
+    return (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
+            cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision())
 
 
 # --- training runs (parity, speed) ------------------------------------------------------------

@@ -32,6 +32,10 @@ def test_multi_gpu_smoke(tmp_path: Path) -> None:
     tp = result["tp"]  # transformers' tensor parallelism (gloo, 2 processes): patched, exact undo
     assert tp["ok"] and tp["world_size"] == 2 and tp["weights"] == "DTensor" and tp["unpatch_bit_exact"]
     assert tp["generated_tokens_equal"] and tp["mean_abs_diff_tp_vs_one_gpu_patched"] < 1e-5
+    # every rank's patched decode steps took the split-key route (its PyTorch implementation on the CPU), each
+    # rank with its slice of the heads, and no process-wide flag changed
+    assert tp["decode_route_on_every_rank"] and len(tp["decode_route"]) == 2
+    assert all(rank["route_calls"] > 0 and rank["flags_unchanged"] for rank in tp["decode_route"])
     assert [r["mode"] for r in result["speed"]] == ["ddp", "one-gpu"]
     assert all(r["upstream"]["tokens_per_s"] > 0 and r["patched"]["tokens_per_s"] > 0 for r in result["speed"])
     markdown = (tmp_path / "multi_gpu_smoke.md").read_text()
