@@ -30,6 +30,7 @@ replacement, reproduces.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import types
@@ -42,14 +43,14 @@ from torch import Tensor
 
 from torchembed.functional.rope import apply_rotary
 
-__all__ = ["Rotation", "explain", "recognize", "is_rotation_name", "merge_mrope", "reference_rotate", "parameter_defaults",
-           "upstream_function"]
+__all__ = ["Rotation", "UNSQUEEZE_DIM", "broadcast_table", "deinterleave", "explain", "recognize", "is_rotation_name",
+           "merge_mrope", "reference_rotate", "parameter_defaults", "upstream_function"]
 
 LAYOUTS = ("cat", "repeat", "half")
 PAIRINGS = ("half", "interleaved", "deinterleave")
 _TABLE_NAMES = ("cos", "sin")
 _ROTATED_LIMIT = 3  # q, k and v at most
-_UNSQUEEZE = "unsqueeze_dim"
+UNSQUEEZE_DIM = "unsqueeze_dim"
 _POSITION_IDS = "position_ids"
 _MROPE = "mrope_section"
 
@@ -105,6 +106,15 @@ class Rotation:
     # (rule, rank of x, rank of the tables) of every probe the helper passed: a helper that inserts the
     # heads axis at a fixed place broadcasts (s, w) tables against (s, h, d) as "sh", (b, s, w) as "hs"
     patterns: tuple[tuple[str, int, int], ...] = ()
+
+    @functools.cached_property
+    def usual(self) -> bool:
+        """HF's usual call, ``helper(q, k, cos, sin)`` on ``cat`` tables with half-split pairing, tokens
+        second to last: the replacement serves it on its shortest path (in place on the kernel)."""
+        return (len(self.rotated) == 2 and self.params[2:4] == ("cos", "sin") and self.layout == "cat"
+                and self.pairing == "half" and not self.conjugate and not self.trailing
+                and self.broadcast in ("hs", "param") and self.unsqueeze_default == 1 and not self.mrope
+                and not self.indexed and not self.tail and not self.prefix)
 
     def rule_for(self, x: Tensor, table: Tensor) -> str:
         """The broadcast rule of a call with these ranks (the first probed rule where none fits)."""
@@ -217,17 +227,17 @@ def reference_rotate(x: Tensor, cos: Tensor, sin: Tensor, pairing: str, conjugat
     if trailing and x.shape[-1] > rot:
         return torch.cat((x[..., :-rot], reference_rotate(x[..., -rot:], cos, sin, pairing, conjugate)), dim=-1)
     if pairing == "deinterleave":
-        x = torch.cat((_deinterleave(x[..., :rot]), x[..., rot:]), dim=-1)
+        x = torch.cat((deinterleave(x[..., :rot]), x[..., rot:]), dim=-1)
         pairing = "half"
     return apply_rotary(x, cos, sin, interleaved=pairing == "interleaved", conjugate=conjugate)
 
 
-def _deinterleave(x: Tensor) -> Tensor:
+def deinterleave(x: Tensor) -> Tensor:
     """``(x_0, x_1, x_2, x_3, ...)`` -> ``(x_0, x_2, ..., x_1, x_3, ...)``."""
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
-def _broadcast(table: Tensor, rule: str, unsqueeze: int | None = None) -> Tensor:
+def broadcast_table(table: Tensor, rule: str, unsqueeze: int | None = None) -> Tensor:
     """A half table ``(..., s, r/2)`` made to broadcast against rotated tensors (heads axis added)."""
     if rule == "param":
         return table.unsqueeze(unsqueeze)
@@ -258,7 +268,7 @@ def _match(helper: Callable, roles: _Parameters, layout: str, feature_dim: int, 
         rule, x_lead, t_lead = probe
         if only is not None and probe != only[0]:
             continue
-        if keywords and _UNSQUEEZE in keywords:  # broadcast as the argument says
+        if keywords and UNSQUEEZE_DIM in keywords:  # broadcast as the argument says
             rule = "param"
         theta = torch.rand(*t_lead, half, generator=gen, dtype=torch.float64) * 6.0 - 3.0
         xs = [torch.randn(*x_lead, feature_dim, generator=gen) for _ in roles.rotated]
@@ -271,7 +281,7 @@ def _match(helper: Callable, roles: _Parameters, layout: str, feature_dim: int, 
             continue
         if got is None:
             continue
-        c, s = (_broadcast(t, rule, (keywords or {}).get(_UNSQUEEZE)) for t in (theta.cos(), theta.sin()))
+        c, s = (broadcast_table(t, rule, (keywords or {}).get(UNSQUEEZE_DIM)) for t in (theta.cos(), theta.sin()))
         for pairing, conjugate, trailing in itertools.product(PAIRINGS, (False, True), (False, True)):
             if only is not None and (pairing, conjugate) != only[1]:
                 continue
@@ -321,12 +331,12 @@ def _probe(helper: Any) -> tuple[Rotation | None, str]:
 def _probe_plain(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple[Rotation | None, str]:
     half = 4
     complex_ = roles.tables[0].startswith("freqs")
-    param = _UNSQUEEZE in roles.extras
+    param = UNSQUEEZE_DIM in roles.extras
     found = []
     for layout in ("complex",) if complex_ else LAYOUTS:
         if param:  # both unsqueeze values must do what the argument says
-            hs = _match(helper, roles, layout, 2 * half, half, gen, {_UNSQUEEZE: 1}, probes=_PROBES[:1])
-            sh = _match(helper, roles, layout, 2 * half, half, gen, {_UNSQUEEZE: 2}, probes=_PROBES[1:2])
+            hs = _match(helper, roles, layout, 2 * half, half, gen, {UNSQUEEZE_DIM: 1}, probes=_PROBES[:1])
+            sh = _match(helper, roles, layout, 2 * half, half, gen, {UNSQUEEZE_DIM: 2}, probes=_PROBES[1:2])
             found += [(layout, m) for m in hs if any(n[1] == m[1] for n in sh)]
         else:
             found += [(layout, m) for m in _match(helper, roles, layout, 2 * half, half, gen)]
@@ -335,7 +345,7 @@ def _probe_plain(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
         return None, "it computes none of the rotations torchembed knows" if not kinds else "its result is ambiguous"
     layout, (probe, (pairing, conjugate), _) = found[0]
     rule = "param" if param else probe[0]
-    wide = _match(helper, roles, layout, 4 * half, half, gen, {_UNSQUEEZE: 1} if param else None,
+    wide = _match(helper, roles, layout, 4 * half, half, gen, {UNSQUEEZE_DIM: 1} if param else None,
                   only=(_PROBES[0] if param else probe, (pairing, conjugate)))
     partial = bool(wide)
     trailing = partial and all(m[2] for m in wide)
@@ -343,7 +353,7 @@ def _probe_plain(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
     ignored = tuple(n for n in roles.extras if n == _POSITION_IDS)
     if ignored and not _ignores_positions(helper, roles, layout, half, gen):
         return None, f"its result depends on {_POSITION_IDS}, which torchembed's rotation does not take"
-    unknown = [n for n in roles.extras if n not in (_UNSQUEEZE, _POSITION_IDS)]
+    unknown = [n for n in roles.extras if n not in (UNSQUEEZE_DIM, _POSITION_IDS)]
     if unknown:
         return None, f"it takes {', '.join(unknown)}, which torchembed's rotation does not model"
     defaults = dict(roles.defaults)
@@ -353,7 +363,7 @@ def _probe_plain(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
     if not param:  # the ranks these calls broadcast by
         patterns += tuple(p for p in (tail, prefix) if p is not None and p not in patterns)
     return Rotation(roles.names, roles.rotated, roles.tables, layout, pairing, rule, partial, conjugate, trailing,
-                    roles.optional, single, int(defaults.get(_UNSQUEEZE, 1)), ignored, patterns=patterns, tail=tail is not None,
+                    roles.optional, single, int(defaults.get(UNSQUEEZE_DIM, 1)), ignored, patterns=patterns, tail=tail is not None,
                     prefix=prefix is not None, keywords=roles.keywords), ""
 
 
@@ -433,8 +443,8 @@ def _probe_sections(helper: Any, roles: _Parameters, gen: torch.Generator) -> tu
     the features into ``position_ids.shape[-1]`` equal sections and rotates each half-split by its own
     slice of the (per-section ``cat``) tables."""
     defaults = dict(roles.defaults)
-    unsqueeze = int(defaults.get(_UNSQUEEZE, 1))
-    extras = [n for n in roles.extras if n not in (_UNSQUEEZE, _POSITION_IDS)]
+    unsqueeze = int(defaults.get(UNSQUEEZE_DIM, 1))
+    extras = [n for n in roles.extras if n not in (UNSQUEEZE_DIM, _POSITION_IDS)]
     if extras or len(roles.rotated) != 1 or unsqueeze not in (1, 2):
         return None, f"it takes {_POSITION_IDS} ({', '.join(roles.names)}) in a way torchembed does not model"
     sections, width = 2, 8
@@ -452,7 +462,7 @@ def _probe_sections(helper: Any, roles: _Parameters, gen: torch.Generator) -> tu
     want = apply_rotary(x.double().unflatten(-1, (sections, width)), c, s).flatten(-2)
     if not (isinstance(got, Tensor) and _close((got,), [want])):
         return None, "it computes none of the rotations torchembed knows"
-    return Rotation(roles.names, roles.rotated, roles.tables, "cat", "half", "param" if _UNSQUEEZE in roles.extras
+    return Rotation(roles.names, roles.rotated, roles.tables, "cat", "half", "param" if UNSQUEEZE_DIM in roles.extras
                     else ("hs" if unsqueeze == 1 else "sh"), single=True, unsqueeze_default=unsqueeze,
                     sections=_POSITION_IDS), ""
 
@@ -501,13 +511,13 @@ def _uneven(helper: Any, roles: _Parameters, layout: str, half: int, probe: tupl
         args = dict(zip(roles.rotated, xs), **dict(zip(roles.tables, tables if roles.tables[0] != "sin" else tables[::-1])))
         try:
             with torch.no_grad():
-                got = _outputs(helper(**args, **({_UNSQUEEZE: 1} if param else {})), len(xs))
+                got = _outputs(helper(**args, **({UNSQUEEZE_DIM: 1} if param else {})), len(xs))
         except Exception:  # the helper rejects these inputs
             continue
         want = []
         for i, x in enumerate(xs):
             angles = theta[..., -3:, :] if kind == "tail" and i == 0 else theta
-            c, s = (_broadcast(t, rule, 1 if param else None) for t in (angles.cos(), angles.sin()))
+            c, s = (broadcast_table(t, rule, 1 if param else None) for t in (angles.cos(), angles.sin()))
             if kind == "prefix":
                 passed, rotated = x.double().split((2, 5), dim=at)
                 want.append(torch.cat((passed, reference_rotate(rotated, c, s, pairing, conjugate)), dim=at))

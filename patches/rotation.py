@@ -23,7 +23,7 @@ from torchembed.kernels.per_forward import current
 from torchembed.kernels.rope import use_rope_kernel
 from torchembed.patches.binding import CallSignature
 from torchembed.patches.recognition import (
-    _UNSQUEEZE, Rotation, _broadcast, _deinterleave, merge_mrope, parameter_defaults, upstream_function,
+    UNSQUEEZE_DIM, Rotation, broadcast_table, deinterleave, merge_mrope, parameter_defaults, upstream_function,
 )
 
 __all__ = ["RotaryHelper"]
@@ -49,14 +49,6 @@ class RotaryHelper:
         self.rotation, self.upstream, self.fused = rotation, upstream, fused
         self.__name__ = self.__qualname__ = f"torchembed_{getattr(upstream, '__name__', 'rotary')}"
         self._signature = CallSignature(self.__name__, rotation.params, parameter_defaults(upstream), rotation.keywords)
-        # HF's usual call helper(q, k, cos, sin) on cat tables, half-split pairing, (..., h, s, d):
-        # served by _usual (in place on the kernel, or the fused CPU arithmetic).
-        self._usual = (len(rotation.rotated) == 2 and rotation.params[2:4] == ("cos", "sin")
-                       and rotation.layout == "cat" and rotation.pairing == "half" and not rotation.conjugate
-                       and not rotation.trailing and rotation.broadcast in ("hs", "param")
-                       and rotation.unsqueeze_default == 1 and not rotation.mrope and not rotation.indexed
-                       and not rotation.tail and not rotation.prefix)
-
     @classmethod
     def get(cls, rotation: Rotation, upstream: Callable, fused: bool | None) -> "RotaryHelper":
         key = (rotation, id(upstream), fused)
@@ -73,7 +65,7 @@ class RotaryHelper:
         return f"<torchembed rotation for {getattr(self.upstream, '__qualname__', self.upstream)}: {self.rotation.describe()}>"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._usual and len(args) == 4 and not kwargs:
+        if self.rotation.usual and len(args) == 4 and not kwargs:
             out = self._usual_call(*args)
             if out is not None:
                 return out
@@ -90,7 +82,7 @@ class RotaryHelper:
             first, second = first[ids], second[ids]
         c, s = self._half(first, second)
         full = self._own_tables(first, second)
-        u = values.get(_UNSQUEEZE, rotation.unsqueeze_default) if rotation.broadcast == "param" else None
+        u = values.get(UNSQUEEZE_DIM, rotation.unsqueeze_default) if rotation.broadcast == "param" else None
         xs = [values[name] for name in rotation.rotated]
         if rotation.sections:
             return self._rotate_sections(xs[0], first, second, values[rotation.sections].shape[-1],
@@ -182,7 +174,7 @@ class RotaryHelper:
         rot = 2 * c.shape[-1]
         pairing = rotation.pairing
         if pairing == "deinterleave":  # reorder once (a copy), then rotate half-split
-            xs = [torch.cat((_deinterleave(x[..., :rot]), x[..., rot:]), dim=-1) for x in xs]
+            xs = [torch.cat((deinterleave(x[..., :rot]), x[..., rot:]), dim=-1) for x in xs]
             pairing = "half"
         interleaved = pairing == "interleaved"
         rule = "param" if rotation.broadcast == "param" else rotation.rule_for(xs[0], c)
@@ -231,7 +223,7 @@ class RotaryHelper:
         the PyTorch path converts them once per forward, not once per tensor."""
         compute = torch.float64 if dtype == torch.float64 else torch.float32
         return _per_forward(tables, ("prep", rule, unsqueeze, compute),
-                            lambda: tuple(_broadcast(t, rule, unsqueeze).to(compute) for t in tables))
+                            lambda: tuple(broadcast_table(t, rule, unsqueeze).to(compute) for t in tables))
 
     def _kernel_views(self, xs: list[Tensor], c: Tensor, rule: str | None):
         """``xs`` as the kernel's ``(B, H, S, D)`` views and a function making ``(B or 1, S, R/2)``

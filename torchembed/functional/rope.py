@@ -29,10 +29,13 @@ __all__ = [
     "rope_positions",
     "apply_rotary",
     "apply_rotary_qk",
+    "check_base",
+    "check_nonnegative",
+    "is_position_dtype",
 ]
 
 
-def _check_base(base: Any, name: str = "base") -> float:
+def check_base(base: Any, name: str = "base") -> float:
     """``base`` as a float, or a ValueError/TypeError naming ``name``: ``theta = base^(-2i/r)`` is
     finite and decreasing in ``i`` only for a finite ``base > 0`` (0, negative or NaN bases give
     NaN/inf frequencies and NaN outputs, silently)."""
@@ -44,12 +47,12 @@ def _check_base(base: Any, name: str = "base") -> float:
     return value
 
 
-def _is_position_dtype(t: Tensor) -> bool:
+def is_position_dtype(t: Tensor) -> bool:
     """An integer dtype positions can have (not floating, complex or bool)."""
     return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
-def _check_nonnegative(positions: Tensor, name: str) -> None:
+def check_nonnegative(positions: Tensor, name: str) -> None:
     """Reject negative ``positions`` where that is cheap: on the host for CPU tensors.
 
     Accelerator tensors are not checked (that would cost a host sync, or extra kernel launches
@@ -207,9 +210,9 @@ def rope_inv_freq(
     if missing:
         raise ValueError(f"rope_type {rope_type!r} needs rope_parameters keys {missing}, got {sorted(params)}")
     if params.get("rope_theta") is not None:
-        base = _check_base(params["rope_theta"], "rope_parameters['rope_theta']")
+        base = check_base(params["rope_theta"], "rope_parameters['rope_theta']")
     else:
-        base = _check_base(base)
+        base = check_base(base)
     factor = params.get("factor") if rope_type != "default" else None
     if factor is not None and (isinstance(factor, bool) or not isinstance(factor, numbers.Real)
                                or not math.isfinite(factor) or factor <= 0):
@@ -255,9 +258,9 @@ def rope_positions(offset: int | Tensor, seq_len: int, device: torch.device | No
         ``(s,)`` for an int offset, ``(b, s)`` for a tensor offset; int64.
     """
     if isinstance(offset, Tensor):
-        if offset.dim() != 1 or not _is_position_dtype(offset):
+        if offset.dim() != 1 or not is_position_dtype(offset):
             raise ValueError(f"offset tensor must be 1-D integer (b,), got {offset.dtype} {tuple(offset.shape)}")
-        _check_nonnegative(offset, "offset tensor")
+        check_nonnegative(offset, "offset tensor")
         return offset.long()[:, None] + torch.arange(seq_len, device=offset.device)
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
         raise ValueError(f"offset must be a non-negative int or a 1-D integer tensor, got {offset!r}")

@@ -53,7 +53,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from torchembed.kernels.rope_triton import _round_f32_to_bf16_rtne
+from torchembed.kernels.rope_triton import round_f32_to_bf16_rtne
 
 __all__ = ["NORM_PARTS"]
 
@@ -943,5 +943,5 @@ def _prefill_bias_kernel(
     kept = tl.load(keep_ptr + b * skp_b + i[:, None] * skp_q + j[None, :] * skp_k, mask=m, other=0)
     y = tl.where(kept != 0, key[None, :] - own[:, None], MIN)
     if EMULATE_RTNE:
-        y = _round_f32_to_bf16_rtne(y)
+        y = round_f32_to_bf16_rtne(y)
     tl.store(out_ptr + b * so_b + h * so_h + i[:, None] * so_q + j[None, :], y.to(out_ptr.dtype.element_ty), mask=m)

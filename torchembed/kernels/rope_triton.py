@@ -89,8 +89,8 @@ def _store_rotated(
     y1 = x1 * c - x2 * s
     y2 = x2 * c2 + x1 * s2
     if EMULATE_RTNE:
-        y1 = _round_f32_to_bf16_rtne(y1)
-        y2 = _round_f32_to_bf16_rtne(y2)
+        y1 = round_f32_to_bf16_rtne(y1)
+        y2 = round_f32_to_bf16_rtne(y2)
     tl.store(op + d1[None, :], y1.to(o_ptr.dtype.element_ty), mask=m)
     tl.store(op + d2[None, :], y2.to(o_ptr.dtype.element_ty), mask=m)
     if HAS_PASS:
@@ -177,7 +177,7 @@ def _rotate_heads(
 
 
 @triton.jit
-def _round_f32_to_bf16_rtne(y):
+def round_f32_to_bf16_rtne(y):
     # Round-to-nearest-even onto the bf16 grid, staying in float32 (the later .to(bf16) is then
     # exact).  Only used under TRITON_INTERPRET, whose fp32->bf16 cast truncates; the GPU cast
     # already rounds to nearest even.
@@ -220,7 +220,7 @@ def rope_kernel(
     HALVES: tl.constexpr,  # 0; 1: a pair's second feature reads its own entries, R/2 along the row; 2: sines exchanged
     HAS_PASS: tl.constexpr,  # copy dims [R, D) (out-of-place with R < D)
     CDT: tl.constexpr,  # compute dtype: float32 (float64 for float64 inputs)
-    EMULATE_RTNE: tl.constexpr,  # interpreter-only bf16 rounding fix (see _round_f32_to_bf16_rtne)
+    EMULATE_RTNE: tl.constexpr,  # interpreter-only bf16 rounding fix (see round_f32_to_bf16_rtne)
     HEADS_FAST: tl.constexpr,  # grid axis 0 enumerates head groups (else token blocks)
 ):
     if HEADS_FAST:  # consecutive programs take neighbouring heads of the same tokens

@@ -14,9 +14,9 @@ from torch import Tensor, nn
 
 from torchembed import kernels
 from torchembed.functional.rope import (
-    _check_base,
-    _check_nonnegative,
-    _is_position_dtype,
+    check_base,
+    check_nonnegative,
+    is_position_dtype,
     apply_rotary,
     rope_cos_sin,
     rope_inv_freq,
@@ -90,7 +90,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rotary_dim must be a positive even int <= dim={dim}, got {rotary_dim!r}")
         if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool) or max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be a positive int, got {max_seq_len!r}")
-        _check_base(base, "RotaryEmbedding base")
+        check_base(base, "RotaryEmbedding base")
         if use_fused is not _UNSET:
             if fused is not False:
                 raise TypeError("RotaryEmbedding: pass fused= only (use_fused is its deprecated spelling)")
@@ -241,7 +241,7 @@ class RotaryEmbedding(nn.Module):
                 raise TypeError(f"position_ids must be an integer tensor (s,) or (b, s), got {type(position_ids).__name__}")
             if isinstance(offset, Tensor) or offset != 0:
                 raise ValueError("pass either offset or position_ids, not both")
-            if not _is_position_dtype(position_ids) or position_ids.dim() not in (1, 2) or position_ids.shape[-1] != seq_len:
+            if not is_position_dtype(position_ids) or position_ids.dim() not in (1, 2) or position_ids.shape[-1] != seq_len:
                 raise ValueError(
                     f"position_ids must be integer (s,) or (b, s) with s={seq_len}, got {position_ids.dtype} {tuple(position_ids.shape)}"
                 )
@@ -258,7 +258,7 @@ class RotaryEmbedding(nn.Module):
                 elif position_ids.shape[0] != 1:
                     self._check_batch(q, k, "(b, s) position_ids")
             self._check_meta(position_ids, q, "position_ids")
-            _check_nonnegative(position_ids, "position_ids")
+            check_nonnegative(position_ids, "position_ids")
             return 0, position_ids
         if isinstance(offset, Tensor):
             if q.dim() < 3:
@@ -266,11 +266,11 @@ class RotaryEmbedding(nn.Module):
                     f"an offset tensor (per-sequence offsets) needs q and k with a batch dim, (b, ..., s, d); "
                     f"got q {tuple(q.shape)} (pass an int offset for unbatched inputs)"
                 )
-            if offset.dim() != 1 or not _is_position_dtype(offset) or offset.shape[0] != q.shape[0]:
+            if offset.dim() != 1 or not is_position_dtype(offset) or offset.shape[0] != q.shape[0]:
                 raise ValueError(f"offset tensor must be integer (b,) with b={q.shape[0]}, got {offset.dtype} {tuple(offset.shape)}")
             self._check_batch(q, k, "per-sequence offsets")
             self._check_meta(offset, q, "offset tensor")
-            _check_nonnegative(offset, "offset tensor")
+            check_nonnegative(offset, "offset tensor")
             return offset, None
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise ValueError(f"offset must be a non-negative int or a (b,) tensor, got {offset!r}")
