@@ -84,7 +84,10 @@ class InstanceConstants:
         value = self._kept.get(key)
         if value is None:
             if len(self._kept) >= self.LIMIT:
-                del self._kept[next(iter(self._kept))]
+                try:  # (threads may drop the same oldest entry at once: either does)
+                    self._kept.pop(next(iter(self._kept)), None)
+                except (StopIteration, RuntimeError):
+                    pass
             value = self._kept[key] = make()
         return value
 

@@ -442,15 +442,14 @@ def _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias,
     if plan is not None:
         backward = plan.backwards.get(grad.stride())
         if backward is None:
-            backward = plan.backwards[grad.stride()] = backward_plan(grad, q, k, v, out, bias, rows, keep,
-                                                                            scale, key_bias)
+            backward = plan.backwards[grad.stride()] = backward_plan(grad, q, k, v, out, bias, rows, keep, scale,
+                                                                     key_bias)
         return backward(grad, q, k, v, out, lse, bias, rows, keep, bounds)
     key = ("backward", grad.shape, grad.stride(), out.stride(), *_signature(q, k, v, bias, rows, keep, scale,
                                                                            key_bias, True))
     backward = _PLANS.get(key)
     if backward is None:
-        backward = _PLANS.keep(key, backward_plan(grad, q, k, v, out, bias, rows, keep, scale,
-                                                                     key_bias))
+        backward = _PLANS.keep(key, backward_plan(grad, q, k, v, out, bias, rows, keep, scale, key_bias))
     return backward(grad, q, k, v, out, lse, bias, rows, keep, bounds)
 
 
