@@ -341,3 +341,20 @@ def test_the_bound_forward_pickles_and_copies():
         assert twin.forward is bloom_attention_forward and twin.options.fused is False and twin.options.sdpa_decode
         assert len(twin.options.constants) == 0  # a copy keeps no tensors of the original
     assert bound.__qualname__ == bloom_attention_forward.__qualname__
+
+
+def test_instance_constants_are_bounded_and_per_model():
+    """What a patched model derives from its config is kept on that model, at most ``LIMIT`` tensors (the
+    oldest dropped), and a copy of the model starts with none."""
+    from torchembed.patches.families.alibi import InstanceConstants
+
+    constants, made = InstanceConstants(), []
+    for i in range(InstanceConstants.LIMIT + 3):
+        constants.get(("slopes", i), lambda i=i: made.append(i) or torch.full((2,), float(i)))
+    assert len(constants) == InstanceConstants.LIMIT and len(made) == InstanceConstants.LIMIT + 3
+    kept = constants.get(("slopes", InstanceConstants.LIMIT + 2), lambda: pytest.fail("made again"))
+    assert kept[0].item() == InstanceConstants.LIMIT + 2
+    assert len(copy.deepcopy(constants)) == 0 and len(pickle.loads(pickle.dumps(constants))) == 0
+    a, b = (torchembed.patch(_tiny("falcon-alibi")) for _ in range(2))
+    options = {id(m.forward.function.options) for model in (a, b) for m in model.modules() if "Attention" in type(m).__name__}
+    assert len(options) == 2  # one per model, shared by its layers
