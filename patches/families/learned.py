@@ -74,19 +74,7 @@ class SwapPositionTable:
         return actions
 
 
-register(
-    Family(
-        model_type="bert",
-        encoding="learned",
-        adapters=(SwapPositionTable("BertEmbeddings", "position_embeddings"),),
-        description="embeddings.position_embeddings -> LearnedPositionalEmbedding (same weight)",
-    )
-)
-register(
-    Family(
-        model_type="gpt2",
-        encoding="learned",
-        adapters=(SwapPositionTable("GPT2Model", "wpe"),),
-        description="wpe -> LearnedPositionalEmbedding (same weight)",
-    )
-)
+for _model_type, _class_name, _attr, _where in (("bert", "BertEmbeddings", "position_embeddings", "embeddings.position_embeddings"),
+                                               ("gpt2", "GPT2Model", "wpe", "wpe")):
+    register(Family(model_type=_model_type, encoding="learned", adapters=(SwapPositionTable(_class_name, _attr),),
+                    description=f"{_where} -> LearnedPositionalEmbedding (same weight)"))

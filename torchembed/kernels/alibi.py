@@ -622,6 +622,15 @@ def _out_strides(batch: int, heads: int, q_len: int, dim: int) -> tuple[int, int
     return (q_len * heads * dim, dim, heads * dim, 1)
 
 
+def _shapes(q: Tensor, k: Tensor, rows: Tensor | None) -> tuple:
+    """What a plan is made from: ``(B, H, M, D, Hk, N, GROUP, BLOCK_D, PREC, masked)``; ``PREC``: 1 for
+    float32 operands at full precision, 2 for half ones upcast on the interpreter, else 0."""
+    batch, heads, q_len, head_dim = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    prec = 1 if q.dtype == torch.float32 else (2 if interpret_mode() else 0)
+    return batch, heads, q_len, head_dim, kv_heads, k_len, heads // kv_heads, block_d(head_dim), prec, rows is not None
+
+
 def _bias_mode(bias: Tensor | None, key_bias: bool) -> int:
     """The kernels' ``BIAS``: 0 slopes, 1 a key bias, 2 none."""
     return 2 if bias is None else int(key_bias)
@@ -782,12 +791,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Ten
     (base 2). ``bias``: slopes ``(H,)``, a key bias ``(B or 1, H, N)`` (``key_bias``), float32, or None.
     ``rows``/``keep``: the mask summary and the mask, or None (causal, queries last). Inputs checked
     by the caller."""
-    batch, heads, q_len, head_dim = q.shape
-    kv_heads, k_len = k.shape[1], k.shape[2]
-    group = heads // kv_heads
-    bd = block_d(head_dim)
-    prec = 1 if q.dtype == torch.float32 else (2 if interpret_mode() else 0)
-    masked = rows is not None
+    batch, heads, q_len, head_dim, kv_heads, k_len, group, bd, prec, masked = _shapes(q, k, rows)
     out_stride = _out_strides(batch, heads, q_len, head_dim)
     srb, smb, smm, smn = _mask_strides(rows, keep)
     sbb, sbh, sbn = _bias_strides(bias, key_bias)
@@ -917,12 +921,7 @@ class BackwardPlan:
 def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bias: Tensor | None, rows: Tensor | None,
                   keep: Tensor | None, scale: float, key_bias: bool) -> BackwardPlan:
     """The :class:`BackwardPlan` of :func:`forward_plan`'s attention (dq, dk, dv like q, k, v)."""
-    batch, heads, q_len, head_dim = q.shape
-    kv_heads, k_len = k.shape[1], k.shape[2]
-    group = heads // kv_heads
-    bd = block_d(head_dim)
-    prec = 1 if q.dtype == torch.float32 else (2 if interpret_mode() else 0)
-    masked = rows is not None
+    batch, heads, q_len, head_dim, kv_heads, k_len, group, bd, prec, masked = _shapes(q, k, rows)
     srb, smb, smm, smn = _mask_strides(rows, keep)
     sbb, sbh, sbn = _bias_strides(bias, key_bias)
     tail = (sbb, sbh, sbn, srb, smb, smm, smn, *_reach_strides(bias, key_bias))
