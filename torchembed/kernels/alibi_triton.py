@@ -148,6 +148,19 @@ def _row_ranges(Rows, rows_base, offs_m, row_ok, M, N, MASK: tl.constexpr):
 
 
 @triton.jit
+def _query_block(H, GROUP, M, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The query block of a program over (query blocks, batch x heads): the longest (causal) blocks and
+    the shallowest slopes (the most keys to visit) first. ``(b, h, b * H + h, kv head, rows, rows < M,
+    features, features < HEAD_DIM)``."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b, h = pid_bh // H, H - 1 - pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    return b, h, b * H + h, h // GROUP, offs_m, offs_m < M, offs_d, offs_d < HEAD_DIM
+
+
+@triton.jit
 def _bias_at(Bias, bias_base, sbn, c0, BIAS: tl.constexpr):
     """The key bias at position ``c0`` (key-bias mode; 0 otherwise)."""
     if BIAS == 1:
@@ -367,15 +380,7 @@ def _fwd_kernel(
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, STORE_LSE: tl.constexpr,
     TMA: tl.constexpr, SKIP: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (causal) blocks first
-    pid_bh = tl.program_id(1).to(tl.int64)
-    b, h = pid_bh // H, H - 1 - pid_bh % H  # the shallowest slopes (most keys to visit) first
-    bh = b * H + h
-    hk = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < M
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    b, h, bh, hk, offs_m, row_ok, offs_d, d_ok = _query_block(H, GROUP, M, HEAD_DIM, BLOCK_M, BLOCK_D)
     q = tl.load(Q + b * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqm + offs_d[None, :] * sqd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
@@ -860,15 +865,7 @@ def _bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SKIP: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    b, h = pid_bh // H, H - 1 - pid_bh % H  # the shallowest slopes (most keys to visit) first
-    bh = b * H + h
-    hk = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < M
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    b, h, bh, hk, offs_m, row_ok, offs_d, d_ok = _query_block(H, GROUP, M, HEAD_DIM, BLOCK_M, BLOCK_D)
     rows = offs_m.to(tl.int64)[:, None]
     m2 = row_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + b * sqb + h * sqh + rows * sqm + offs_d[None, :] * sqd, mask=m2, other=0.0)
