@@ -177,18 +177,31 @@ def test_the_forward_state_is_per_thread_and_closes(load, gpu_route, monkeypatch
     from torchembed.kernels import per_forward
 
     model = torchembed.patch(load("falcon-alibi"))
-    seen: dict[int, set] = {}
+    seen: dict[int, list] = {}  # per thread, the state every layer found (the objects: no id reuse)
     original = per_forward.current
 
     def spy():
         scope = original()
-        seen.setdefault(threading.get_ident(), set()).add(id(scope) if scope is not None else None)
+        seen.setdefault(threading.get_ident(), []).append(scope)
         return scope
 
     monkeypatch.setattr("torchembed.patches.families.alibi.current", spy)
-    run_threads([lambda: _prefill(model, 0)] * 4, threads=4)
-    assert len(seen) == 4 and all(len(ids) == 1 and None not in ids for ids in seen.values())
-    assert len(set().union(*seen.values())) == 4  # one per forward, none shared between threads
+    start = threading.Barrier(4)
+
+    def one_forward():
+        start.wait()
+        _prefill(model, 0)
+
+    threads = [threading.Thread(target=one_forward) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    layers = model.config.num_hidden_layers
+    assert len(seen) == 4 and all(len(found) == layers and None not in found for found in seen.values())
+    per_thread = [{id(scope) for scope in found} for found in seen.values()]
+    assert all(len(ids) == 1 for ids in per_thread)  # one per forward, shared by its layers
+    assert len(set().union(*per_thread)) == 4  # none shared between threads
     boom = model.transformer.h[1].register_forward_pre_hook(lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         _prefill(model, 0)

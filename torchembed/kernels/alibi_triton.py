@@ -161,6 +161,18 @@ def _query_block(H, GROUP, M, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLO
 
 
 @triton.jit
+def _masked(s, offs_n, lo, hi, keep_base, offs_m, row_ok, n_ok, n64, smm, smn, HOLES: tl.constexpr):
+    """Scores ``s`` with -inf where a row keeps no key: outside its ``[lo, hi)``, and (``HOLES``) where
+    ``keep`` says so."""
+    keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
+    if HOLES:
+        t = tl.load(keep_base + offs_m.to(tl.int64)[:, None] * smm + n64[None, :] * smn,
+                    mask=row_ok[:, None] & n_ok[None, :], other=0)
+        keep = keep & (t != 0)
+    return tl.where(keep, s, float("-inf"))
+
+
+@triton.jit
 def _bias_at(Bias, bias_base, sbn, c0, BIAS: tl.constexpr):
     """The key bias at position ``c0`` (key-bias mode; 0 otherwise)."""
     if BIAS == 1:
@@ -317,12 +329,7 @@ def _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bi
     kvec = _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS, MASKED)
     s = qk * qk_scale + kvec[None, :]  # (the row part of the bias: added to the log-sum-exp at the end)
     if MASKED:
-        keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
-        if HOLES:
-            t = tl.load(keep_base + offs_m.to(tl.int64)[:, None] * smm + n64[None, :] * smn,
-                        mask=row_ok[:, None] & n_ok[None, :], other=0)
-            keep = keep & (t != 0)
-        s = tl.where(keep, s, float("-inf"))
+        s = _masked(s, offs_n, lo, hi, keep_base, offs_m, row_ok, n_ok, n64, smm, smn, HOLES)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
@@ -843,12 +850,7 @@ def _bwd_q_tile(dq, q, do, lse, delta, lo, hi, k_base, v_base, Bias, bias_base, 
     kvec = _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS, MASKED)
     s = _dot(q, tl.trans(k), PREC) * qk_scale + kvec[None, :]
     if MASKED:
-        keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
-        if HOLES:
-            t = tl.load(keep_base + offs_m.to(tl.int64)[:, None] * smm + n64[None, :] * smn,
-                        mask=row_ok[:, None] & n_ok[None, :], other=0)
-            keep = keep & (t != 0)
-        s = tl.where(keep, s, float("-inf"))
+        s = _masked(s, offs_n, lo, hi, keep_base, offs_m, row_ok, n_ok, n64, smm, smn, HOLES)
     p = tl.math.exp2(s - lse[:, None])
     dp = _dot(do, tl.trans(v), PREC)
     ds = p * (dp - delta[:, None])
