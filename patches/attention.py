@@ -112,8 +112,9 @@ class AttentionFunctions(Mapping):
     def get(self, name: str, default: Any = None) -> Any:
         return self._serve(self.upstream.get(name, default))
 
-    def get_interface(self, name: str, default: Any) -> Any:
-        return self._serve(self.upstream.get_interface(name, default))
+    def get_interface(self, name: str, default: Any) -> Any:  # (transformers 5.x; 4.57 indexes the table)
+        getter = getattr(self.upstream, "get_interface", None)
+        return self._serve(getter(name, default) if getter is not None else self.upstream.get(name, default))
 
     def __contains__(self, name: object) -> bool:
         return name in self.upstream
