@@ -91,24 +91,64 @@ def test_training_step_gradients_match(name, load):
         torch.testing.assert_close(param.grad, ref_grad, rtol=1e-4, atol=1e-5 * ref_grad.abs().max().item() + 1e-12, msg=pname)
 
 
+def _cache_tensors(cache) -> list:
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi", "falcon-alibi-mha"])
-def test_alibi_families_give_the_cache_contiguous_keys_and_values(name, load, monkeypatch):
-    """The patched ALiBi families hand the cache contiguous keys and values (prefill and decode), not
-    strided views of the fused query-key-value projection (whose concatenation onto a long cache takes
-    a slow copy path on CUDA)."""
+def test_alibi_families_fill_the_cache_as_upstream(name, load):
+    """The patched ALiBi families' cache holds upstream's keys and values after a prefill and a decode step
+    (a short cache: contiguous, as upstream's concatenation leaves it; never strided views of the fused
+    query-key-value projection, whose concatenation onto a long cache takes a slow copy path on CUDA)."""
     import transformers
 
-    model = torchembed.patch(load(name))
-    seen = []
-    update = transformers.DynamicCache.update
-
-    def spy(self, key_states, value_states, *args, **kwargs):
-        seen.append(key_states.is_contiguous() and value_states.is_contiguous())
-        return update(self, key_states, value_states, *args, **kwargs)
-
-    monkeypatch.setattr(transformers.DynamicCache, "update", spy)
-    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    upstream = load(name)
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    ids = torch.randint(0, upstream.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    caches = []
     with torch.no_grad():
-        out = model(ids, past_key_values=transformers.DynamicCache(), use_cache=True)
-        model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
-    assert len(seen) == 2 * model.config.num_hidden_layers and all(seen)
+        for model in (upstream, patched):
+            out = model(ids, past_key_values=transformers.DynamicCache(), use_cache=True)
+            model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
+            caches.append(_cache_tensors(out.past_key_values))
+    assert len(caches[1]) == 2 * upstream.config.num_hidden_layers
+    for want, got in zip(*caches):
+        assert got.is_contiguous() and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi"])
+def test_a_long_alibi_cache_grows_in_place(name, load, monkeypatch):
+    """From ``IN_PLACE_BYTES`` of keys a patched ALiBi layer appends each decode step's token into room kept
+    beside its cache (no concatenation of the whole cache per step): the layer's keys stay views of one
+    buffer across steps, and the cache, the logits, beam search (which reorders the cache) and greedy
+    tokens are upstream's."""
+    import transformers
+
+    from torchembed.patches.families import alibi
+
+    monkeypatch.setattr(alibi, "IN_PLACE_BYTES", 0)
+    upstream = load(name)
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    ids = torch.randint(1, upstream.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    runs = []
+    with torch.no_grad():
+        for model in (upstream, patched):
+            cache = transformers.DynamicCache()
+            out = model(ids, past_key_values=cache, use_cache=True)
+            logits, pointers = [], []
+            for _ in range(4):
+                out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+                logits.append(out.logits)
+                pointers.append({t.data_ptr() for t in _cache_tensors(cache)})
+            runs.append((torch.cat(logits), _cache_tensors(cache), pointers))
+    (want, want_cache, _), (got, got_cache, pointers) = runs
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(want_cache, got_cache):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert all(p == pointers[0] for p in pointers[1:])  # the same buffers: no copy of the cache per step
+    assert not got_cache[0].is_contiguous()  # (a view of a buffer with room)
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, use_cache=True)
+    with torch.no_grad():
+        for extra in ({}, {"num_beams": 2}):
+            assert torch.equal(upstream.generate(ids, **kwargs, **extra), patched.generate(ids, **kwargs, **extra))
