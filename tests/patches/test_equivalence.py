@@ -95,22 +95,31 @@ def _cache_tensors(cache) -> list:
     return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
+def _decode(model, ids, steps: int) -> tuple:
+    """A prefill, then ``steps`` greedy decode steps on a ``DynamicCache``: the steps' logits, the cache's
+    keys and values after the last, and the cache tensors' data pointers after each step."""
+    import transformers
+
+    cache = transformers.DynamicCache()
+    logits, pointers = [], []
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+            pointers.append({t.data_ptr() for t in _cache_tensors(cache)})
+    return torch.cat(logits), _cache_tensors(cache), pointers
+
+
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi", "falcon-alibi-mha"])
 def test_alibi_families_fill_the_cache_as_upstream(name, load):
     """The patched ALiBi families' cache holds upstream's keys and values after a prefill and a decode step
     (a short cache: contiguous, as upstream's concatenation leaves it; never strided views of the fused
     query-key-value projection, whose concatenation onto a long cache takes a slow copy path on CUDA)."""
-    import transformers
-
     upstream = load(name)
     patched = torchembed.patch(copy.deepcopy(upstream))
     ids = torch.randint(0, upstream.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
-    caches = []
-    with torch.no_grad():
-        for model in (upstream, patched):
-            out = model(ids, past_key_values=transformers.DynamicCache(), use_cache=True)
-            model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True)
-            caches.append(_cache_tensors(out.past_key_values))
+    caches = [_decode(model, ids, 1)[1] for model in (upstream, patched)]
     assert len(caches[1]) == 2 * upstream.config.num_hidden_layers
     for want, got in zip(*caches):
         assert got.is_contiguous() and got.shape == want.shape
@@ -123,25 +132,13 @@ def test_a_long_alibi_cache_grows_in_place(name, load, monkeypatch):
     beside its cache (no concatenation of the whole cache per step): the layer's keys stay views of one
     buffer across steps, and the cache, the logits, beam search (which reorders the cache) and greedy
     tokens are upstream's."""
-    import transformers
-
     from torchembed.patches.families import alibi
 
     monkeypatch.setattr(alibi, "IN_PLACE_BYTES", 0)
     upstream = load(name)
     patched = torchembed.patch(copy.deepcopy(upstream))
     ids = torch.randint(1, upstream.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
-    runs = []
-    with torch.no_grad():
-        for model in (upstream, patched):
-            cache = transformers.DynamicCache()
-            out = model(ids, past_key_values=cache, use_cache=True)
-            logits, pointers = [], []
-            for _ in range(4):
-                out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
-                logits.append(out.logits)
-                pointers.append({t.data_ptr() for t in _cache_tensors(cache)})
-            runs.append((torch.cat(logits), _cache_tensors(cache), pointers))
+    runs = [_decode(model, ids, 4) for model in (upstream, patched)]
     (want, want_cache, _), (got, got_cache, pointers) = runs
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(want_cache, got_cache):

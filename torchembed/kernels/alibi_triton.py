@@ -57,7 +57,6 @@ from torchembed.kernels.rope_triton import round_f32_to_bf16_rtne
 
 __all__ = ["NORM_PARTS"]
 
-LOG2E = 1.4426950408889634
 
 # ----------------------------------------------------------------------------------------------
 # Mask summary: keep (B or 1, 1, M, N) -> rows (B or 1, 3, M) = [lo, hi, irregular]
