@@ -300,6 +300,23 @@ def _dot(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(ptrs, n_ok, d_ok, MASKED: tl.constexpr, FULL_D: tl.constexpr, KEYS_ACROSS: tl.constexpr):
+    """A tile of keys or values at ``ptrs``: ``(n, d)``, or ``(d, n)`` with ``KEYS_ACROSS``; keys outside
+    ``n_ok`` (read only when ``MASKED``) and features past the head dim (unless ``FULL_D``) load as 0."""
+    if KEYS_ACROSS:
+        keys, dims = n_ok[None, :], d_ok[:, None]
+    else:
+        keys, dims = n_ok[:, None], d_ok[None, :]
+    if MASKED:
+        x = tl.load(ptrs, mask=keys & dims, other=0.0)
+    elif FULL_D:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=dims, other=0.0)
+    return x
+
+
+@triton.jit
 def _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bias_base, keep_base, offs_m,
               row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BIAS: tl.constexpr,
@@ -310,20 +327,14 @@ def _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bi
     d_ok = offs_d < HEAD_DIM
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n64 = offs_n.to(tl.int64)
-    if MASKED:
-        n_ok = offs_n < N
+    n_ok = offs_n < N
     if TMA:  # tensor-memory-accelerator loads: keys past N and features past HEAD_DIM read as 0
         kt = tl.trans(k_desc.load([start_n, 0]))
     else:
         # addresses made afresh for each tile (a loop-carried tile of 64-bit pointers costs registers
         # that the scores need)
-        kt_ptrs = k_base + n64[None, :] * skn + offs_d[:, None] * skd
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        elif HEAD_DIM == BLOCK_D:
-            kt = tl.load(kt_ptrs)
-        else:
-            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+        kt = _load_tile(k_base + n64[None, :] * skn + offs_d[:, None] * skd, n_ok, d_ok, MASKED,
+                        HEAD_DIM == BLOCK_D, True)
     qk = _dot(q, kt, PREC)
     kvec = _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS, MASKED)
     s = qk * qk_scale + kvec[None, :]  # (the row part of the bias: added to the log-sum-exp at the end)
@@ -337,13 +348,8 @@ def _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bi
     if TMA:
         v = v_desc.load([start_n, 0])
     else:
-        v_ptrs = v_base + n64[:, None] * svn + offs_d[None, :] * svd
-        if MASKED:
-            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        elif HEAD_DIM == BLOCK_D:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        v = _load_tile(v_base + n64[:, None] * svn + offs_d[None, :] * svd, n_ok, d_ok, MASKED,
+                       HEAD_DIM == BLOCK_D, False)
     acc = _dot_acc(p.to(v.dtype), v, acc, PREC)
     return acc, l_i, m_new
 
@@ -375,6 +381,20 @@ def _key_ranges(lo, hi, irregular, row_ok, N, BLOCK_N: tl.constexpr, MASK: tl.co
     return first, full_lo, full_hi, n_a, n_b, hi_max, holes
 
 
+@triton.jit
+def _query_keys(Bias, Rows, b, h, srb, sbb, sbh, sbn, offs_m, row_ok, M, N, BLOCK_N: tl.constexpr,
+                BIAS: tl.constexpr, MASK: tl.constexpr):
+    """A query block's key ranges (:func:`_row_ranges`, :func:`_key_ranges`), each row's last kept key ``c``
+    and the block's ``c0``, and the bias's base, slope and value at ``c0`` (as the forward and dq read them)."""
+    lo, hi, irregular = _row_ranges(Rows, b * srb, offs_m, row_ok, M, N, MASK)
+    first, full_lo, full_hi, n_a, n_b, hi_max, holes = _key_ranges(lo, hi, irregular, row_ok, N, BLOCK_N, MASK)
+    c0 = tl.maximum(hi_max - 1, 0)
+    bias_base = b * sbb + h * sbh
+    kb0 = _bias_at(Bias, bias_base, sbn, c0, BIAS)
+    return (lo, hi, first, full_lo, full_hi, n_a, n_b, holes, tl.maximum(hi - 1, 0), c0, bias_base,
+            _head_slope(Bias, h, sbh, BIAS), kb0)
+
+
 @triton.jit(do_not_specialize=("STEPS",))  # (the search's length: no compile per power of two)
 def _fwd_kernel(
     Q, K, V, Out, Lse, Bias, Rows, Keep, KNorm, Reach,
@@ -390,13 +410,8 @@ def _fwd_kernel(
     q = tl.load(Q + b * sqb + h * sqh + offs_m.to(tl.int64)[:, None] * sqm + offs_d[None, :] * sqd,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    lo, hi, irregular = _row_ranges(Rows, b * srb, offs_m, row_ok, M, N, MASK)
-    first, full_lo, full_hi, n_a, n_b, hi_max, holes = _key_ranges(lo, hi, irregular, row_ok, N, BLOCK_N, MASK)
-    c = tl.maximum(hi - 1, 0)
-    c0 = tl.maximum(hi_max - 1, 0)
-    bias_base = b * sbb + h * sbh
-    slope2 = _head_slope(Bias, h, sbh, BIAS)
-    kb0 = _bias_at(Bias, bias_base, sbn, c0, BIAS)
+    lo, hi, first, full_lo, full_hi, n_a, n_b, holes, c, c0, bias_base, slope2, kb0 = _query_keys(
+        Bias, Rows, b, h, srb, sbb, sbh, sbn, offs_m, row_ok, M, N, BLOCK_N, BIAS, MASK)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -472,15 +487,9 @@ def _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows,
     d_ok = offs_d < HEAD_DIM
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n64 = offs_n.to(tl.int64)
-    kt_ptrs = k_base + n64[None, :] * skn + offs_d[:, None] * skd
-    v_ptrs = v_base + n64[:, None] * svn + offs_d[None, :] * svd
-    if MASKED:
-        n_ok = (offs_n >= first) & (offs_n < last)
-        kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-    elif HEAD_DIM == BLOCK_D:
-        kt = tl.load(kt_ptrs)
-    else:
-        kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+    n_ok = (offs_n >= first) & (offs_n < last)
+    kt = _load_tile(k_base + n64[None, :] * skn + offs_d[:, None] * skd, n_ok, d_ok, MASKED, HEAD_DIM == BLOCK_D,
+                    True)
     s = _dot(q, kt, PREC) * qk_scale
     if BIAS == 0:
         s += slope2[:, None] * (offs_n[None, :] - c[:, None]).to(tl.float32)
@@ -500,12 +509,8 @@ def _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows,
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    elif HEAD_DIM == BLOCK_D:
-        v = tl.load(v_ptrs)
-    else:
-        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    v = _load_tile(v_base + n64[:, None] * svn + offs_d[None, :] * svd, n_ok, d_ok, MASKED, HEAD_DIM == BLOCK_D,
+                   False)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
     return acc, l_i, m_new
 
@@ -834,18 +839,9 @@ def _bwd_q_tile(dq, q, do, lse, delta, lo, hi, k_base, v_base, Bias, bias_base, 
     d_ok = offs_d < HEAD_DIM
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n64 = offs_n.to(tl.int64)
-    k_ptrs = k_base + n64[:, None] * skn + offs_d[None, :] * skd
-    v_ptrs = v_base + n64[:, None] * svn + offs_d[None, :] * svd
-    if MASKED:
-        n_ok = offs_n < N
-        k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    elif HEAD_DIM == BLOCK_D:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+    n_ok = offs_n < N
+    k = _load_tile(k_base + n64[:, None] * skn + offs_d[None, :] * skd, n_ok, d_ok, MASKED, HEAD_DIM == BLOCK_D, False)
+    v = _load_tile(v_base + n64[:, None] * svn + offs_d[None, :] * svd, n_ok, d_ok, MASKED, HEAD_DIM == BLOCK_D, False)
     kvec = _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS, MASKED)
     s = _dot(q, tl.trans(k), PREC) * qk_scale + kvec[None, :]
     if MASKED:
@@ -874,13 +870,8 @@ def _bwd_dq_kernel(
     lse = tl.load(Lse + bh * M + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(Delta + bh * M + offs_m, mask=row_ok, other=0.0)
 
-    lo, hi, irregular = _row_ranges(Rows, b * srb, offs_m, row_ok, M, N, MASK)
-    first, full_lo, full_hi, n_a, n_b, hi_max, holes = _key_ranges(lo, hi, irregular, row_ok, N, BLOCK_N, MASK)
-    c = tl.maximum(hi - 1, 0)
-    c0 = tl.maximum(hi_max - 1, 0)
-    bias_base = b * sbb + h * sbh
-    slope2 = _head_slope(Bias, h, sbh, BIAS)
-    kb0 = _bias_at(Bias, bias_base, sbn, c0, BIAS)
+    lo, hi, first, full_lo, full_hi, n_a, n_b, holes, c, c0, bias_base, slope2, kb0 = _query_keys(
+        Bias, Rows, b, h, srb, sbb, sbh, sbn, offs_m, row_ok, M, N, BLOCK_N, BIAS, MASK)
     lse -= _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS)  # (see _bwd_kv_block)
     k_base = K + b * skb + hk * skh
     v_base = V + b * svb + hk * svh
