@@ -1008,15 +1008,14 @@ def prefill_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype) -> T
         kernel where it can run (CUDA, or CPU under ``TRITON_INTERPRET=1``; float16/bfloat16/float32
         results), else the PyTorch reference, with equal results. No gradient (ALiBi learns nothing).
     """
-    if keep is None or dtype not in _KERNEL_DTYPES or not kernel_can_run(key_bias):
-        return alibi_prefill_bias(key_bias, keep, dtype)
-    shape = _shape(key_bias, keep)
-    if (keep.dtype != torch.bool or keep.device != key_bias.device or not key_bias.is_floating_point()
-            or shape[0] * shape[1] > _MAX_PROGRAMS_Z):
-        return alibi_prefill_bias(key_bias, keep, dtype)
-    if torch.compiler.is_compiling():
-        return torch.ops.torchembed.alibi_prefill_bias(key_bias, keep, dtype)
-    return _write_bias(key_bias, keep, torch.empty(shape, dtype=dtype, device=key_bias.device))  # (no op dispatch)
+    if keep is not None and dtype in _KERNEL_DTYPES and kernel_can_run(key_bias):
+        shape = _shape(key_bias, keep)
+        if (keep.dtype == torch.bool and keep.device == key_bias.device and key_bias.is_floating_point()
+                and shape[0] * shape[1] <= _MAX_PROGRAMS_Z):
+            if torch.compiler.is_compiling():
+                return torch.ops.torchembed.alibi_prefill_bias(key_bias, keep, dtype)
+            return _write_bias(key_bias, keep, torch.empty(shape, dtype=dtype, device=key_bias.device))  # (no dispatch)
+    return alibi_prefill_bias(key_bias, keep, dtype)
 
 
 _BIAS_LAUNCHES = Launches(1024)  # prefill lengths are many: cleared when full
