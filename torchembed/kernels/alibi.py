@@ -192,8 +192,8 @@ def alibi_attention(
         if keep is not None:
             rows = mask_rows(keep) if cache is None else cache.memo(keep, "rows", lambda: mask_rows(keep))
         bias, is_key_bias = (slopes, False) if slopes is not None else (key_bias, True)
-        return fused_attention(q, k, v, _check_bias(bias, is_key_bias, q, k), scale=scale, key_bias=is_key_bias,
-                               keep=keep, rows=rows)
+        bias = _check_bias(bias, is_key_bias, q, k)
+        return fused_attention(q, k, v, bias, scale=scale, key_bias=is_key_bias, keep=keep, rows=rows)
     if key_bias is None:  # slope * (j - (k - 1)): zero at the newest key, small near it
         key_bias = alibi_key_bias(slopes.to(q.device), key_len=k.shape[-2])
     q_len = q.shape[-2]
@@ -403,19 +403,19 @@ def _forward(q, k, v, bias, rows, keep, scale, key_bias,
              need_lse) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """``(out, lse, bounds)``; the skip's bounds (None unless the kernel skipped negligible keys: key
     norms and the key bias's running maximum) spare the backward its own pass over the keys."""
-    if not kernel_can_run(q):
-        return (*_forward_reference(q, k, v, bias, rows, keep, scale, key_bias), None)
-    if _empty(q, k):
-        lse = torch.full(q.shape[:3], float("inf"), device=q.device) if need_lse else None
-        return _out_like(q), lse, None
-    return _plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse)(q, k, v, bias, rows, keep)
+    if kernel_can_run(q):
+        if _empty(q, k):
+            lse = torch.full(q.shape[:3], float("inf"), device=q.device) if need_lse else None
+            return _out_like(q), lse, None
+        return _plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse)(q, k, v, bias, rows, keep)
+    return (*_forward_reference(q, k, v, bias, rows, keep, scale, key_bias), None)
 
 
 def _forward_reference(q, k, v, bias, rows, keep, scale, key_bias) -> tuple[Tensor, Tensor]:
     """The kernel's function by the reference (rows that keep nothing: 0), its log-sum-exp in base 2."""
+    result = _out_like(q)
     out, lse = alibi_attention_reference(q, k, v, bias, keep, scale=scale, key_bias=key_bias, empty_rows="zero",
                                          return_lse=True)
-    result = _out_like(q)
     result.copy_(out)
     return result, torch.where(torch.isfinite(lse), lse / _LN2, float("inf"))
 
@@ -1012,9 +1012,9 @@ def prefill_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype) -> T
         shape = _shape(key_bias, keep)
         if (keep.dtype == torch.bool and keep.device == key_bias.device and key_bias.is_floating_point()
                 and shape[0] * shape[1] <= _MAX_PROGRAMS_Z):
-            if torch.compiler.is_compiling():
-                return torch.ops.torchembed.alibi_prefill_bias(key_bias, keep, dtype)
-            return _write_bias(key_bias, keep, torch.empty(shape, dtype=dtype, device=key_bias.device))  # (no dispatch)
+            if not torch.compiler.is_compiling():  # (eager: no op dispatch)
+                return _write_bias(key_bias, keep, torch.empty(shape, dtype=dtype, device=key_bias.device))
+            return torch.ops.torchembed.alibi_prefill_bias(key_bias, keep, dtype)
     return alibi_prefill_bias(key_bias, keep, dtype)
 
 
