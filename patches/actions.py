@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from torchembed.patches.kv_cache import grow_in_place
 from torchembed.patches.rebind import replace_globals
 
 __all__ = ["Component", "InstanceMethod", "MISSING", "OverrideAttribute", "AddForwardPreHook", "SwapModule"]
@@ -54,28 +55,39 @@ class Component:
         return f"{self.path or '<root>'}: {self.upstream} -> {self.replacement} ({self.kind})"
 
 
+_CACHE_KEYWORDS = ("past_key_values", "past_key_value", "layer_past")  # an attention's KV cache, by release
+
+
 class InstanceMethod:
     """A method installed on one module instance: ``function`` bound to ``module``, with the
     module-level names in ``replacements`` swapped inside it (see :mod:`torchembed.patches.rebind`).
 
     Behaves as a bound method (``__self__``, ``__func__``, ``__wrapped__``, the upstream signature)
     and, unlike a bound method of a cloned function, can be deep-copied and pickled: it is rebuilt
-    from ``(module, function, replacements)``, each importable or picklable.
+    from ``(module, function, replacements, grow_cache)``, each importable or picklable. ``grow_cache``:
+    an attention forward whose ``DynamicCache`` (passed by keyword) grows in place for each call
+    (:func:`torchembed.patches.kv_cache.grow_in_place`).
     """
 
-    __slots__ = ("__self__", "__func__", "function", "replacements")
+    __slots__ = ("__self__", "__func__", "function", "replacements", "grow_cache")
 
-    def __init__(self, module: nn.Module, function: Any, replacements: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, module: nn.Module, function: Any, replacements: Mapping[str, Any] | None = None,
+                 grow_cache: bool = False) -> None:
         self.__self__ = module
         self.function = function
         self.replacements = dict(replacements or {})
+        self.grow_cache = grow_cache
         self.__func__ = replace_globals(function, self.replacements) if self.replacements else function
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.grow_cache:
+            for name in _CACHE_KEYWORDS:
+                if kwargs.get(name) is not None:
+                    kwargs[name] = grow_in_place(kwargs[name])
         return self.__func__(self.__self__, *args, **kwargs)
 
     def __reduce__(self) -> tuple:
-        return (InstanceMethod, (self.__self__, self.function, self.replacements))
+        return (InstanceMethod, (self.__self__, self.function, self.replacements, self.grow_cache))
 
     @property
     def __wrapped__(self) -> types.MethodType:
@@ -105,7 +117,7 @@ def replicate_rebinding(module: nn.Module) -> nn.Module:
     attrs = vars(replica)
     for name, value in list(attrs.items()):
         if isinstance(value, InstanceMethod) and value.__self__ is module:
-            attrs[name] = InstanceMethod(replica, value.function, value.replacements)
+            attrs[name] = InstanceMethod(replica, value.function, value.replacements, value.grow_cache)
     return replica
 
 

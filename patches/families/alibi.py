@@ -61,6 +61,7 @@ from torchembed.patches.actions import AddForwardPreHook, Component
 from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
 from torchembed.patches.devices import ShareDeviceCopies
 from torchembed.patches.errors import StructureError
+from torchembed.patches.kv_cache import append_in_place, dynamic_layer
 from torchembed.patches.registry import Family, PatchOptions, register
 
 __all__ = ["AlibiOptions", "InstanceConstants", "bloom_alibi_tensor", "falcon_key_bias", "falcon_no_model_bias", "mpt_alibi_tensor"]
@@ -229,66 +230,16 @@ def _cache_update(cache: Any, k: Tensor, v: Tensor, layer_idx: int, arguments: d
     ``k`` and ``v`` made contiguous first: they are strided views of the fused query-key-value projection
     (BLOOM's heads interleave q, k and v), and a strided new key sends each decode step's concatenation
     of the whole cache down CUDA's slow copy path (BLOOM-7B1 shape at 65k tokens on an H200: 1.7 ms per
-    layer and tensor; see ``benchmarks/results/long-context.md``). A ``DynamicCache`` layer is appended
-    to in place instead (:func:`_append_in_place`)."""
+    layer and tensor; see ``benchmarks/results/long-context.md``). A long ``DynamicCache`` layer grows in
+    place instead (:mod:`torchembed.patches.kv_cache`)."""
     k, v = k.contiguous(), v.contiguous()
-    layer = _dynamic_layer(cache, layer_idx)
+    layer = dynamic_layer(cache, layer_idx)
     if layer is not None:
-        return _append_in_place(layer, k, v)
+        return append_in_place(layer, k, v)
     position = arguments.get("cache_position")
     if position is None:
         return cache.update(k, v, layer_idx)
     return cache.update(k, v, layer_idx, {"cache_position": position})
-
-
-_ROOM = "_torchembed_room"  # a DynamicLayer's key and value buffers with room to grow (per cache layer)
-# From this many bytes of keys a layer's cache grows in place: below, the concatenation's copy costs less
-# device time than the host time of the extra operations (a few microseconds each, per layer and step).
-IN_PLACE_BYTES = 16 * 2**20
-
-
-def _dynamic_layer(cache: Any, layer_idx: int) -> Any:
-    """The cache's ``DynamicLayer`` (exactly that class: no sliding window, quantisation or offloading)
-    at ``layer_idx``, holding keys already; else None (the cache's own update runs)."""
-    layers = getattr(cache, "layers", None)
-    if (torch.compiler.is_compiling() or not isinstance(layers, list) or not 0 <= layer_idx < len(layers)
-            or getattr(cache, "offloading", False)):
-        return None
-    layer = layers[layer_idx]
-    if type(layer).__name__ != "DynamicLayer" or not getattr(layer, "is_initialized", False):
-        return None
-    return layer if isinstance(getattr(layer, "keys", None), Tensor) and layer.keys.dim() == 4 else None
-
-
-def _append_in_place(layer: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """``DynamicLayer.update`` without its ``torch.cat`` of the whole cache at every step (which reads and
-    writes twice the cache's bytes per decode step, more than the attention reads), from ``IN_PLACE_BYTES``
-    of keys on: the keys and values live in buffers with room for 1/8 more tokens (at least 256), the layer
-    holds views of their filled part, and a step writes its token into the room. When the room is used up
-    (or the layer's tensors were replaced: beam search reorders, a crop), the filled part moves to new
-    buffers once. Returns the layer's keys and values, as its update does."""
-    keys, values = layer.keys, layer.values
-    filled, new = keys.shape[-2], k.shape[-2]
-    room = layer.__dict__.get(_ROOM)
-    if room is None or not (_prefix(keys, room[0]) and _prefix(values, room[1])) or filled + new > room[0].shape[-2]:
-        if keys.numel() * keys.element_size() < IN_PLACE_BYTES:  # a short cache: the copy costs less than the ops
-            layer.keys, layer.values = torch.cat((keys, k), dim=-2), torch.cat((values, v), dim=-2)
-            return layer.keys, layer.values
-        size = filled + new + max(256, (filled + new) // 8)
-        room = tuple(t.new_empty(*t.shape[:-2], size, t.shape[-1]) for t in (keys, values))
-        room[0][..., :filled, :].copy_(keys)
-        room[1][..., :filled, :].copy_(values)
-        layer.__dict__[_ROOM] = room
-    room[0][..., filled:filled + new, :].copy_(k)
-    room[1][..., filled:filled + new, :].copy_(v)
-    layer.keys, layer.values = room[0][..., :filled + new, :], room[1][..., :filled + new, :]
-    return layer.keys, layer.values
-
-
-def _prefix(t: Tensor, buffer: Tensor) -> bool:
-    """``t`` is the first rows (along the tokens) of ``buffer``: a view of it from its start."""
-    return (t.data_ptr() == buffer.data_ptr() and t.stride() == buffer.stride() and t.dtype == buffer.dtype
-            and t.shape[:-2] == buffer.shape[:-2] and t.shape[-1] == buffer.shape[-1])
 
 
 def _upstream(module: nn.Module, args: tuple, kwargs: dict, **changed: Any) -> Any:

@@ -209,7 +209,8 @@ class ReplaceRotationHelpers:
                         used[table] = AttentionFunctions.get_for(found[0][1], options.fused)
                         replacement += "; SDPA decode steps -> torchembed DecodeAttention"
                 component = Component(path, "rope-apply", where, replacement)
-                actions.append(OverrideAttribute(component, module, name, InstanceMethod(module, method, used)))
+                method = InstanceMethod(module, method, used, grow_cache=name == "forward")
+                actions.append(OverrideAttribute(component, module, name, method))
         return actions
 
     def _check(self, found: RopeDiscovery, model: nn.Module, config: Any, family: Family) -> None:

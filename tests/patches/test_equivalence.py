@@ -108,6 +108,9 @@ def _decode(model, ids, steps: int) -> tuple:
             out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
             logits.append(out.logits)
             pointers.append({t.data_ptr() for t in _cache_tensors(cache)})
+    # the caller's cache, as transformers made it (a patched attention's view of it lives for its call)
+    assert out.past_key_values is cache and type(cache) is transformers.DynamicCache
+    assert {type(layer) for layer in cache.layers} == {transformers.cache_utils.DynamicLayer}
     return torch.cat(logits), _cache_tensors(cache), pointers
 
 
@@ -126,15 +129,16 @@ def test_alibi_families_fill_the_cache_as_upstream(name, load):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi"])
-def test_a_long_alibi_cache_grows_in_place(name, load, monkeypatch):
-    """From ``IN_PLACE_BYTES`` of keys a patched ALiBi layer appends each decode step's token into room kept
-    beside its cache (no concatenation of the whole cache per step): the layer's keys stay views of one
-    buffer across steps, and the cache, the logits, beam search (which reorders the cache) and greedy
-    tokens are upstream's."""
-    from torchembed.patches.families import alibi
+@pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi", "llama", "falcon", "mistral"])
+def test_a_long_cache_grows_in_place(name, load, monkeypatch):
+    """From ``IN_PLACE_BYTES`` of keys a patched layer (ALiBi, or a RoPE attention through its per-call view
+    of the cache) appends each decode step's token into room kept beside its cache (no concatenation of the
+    whole cache per step): the layer's keys stay views of one buffer across steps, and the cache, the
+    logits, beam search (which reorders the cache) and greedy tokens are upstream's. (``generate`` gives
+    Mistral a sliding-window cache, which is not grown in place: the same tokens.)"""
+    from torchembed.patches import kv_cache
 
-    monkeypatch.setattr(alibi, "IN_PLACE_BYTES", 0)
+    monkeypatch.setattr(kv_cache, "IN_PLACE_BYTES", 0)
     upstream = load(name)
     patched = torchembed.patch(copy.deepcopy(upstream))
     ids = torch.randint(1, upstream.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))

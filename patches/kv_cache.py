@@ -1,0 +1,112 @@
+"""A patched layer's KV cache: a long ``DynamicCache`` layer grows in place instead of by concatenation.
+
+transformers' ``DynamicLayer.update`` appends each decode step's keys and values with ``torch.cat`` of the
+whole cache: per step it reads and writes twice the cache's bytes, more than the attention itself reads.
+From :data:`IN_PLACE_BYTES` of keys a patched layer's cache lives in buffers with room for 1/8 more tokens
+(at least 256); the layer holds views of their filled part and a step writes its tokens into the room
+(:func:`append_in_place`). When the room is used up, or the layer's tensors were replaced (beam search
+reorders them, a crop), the filled part moves to new buffers once. What the cache holds, and what every
+reader sees, is upstream's.
+
+The ALiBi layers update their cache themselves (:mod:`torchembed.patches.families.alibi`); a patched RoPE
+attention runs upstream's forward, which calls ``past_key_values.update``: it gets :class:`GrowInPlace`, a
+view of the caller's ``DynamicCache`` for that call whose ``update`` appends in place (every other attribute
+is the cache's own). Only a ``DynamicCache`` of plain ``DynamicLayer`` layers (no sliding window,
+quantisation or offloading) is grown in place, and never inside a graph that ``torch.compile`` traces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["IN_PLACE_BYTES", "GrowInPlace", "append_in_place", "dynamic_layer", "grow_in_place"]
+
+# From this many bytes of keys a layer's cache grows in place: below, the concatenation's copy costs less
+# device time than the host time of the extra operations (a few microseconds each, per layer and step).
+IN_PLACE_BYTES = 16 * 2**20
+_ROOM = "_torchembed_room"  # a DynamicLayer's key and value buffers with room to grow (per cache layer)
+
+
+def dynamic_layer(cache: Any, layer_idx: int) -> Any:
+    """The cache's ``DynamicLayer`` (exactly that class: no sliding window, quantisation or offloading)
+    at ``layer_idx``, holding keys already; else None (the cache's own update runs)."""
+    layers = getattr(cache, "layers", None)
+    if (torch.compiler.is_compiling() or not isinstance(layers, list) or not 0 <= layer_idx < len(layers)
+            or getattr(cache, "offloading", False)):
+        return None
+    layer = layers[layer_idx]
+    if type(layer).__name__ != "DynamicLayer" or not getattr(layer, "is_initialized", False):
+        return None
+    return layer if isinstance(getattr(layer, "keys", None), Tensor) and layer.keys.dim() == 4 else None
+
+
+def append_in_place(layer: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``DynamicLayer.update`` of ``k``, ``v`` ``(b, h, new, d)`` without the concatenation of the whole
+    cache once its keys reach :data:`IN_PLACE_BYTES` (the module docstring). Returns the layer's keys and
+    values, as its update does."""
+    keys, values = layer.keys, layer.values
+    filled, new = keys.shape[-2], k.shape[-2]
+    room = layer.__dict__.get(_ROOM)
+    if room is None or not (_prefix(keys, room[0]) and _prefix(values, room[1])) or filled + new > room[0].shape[-2]:
+        if keys.numel() * keys.element_size() < IN_PLACE_BYTES:  # a short cache: the copy costs less than the ops
+            layer.keys, layer.values = torch.cat((keys, k), dim=-2), torch.cat((values, v), dim=-2)
+            return layer.keys, layer.values
+        size = filled + new + max(256, (filled + new) // 8)
+        room = tuple(t.new_empty(*t.shape[:-2], size, t.shape[-1]) for t in (keys, values))
+        room[0][..., :filled, :].copy_(keys)
+        room[1][..., :filled, :].copy_(values)
+        layer.__dict__[_ROOM] = room
+    room[0][..., filled:filled + new, :].copy_(k)
+    room[1][..., filled:filled + new, :].copy_(v)
+    layer.keys, layer.values = room[0][..., :filled + new, :], room[1][..., :filled + new, :]
+    return layer.keys, layer.values
+
+
+def _prefix(t: Tensor, buffer: Tensor) -> bool:
+    """``t`` is the first rows (along the tokens) of ``buffer``: a view of it from its start."""
+    return (t.data_ptr() == buffer.data_ptr() and t.stride() == buffer.stride() and t.dtype == buffer.dtype
+            and t.shape[:-2] == buffer.shape[:-2] and t.shape[-1] == buffer.shape[-1])
+
+
+class GrowInPlace:
+    """The caller's ``DynamicCache`` for one attention call, whose ``update(k, v, layer_idx, ...)`` appends in
+    place where :func:`dynamic_layer` finds a layer with room or of :data:`IN_PLACE_BYTES` of keys (else it is
+    the cache's own update); every other attribute, read or written, is the cache's."""
+
+    __slots__ = ("_cache",)
+
+    def __init__(self, cache: Any) -> None:
+        object.__setattr__(self, "_cache", cache)
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[Tensor, Tensor]:
+        layer = dynamic_layer(self._cache, layer_idx)
+        if layer is None or (_ROOM not in layer.__dict__ and layer.keys.numel() * layer.keys.element_size() < IN_PLACE_BYTES):
+            return self._cache.update(key_states, value_states, layer_idx, *args, **kwargs)  # (a short cache)
+        return append_in_place(layer, key_states, value_states)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._cache, name, value)
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._cache[index]
+
+    def __iter__(self) -> Any:
+        return iter(self._cache)
+
+
+def grow_in_place(cache: Any) -> Any:
+    """``cache`` for one patched attention call: a :class:`GrowInPlace` view of a ``DynamicCache`` (outside
+    ``torch.compile``), anything else as it is."""
+    if type(cache).__name__ != "DynamicCache" or torch.compiler.is_compiling():
+        return cache
+    return GrowInPlace(cache)
