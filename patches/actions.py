@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from torchembed.patches.kv_cache import grow_in_place
+from torchembed.patches.kv_cache import CACHE_KEYWORDS, grow_in_place
 from torchembed.patches.rebind import replace_globals
 
 __all__ = ["Component", "InstanceMethod", "MISSING", "OverrideAttribute", "AddForwardPreHook", "SwapModule"]
@@ -55,9 +55,6 @@ class Component:
         return f"{self.path or '<root>'}: {self.upstream} -> {self.replacement} ({self.kind})"
 
 
-_CACHE_KEYWORDS = ("past_key_values", "past_key_value", "layer_past")  # an attention's KV cache, by release
-
-
 class InstanceMethod:
     """A method installed on one module instance: ``function`` bound to ``module``, with the
     module-level names in ``replacements`` swapped inside it (see :mod:`torchembed.patches.rebind`).
@@ -81,7 +78,7 @@ class InstanceMethod:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.grow_cache:
-            for name in _CACHE_KEYWORDS:
+            for name in CACHE_KEYWORDS:
                 if kwargs.get(name) is not None:
                     kwargs[name] = grow_in_place(kwargs[name])
         return self.__func__(self.__self__, *args, **kwargs)

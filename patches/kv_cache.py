@@ -22,7 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["IN_PLACE_BYTES", "GrowInPlace", "append_in_place", "dynamic_layer", "grow_in_place"]
+__all__ = ["CACHE_KEYWORDS", "IN_PLACE_BYTES", "GrowInPlace", "append_in_place", "dynamic_layer", "grow_in_place"]
+
+CACHE_KEYWORDS = ("cache", "past_key_values", "layer_past", "past_key_value")  # an attention's KV cache, by release
 
 # From this many bytes of keys a layer's cache grows in place: below, the concatenation's copy costs less
 # device time than the host time of the extra operations (a few microseconds each, per layer and step).

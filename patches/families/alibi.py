@@ -61,7 +61,7 @@ from torchembed.patches.actions import AddForwardPreHook, Component
 from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
 from torchembed.patches.devices import ShareDeviceCopies
 from torchembed.patches.errors import StructureError
-from torchembed.patches.kv_cache import append_in_place, dynamic_layer
+from torchembed.patches.kv_cache import CACHE_KEYWORDS, append_in_place, dynamic_layer
 from torchembed.patches.registry import Family, PatchOptions, register
 
 __all__ = ["AlibiOptions", "InstanceConstants", "bloom_alibi_tensor", "falcon_key_bias", "falcon_no_model_bias", "mpt_alibi_tensor"]
@@ -191,9 +191,6 @@ class OverrideBuilder(OverrideMethod):
         return actions
 
 
-_CACHE_NAMES = ("cache", "past_key_values", "layer_past", "past_key_value")  # across releases
-
-
 def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     """Upstream forward's arguments by name (positional ones mapped through its signature, cached
     per function): the patched forwards accept whatever each release passes."""
@@ -218,7 +215,7 @@ _POSITIONAL_NAMES: dict[Any, tuple[str, ...]] = {}
 
 
 def _cache_of(arguments: dict[str, Any]) -> Any:
-    for name in _CACHE_NAMES:
+    for name in CACHE_KEYWORDS:
         cache = arguments.get(name)
         if cache is not None:
             return cache
@@ -558,7 +555,7 @@ def _falcon_alibi(config: Any) -> bool:
     return bool(getattr(config, "alibi", False))
 
 
-_CACHE_ANY = _CACHE_NAMES
+_CACHE_ANY = CACHE_KEYWORDS
 
 register(
     Family(
