@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CACHE_KEYWORDS", "IN_PLACE_BYTES", "GrowInPlace", "append_in_place", "dynamic_layer", "grow_in_place"]
+__all__ = ["CACHE_KEYWORDS", "IN_PLACE_BYTES", "GrowInPlace", "append_in_place", "growing_layer", "grow_in_place"]
 
 CACHE_KEYWORDS = ("cache", "past_key_values", "layer_past", "past_key_value")  # an attention's KV cache, by release
 
@@ -32,9 +32,10 @@ IN_PLACE_BYTES = 16 * 2**20
 _ROOM = "_torchembed_room"  # a DynamicLayer's key and value buffers with room to grow (per cache layer)
 
 
-def dynamic_layer(cache: Any, layer_idx: int) -> Any:
-    """The cache's ``DynamicLayer`` (exactly that class: no sliding window, quantisation or offloading)
-    at ``layer_idx``, holding keys already; else None (the cache's own update runs)."""
+def growing_layer(cache: Any, layer_idx: int) -> Any:
+    """The cache's ``DynamicLayer`` at ``layer_idx`` (exactly that class: no sliding window, quantisation or
+    offloading) when it grows in place: it holds :data:`IN_PLACE_BYTES` of keys or more, or room already;
+    else None (the cache's own update runs: below, the concatenation's copy costs less than the ops)."""
     layers = getattr(cache, "layers", None)
     if (torch.compiler.is_compiling() or not isinstance(layers, list) or not 0 <= layer_idx < len(layers)
             or getattr(cache, "offloading", False)):
@@ -42,20 +43,20 @@ def dynamic_layer(cache: Any, layer_idx: int) -> Any:
     layer = layers[layer_idx]
     if type(layer).__name__ != "DynamicLayer" or not getattr(layer, "is_initialized", False):
         return None
-    return layer if isinstance(getattr(layer, "keys", None), Tensor) and layer.keys.dim() == 4 else None
+    keys = getattr(layer, "keys", None)
+    if not isinstance(keys, Tensor) or keys.dim() != 4:
+        return None
+    return layer if _ROOM in layer.__dict__ or keys.numel() * keys.element_size() >= IN_PLACE_BYTES else None
 
 
 def append_in_place(layer: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """``DynamicLayer.update`` of ``k``, ``v`` ``(b, h, new, d)`` without the concatenation of the whole
-    cache once its keys reach :data:`IN_PLACE_BYTES` (the module docstring). Returns the layer's keys and
+    """``DynamicLayer.update`` of ``k``, ``v`` ``(b, h, new, d)`` into the room of a :func:`growing_layer`
+    (the module docstring), without the concatenation of the whole cache. Returns the layer's keys and
     values, as its update does."""
     keys, values = layer.keys, layer.values
     filled, new = keys.shape[-2], k.shape[-2]
     room = layer.__dict__.get(_ROOM)
     if room is None or not (_prefix(keys, room[0]) and _prefix(values, room[1])) or filled + new > room[0].shape[-2]:
-        if keys.numel() * keys.element_size() < IN_PLACE_BYTES:  # a short cache: the copy costs less than the ops
-            layer.keys, layer.values = torch.cat((keys, k), dim=-2), torch.cat((values, v), dim=-2)
-            return layer.keys, layer.values
         size = filled + new + max(256, (filled + new) // 8)
         room = tuple(t.new_empty(*t.shape[:-2], size, t.shape[-1]) for t in (keys, values))
         room[0][..., :filled, :].copy_(keys)
@@ -75,8 +76,8 @@ def _prefix(t: Tensor, buffer: Tensor) -> bool:
 
 class GrowInPlace:
     """The caller's ``DynamicCache`` for one attention call, whose ``update(k, v, layer_idx, ...)`` appends in
-    place where :func:`dynamic_layer` finds a layer with room or of :data:`IN_PLACE_BYTES` of keys (else it is
-    the cache's own update); every other attribute, read or written, is the cache's."""
+    place where :func:`growing_layer` finds the layer (else it is the cache's own update); every other
+    attribute, read or written, is the cache's."""
 
     __slots__ = ("_cache",)
 
@@ -85,9 +86,9 @@ class GrowInPlace:
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[Tensor, Tensor]:
-        layer = dynamic_layer(self._cache, layer_idx)
-        if layer is None or (_ROOM not in layer.__dict__ and layer.keys.numel() * layer.keys.element_size() < IN_PLACE_BYTES):
-            return self._cache.update(key_states, value_states, layer_idx, *args, **kwargs)  # (a short cache)
+        layer = growing_layer(self._cache, layer_idx)
+        if layer is None:
+            return self._cache.update(key_states, value_states, layer_idx, *args, **kwargs)
         return append_in_place(layer, key_states, value_states)
 
     def __getattr__(self, name: str) -> Any:

@@ -61,7 +61,7 @@ from torchembed.patches.actions import AddForwardPreHook, Component
 from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
 from torchembed.patches.devices import ShareDeviceCopies
 from torchembed.patches.errors import StructureError
-from torchembed.patches.kv_cache import CACHE_KEYWORDS, append_in_place, dynamic_layer
+from torchembed.patches.kv_cache import CACHE_KEYWORDS, append_in_place, growing_layer
 from torchembed.patches.registry import Family, PatchOptions, register
 
 __all__ = ["AlibiOptions", "InstanceConstants", "bloom_alibi_tensor", "falcon_key_bias", "falcon_no_model_bias", "mpt_alibi_tensor"]
@@ -230,7 +230,7 @@ def _cache_update(cache: Any, k: Tensor, v: Tensor, layer_idx: int, arguments: d
     layer and tensor; see ``benchmarks/results/long-context.md``). A long ``DynamicCache`` layer grows in
     place instead (:mod:`torchembed.patches.kv_cache`)."""
     k, v = k.contiguous(), v.contiguous()
-    layer = dynamic_layer(cache, layer_idx)
+    layer = growing_layer(cache, layer_idx)
     if layer is not None:
         return append_in_place(layer, k, v)
     position = arguments.get("cache_position")
