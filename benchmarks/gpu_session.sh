@@ -4,6 +4,7 @@
 #   decode  - torchembed bench decode (decode attention against its floor and SDPA's backends)
 #   depth   - full-depth decode per step: MPT-7B-StoryWriter and BLOOM-7B1 shapes at 65k, LLaMA-3.1-8B at 128k
 #   compiled - compiled static-cache generate at 64k (8 layers), upstream and patched, and the padded batch
+#   growth  - one decode step over a long DynamicCache, patched (grows in place) against upstream (torch.cat)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-torchembed-results}
@@ -31,5 +32,10 @@ for phase in "$@"; do
         --steps 6 --compiled 16 --name long-compiled-bloom --out "$OUT" 2>&1 | grep "^| bloom"
       timeout 110 python3 benchmarks/probes/padded_generate.py --contexts 4096 16384 --layers 8 --repeats 2 \
         --out "$OUT/padded-generate.json" 2>&1 | tail -n 4 ;;
+    growth)
+      for model in llama bloom; do
+        timeout 120 python3 benchmarks/probes/cache_growth.py --model "$model" --keys 16384 65536 --layers 8 \
+          --hidden 4096 --kv-heads 8 --steps 8 --repeats 3 --out "$OUT" 2>&1 | tail -n 6
+      done ;;
   esac
 done
