@@ -1,0 +1,128 @@
+"""Where one eager decode step's time goes at long context: wall time, GPU busy time, host syncs, top host ops.
+
+A base model (no LM head) of the given shape with random weights and a ``DynamicCache`` filled with
+``--keys`` random tokens per layer (no prefill). Upstream and patched each run ``--steps`` plain decode
+steps (``model(next, past_key_values=cache)``, synchronised); then one more step runs under
+``torch.profiler`` and one under CUDA's sync debug mode (counting host synchronisations). GPU time is the
+sum of the step's kernel times; wall minus GPU time is what the host adds.
+
+    python benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+
+import torchembed
+from cache_growth import _filled_cache  # noqa: E402  (a probe beside this one)
+
+SHAPES = {
+    "llama": lambda a: transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                                num_key_value_heads=8, num_hidden_layers=a.layers, vocab_size=1024,
+                                                max_position_embeddings=1 << 20, rope_theta=500000.0),
+    "bloom": lambda a: transformers.BloomConfig(hidden_size=4096, n_head=32, n_layer=a.layers, vocab_size=1024),
+    "mpt": lambda a: transformers.MptConfig(d_model=4096, n_heads=32, n_layers=a.layers, vocab_size=1024,
+                                            max_seq_len=1 << 20, expansion_ratio=4, use_cache=True,
+                                            attn_config={"alibi": True, "alibi_bias_max": 8}),
+}
+
+
+def _step(model, token, cache):
+    return model(token, past_key_values=cache, use_cache=True)
+
+
+def _measure(model, config, keys: int, steps: int) -> dict:
+    dev = torch.device("cuda")
+    cache = _filled_cache(config, keys, dev, torch.bfloat16)
+    token = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    times = []
+    with torch.no_grad():
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            _step(model, token, cache)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            _step(model, token, cache)
+            torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                _step(model, token, cache)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+    return {"step_ms": statistics.median(times[2:]), "steps_ms": times, "gpu_ms": gpu_us / 1e3,
+            "host_syncs": sum("synchroniz" in str(w.message) for w in caught),
+            "sync_sites": sorted({str(w.message).splitlines()[0][:120] for w in caught}),
+            "top_host_ops": [{"name": e.key[:70], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+                              "gpu_ms": e.self_device_time_total / 1e3} for e in top]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(SHAPES), default="llama")
+    p.add_argument("--keys", type=int, default=65536)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--variants", nargs="+", default=["upstream", "patched"])
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    config = SHAPES[args.model](args)
+    torch.manual_seed(0)
+    base = transformers.AutoModel.from_config(config, torch_dtype=torch.bfloat16).to("cuda").eval()
+    rows = {}
+    for variant in args.variants:
+        model = torchembed.patch(copy.deepcopy(base)) if variant == "patched" else base
+        try:
+            rows[variant] = _measure(model, config, args.keys, args.steps)
+        except torch.cuda.OutOfMemoryError:
+            rows[variant] = {"oom": True}
+        except Exception as exc:  # a shape this transformers cannot decode this way: say so, go on
+            rows[variant] = {"oom": True, "error": repr(exc)[:300]}
+        del model
+        torch.cuda.empty_cache()
+    lines = [f"# One eager decode step, {args.model} shape, {args.layers} layers, {args.keys} keys, batch 1, bf16", "",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+             f"- device: {torch.cuda.get_device_name()}",
+             f"- versions: torch {torch.__version__}, transformers {transformers.__version__}", "",
+             "| variant | step ms | GPU ms | host-added ms | host syncs |", "|---|---:|---:|---:|---:|"]
+    for variant, r in rows.items():
+        if r.get("oom"):
+            lines.append(f"| {variant} | {r.get('error', 'OOM')} | | | |")
+            continue
+        lines.append(f"| {variant} | {r['step_ms']:.2f} | {r['gpu_ms']:.2f} | {r['step_ms'] - r['gpu_ms']:.2f} "
+                     f"| {r['host_syncs']} |")
+    for variant, r in rows.items():
+        if r.get("oom"):
+            continue
+        lines += ["", f"Top host ops, {variant} (self CPU ms over one step; calls):", ""]
+        lines += [f"- {o['name']}: {o['self_cpu_ms']:.2f} ms, {o['calls']} calls, GPU {o['gpu_ms']:.2f} ms"
+                  for o in r["top_host_ops"]]
+        lines += [f"- sync: {s}" for s in r["sync_sites"]]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        stem = args.out / f"decode-step-profile-{args.model}"
+        stem.with_suffix(".md").write_text(text)
+        stem.with_suffix(".json").write_text(json.dumps({"options": vars(args) | {"out": str(args.out)},
+                                                         "rows": rows}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
