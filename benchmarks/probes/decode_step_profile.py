@@ -4,7 +4,10 @@ A base model (no LM head) of the given shape with random weights and a ``Dynamic
 ``--keys`` random tokens per layer (no prefill). Upstream and patched each run ``--steps`` plain decode
 steps (``model(next, past_key_values=cache)``, synchronised); then one more step runs under
 ``torch.profiler`` and one under CUDA's sync debug mode (counting host synchronisations). GPU time is the
-sum of the step's kernel times; wall minus GPU time is what the host adds.
+sum of the step's kernel times; wall minus GPU time is what the host adds. ``compiled`` variants
+(``upstream-compiled``, ``patched-compiled``) run the same step over a ``StaticCache`` of ``--keys + 64``
+slots filled to ``--keys``, through ``torch.compile(fullgraph=True, mode="reduce-overhead")`` (CUDA
+graphs): the step as HF's compiled ``generate`` runs it, without ``generate``'s own per-token work.
 
     python benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 [--out DIR]
 """
@@ -37,37 +40,57 @@ SHAPES = {
 }
 
 
-def _step(model, token, cache):
-    return model(token, past_key_values=cache, use_cache=True)
+def _step(model, token, cache, position=None):
+    if position is None:
+        return model(token, past_key_values=cache, use_cache=True)
+    return model(token, past_key_values=cache, use_cache=True, cache_position=position, position_ids=position[None])
 
 
-def _measure(model, config, keys: int, steps: int) -> dict:
+def _static_cache(config, keys: int, dev) -> transformers.StaticCache:
+    """A StaticCache of ``keys + 64`` slots whose first ``keys`` hold random keys and values."""
+    dynamic = _filled_cache(config, keys, dev, torch.bfloat16)
+    cache = transformers.StaticCache(config=config, max_cache_len=keys + 64)
+    position = torch.arange(keys, device=dev)
+    for i, layer in enumerate(dynamic.layers):
+        cache.update(layer.keys, layer.values, i, {"cache_position": position})
+    return cache
+
+
+def _measure(model, config, keys: int, steps: int, compiled: bool = False) -> dict:
     dev = torch.device("cuda")
-    cache = _filled_cache(config, keys, dev, torch.bfloat16)
     token = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    if compiled:
+        cache = _static_cache(config, keys, dev)
+        position = torch.full((1,), keys, dtype=torch.long, device=dev)  # the step rewrites one slot
+        forward = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+        step = lambda m, t, c: _step(forward, t, c, position)  # noqa: E731
+        steps += 3  # (compiles and records the graph)
+    else:
+        cache = _filled_cache(config, keys, dev, torch.bfloat16)
+        step = _step
     times = []
     with torch.no_grad():
         for _ in range(steps):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            _step(model, token, cache)
+            step(model, token, cache)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1e3)
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
-            _step(model, token, cache)
+            step(model, token, cache)
             torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("warn")
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                _step(model, token, cache)
+                step(model, token, cache)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events)
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
-    return {"step_ms": statistics.median(times[2:]), "steps_ms": times, "gpu_ms": gpu_us / 1e3,
+    return {"step_ms": statistics.median(times[5 if compiled else 2:]), "steps_ms": times, "gpu_ms": gpu_us / 1e3,
             "host_syncs": sum("synchroniz" in str(w.message) for w in caught),
             "sync_sites": sorted({str(w.message).splitlines()[0][:120] for w in caught}),
             "top_host_ops": [{"name": e.key[:70], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
@@ -80,24 +103,26 @@ def main() -> None:
     p.add_argument("--keys", type=int, default=65536)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--variants", nargs="+", default=["upstream", "patched"])
+    p.add_argument("--variants", nargs="+", default=["upstream", "patched"],
+                   choices=["upstream", "patched", "upstream-compiled", "patched-compiled"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     config = SHAPES[args.model](args)
     torch.manual_seed(0)
-    base = transformers.AutoModel.from_config(config, torch_dtype=torch.bfloat16).to("cuda").eval()
+    base = transformers.AutoModel.from_config(config, dtype=torch.bfloat16).to("cuda").eval()
     rows = {}
     for variant in args.variants:
-        model = torchembed.patch(copy.deepcopy(base)) if variant == "patched" else base
+        model = torchembed.patch(copy.deepcopy(base)) if variant.startswith("patched") else base
         try:
-            rows[variant] = _measure(model, config, args.keys, args.steps)
+            rows[variant] = _measure(model, config, args.keys, args.steps, compiled=variant.endswith("compiled"))
         except torch.cuda.OutOfMemoryError:
             rows[variant] = {"oom": True}
         except Exception as exc:  # a shape this transformers cannot decode this way: say so, go on
             rows[variant] = {"oom": True, "error": repr(exc)[:300]}
         del model
+        torch._dynamo.reset()
         torch.cuda.empty_cache()
-    lines = [f"# One eager decode step, {args.model} shape, {args.layers} layers, {args.keys} keys, batch 1, bf16", "",
+    lines = [f"# One decode step, {args.model} shape, {args.layers} layers, {args.keys} keys, batch 1, bf16", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- device: {torch.cuda.get_device_name()}",
              f"- versions: torch {torch.__version__}, transformers {transformers.__version__}", "",
