@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 import transformers
+from cache_growth import _filled_cache
 
 import torchembed
-from cache_growth import _filled_cache  # noqa: E402  (a probe beside this one)
 
 SHAPES = {
     "llama": lambda a: transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -63,7 +63,7 @@ def _measure(model, config, keys: int, steps: int, compiled: bool = False) -> di
         cache = _static_cache(config, keys, dev)
         position = torch.full((1,), keys, dtype=torch.long, device=dev)  # the step rewrites one slot
         forward = torch.compile(model, fullgraph=True, mode="reduce-overhead")
-        step = lambda m, t, c: _step(forward, t, c, position)  # noqa: E731
+        step = lambda m, t, c: _step(forward, t, c, position)
         steps += 3  # (compiles and records the graph)
     else:
         cache = _filled_cache(config, keys, dev, torch.bfloat16)
@@ -117,7 +117,7 @@ def main() -> None:
             rows[variant] = _measure(model, config, args.keys, args.steps, compiled=variant.endswith("compiled"))
         except torch.cuda.OutOfMemoryError:
             rows[variant] = {"oom": True}
-        except Exception as exc:  # a shape this transformers cannot decode this way: say so, go on
+        except Exception as exc:  # noqa: BLE001  (a variant this transformers cannot run: say so, go on)
             rows[variant] = {"oom": True, "error": repr(exc)[:300]}
         del model
         torch._dynamo.reset()
