@@ -21,12 +21,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
-import torch
 from torch import Tensor
 
 from torchembed.kernels.alibi import DECODE_QUERIES, flash_unsupported, fused_attention, mask_rows
 from torchembed.kernels.launch import use_kernel
-from torchembed.kernels.per_forward import current
+from torchembed.kernels.per_forward import current, derive
 
 __all__ = ["DECODE_QUERIES", "AttentionFunctions", "DecodeAttention", "decode_step"]
 
@@ -70,11 +69,7 @@ class DecodeAttention:
         if self.fused is not False and use_kernel(None, query) \
                 and decode_step(query, key, value, attention_mask, dropout, kwargs):
             scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-            rows = None
-            if attention_mask is not None:
-                scope = None if torch.compiler.is_compiling() else current()
-                make = lambda: mask_rows(attention_mask)  # noqa: E731
-                rows = make() if scope is None else scope.memo(attention_mask, "rows", make)
+            rows = None if attention_mask is None else derive(current(), attention_mask, "rows", mask_rows, attention_mask)
             out = fused_attention(query, key, value, None, scale=scale, keep=attention_mask, rows=rows)
             return out.transpose(1, 2), None  # (b, q, h, d), contiguous
         return self.upstream(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

@@ -19,7 +19,7 @@ from torch import Tensor
 from torchembed import functional, kernels
 from torchembed.functional.rope import apply_rotary
 from torchembed.kernels.launch import FusedUnavailableError
-from torchembed.kernels.per_forward import current
+from torchembed.kernels.per_forward import current, derive
 from torchembed.kernels.rope import use_rope_kernel
 from torchembed.patches.binding import CallSignature
 from torchembed.patches.recognition import (
@@ -266,8 +266,7 @@ class RotaryHelper:
 def _per_forward(sources: tuple, tag: tuple, make: Callable[[], Any]) -> Any:
     """``make()``, kept for the rest of this forward of a patched model (its other layers get the same
     tables: :mod:`torchembed.kernels.per_forward`); computed afresh outside one and inside a graph."""
-    scope = None if torch.compiler.is_compiling() else current()
-    return make() if scope is None else scope.memo(sources, tag, make)
+    return derive(current(), sources, tag, make)
 
 
 def _rows(table: Tensor, x: Tensor, rule: str) -> Tensor:

@@ -56,7 +56,7 @@ from torch import Tensor, nn
 
 from torchembed.functional.alibi import alibi_key_bias, alibi_slopes
 from torchembed.kernels.alibi import alibi_attention, causal_keep
-from torchembed.kernels.per_forward import current
+from torchembed.kernels.per_forward import current, derive
 from torchembed.patches.actions import AddForwardPreHook, Component
 from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
 from torchembed.patches.devices import ShareDeviceCopies
@@ -475,13 +475,9 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, t
     :class:`~torchembed.kernels.per_forward.PerForward` (none outside a patched model's forward):
     ``to_keep`` makes HF's mask a keep mask, ``key_bias()`` builds the ``(b or 1, h, k)`` float32 bias from
     ``source``, the tensor every layer receives (``tag`` names the family's derivation)."""
-    cache = None if torch.compiler.is_compiling() else current()
-    if cache is None:
-        keep = None if attention_mask is None else to_keep(attention_mask)
-        bias = key_bias()
-    else:
-        keep = None if attention_mask is None else cache.memo(attention_mask, "keep", lambda: to_keep(attention_mask))
-        bias = cache.memo(source, tag, key_bias)
+    cache = current()
+    keep = None if attention_mask is None else derive(cache, attention_mask, "keep", to_keep, attention_mask)
+    bias = derive(cache, source, tag, key_bias)
     fused, sdpa_decode = (options.fused, options.sdpa_decode) if options is not None else (None, False)
     return alibi_attention(q, k, v, bias, keep, scale=scale, dropout_p=dropout_p, cache=cache, fused=fused, layer=True,
                            sdpa_decode=sdpa_decode)

@@ -42,7 +42,7 @@ from torchembed.functional.alibi import (alibi_attention_reference, alibi_decode
                                          alibi_prefill_bias, causal_keep as _build_causal_keep)
 from torchembed.kernels.launch import (FusedUnavailableError, Launch, Launches, interpret_mode, kernel_can_run,
                                        use_kernel)
-from torchembed.kernels.per_forward import PerForward
+from torchembed.kernels.per_forward import PerForward, derive
 from torchembed.kernels.settings import changed, settings
 
 __all__ = ["DECODE_QUERIES", "DTYPES", "MAX_HEAD_DIM", "alibi_attention", "alibi_flash", "attention_path", "causal_keep",
@@ -118,8 +118,7 @@ def _dense(q: Tensor, k: Tensor, policy) -> bool:
 def causal_keep(q_len: int, k_len: int, device: torch.device, cache: PerForward | None = None) -> Tensor:
     """The causal ``keep`` mask, queries at the last ``q_len`` of ``k_len`` positions: ``(1, 1, q, k)``
     bool (:func:`torchembed.functional.alibi.causal_keep`), built once per forward given its ``cache``."""
-    make = lambda: _build_causal_keep(q_len, k_len, device)  # noqa: E731
-    return make() if cache is None else cache.memo(None, ("causal", q_len, k_len, device), make)
+    return derive(cache, None, ("causal", q_len, k_len, device), _build_causal_keep, q_len, k_len, device)
 
 
 
@@ -187,27 +186,39 @@ def alibi_attention(
     if key_bias is None and slopes is None:
         raise ValueError("alibi_attention needs key_bias (b or 1, h, k) or slopes (h,)")
     path = attention_path(q, k, v, keep, fused=fused, dropout_p=dropout_p, layer=layer, sdpa_decode=sdpa_decode)
+    if path == "decode":  # the mask is the same for every layer of the forward
+        mask = derive(cache, (key_bias, slopes, keep), ("decode", q.dtype), _decode_mask, key_bias, slopes, keep, q, k)
+        return masked_sdpa(q, k, v, mask, scale, dropout_p)
+    if path == "dense":  # the materialised bias, once per forward
+        if keep is None:
+            keep = causal_keep(q.shape[-2], k.shape[-2], q.device, cache)
+        tag = ("dense", q.shape[-2], q.dtype)
+        mask = derive(cache, (key_bias, slopes, keep), tag, _dense_mask, key_bias, slopes, keep, q, k)
+        return masked_sdpa(q, k, v, mask, scale, dropout_p)
     if path == "kernel":
-        rows = None
-        if keep is not None:
-            rows = mask_rows(keep) if cache is None else cache.memo(keep, "rows", lambda: mask_rows(keep))
+        rows = None if keep is None else derive(cache, keep, "rows", mask_rows, keep)
         bias, is_key_bias = (slopes, False) if slopes is not None else (key_bias, True)
         bias = _check_bias(bias, is_key_bias, q, k)
         return fused_attention(q, k, v, bias, scale=scale, key_bias=is_key_bias, keep=keep, rows=rows)
     if key_bias is None:  # slope * (j - (k - 1)): zero at the newest key, small near it
         key_bias = alibi_key_bias(slopes.to(q.device), key_len=k.shape[-2])
-    q_len = q.shape[-2]
-    if path == "decode":  # the mask is the same for every layer of the forward
-        make = lambda: alibi_decode_bias(key_bias, keep, q.dtype)  # noqa: E731
-        mask = make() if cache is None else cache.memo((key_bias, keep), ("decode", q.dtype), make)
-        return masked_sdpa(q, k, v, mask, scale, dropout_p)
-    if path == "dense":  # the materialised bias, once per forward
-        if keep is None:
-            keep = causal_keep(q_len, k.shape[-2], q.device, cache)
-        make = lambda: prefill_bias(key_bias, keep, q.dtype)  # noqa: E731
-        mask = make() if cache is None else cache.memo((key_bias, keep), ("dense", q_len, q.dtype), make)
-        return masked_sdpa(q, k, v, mask, scale, dropout_p)
     return alibi_attention_reference(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p)
+
+
+def _key_bias(key_bias: Tensor | None, slopes: Tensor | None, q: Tensor, k: Tensor) -> Tensor:
+    """The ``(b or 1, h, k)`` key bias: ``key_bias``, else ``slope * (j - (k - 1))`` (zero at the newest
+    key, small near it)."""
+    return key_bias if key_bias is not None else alibi_key_bias(slopes.to(q.device), key_len=k.shape[-2])
+
+
+def _decode_mask(key_bias: Tensor | None, slopes: Tensor | None, keep: Tensor | None, q: Tensor, k: Tensor) -> Tensor:
+    """The SDPA mask of a decode step (:func:`torchembed.functional.alibi.alibi_decode_bias`)."""
+    return alibi_decode_bias(_key_bias(key_bias, slopes, q, k), keep, q.dtype)
+
+
+def _dense_mask(key_bias: Tensor | None, slopes: Tensor | None, keep: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    """The SDPA mask of a prefill, the bias materialised (:func:`prefill_bias`)."""
+    return prefill_bias(_key_bias(key_bias, slopes, q, k), keep, q.dtype)
 
 
 def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, dropout_p: float) -> Tensor:

@@ -20,7 +20,9 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["PerForward", "current", "open_forward", "close_forward"]
+import torch
+
+__all__ = ["PerForward", "current", "derive", "open_forward", "close_forward"]
 
 
 class PerForward:
@@ -36,9 +38,9 @@ class PerForward:
         self.owner = owner  # id of the module whose forward opened it
         self._memo: dict[tuple, tuple[Any, Any]] = {}
 
-    def memo(self, sources: Any, tag: Hashable, make: Callable[[], Any]) -> Any:
-        """``make()`` once per ``(sources, tag)`` in this forward. ``sources``: a tensor, a tuple of
-        tensors (matched by identity) or None (``tag`` alone identifies the value)."""
+    def memo(self, sources: Any, tag: Hashable, make: Callable[..., Any], *args: Any) -> Any:
+        """``make(*args)`` once per ``(sources, tag)`` in this forward. ``sources``: a tensor, a tuple of
+        tensors or Nones (matched by identity) or None (``tag`` alone identifies the value)."""
         if type(sources) is tuple:
             key = (tuple(map(id, sources)), tag)
         else:
@@ -46,12 +48,18 @@ class PerForward:
         entry = self._memo.get(key)
         if entry is not None:
             return entry[1]
-        value = make()
+        value = make(*args)
         self._memo[key] = (sources, value)
         return value
 
     def __len__(self) -> int:
         return len(self._memo)
+
+
+def derive(scope: PerForward | None, sources: Any, tag: Hashable, make: Callable[..., Any], *args: Any) -> Any:
+    """``make(*args)``, kept in ``scope`` (:meth:`PerForward.memo`) for the rest of its forward;
+    computed afresh where ``scope`` is None (no forward open, or inside a graph being traced)."""
+    return make(*args) if scope is None else scope.memo(sources, tag, make, *args)
 
 
 class _Open(threading.local):
@@ -65,9 +73,10 @@ _OPEN = _Open()
 
 
 def current() -> PerForward | None:
-    """The innermost forward open in this thread, or None."""
+    """The innermost forward open in this thread; None where none is open or ``torch.compile`` traces
+    (the graph derives what it needs)."""
     stack = _OPEN.stack
-    return stack[-1] if stack else None
+    return stack[-1] if stack and not torch.compiler.is_compiling() else None
 
 
 def open_forward(owner: object) -> PerForward:
