@@ -4,6 +4,7 @@
 #   decode  - torchembed bench decode (decode attention against its floor and SDPA's backends)
 #   depth   - full-depth decode per step: MPT-7B-StoryWriter and BLOOM-7B1 shapes at 65k, LLaMA-3.1-8B at 128k
 #   compiled - compiled static-cache generate at 64k (8 layers), upstream and patched, and the padded batch
+#   profile - where one decode step's time goes (8 layers, 64k keys): eager and compiled, upstream and patched
 #   growth  - one decode step over a long DynamicCache, patched (grows in place) against upstream (torch.cat)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,9 +15,10 @@ export PYTHONUNBUFFERED=1
 for phase in "$@"; do
   case "$phase" in
     tests)
-      timeout 130 python3 -m pytest -q -x -p no:cacheprovider tests/patches/test_decode_attention.py \
-        tests/patches/test_nothing_global.py tests/kernels/test_alibi_flash.py \
-        -k "cuda or without_a_bias or only_the_keys or compiles_once" 2>&1 | tail -n 15 | tee "$OUT/tests.log" ;;
+      for file in tests/patches/test_decode_attention.py tests/patches/test_nothing_global.py tests/kernels/test_alibi_flash.py; do
+        timeout 150 python3 -m pytest -q -p no:cacheprovider "$file" --tb=short \
+          -k "cuda or without_a_bias or only_the_keys or compiles_once" 2>&1 | tail -n 15
+      done | tee "$OUT/tests.log" ;;
     decode)
       timeout 170 python3 -m torchembed bench decode --out "$OUT" 2>&1 | grep -v Warning | grep -v "return {" | tail -n 18 ;;
     depth)
@@ -32,6 +34,12 @@ for phase in "$@"; do
         --steps 6 --compiled 16 --name long-compiled-bloom --out "$OUT" 2>&1 | grep "^| bloom"
       timeout 110 python3 benchmarks/probes/padded_generate.py --contexts 4096 16384 --layers 8 --repeats 2 \
         --out "$OUT/padded-generate.json" 2>&1 | tail -n 4 ;;
+    profile)
+      timeout 150 python3 benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 \
+        --variants upstream patched upstream-compiled patched-compiled --out "$OUT" 2>&1 | grep "^|"
+      timeout 120 python3 benchmarks/probes/decode_step_profile.py --model bloom --keys 65536 --layers 8 \
+        --variants upstream patched patched-compiled --out "$OUT" 2>&1 | grep "^|"
+      timeout 80 python3 benchmarks/probes/decode_step_profile.py --model mpt --keys 65536 --layers 8 --out "$OUT" 2>&1 | grep "^|" ;;
     growth)
       for model in llama bloom; do
         timeout 120 python3 benchmarks/probes/cache_growth.py --model "$model" --keys 16384 65536 --layers 8 \

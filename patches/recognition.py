@@ -30,12 +30,11 @@ replacement, reproduces.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import itertools
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -106,15 +105,17 @@ class Rotation:
     # (rule, rank of x, rank of the tables) of every probe the helper passed: a helper that inserts the
     # heads axis at a fixed place broadcasts (s, w) tables against (s, h, d) as "sh", (b, s, w) as "hs"
     patterns: tuple[tuple[str, int, int], ...] = ()
+    # HF's usual call, ``helper(q, k, cos, sin)`` on ``cat`` tables with half-split pairing, tokens second
+    # to last: the replacement serves it on its shortest path (in place on the kernel). Set from the
+    # fields above when made (a plain attribute: ``torch.compile`` reads it inside a graph).
+    usual: bool = field(init=False, repr=False, compare=False)
 
-    @functools.cached_property
-    def usual(self) -> bool:
-        """HF's usual call, ``helper(q, k, cos, sin)`` on ``cat`` tables with half-split pairing, tokens
-        second to last: the replacement serves it on its shortest path (in place on the kernel)."""
-        return (len(self.rotated) == 2 and self.params[2:4] == ("cos", "sin") and self.layout == "cat"
-                and self.pairing == "half" and not self.conjugate and not self.trailing
-                and self.broadcast in ("hs", "param") and self.unsqueeze_default == 1 and not self.mrope
-                and not self.indexed and not self.tail and not self.prefix)
+    def __post_init__(self) -> None:
+        usual = (len(self.rotated) == 2 and self.params[2:4] == ("cos", "sin") and self.layout == "cat"
+                 and self.pairing == "half" and not self.conjugate and not self.trailing
+                 and self.broadcast in ("hs", "param") and self.unsqueeze_default == 1 and not self.mrope
+                 and not self.indexed and not self.tail and not self.prefix)
+        object.__setattr__(self, "usual", usual)
 
     def rule_for(self, x: Tensor, table: Tensor) -> str:
         """The broadcast rule of a call with these ranks (the first probed rule where none fits)."""
@@ -403,7 +404,7 @@ def _probe_mrope(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
     c, s = (merge_mrope(t, sections)[..., :4].unsqueeze(1) for t in (full.cos(), full.sin()))
     if not _close(_outputs(got, 2) or (), [reference_rotate(x.double(), c, s, rotation.pairing) for x in (q, k)]):
         return None, f"its {_MROPE} does not select one position axis per feature section"
-    return Rotation(**{**rotation.__dict__, "params": roles.names, "mrope": _MROPE}), ""
+    return replace(rotation, params=roles.names, mrope=_MROPE), ""
 
 
 def _probe_indexed(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple[Rotation | None, str]:
@@ -435,7 +436,7 @@ def _probe_indexed(helper: Any, roles: _Parameters, gen: torch.Generator) -> tup
     if not _close(_outputs(got, len(xs)) or (), [reference_rotate(x.double(), c, s, rotation.pairing, rotation.conjugate)
                                                  for x in xs]):
         return None, f"its result depends on {_POSITION_IDS} otherwise than by indexing the tables"
-    return Rotation(**{**rotation.__dict__, "params": roles.names, "indexed": _POSITION_IDS}), ""
+    return replace(rotation, params=roles.names, indexed=_POSITION_IDS), ""
 
 
 def _probe_sections(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple[Rotation | None, str]:

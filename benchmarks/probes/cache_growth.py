@@ -38,9 +38,9 @@ def _filled_cache(config, keys: int, device, dtype) -> transformers.DynamicCache
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dim = config.hidden_size // config.num_attention_heads
     cache = transformers.DynamicCache()
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)  # (drawn where they live: a CPU draw of GBs takes minutes)
     for layer in range(config.num_hidden_layers):
-        k, v = (torch.randn(1, heads, keys, dim, generator=gen).to(device, dtype) for _ in range(2))
+        k, v = (torch.randn(1, heads, keys, dim, generator=gen, device=device, dtype=dtype) for _ in range(2))
         cache.update(k, v, layer)
     return cache
 

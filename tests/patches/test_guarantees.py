@@ -197,6 +197,32 @@ def test_torch_compile_fullgraph_no_new_graph_breaks(name, load):
     torch.testing.assert_close(out, _out(upstream, dict(input_ids=ids)), rtol=1e-5, atol=1e-5)
 
 
+_COMPILE_FIRST = """
+import sys, torch, transformers, torchembed
+configs = {
+    "llama": transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64),
+    "bloom": transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=64),
+}
+model = torchembed.patch(transformers.AutoModelForCausalLM.from_config(configs[sys.argv[1]]).eval())
+ids = torch.randint(0, 64, (1, 6))
+with torch.no_grad():
+    torch.compile(model, backend="eager", fullgraph=True)(input_ids=ids)
+"""
+
+
+@pytest.mark.parametrize("name", ["llama", "bloom"])
+def test_a_fresh_process_compiles_a_patched_model_with_fullgraph_first(name):
+    """``torch.compile(fullgraph=True)`` as the first thing a process does with a patched model: nothing
+    the patch reads on its first call (its settings, what it recognised) is made inside the traced graph
+    (in a test session earlier tests have made it already, so this runs in a process of its own)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FIRST, name], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("cudnn_decode", [False, True])
 @pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi"])

@@ -1,7 +1,8 @@
 """The kernels' configuration, in one object: tunings, the ALiBi policy, how launches are made.
 
-:func:`settings` is read by every kernel's host code; it is made once, on first use, from the defaults
-below and these environment variables (read then, not per call):
+:func:`settings` is read by every kernel's host code; it is made once, when this module is imported
+(outside any graph ``torch.compile`` traces, which could not build it), from the defaults below and
+these environment variables (read then, not per call):
 
 * ``TORCHEMBED_ALIBI_PREFILL=auto|kernel|dense``: :attr:`AlibiPolicy.prefill`;
 * ``TORCHEMBED_ALIBI_SKIP=0``: the ALiBi kernels visit every key (:attr:`AlibiTuning.skip`);
@@ -134,14 +135,13 @@ def _from_environment() -> KernelSettings:
     )
 
 
-_settings: KernelSettings | None = None
+
+
+_settings: KernelSettings = _from_environment()
 
 
 def settings() -> KernelSettings:
-    """The settings in force (made from the environment on first use)."""
-    global _settings
-    if _settings is None:
-        _settings = _from_environment()
+    """The settings in force (made from the environment when this module is imported)."""
     return _settings
 
 
