@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CACHE_KEYWORDS", "IN_PLACE_BYTES", "GrowInPlace", "append_in_place", "growing_layer", "grow_in_place"]
+__all__ = ["CACHE_KEYWORDS", "IN_PLACE_BYTES", "GrowInPlace", "append_in_place", "growing_layer", "grow_in_place", "update"]
 
 CACHE_KEYWORDS = ("cache", "past_key_values", "layer_past", "past_key_value")  # an attention's KV cache, by release
 
@@ -68,6 +68,15 @@ def append_in_place(layer: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return layer.keys, layer.values
 
 
+def update(cache: Any, k: Tensor, v: Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """``cache.update(k, v, layer_idx, *args, **kwargs)``, in place where :func:`growing_layer` finds the
+    layer: the one way a patched layer's cache takes new keys and values."""
+    layer = growing_layer(cache, layer_idx)
+    if layer is None:
+        return cache.update(k, v, layer_idx, *args, **kwargs)
+    return append_in_place(layer, k, v)
+
+
 def _prefix(t: Tensor, buffer: Tensor) -> bool:
     """``t`` is the first rows (along the tokens) of ``buffer``: a view of it from its start."""
     return (t.data_ptr() == buffer.data_ptr() and t.stride() == buffer.stride() and t.dtype == buffer.dtype
@@ -86,10 +95,7 @@ class GrowInPlace:
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[Tensor, Tensor]:
-        layer = growing_layer(self._cache, layer_idx)
-        if layer is None:
-            return self._cache.update(key_states, value_states, layer_idx, *args, **kwargs)
-        return append_in_place(layer, key_states, value_states)
+        return update(self._cache, key_states, value_states, layer_idx, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cache, name)

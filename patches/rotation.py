@@ -107,8 +107,8 @@ class RotaryHelper:
 
     def _merged(self, first: Tensor, second: Tensor, sections: Any) -> tuple[Tensor, Tensor]:
         """M-RoPE tables merged (:func:`merge_mrope`), once per forward."""
-        return _per_forward((first, second), (id(self), "mrope", tuple(sections)),
-                            lambda: (merge_mrope(first, sections), merge_mrope(second, sections)))
+        return derive(current(), (first, second), (id(self), "mrope", tuple(sections)),
+                      lambda: (merge_mrope(first, sections), merge_mrope(second, sections)))
 
     def _rotate_sections(self, x: Tensor, first: Tensor, second: Tensor, sections: int, unsqueeze: int) -> Tensor:
         """Multidimensional RoPE: ``x (..., d)`` as ``sections`` equal feature sections, each rotated
@@ -132,7 +132,7 @@ class RotaryHelper:
                 c, s = c.contiguous(), s.contiguous()
             return c, s
 
-        return _per_forward((first, second), (id(self), "half"), make)
+        return derive(current(), (first, second), (id(self), "half"), make)
 
     def _own_tables(self, first: Tensor, second: Tensor | None) -> tuple[Tensor, Tensor] | None:
         """The helper's own ``(cos, sin)`` where it multiplies each feature by its own entry (``cat``
@@ -222,8 +222,8 @@ class RotaryHelper:
         float64 for float64 inputs), once per forward: every layer of a forward gets the same ones, so
         the PyTorch path converts them once per forward, not once per tensor."""
         compute = torch.float64 if dtype == torch.float64 else torch.float32
-        return _per_forward(tables, ("prep", rule, unsqueeze, compute),
-                            lambda: tuple(broadcast_table(t, rule, unsqueeze).to(compute) for t in tables))
+        return derive(current(), tables, ("prep", rule, unsqueeze, compute),
+                      lambda: tuple(broadcast_table(t, rule, unsqueeze).to(compute) for t in tables))
 
     def _kernel_views(self, xs: list[Tensor], c: Tensor, rule: str | None):
         """``xs`` as the kernel's ``(B, H, S, D)`` views and a function making ``(B or 1, S, R/2)``
@@ -261,12 +261,6 @@ class RotaryHelper:
                 return None
         cb, sb = self._prepared((cos, sin), self.rotation.broadcast, 1, q.dtype)
         return functional.apply_rotary(q, cb, sb, full=True), functional.apply_rotary(k, cb, sb, full=True)
-
-
-def _per_forward(sources: tuple, tag: tuple, make: Callable[[], Any]) -> Any:
-    """``make()``, kept for the rest of this forward of a patched model (its other layers get the same
-    tables: :mod:`torchembed.kernels.per_forward`); computed afresh outside one and inside a graph."""
-    return derive(current(), sources, tag, make)
 
 
 def _rows(table: Tensor, x: Tensor, rule: str) -> Tensor:

@@ -61,7 +61,8 @@ from torchembed.patches.actions import AddForwardPreHook, Component
 from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
 from torchembed.patches.devices import ShareDeviceCopies
 from torchembed.patches.errors import StructureError
-from torchembed.patches.kv_cache import CACHE_KEYWORDS, append_in_place, growing_layer
+from torchembed.patches import kv_cache
+from torchembed.patches.kv_cache import CACHE_KEYWORDS
 from torchembed.patches.registry import Family, PatchOptions, register
 
 __all__ = ["AlibiOptions", "InstanceConstants", "bloom_alibi_tensor", "falcon_key_bias", "falcon_no_model_bias", "mpt_alibi_tensor"]
@@ -229,14 +230,9 @@ def _cache_update(cache: Any, k: Tensor, v: Tensor, layer_idx: int, arguments: d
     of the whole cache down CUDA's slow copy path (BLOOM-7B1 shape at 65k tokens on an H200: 1.7 ms per
     layer and tensor; see ``benchmarks/results/long-context.md``). A long ``DynamicCache`` layer grows in
     place instead (:mod:`torchembed.patches.kv_cache`)."""
-    k, v = k.contiguous(), v.contiguous()
-    layer = growing_layer(cache, layer_idx)
-    if layer is not None:
-        return append_in_place(layer, k, v)
     position = arguments.get("cache_position")
-    if position is None:
-        return cache.update(k, v, layer_idx)
-    return cache.update(k, v, layer_idx, {"cache_position": position})
+    extra = () if position is None else ({"cache_position": position},)
+    return kv_cache.update(cache, k.contiguous(), v.contiguous(), layer_idx, *extra)
 
 
 def _upstream(module: nn.Module, args: tuple, kwargs: dict, **changed: Any) -> Any:
@@ -551,8 +547,6 @@ def _falcon_alibi(config: Any) -> bool:
     return bool(getattr(config, "alibi", False))
 
 
-_CACHE_ANY = CACHE_KEYWORDS
-
 register(
     Family(
         model_type="bloom",
@@ -560,7 +554,7 @@ register(
         adapters=(
             OverrideBuilder("BloomModel", "build_alibi_tensor", bloom_alibi_tensor, ("attention_mask", "num_heads", "dtype")),
             ReplaceGlobals("BloomModel", required={}, optional={"_get_alibi_slopes": alibi_slopes}),  # same signature
-            ReplaceAlibiForward("BloomAttention", bloom_attention_forward, _ATTENTION_NEEDS["bloom"], _CACHE_ANY),
+            ReplaceAlibiForward("BloomAttention", bloom_attention_forward, _ATTENTION_NEEDS["bloom"], CACHE_KEYWORDS),
             ShareDeviceCopies(),
         ),
         description="build_alibi_tensor / slopes -> torchembed ALiBi; attention -> fused ALiBi attention",
@@ -573,7 +567,7 @@ register(
         adapters=(
             OverrideBuilder("MptModel", "build_mpt_alibi_tensor", mpt_alibi_tensor,
                            ("num_heads", "sequence_length", "alibi_bias_max", "device")),
-            ReplaceAlibiForward("MptAttention", mpt_attention_forward, _ATTENTION_NEEDS["mpt"], _CACHE_ANY),
+            ReplaceAlibiForward("MptAttention", mpt_attention_forward, _ATTENTION_NEEDS["mpt"], CACHE_KEYWORDS),
             RequestAttentionWeights("MptBlock"),
             ShareDeviceCopies(),
         ),
@@ -588,7 +582,7 @@ register(
         applies=_falcon_alibi,
         adapters=(
             ReplaceGlobals("FalconModel", {"build_alibi_tensor": falcon_no_model_bias}),
-            ReplaceAlibiForward("FalconAttention", falcon_attention_forward, _ATTENTION_NEEDS["falcon"], _CACHE_ANY),
+            ReplaceAlibiForward("FalconAttention", falcon_attention_forward, _ATTENTION_NEEDS["falcon"], CACHE_KEYWORDS),
             ShareDeviceCopies(),
         ),
         description=(
