@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the decode results, by phase (each fits one device call; results in $OUT):
-#   tests   - the CUDA tests of the decode route, the nothing-global suite and the split-key kernel
+#   tests   - the CUDA tests of the decode route and the nothing-global suite
+#   kernel-tests - the split-key kernel's tests on CUDA
+#   sweep   - the split-key kernel's launch configurations at batch 1 against SDPA (torchembed bench decode --sweep)
 #   decode  - torchembed bench decode (decode attention against its floor and SDPA's backends)
 #   depth   - full-depth decode per step: MPT-7B-StoryWriter and BLOOM-7B1 shapes at 65k, LLaMA-3.1-8B at 128k
 #   compiled - compiled static-cache generate at 64k (8 layers), upstream and patched, and the padded batch
@@ -15,10 +17,16 @@ export PYTHONUNBUFFERED=1
 for phase in "$@"; do
   case "$phase" in
     tests)
-      for file in tests/patches/test_decode_attention.py tests/patches/test_nothing_global.py tests/kernels/test_alibi_flash.py; do
-        timeout 150 python3 -m pytest -q -p no:cacheprovider "$file" --tb=short \
-          -k "cuda or without_a_bias or only_the_keys or compiles_once" 2>&1 | tail -n 15
+      for file in tests/patches/test_decode_attention.py tests/patches/test_nothing_global.py; do
+        timeout 150 python3 -m pytest -q -p no:cacheprovider "$file" --tb=short -k cuda 2>&1 | tail -n 15
       done | tee "$OUT/tests.log" ;;
+    kernel-tests)  # the split-key kernel's tests on CUDA, one line per test as it ends
+      timeout 300 python3 -m pytest -v -p no:cacheprovider tests/kernels/test_alibi_flash.py --tb=short --durations=8 \
+        -k "without_a_bias or only_the_keys or compiles_once" 2>&1 | grep -E "PASS|FAIL|ERROR|Error|passed|failed|s call" \
+        | tee "$OUT/kernel-tests.log" ;;
+    sweep)  # the split-key kernel's launch configurations at batch 1 (GQA), the best against SDPA's backends
+      timeout 280 python3 -m torchembed bench decode --sweep --cases gqa --name decode-sweep-gqa --out "$OUT" 2>&1 \
+        | grep "^| gqa" ;;
     decode)
       timeout 170 python3 -m torchembed bench decode --out "$OUT" 2>&1 | grep -v Warning | grep -v "return {" | tail -n 18 ;;
     depth)
@@ -35,11 +43,11 @@ for phase in "$@"; do
       timeout 110 python3 benchmarks/probes/padded_generate.py --contexts 4096 16384 --layers 8 --repeats 2 \
         --out "$OUT/padded-generate.json" 2>&1 | tail -n 4 ;;
     profile)
-      timeout 150 python3 benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 \
+      timeout 190 python3 benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 \
         --variants upstream patched upstream-compiled patched-compiled --out "$OUT" 2>&1 | grep "^|"
-      timeout 120 python3 benchmarks/probes/decode_step_profile.py --model bloom --keys 65536 --layers 8 \
+      timeout 150 python3 benchmarks/probes/decode_step_profile.py --model bloom --keys 65536 --layers 8 \
         --variants upstream patched patched-compiled --out "$OUT" 2>&1 | grep "^|"
-      timeout 80 python3 benchmarks/probes/decode_step_profile.py --model mpt --keys 65536 --layers 8 --out "$OUT" 2>&1 | grep "^|" ;;
+      timeout 150 python3 benchmarks/probes/decode_step_profile.py --model mpt --keys 65536 --layers 8 --out "$OUT" 2>&1 | grep "^|" ;;
     growth)
       for model in llama bloom; do
         timeout 120 python3 benchmarks/probes/cache_growth.py --model "$model" --keys 16384 65536 --layers 8 \

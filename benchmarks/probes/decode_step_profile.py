@@ -1,12 +1,12 @@
 """Where one eager decode step's time goes at long context: wall time, GPU busy time, host syncs, top host ops.
 
-A base model (no LM head) of the given shape with random weights and a ``DynamicCache`` filled with
-``--keys`` random tokens per layer (no prefill). Upstream and patched each run ``--steps`` plain decode
+A causal LM (LM head over 1024 tokens) of the given shape with random weights and a ``DynamicCache`` filled
+with ``--keys`` random tokens per layer (no prefill). Upstream and patched each run ``--steps`` plain decode
 steps (``model(next, past_key_values=cache)``, synchronised); then one more step runs under
 ``torch.profiler`` and one under CUDA's sync debug mode (counting host synchronisations). GPU time is the
 sum of the step's kernel times; wall minus GPU time is what the host adds. ``compiled`` variants
 (``upstream-compiled``, ``patched-compiled``) run the same step over a ``StaticCache`` of ``--keys + 64``
-slots filled to ``--keys``, through ``torch.compile(fullgraph=True, mode="reduce-overhead")`` (CUDA
+slots filled to ``--keys``, with the inputs ``generate`` makes for it, through ``torch.compile(fullgraph=True, mode="reduce-overhead")`` (CUDA
 graphs): the step as HF's compiled ``generate`` runs it, without ``generate``'s own per-token work.
 
     python benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 [--out DIR]
@@ -40,10 +40,8 @@ SHAPES = {
 }
 
 
-def _step(model, token, cache, position=None):
-    if position is None:
-        return model(token, past_key_values=cache, use_cache=True)
-    return model(token, past_key_values=cache, use_cache=True, cache_position=position, position_ids=position[None])
+def _step(model, token, cache):
+    return model(token, past_key_values=cache, use_cache=True)
 
 
 def _static_cache(config, keys: int, dev) -> transformers.StaticCache:
@@ -56,14 +54,38 @@ def _static_cache(config, keys: int, dev) -> transformers.StaticCache:
     return cache
 
 
+def _busy_us(events) -> float:
+    """GPU busy time: the union of the kernels' and copies' intervals (annotations on the GPU timeline, such as
+    a compiled graph's ``## Call CompiledFxGraph`` span, cover those kernels again and are left out)."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("##", "Torch-")))
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
+def _generate_inputs(model, cache, keys: int, dev) -> dict:
+    """What ``generate`` hands a compiled forward for the token after ``keys`` seen ones: the model's own
+    ``prepare_inputs_for_generation`` (LLaMA gets a 4-D mask over every static slot, BLOOM a 2-D mask padded to
+    the cache's length)."""
+    ids = torch.zeros(1, keys + 1, dtype=torch.long, device=dev)
+    inputs = model.prepare_inputs_for_generation(ids, next_sequence_length=1, past_key_values=cache,
+                                                 attention_mask=torch.ones_like(ids), use_cache=True,
+                                                 cache_position=torch.full((1,), keys, device=dev))
+    return {k: v for k, v in inputs.items() if v is not None}
+
+
 def _measure(model, config, keys: int, steps: int, compiled: bool = False) -> dict:
     dev = torch.device("cuda")
     token = torch.zeros(1, 1, dtype=torch.long, device=dev)
     if compiled:
         cache = _static_cache(config, keys, dev)
-        position = torch.full((1,), keys, dtype=torch.long, device=dev)  # the step rewrites one slot
+        inputs = _generate_inputs(model, cache, keys, dev)  # each step rewrites the same slot
         forward = torch.compile(model, fullgraph=True, mode="reduce-overhead")
-        step = lambda m, t, c: _step(forward, t, c, position)
+        step = lambda m, t, c: forward(**inputs)
         steps += 3  # (compiles and records the graph)
     else:
         cache = _filled_cache(config, keys, dev, torch.bfloat16)
@@ -88,7 +110,7 @@ def _measure(model, config, keys: int, steps: int, compiled: bool = False) -> di
         finally:
             torch.cuda.set_sync_debug_mode("default")
     events = prof.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events)
+    gpu_us = _busy_us(prof.events())
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {"step_ms": statistics.median(times[5 if compiled else 2:]), "steps_ms": times, "gpu_ms": gpu_us / 1e3,
             "host_syncs": sum("synchroniz" in str(w.message) for w in caught),
@@ -109,7 +131,7 @@ def main() -> None:
     args = p.parse_args()
     config = SHAPES[args.model](args)
     torch.manual_seed(0)
-    base = transformers.AutoModel.from_config(config, dtype=torch.bfloat16).to("cuda").eval()
+    base = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to("cuda").eval()
     rows = {}
     for variant in args.variants:
         model = torchembed.patch(copy.deepcopy(base)) if variant.startswith("patched") else base
