@@ -6,6 +6,8 @@
 #   decode  - torchembed bench decode (decode attention against its floor and SDPA's backends)
 #   depth   - full-depth decode per step: MPT-7B-StoryWriter and BLOOM-7B1 shapes at 65k, LLaMA-3.1-8B at 128k
 #   compiled - compiled static-cache generate at 64k (8 layers), upstream and patched, and the padded batch
+#   short   - compiled static-cache decode of ~1B LLaMA and Qwen3 at 512 and 4k (torchembed bench e2e)
+#   compiled-more - compiled static-cache generate at 64k for the Qwen3-8B and Falcon-ALiBi shapes
 #   profile - where one decode step's time goes (8 layers, 64k keys): eager and compiled, upstream and patched
 #   growth  - one decode step over a long DynamicCache, patched (grows in place) against upstream (torch.cat)
 set -uo pipefail
@@ -42,6 +44,13 @@ for phase in "$@"; do
         --steps 6 --compiled 16 --name long-compiled-bloom --out "$OUT" 2>&1 | grep "^| bloom"
       timeout 110 python3 benchmarks/probes/padded_generate.py --contexts 4096 16384 --layers 8 --repeats 2 \
         --out "$OUT/padded-generate.json" 2>&1 | tail -n 4 ;;
+    short)  # compiled static-cache decode of ~1B LLaMA and Qwen3 at short context, upstream against patched
+      timeout 290 python3 -m torchembed bench e2e --models llama qwen3 --variants upstream patched \
+        --phases compiled compiled-step --batch-sizes 1 --prompt-lens 512 4096 --repeats 5 --max-seconds 240 \
+        --name e2e-compiled-short --out "$OUT" 2>&1 | grep -E "^\| (llama|qwen3)" ;;
+    compiled-more)  # compiled static-cache generate at 64k (8 layers): Qwen3-8B and Falcon-ALiBi shapes
+      timeout 240 python3 -m torchembed bench long --models qwen3 falcon --contexts 65536 --layers 8 --steps 6 \
+        --compiled 16 --max-seconds 200 --name long-compiled-qwen3-falcon --out "$OUT" 2>&1 | grep -E "^\| (qwen3|falcon)" ;;
     profile)
       timeout 190 python3 benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 \
         --variants upstream patched upstream-compiled patched-compiled --out "$OUT" 2>&1 | grep "^|"
