@@ -8,6 +8,7 @@
 #   compiled - compiled static-cache generate at 64k (8 layers), upstream and patched, and the padded batch
 #   short   - compiled static-cache decode of ~1B LLaMA and Qwen3 at 512 and 4k (torchembed bench e2e)
 #   compiled-more - compiled static-cache generate at 64k for the Qwen3-8B and Falcon-ALiBi shapes
+#   depth-profile - full-depth MPT at 65k through the profile probe and through bench long, one after the other
 #   profile - where one decode step's time goes (8 layers, 64k keys): eager and compiled, upstream and patched
 #   growth  - one decode step over a long DynamicCache, patched (grows in place) against upstream (torch.cat)
 set -uo pipefail
@@ -45,12 +46,17 @@ for phase in "$@"; do
       timeout 110 python3 benchmarks/probes/padded_generate.py --contexts 4096 16384 --layers 8 --repeats 2 \
         --out "$OUT/padded-generate.json" 2>&1 | tail -n 4 ;;
     short)  # compiled static-cache decode of ~1B LLaMA and Qwen3 at short context, upstream against patched
-      timeout 290 python3 -m torchembed bench e2e --models llama qwen3 --variants upstream patched \
-        --phases compiled compiled-step --batch-sizes 1 --prompt-lens 512 4096 --repeats 5 --max-seconds 240 \
+      timeout 200 python3 -m torchembed bench e2e --models llama qwen3 --variants upstream patched \
+        --phases compiled compiled-step --batch-sizes 1 --prompt-lens 512 4096 --repeats 3 --max-seconds 150 \
         --name e2e-compiled-short --out "$OUT" 2>&1 | grep -E "^\| (llama|qwen3)" ;;
     compiled-more)  # compiled static-cache generate at 64k (8 layers): Qwen3-8B and Falcon-ALiBi shapes
       timeout 240 python3 -m torchembed bench long --models qwen3 falcon --contexts 65536 --layers 8 --steps 6 \
         --compiled 16 --max-seconds 200 --name long-compiled-qwen3-falcon --out "$OUT" 2>&1 | grep -E "^\| (qwen3|falcon)" ;;
+    depth-profile)  # full-depth MPT at 65k: the profile's filled cache against bench long's prefilled one
+      timeout 200 python3 benchmarks/probes/decode_step_profile.py --model mpt --keys 65536 --layers 32 \
+        --variants patched --out "$OUT/full" 2>&1 | grep "^|"
+      timeout 150 python3 -m torchembed bench long --models mpt --variants patched --layers 32 --contexts 65536 \
+        --steps 8 --name long-depth-mpt-again --out "$OUT" 2>&1 | grep "^| mpt" ;;
     profile)
       timeout 190 python3 benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 \
         --variants upstream patched upstream-compiled patched-compiled --out "$OUT" 2>&1 | grep "^|"

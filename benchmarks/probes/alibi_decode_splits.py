@@ -52,7 +52,7 @@ def main() -> None:
         for per_sm in PER_SM:
             for cfg in BLOCKS[K.block_d(d)]:
                 # (tuned forgets the kept plans on entry and exit: each candidate makes its own)
-                with changed(alibi=dict(decode_programs_per_sm=per_sm, blocks={("decode", K.block_d(d), False): cfg})):
+                with changed(alibi=dict(decode_programs_per_sm=(per_sm, per_sm), blocks={("decode", K.block_d(d), False): cfg})):
                     try:
                         out = alibi.attention(q, k, v, fused=True)
                         err = (out.float() - ref).abs().max().item()

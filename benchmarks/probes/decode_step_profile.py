@@ -28,6 +28,8 @@ import transformers
 from cache_growth import _filled_cache
 
 import torchembed
+from torchembed.tools import bench
+from torchembed.tools.bench_e2e import decode_floor_ms
 
 SHAPES = {
     "llama": lambda a: transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -132,6 +134,8 @@ def main() -> None:
     config = SHAPES[args.model](args)
     torch.manual_seed(0)
     base = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to("cuda").eval()
+    bandwidth = bench.copy_bandwidth(torch.device("cuda"))
+    floor = decode_floor_ms(base, 1, args.keys, bandwidth)
     rows = {}
     for variant in args.variants:
         model = torchembed.patch(copy.deepcopy(base)) if variant.startswith("patched") else base
@@ -147,13 +151,15 @@ def main() -> None:
     lines = [f"# One decode step, {args.model} shape, {args.layers} layers, {args.keys} keys, batch 1, bf16", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- device: {torch.cuda.get_device_name()}",
-             f"- versions: torch {torch.__version__}, transformers {transformers.__version__}", "",
-             "| variant | step ms | GPU ms | host-added ms | host syncs |", "|---|---:|---:|---:|---:|"]
+             f"- versions: torch {torch.__version__}, transformers {transformers.__version__}",
+             f"- floor: weights + KV cache over the measured copy bandwidth ({bandwidth / 1e9:.0f} GB/s): {floor:.2f} ms",
+             "", "| variant | step ms | of floor | GPU ms | host-added ms | host syncs |", "|---|---:|---:|---:|---:|---:|"]
     for variant, r in rows.items():
         if r.get("oom"):
-            lines.append(f"| {variant} | {r.get('error', 'OOM')} | | | |")
+            lines.append(f"| {variant} | {r.get('error', 'OOM')} | | | | |")
             continue
-        lines.append(f"| {variant} | {r['step_ms']:.2f} | {r['gpu_ms']:.2f} | {r['step_ms'] - r['gpu_ms']:.2f} "
+        lines.append(f"| {variant} | {r['step_ms']:.2f} | {r['step_ms'] / floor:.2f}x | {r['gpu_ms']:.2f} "
+                     f"| {r['step_ms'] - r['gpu_ms']:.2f} "
                      f"| {r['host_syncs']} |")
     for variant, r in rows.items():
         if r.get("oom"):
@@ -165,10 +171,11 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
         stem = args.out / f"decode-step-profile-{args.model}"
         stem.with_suffix(".md").write_text(text)
         stem.with_suffix(".json").write_text(json.dumps({"options": vars(args) | {"out": str(args.out)},
-                                                         "rows": rows}, indent=1, default=str))
+                                                         "bandwidth": bandwidth, "floor_ms": floor, "rows": rows}, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -203,6 +203,35 @@ def test_decode_splits_the_keys(keys, heads, kv_heads):
     _check(q, k, v, alibi_slopes(heads, DEV))
 
 
+def test_decode_split_count_follows_the_tuning():
+    """At least ``least`` programs per multiprocessor, more (up to ``most``) while each part keeps
+    ``decode_split_keys`` keys, never a part under two key blocks; a bad tuning is refused."""
+    from torchembed.kernels.alibi import _decode_splits
+    from torchembed.kernels.settings import AlibiTuning, changed
+
+    cpu = torch.device("cpu")  # (16 multiprocessors are assumed off CUDA)
+    with changed(alibi={"decode_programs_per_sm": (1, 2), "decode_split_keys": 2048}):
+        assert _decode_splits(cpu, 8, 16384, 64) == 4  # 16384 / 2048 = 8 parts wanted; the most: 2 x 16 / 8
+        assert _decode_splits(cpu, 8, 2048, 64) == 2  # the least: 16 / 8
+        assert _decode_splits(cpu, 1, 16384, 64) == 16  # the least for one program
+        assert _decode_splits(cpu, 1, 65536, 64) == 32  # the most: 2 x 16
+        assert _decode_splits(cpu, 1, 40000, 64) == 19  # between: 40000 // 2048
+        assert _decode_splits(cpu, 1, 300, 64) == 3  # parts of two blocks at least
+        assert _decode_splits(cpu, 64, 100, 64) == 1
+    for bad in ({"decode_programs_per_sm": (2, 1)}, {"decode_programs_per_sm": (0, 1)}, {"decode_split_keys": 0}):
+        with pytest.raises(ValueError, match="decode_"):
+            AlibiTuning(**bad)
+
+
+def test_decode_with_many_parts_matches_the_oracle():
+    """The most parts the tuning allows (short parts of many splits) still combine to the reference."""
+    from torchembed.kernels.settings import changed
+
+    with changed(alibi={"decode_programs_per_sm": (1, 4), "decode_split_keys": 16}):
+        q, k, v = _inputs(2, 4, 2, 1, 200, 32, torch.float32, seed=5)
+        _check(q, k, v, alibi_slopes(4, DEV))
+
+
 def test_decode_with_padding_and_a_few_queries():
     keep = _left_padded_keep(2, 3, 120, [0, 50])
     q, k, v = _inputs(2, 4, 2, 3, 120, 32, torch.bfloat16, seed=11)

@@ -795,6 +795,16 @@ class ForwardPlan:
         return out, lse, bounds
 
 
+def _decode_splits(device: torch.device, programs: int, k_len: int, block_n: int) -> int:
+    """How many parts the split-key decode cuts the keys into: programs for every multiprocessor (between
+    the bounds of ``AlibiTuning.decode_programs_per_sm``, more while each part keeps ``decode_split_keys``
+    keys), each part at least two key blocks long."""
+    least, most = settings().alibi.decode_programs_per_sm
+    sms = _sms(device) if device.type == "cuda" else 16  # (the interpreter: several splits at small shapes)
+    wanted = min(max(_cdiv(least * sms, programs), k_len // settings().alibi.decode_split_keys), _cdiv(most * sms, programs))
+    return max(1, min(wanted, _cdiv(k_len, 2 * block_n)))
+
+
 def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Tensor | None, keep: Tensor | None,
                  scale: float, key_bias: bool, need_lse: bool) -> ForwardPlan:
     """The :class:`ForwardPlan` of attention of ``q (B, H, M, D)`` over ``k, v (B, Hk, N, D)``: output
@@ -817,9 +827,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Ten
         block_r, block_n, warps, stages = config_for("decode", head_dim, q.dtype, masked)
         block_r = max(block_r, _pow2(group * q_len))
         programs = batch * kv_heads
-        # enough programs for every multiprocessor (AlibiTuning.decode_programs_per_sm each), each at least two key blocks long
-        sms = _sms(q.device) if q.is_cuda else 16  # (the interpreter: several splits at small shapes)
-        splits = max(1, min(_cdiv(settings().alibi.decode_programs_per_sm * sms, programs), _cdiv(k_len, 2 * block_n)))
+        splits = _decode_splits(q.device, programs, k_len, block_n)
         single = splits == 1
         plan.part = 0 if single else splits * programs * block_r * (bd + 2)
         plan.main = Launch(_device()._decode_kernel, (splits, programs, 1), (*strides, heads, group, q_len, k_len, splits, qk_scale),

@@ -80,17 +80,28 @@ class AlibiTuning:
 
     ``blocks``: ``(kernel, BLOCK_D bucket, mask given?) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps,
     num_stages)`` for float16/bfloat16 (float32 and the interpreter take fixed small tiles).
-    ``decode_programs_per_sm``: the split-key decode splits the keys until its grid has this many
-    programs per multiprocessor. ``skip``, ``skip_margin_bits``, ``skip_min_keys``: the skip of keys
+    ``decode_programs_per_sm``: ``(least, most)``: the split-key decode splits the keys until its grid
+    has at least ``least`` programs per multiprocessor, and more, up to ``most``, while each split keeps
+    ``decode_split_keys`` keys or more (on the H200 at batch 1 a second program per multiprocessor is
+    8 % faster from 64k keys on and 12 % slower at 16k, ``decode-sweep-gqa.md``). ``skip``, ``skip_margin_bits``, ``skip_min_keys``: the skip of keys
     of negligible weight in long prefills (from this many keys; what is left out is under
     ``2**-(skip_margin_bits + log2 keys)`` of each row's mass)."""
 
     blocks: Mapping[tuple[str, int, bool], tuple[int, int, int, int]] = field(
         default_factory=lambda: MappingProxyType(dict(_MEASURED_BLOCKS)))
-    decode_programs_per_sm: int = 1
+    decode_programs_per_sm: tuple[int, int] = (1, 2)
+    decode_split_keys: int = 2048
     skip: bool = True
     skip_margin_bits: float = 32.0
     skip_min_keys: int = 2048
+
+    def __post_init__(self) -> None:
+        least, most = self.decode_programs_per_sm
+        if not 1 <= least <= most:
+            raise ValueError(f"decode_programs_per_sm must be (least, most) with 1 <= least <= most, "
+                             f"got {self.decode_programs_per_sm!r}")
+        if self.decode_split_keys < 1:
+            raise ValueError(f"decode_split_keys must be positive, got {self.decode_split_keys}")
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ def _sweep(cases: dict[tuple[str, int], dict[str, Any]], device: torch.device, s
     for config, per_sm in _grid(smoke):
         for (name, keys), c in cases.items():
             key = ("decode", block_d(c["dim"]), c["mask"] is not None)
-            with changed(alibi={"blocks": {key: config}, "decode_programs_per_sm": per_sm}):
+            with changed(alibi={"blocks": {key: config}, "decode_programs_per_sm": (per_sm, per_sm)}):
                 try:
                     ms = bench.do_bench(_torchembed(c), device)
                 except Exception as exc:  # a configuration that does not compile or fit: recorded
@@ -189,7 +189,7 @@ def main(argv: Sequence[str]) -> int:
         floor = first["bytes"] / bandwidth * 1e3
         chosen = (sweep or {}).get("best", {}).get(f"{name}@{keys}")
         key = ("decode", block_d(first["dim"]), first["mask"] is not None)
-        tuning = (changed(alibi={"blocks": {key: tuple(chosen["config"])}, "decode_programs_per_sm": chosen["per_sm"]})
+        tuning = (changed(alibi={"blocks": {key: tuple(chosen["config"])}, "decode_programs_per_sm": (chosen["per_sm"],) * 2})
                   if chosen else contextlib.nullcontext())
         with tuning:
             ours = _device_ms(_torchembed, copies, device)
