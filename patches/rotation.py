@@ -20,7 +20,7 @@ from torchembed import functional, kernels
 from torchembed.functional.rope import apply_rotary
 from torchembed.kernels.launch import FusedUnavailableError
 from torchembed.kernels.per_forward import current, derive
-from torchembed.kernels.rope import use_rope_kernel
+from torchembed.kernels.rope import takes_full_tables, use_rope_kernel
 from torchembed.patches.binding import CallSignature
 from torchembed.patches.recognition import (
     UNSQUEEZE_DIM, Rotation, broadcast_table, deinterleave, merge_mrope, parameter_defaults, upstream_function,
@@ -248,17 +248,18 @@ class RotaryHelper:
 
     def _usual_call(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor] | None:
         """HF's usual call, with less Python around it: on the kernel at inference in place (one cache
-        lookup and one launch per layer; a call the kernel does not take goes the general way), else
-        :func:`torchembed.functional.apply_rotary` with upstream's own tables. None: the general way."""
+        lookup and one launch per layer), else :func:`torchembed.functional.apply_rotary` with upstream's
+        own tables. None: the general way (also a call the kernel does not take, which
+        :func:`~torchembed.kernels.rope.takes_full_tables` tells before any launch)."""
         if q.shape[-1] != cos.shape[-1]:
             return None
         if use_rope_kernel(self.fused, q):
+            if not takes_full_tables(q, k, cos, sin):
+                return None
             # In place at inference; out of place where autograd records or torch.compile traces.
             inplace = not (torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
-            try:  # (HF's full-width rows: each feature its own entry, as upstream's arithmetic)
-                return kernels.rotary_fused(q, k, cos, sin, inplace=inplace, halves=True)
-            except ValueError:
-                return None
+            # (HF's full-width rows: each feature its own entry, as upstream's arithmetic)
+            return kernels.rotary_fused(q, k, cos, sin, inplace=inplace, halves=True)
         cb, sb = self._prepared((cos, sin), self.rotation.broadcast, 1, q.dtype)
         return functional.apply_rotary(q, cb, sb, full=True), functional.apply_rotary(k, cb, sb, full=True)
 

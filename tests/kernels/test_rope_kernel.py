@@ -1121,3 +1121,37 @@ def test_halves_tables_made_inside_a_compiled_graph():
     got = torch.compile(rotate, fullgraph=True, backend="inductor")(q, k, pos)
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, **TOL[torch.float32])
+
+
+def _full_tables_forms():
+    """(name, q, k, cos, sin): HF's usual call and the ways a call can miss it."""
+    gen = torch.Generator().manual_seed(5)
+    r = lambda *shape, dtype=torch.float32: torch.randn(*shape, generator=gen).to(DEV, dtype)  # noqa: E731
+    q, k, t = r(2, 4, 5, 8), r(2, 2, 5, 8), r(1, 5, 8)
+    yield "usual", q, k, t, t.clone()
+    yield "batched tables", q, k, r(2, 5, 8), r(2, 5, 8)
+    yield "2-D tables", q, k, r(5, 8), r(5, 8)
+    yield "tables of another batch", q, k, r(3, 5, 8), r(3, 5, 8)
+    yield "tables of other tokens", q, k, r(1, 6, 8), r(1, 6, 8)
+    yield "k with other tokens", q, r(2, 2, 6, 8), t, t
+    yield "k of another batch", q, r(1, 2, 5, 8), t, t
+    yield "k of another dtype", q, r(2, 2, 5, 8, dtype=torch.float64), t, t
+    yield "sin of another shape", q, k, t, r(2, 5, 8)
+    yield "odd head dim", r(2, 4, 5, 7), r(2, 2, 5, 7), r(1, 5, 7), r(1, 5, 7)
+    yield "integer tables", q, k, t.long(), t.long()
+    yield "3-D q", q[0], k[0], t, t
+
+
+@pytest.mark.parametrize("form", [f[0] for f in _full_tables_forms()])
+def test_takes_full_tables_says_what_rotary_fused_takes(form):
+    """``takes_full_tables`` is True exactly where ``rotary_fused(..., halves=True)`` takes the call (a
+    patched helper decides with it before the call, never catching a refusal); taken calls rotate."""
+    _, q, k, cos, sin = next(f for f in _full_tables_forms() if f[0] == form)
+    if rope.takes_full_tables(q, k, cos, sin):
+        qo, ko = rotary_fused(q, k, cos, sin, halves=True)
+        for got, x in ((qo, q), (ko, k)):
+            torch.testing.assert_close(got.double(), _oracle_halves(x, cos, sin), **TOL[torch.float32])
+    else:
+        with pytest.raises(ValueError, match="rotary_fused"):
+            rotary_fused(q, k, cos, sin, halves=True)
+    assert rope.takes_full_tables(q, k, cos, sin) == (form in ("usual", "batched tables"))

@@ -45,7 +45,7 @@ from torchembed.kernels import launch
 from torchembed.kernels.launch import kernel_can_run, triton_disabled, use_kernel
 from torchembed.kernels.settings import settings
 
-__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "use_rope_kernel"]
+__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "takes_full_tables", "use_rope_kernel"]
 
 
 class RopeArgs(NamedTuple):
@@ -307,6 +307,18 @@ def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate
     if halves and inv_freq is not None:
         _fail("expected cos/sin tables with halves, got inv_freq")
     return RopeArgs(q, k, cos, sin, inv_freq, pos_t, offset, float(scale), interleaved, conjugate, int(halves))
+
+
+def takes_full_tables(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether ``rotary_fused(q, k, cos, sin, halves=True)`` takes these tensors, without its ValueError:
+    HF's usual call, q ``(B, Hq, S, D)`` and k ``(B, Hk, S, D)`` of one floating dtype, per-token full-width
+    tables ``(B or 1, S, D)`` (D even) of one floating dtype, all on one device. A few shape comparisons,
+    so that the caller decides before the call instead of catching a refusal."""
+    qs, ks, cs = q.shape, k.shape, cos.shape
+    return (len(qs) == 4 and len(ks) == 4 and len(cs) == 3 and q.dtype in _KERNEL_DTYPES and k.dtype == q.dtype
+            and ks[0] == qs[0] and ks[2:] == qs[2:] and cs[0] in (1, qs[0]) and cs[1] == qs[2] and cs[2] == qs[3]
+            and qs[3] % 2 == 0 and qs[3] > 0 and sin.shape == cs and cos.is_floating_point() and sin.is_floating_point()
+            and k.device == q.device and cos.device == q.device and sin.device == q.device)
 
 
 # ------------------------------------------------------------------------------------------
