@@ -218,6 +218,8 @@ def test_decode_split_count_follows_the_tuning():
         assert _decode_splits(cpu, 1, 40000, 64) == 19  # between: 40000 // 2048
         assert _decode_splits(cpu, 1, 300, 64) == 3  # parts of two blocks at least
         assert _decode_splits(cpu, 64, 100, 64) == 1
+        assert _decode_splits(cpu, 12, 65536, 64) == 2  # the most rounds down: 32 // 12 (no third wave of programs)
+        assert _decode_splits(cpu, 24, 65536, 64) == 1  # already more than one program per multiprocessor
     for bad in ({"decode_programs_per_sm": (2, 1)}, {"decode_programs_per_sm": (0, 1)}, {"decode_split_keys": 0}):
         with pytest.raises(ValueError, match="decode_"):
             AlibiTuning(**bad)

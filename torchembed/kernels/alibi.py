@@ -796,12 +796,14 @@ class ForwardPlan:
 
 
 def _decode_splits(device: torch.device, programs: int, k_len: int, block_n: int) -> int:
-    """How many parts the split-key decode cuts the keys into: programs for every multiprocessor (between
-    the bounds of ``AlibiTuning.decode_programs_per_sm``, more while each part keeps ``decode_split_keys``
-    keys), each part at least two key blocks long."""
-    least, most = settings().alibi.decode_programs_per_sm
+    """How many parts the split-key decode cuts the keys into: at least ``least`` programs per
+    multiprocessor (``AlibiTuning.decode_programs_per_sm``), more while each part keeps
+    ``decode_split_keys`` keys, never over ``most`` per multiprocessor; each part two key blocks or more."""
+    tuning = settings().alibi
+    least, most = tuning.decode_programs_per_sm
     sms = _sms(device) if device.type == "cuda" else 16  # (the interpreter: several splits at small shapes)
-    wanted = min(max(_cdiv(least * sms, programs), k_len // settings().alibi.decode_split_keys), _cdiv(most * sms, programs))
+    fewest = _cdiv(least * sms, programs)
+    wanted = min(max(fewest, k_len // tuning.decode_split_keys), max(fewest, most * sms // programs))
     return max(1, min(wanted, _cdiv(k_len, 2 * block_n)))
 
 

@@ -81,9 +81,11 @@ class AlibiTuning:
     ``blocks``: ``(kernel, BLOCK_D bucket, mask given?) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps,
     num_stages)`` for float16/bfloat16 (float32 and the interpreter take fixed small tiles).
     ``decode_programs_per_sm``: ``(least, most)``: the split-key decode splits the keys until its grid
-    has at least ``least`` programs per multiprocessor, and more, up to ``most``, while each split keeps
-    ``decode_split_keys`` keys or more (on the H200 at batch 1 a second program per multiprocessor is
-    8 % faster from 64k keys on and 12 % slower at 16k, ``decode-sweep-gqa.md``). ``skip``, ``skip_margin_bits``, ``skip_min_keys``: the skip of keys
+    has ``least`` programs per multiprocessor, and more, up to ``most``, while each part keeps
+    ``decode_split_keys`` keys (H200, batch 1, grouped heads: a second program per multiprocessor is
+    2-8 % faster from 64k keys on, 12 % slower at 16k, ``decode-sweep-gqa.md``; over 8 x 8k keys it was
+    3 % slower, ``alibi-decode-splits.json``, so a grid that already fills the machine is not split more).
+    ``skip``, ``skip_margin_bits``, ``skip_min_keys``: the skip of keys
     of negligible weight in long prefills (from this many keys; what is left out is under
     ``2**-(skip_margin_bits + log2 keys)`` of each row's mass)."""
 
