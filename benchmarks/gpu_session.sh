@@ -8,7 +8,8 @@
 #   compiled - compiled static-cache generate at 64k (8 layers), upstream and patched, and the padded batch
 #   short   - compiled static-cache decode of ~1B LLaMA and Qwen3 at 512 and 4k (torchembed bench e2e)
 #   compiled-more - compiled static-cache generate at 64k for the Qwen3-8B and Falcon-ALiBi shapes
-#   depth-profile - full-depth MPT at 65k through the profile probe and through bench long, one after the other
+#   depth-profile - full-depth MPT at 65k through the profile probe (a filled cache, no prefill)
+#   depth-again - the same through bench long (the cache of a 65k prefill)
 #   profile - where one decode step's time goes (8 layers, 64k keys): eager and compiled, upstream and patched
 #   growth  - one decode step over a long DynamicCache, patched (grows in place) against upstream (torch.cat)
 set -uo pipefail
@@ -54,7 +55,8 @@ for phase in "$@"; do
         --compiled 16 --max-seconds 200 --name long-compiled-qwen3-falcon --out "$OUT" 2>&1 | grep -E "^\| (qwen3|falcon)" ;;
     depth-profile)  # full-depth MPT at 65k: the profile's filled cache against bench long's prefilled one
       timeout 200 python3 benchmarks/probes/decode_step_profile.py --model mpt --keys 65536 --layers 32 \
-        --variants patched --out "$OUT/full" 2>&1 | grep "^|"
+        --variants patched --out "$OUT/full" 2>&1 | grep "^|" ;;
+    depth-again)
       timeout 150 python3 -m torchembed bench long --models mpt --variants patched --layers 32 --contexts 65536 \
         --steps 8 --name long-depth-mpt-again --out "$OUT" 2>&1 | grep "^| mpt" ;;
     profile)
