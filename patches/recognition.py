@@ -91,10 +91,8 @@ class Rotation:
     partial: bool = False  # rotates the leading r features of a wider input, the rest pass through
     conjugate: bool = False  # rotates by -theta
     trailing: bool = False  # with partial: the last r features rotate, the leading ones pass (DeepSeek-V4)
-    optional: tuple[str, ...] = ()  # rotated tensors that may be left out (default None)
     single: bool = False  # returns a bare tensor when one tensor is rotated (else a tuple, None for left-out ones)
     unsqueeze_default: int = 1  # with broadcast "param"
-    ignored: tuple[str, ...] = ()  # extra parameters the result does not depend on (position_ids)
     sections: str = ""  # the parameter whose last dim counts the feature sections (multidimensional RoPE)
     mrope: str = ""  # the parameter of M-RoPE sections: tables (3, ..., w), one axis per section (transformers 4.x)
     indexed: str = ""  # the parameter of position ids that index (T, w) tables (older transformers)
@@ -364,7 +362,7 @@ def _probe_plain(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
     if not param:  # the ranks these calls broadcast by
         patterns += tuple(p for p in (tail, prefix) if p is not None and p not in patterns)
     return Rotation(roles.names, roles.rotated, roles.tables, layout, pairing, rule, partial, conjugate, trailing,
-                    roles.optional, single, int(defaults.get(UNSQUEEZE_DIM, 1)), ignored, patterns=patterns, tail=tail is not None,
+                    single, int(defaults.get(UNSQUEEZE_DIM, 1)), patterns=patterns, tail=tail is not None,
                     prefix=prefix is not None, keywords=roles.keywords), ""
 
 
