@@ -10,6 +10,7 @@
 #   compiled-more - compiled static-cache generate at 64k for the Qwen3-8B and Falcon-ALiBi shapes
 #   depth-profile - full-depth MPT at 65k through the profile probe (a filled cache, no prefill)
 #   depth-again - the same through bench long (the cache of a 65k prefill)
+#   before-after - speed of this tree against the tree in _baseline (compare_commits_gpu.sh; carry _baseline)
 #   profile - where one decode step's time goes (8 layers, 64k keys): eager and compiled, upstream and patched
 #   growth  - one decode step over a long DynamicCache, patched (grows in place) against upstream (torch.cat)
 set -uo pipefail
@@ -59,6 +60,9 @@ for phase in "$@"; do
     depth-again)
       timeout 150 python3 -m torchembed bench long --models mpt --variants patched --layers 32 --contexts 65536 \
         --steps 8 --name long-depth-mpt-again --out "$OUT" 2>&1 | grep "^| mpt" ;;
+    before-after)  # this tree against another commit's tree in _baseline (carried), side by side:
+      # git archive 0244682 | tar -x -C _baseline   (the tree before the nothing-global and walkable-house work)
+      BASE=_baseline RESULTS="$OUT/before-after" timeout 590 bash benchmarks/probes/compare_commits_gpu.sh ;;
     profile)
       timeout 190 python3 benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 \
         --variants upstream patched upstream-compiled patched-compiled --out "$OUT" 2>&1 | grep "^|"
