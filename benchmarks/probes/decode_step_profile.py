@@ -1,13 +1,17 @@
-"""Where one eager decode step's time goes at long context: wall time, GPU busy time, host syncs, top host ops.
+"""Where one decode step's time goes at long context: wall time, GPU busy time, host syncs, host time by owner.
 
 A causal LM (LM head over 1024 tokens) of the given shape with random weights and a ``DynamicCache`` filled
 with ``--keys`` random tokens per layer (no prefill). Upstream and patched each run ``--steps`` plain decode
 steps (``model(next, past_key_values=cache)``, synchronised); then one more step runs under
-``torch.profiler`` and one under CUDA's sync debug mode (counting host synchronisations). GPU time is the
-sum of the step's kernel times; wall minus GPU time is what the host adds. ``compiled`` variants
-(``upstream-compiled``, ``patched-compiled``) run the same step over a ``StaticCache`` of ``--keys + 64``
-slots filled to ``--keys``, with the inputs ``generate`` makes for it, through ``torch.compile(fullgraph=True, mode="reduce-overhead")`` (CUDA
-graphs): the step as HF's compiled ``generate`` runs it, without ``generate``'s own per-token work.
+``torch.profiler`` (GPU busy time: the union of the kernels' intervals; wall minus it is what the host
+adds; the top host operators), three under the profiler with Python stacks (host time by owner: each
+operator counted for the torchembed or transformers frame that called it; the least of the three) and one
+under CUDA's sync debug mode (host synchronisations). ``compiled`` variants (``upstream-compiled``,
+``patched-compiled``) run the same step over a ``StaticCache`` of ``--keys + 64`` slots filled to
+``--keys``, with the inputs ``generate`` makes for it, through ``torch.compile(fullgraph=True,
+mode="reduce-overhead")`` (CUDA graphs): the step as HF's compiled ``generate`` runs it, without
+``generate``'s own per-token work. ``--device cpu`` runs the eager variants in float32 (no GPU columns);
+``--hidden`` shrinks the shape.
 
     python benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 [--out DIR]
 """
@@ -80,8 +84,37 @@ def _generate_inputs(model, cache, keys: int, dev) -> dict:
     return {k: v for k, v in inputs.items() if v is not None}
 
 
-def _measure(model, config, keys: int, steps: int, compiled: bool = False) -> dict:
-    dev = torch.device("cuda")
+def _owner(event) -> str | None:
+    """Whose Python frame an event is: ``"torchembed"``, ``"transformers"``, or None (torch's own frames,
+    operators, anything else)."""
+    name = event.name
+    if ".py(" not in name:
+        return None
+    if "torchembed/" in name or "/patches/" in name:
+        return "torchembed"
+    return "transformers" if "transformers/" in name else None
+
+
+def _host_by_owner(events) -> dict[str, float]:
+    """Host time (ms) of one step by owner: every event's self time goes to the nearest enclosing Python frame
+    of torchembed or transformers (operators and torch's frames count for whoever called them); the rest,
+    ``other``, is the probe's loop and what no such frame encloses."""
+    total: dict[str, float] = {"torchembed": 0.0, "transformers": 0.0, "other": 0.0}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        owner, up = _owner(e), e
+        while owner is None and up.cpu_parent is not None:
+            up = up.cpu_parent
+            owner = _owner(up)
+        total[owner or "other"] += e.self_cpu_time_total / 1e3
+    return total
+
+
+def _measure(model, config, keys: int, steps: int, compiled: bool = False, dev: torch.device = torch.device("cuda"),
+             dtype: torch.dtype = torch.bfloat16) -> dict:
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     token = torch.zeros(1, 1, dtype=torch.long, device=dev)
     if compiled:
         cache = _static_cache(config, keys, dev)
@@ -90,35 +123,57 @@ def _measure(model, config, keys: int, steps: int, compiled: bool = False) -> di
         step = lambda m, t, c: forward(**inputs)
         steps += 3  # (compiles and records the graph)
     else:
-        cache = _filled_cache(config, keys, dev, torch.bfloat16)
+        cache = _filled_cache(config, keys, dev, dtype)
         step = _step
     times = []
+    caught: list = []
     with torch.no_grad():
         for _ in range(steps):
-            torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
             step(model, token, cache)
-            torch.cuda.synchronize()
+            sync()
             times.append((time.perf_counter() - start) * 1e3)
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         with torch.profiler.profile(activities=acts) as prof:
             step(model, token, cache)
-            torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+            sync()
+        owners = []
+        for _ in range(3):  # (the least of three: a profiled step now and then pays the profiler's own setup)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as stacked:
                 step(model, token, cache)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+                sync()
+            owners.append(_host_by_owner(stacked.events()))
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    step(model, token, cache)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
     events = prof.key_averages()
     gpu_us = _busy_us(prof.events())
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {"step_ms": statistics.median(times[5 if compiled else 2:]), "steps_ms": times, "gpu_ms": gpu_us / 1e3,
+            "host_ms_by_owner": min(owners, key=lambda h: sum(h.values())),
             "host_syncs": sum("synchroniz" in str(w.message) for w in caught),
             "sync_sites": sorted({str(w.message).splitlines()[0][:120] for w in caught}),
             "top_host_ops": [{"name": e.key[:70], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
                               "gpu_ms": e.self_device_time_total / 1e3} for e in top]}
+
+
+def _shrunk(config, model: str, hidden: int):
+    """The shape with a hidden size of ``hidden`` (heads of 64; LLaMA keeps 4 query heads per kv head)."""
+    heads = max(1, hidden // 64)
+    if model == "llama":
+        config.hidden_size, config.intermediate_size, config.head_dim = hidden, hidden * 7 // 2, 64
+        config.num_attention_heads, config.num_key_value_heads = heads, max(1, heads // 4)
+    elif model == "bloom":
+        config.hidden_size, config.n_head = hidden, heads
+    else:
+        config.d_model, config.n_heads = hidden, heads
+    return config
 
 
 def main() -> None:
@@ -129,38 +184,58 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--variants", nargs="+", default=["upstream", "patched"],
                    choices=["upstream", "patched", "upstream-compiled", "patched-compiled"])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: eager variants in float32, for the host time by owner (no GPU columns)")
+    p.add_argument("--hidden", type=int, default=None, help="a smaller hidden size (heads of 64), e.g. for the CPU")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    if not cuda and any(v.endswith("compiled") for v in args.variants):
+        p.error("the compiled variants replay CUDA graphs: they need --device cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
     config = SHAPES[args.model](args)
+    if args.hidden:
+        config = _shrunk(config, args.model, args.hidden)
     torch.manual_seed(0)
-    base = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to("cuda").eval()
-    bandwidth = bench.copy_bandwidth(torch.device("cuda"))
+    base = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).to(dev).eval()
+    bandwidth = bench.copy_bandwidth(dev)
     floor = decode_floor_ms(base, 1, args.keys, bandwidth)
     rows = {}
     for variant in args.variants:
         model = torchembed.patch(copy.deepcopy(base)) if variant.startswith("patched") else base
         try:
-            rows[variant] = _measure(model, config, args.keys, args.steps, compiled=variant.endswith("compiled"))
+            rows[variant] = _measure(model, config, args.keys, args.steps, compiled=variant.endswith("compiled"),
+                                     dev=dev, dtype=dtype)
         except torch.cuda.OutOfMemoryError:
             rows[variant] = {"oom": True}
         except Exception as exc:  # noqa: BLE001  (a variant this transformers cannot run: say so, go on)
             rows[variant] = {"oom": True, "error": repr(exc)[:300]}
         del model
         torch._dynamo.reset()
-        torch.cuda.empty_cache()
-    lines = [f"# One decode step, {args.model} shape, {args.layers} layers, {args.keys} keys, batch 1, bf16", "",
+        if cuda:
+            torch.cuda.empty_cache()
+    shape = f"{args.model} shape" + (f" (hidden {args.hidden})" if args.hidden else "")
+    lines = [f"# One decode step, {shape}, {args.layers} layers, {args.keys} keys, batch 1, {str(dtype)[6:]}", "",
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-             f"- device: {torch.cuda.get_device_name()}",
+             f"- device: {torch.cuda.get_device_name() if cuda else f'CPU, {torch.get_num_threads()} threads'}",
              f"- versions: torch {torch.__version__}, transformers {transformers.__version__}",
              f"- floor: weights + KV cache over the measured copy bandwidth ({bandwidth / 1e9:.0f} GB/s): {floor:.2f} ms",
-             "", "| variant | step ms | of floor | GPU ms | host-added ms | host syncs |", "|---|---:|---:|---:|---:|---:|"]
+             "", "| variant | step ms | x floor | GPU ms | host-added ms | host syncs |", "|---|---:|---:|---:|---:|---:|"]
     for variant, r in rows.items():
         if r.get("oom"):
             lines.append(f"| {variant} | {r.get('error', 'OOM')} | | | | |")
             continue
         lines.append(f"| {variant} | {r['step_ms']:.2f} | {r['step_ms'] / floor:.2f}x | {r['gpu_ms']:.2f} "
-                     f"| {r['step_ms'] - r['gpu_ms']:.2f} "
-                     f"| {r['host_syncs']} |")
+                     f"| {r['step_ms'] - r['gpu_ms']:.2f} | {r['host_syncs'] if cuda else '-'} |")
+    lines += ["", "Host time of one step by owner (ms under the profiler with Python stacks, which slows the host; "
+              "each operator counted for the torchembed or transformers frame that called it):", "",
+              "| variant | torchembed | transformers | other | torchembed per layer |", "|---|---:|---:|---:|---:|"]
+    for variant, r in rows.items():
+        if not r.get("oom"):
+            h = r["host_ms_by_owner"]
+            lines.append(f"| {variant} | {h['torchembed']:.2f} | {h['transformers']:.2f} | {h['other']:.2f} "
+                         f"| {h['torchembed'] / args.layers:.3f} |")
     for variant, r in rows.items():
         if r.get("oom"):
             continue
@@ -172,10 +247,11 @@ def main() -> None:
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"decode-step-profile-{args.model}"
+        stem = args.out / (f"decode-step-profile-{args.model}" + ("" if cuda else "-cpu"))
         stem.with_suffix(".md").write_text(text)
         stem.with_suffix(".json").write_text(json.dumps({"options": vars(args) | {"out": str(args.out)},
-                                                         "bandwidth": bandwidth, "floor_ms": floor, "rows": rows}, indent=1, default=str))
+                                                         "bandwidth": bandwidth, "floor_ms": floor, "rows": rows},
+                                                        indent=1, default=str))
 
 
 if __name__ == "__main__":
