@@ -205,21 +205,24 @@ def test_decode_splits_the_keys(keys, heads, kv_heads):
 
 def test_decode_split_count_follows_the_tuning():
     """At least ``least`` programs per multiprocessor, more (up to ``most``) while each part keeps
-    ``decode_split_keys`` keys, never a part under two key blocks; a bad tuning is refused."""
+    ``decode_split_keys`` keys, never a part under two key blocks; a masked call (a static cache's
+    filled part unknown on the host) takes the least; a bad tuning is refused."""
     from torchembed.kernels.alibi import _decode_splits
     from torchembed.kernels.settings import AlibiTuning, changed
 
     cpu = torch.device("cpu")  # (16 multiprocessors are assumed off CUDA)
     with changed(alibi={"decode_programs_per_sm": (1, 2), "decode_split_keys": 2048}):
-        assert _decode_splits(cpu, 8, 16384, 64) == 4  # 16384 / 2048 = 8 parts wanted; the most: 2 x 16 / 8
-        assert _decode_splits(cpu, 8, 2048, 64) == 2  # the least: 16 / 8
-        assert _decode_splits(cpu, 1, 16384, 64) == 16  # the least for one program
-        assert _decode_splits(cpu, 1, 65536, 64) == 32  # the most: 2 x 16
-        assert _decode_splits(cpu, 1, 40000, 64) == 19  # between: 40000 // 2048
-        assert _decode_splits(cpu, 1, 300, 64) == 3  # parts of two blocks at least
-        assert _decode_splits(cpu, 64, 100, 64) == 1
-        assert _decode_splits(cpu, 12, 65536, 64) == 2  # the most rounds down: 32 // 12 (no third wave of programs)
-        assert _decode_splits(cpu, 24, 65536, 64) == 1  # already more than one program per multiprocessor
+        assert _decode_splits(cpu, 8, 16384, 64, False) == 4  # 16384 / 2048 = 8 parts wanted; the most: 2 x 16 / 8
+        assert _decode_splits(cpu, 8, 2048, 64, False) == 2  # the least: 16 / 8
+        assert _decode_splits(cpu, 1, 16384, 64, False) == 16  # the least for one program
+        assert _decode_splits(cpu, 1, 65536, 64, False) == 32  # the most: 2 x 16
+        assert _decode_splits(cpu, 1, 40000, 64, False) == 19  # between: 40000 // 2048
+        assert _decode_splits(cpu, 1, 300, 64, False) == 3  # parts of two blocks at least
+        assert _decode_splits(cpu, 64, 100, 64, False) == 1
+        assert _decode_splits(cpu, 12, 65536, 64, False) == 2  # the most rounds down: 32 // 12 (no third wave of programs)
+        assert _decode_splits(cpu, 24, 65536, 64, False) == 1  # already more than one program per multiprocessor
+        assert _decode_splits(cpu, 1, 65536, 64, True) == 16  # masked: the least
+        assert _decode_splits(cpu, 8, 16384, 64, True) == 2
     for bad in ({"decode_programs_per_sm": (2, 1)}, {"decode_programs_per_sm": (0, 1)}, {"decode_split_keys": 0}):
         with pytest.raises(ValueError, match="decode_"):
             AlibiTuning(**bad)

@@ -795,16 +795,18 @@ class ForwardPlan:
         return out, lse, bounds
 
 
-def _decode_splits(device: torch.device, programs: int, k_len: int, block_n: int) -> int:
+def _decode_splits(device: torch.device, programs: int, k_len: int, block_n: int, masked: bool) -> int:
     """How many parts the split-key decode cuts the keys into: at least ``least`` programs per
     multiprocessor (``AlibiTuning.decode_programs_per_sm``), more while each part keeps
-    ``decode_split_keys`` keys, never over ``most`` per multiprocessor; each part two key blocks or more."""
+    ``decode_split_keys`` keys, never over ``most`` per multiprocessor; each part two key blocks or more.
+    A masked call takes the least: the keys it keeps (a static cache's filled part) are known on the
+    device only, and parts of a few hundred keys are slower."""
     tuning = settings().alibi
     least, most = tuning.decode_programs_per_sm
     sms = _sms(device) if device.type == "cuda" else 16  # (the interpreter: several splits at small shapes)
     fewest = _cdiv(least * sms, programs)
-    wanted = min(max(fewest, k_len // tuning.decode_split_keys), max(fewest, most * sms // programs))
-    return max(1, min(wanted, _cdiv(k_len, 2 * block_n)))
+    more = 0 if masked else min(k_len // tuning.decode_split_keys, most * sms // programs)
+    return max(1, min(max(fewest, more), _cdiv(k_len, 2 * block_n)))
 
 
 def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Tensor | None, keep: Tensor | None,
@@ -829,7 +831,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Ten
         block_r, block_n, warps, stages = config_for("decode", head_dim, q.dtype, masked)
         block_r = max(block_r, _pow2(group * q_len))
         programs = batch * kv_heads
-        splits = _decode_splits(q.device, programs, k_len, block_n)
+        splits = _decode_splits(q.device, programs, k_len, block_n, masked)
         single = splits == 1
         plan.part = 0 if single else splits * programs * block_r * (bd + 2)
         plan.main = Launch(_device()._decode_kernel, (splits, programs, 1), (*strides, heads, group, q_len, k_len, splits, qk_scale),

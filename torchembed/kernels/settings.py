@@ -84,7 +84,8 @@ class AlibiTuning:
     has ``least`` programs per multiprocessor, and more, up to ``most``, while each part keeps
     ``decode_split_keys`` keys (H200, batch 1, grouped heads: a second program per multiprocessor is
     2-8 % faster from 64k keys on, 12 % slower at 16k, ``decode-sweep-gqa.md``; over 8 x 8k keys it was
-    3 % slower, ``alibi-decode-splits.json``, so a grid that already fills the machine is not split more).
+    3 % slower, ``alibi-decode-splits.json``, so a grid that already fills the machine is not split more;
+    a masked call, whose kept keys the host does not know, takes ``least``).
     ``skip``, ``skip_margin_bits``, ``skip_min_keys``: the skip of keys
     of negligible weight in long prefills (from this many keys; what is left out is under
     ``2**-(skip_margin_bits + log2 keys)`` of each row's mass)."""
