@@ -20,7 +20,7 @@ from torchembed import functional, kernels
 from torchembed.functional.rope import apply_rotary
 from torchembed.kernels.launch import FusedUnavailableError
 from torchembed.kernels.per_forward import current, derive
-from torchembed.kernels.rope import takes_full_tables, use_rope_kernel
+from torchembed.kernels.rope import use_rope_kernel
 from torchembed.patches.binding import CallSignature
 from torchembed.patches.recognition import (
     UNSQUEEZE_DIM, Rotation, broadcast_table, deinterleave, merge_mrope, parameter_defaults, upstream_function,
@@ -250,16 +250,14 @@ class RotaryHelper:
         """HF's usual call, with less Python around it: on the kernel at inference in place (one cache
         lookup and one launch per layer), else :func:`torchembed.functional.apply_rotary` with upstream's
         own tables. None: the general way (also a call the kernel does not take, which
-        :func:`~torchembed.kernels.rope.takes_full_tables` tells before any launch)."""
+        :func:`~torchembed.kernels.rope.rotary_fused_usual` tells before any launch)."""
         if q.shape[-1] != cos.shape[-1]:
             return None
         if use_rope_kernel(self.fused, q):
-            if not takes_full_tables(q, k, cos, sin):
-                return None
-            # In place at inference; out of place where autograd records or torch.compile traces.
+            # In place at inference; out of place where autograd records or torch.compile traces. HF's
+            # full-width rows: each feature its own entry, as upstream's arithmetic. None: not the kernel's.
             inplace = not (torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
-            # (HF's full-width rows: each feature its own entry, as upstream's arithmetic)
-            return kernels.rotary_fused(q, k, cos, sin, inplace=inplace, halves=True)
+            return kernels.rotary_fused_usual(q, k, cos, sin, inplace)
         cb, sb = self._prepared((cos, sin), self.rotation.broadcast, 1, q.dtype)
         return functional.apply_rotary(q, cb, sb, full=True), functional.apply_rotary(k, cb, sb, full=True)
 

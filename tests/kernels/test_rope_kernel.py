@@ -1144,14 +1144,17 @@ def _full_tables_forms():
 
 @pytest.mark.parametrize("form", [f[0] for f in _full_tables_forms()])
 def test_takes_full_tables_says_what_rotary_fused_takes(form):
-    """``takes_full_tables`` is True exactly where ``rotary_fused(..., halves=True)`` takes the call (a
-    patched helper decides with it before the call, never catching a refusal); taken calls rotate."""
+    """``takes_full_tables`` is True exactly where ``rotary_fused(..., halves=True)`` takes the call;
+    ``rotary_fused_usual`` (a patched helper's usual call) rotates those and answers None for the rest,
+    never raising; taken calls rotate, also through the kept launch."""
     _, q, k, cos, sin = next(f for f in _full_tables_forms() if f[0] == form)
     if rope.takes_full_tables(q, k, cos, sin):
-        qo, ko = rotary_fused(q, k, cos, sin, halves=True)
-        for got, x in ((qo, q), (ko, k)):
-            torch.testing.assert_close(got.double(), _oracle_halves(x, cos, sin), **TOL[torch.float32])
+        for _ in range(2):  # the second time through the kept launch
+            for qo, ko in (rotary_fused(q, k, cos, sin, halves=True), rope.rotary_fused_usual(q, k, cos, sin, False)):
+                for got, x in ((qo, q), (ko, k)):
+                    torch.testing.assert_close(got.double(), _oracle_halves(x, cos, sin), **TOL[torch.float32])
     else:
         with pytest.raises(ValueError, match="rotary_fused"):
             rotary_fused(q, k, cos, sin, halves=True)
+        assert rope.rotary_fused_usual(q, k, cos, sin, False) is None  # refused before any launch
     assert rope.takes_full_tables(q, k, cos, sin) == (form in ("usual", "batched tables"))

@@ -120,7 +120,12 @@ def test_patched_model_type_matches_upstream(model_type, monkeypatch, request):
     assert sum(upstream_calls.values()) > 0  # the counter sees upstream's helper run
 
     calls, launches = [], []  # calls: (helper, per feature section, kernel launches it made)
-    call, launch = RotaryHelper.__call__, kernels.rotary_fused
+    call, launch, usual = RotaryHelper.__call__, kernels.rotary_fused, kernels.rotary_fused_usual
+
+    def usual_counted(*a):  # HF's usual call on the kernel (None: the kernel did not take it)
+        out = usual(*a)
+        launches.extend([1] if out is not None else [])
+        return out
 
     def counted(self, *a, **k):
         before = len(launches)
@@ -130,6 +135,7 @@ def test_patched_model_type_matches_upstream(model_type, monkeypatch, request):
 
     monkeypatch.setattr(RotaryHelper, "__call__", counted)
     monkeypatch.setattr(kernels, "rotary_fused", lambda *a, **k: launches.append(1) or launch(*a, **k))
+    monkeypatch.setattr(kernels, "rotary_fused_usual", usual_counted)
     with count_calls({**codes, functional.apply_rotary.__code__: REFERENCE}) as fallbacks:
         out = outputs_of(patched, inputs)
     monkeypatch.undo()

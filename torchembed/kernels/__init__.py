@@ -9,7 +9,8 @@ call, and a kernel module is imported only when its kernel launches.
   :mod:`~torchembed.kernels.settings`: their configuration, in one object.
 * ``rotary_fused(q, k, cos, sin, *, inv_freq, scale, positions, interleaved, inplace, conjugate)``:
   RoPE on q and k in one launch (:mod:`~torchembed.kernels.rope`; custom ops ``torchembed::rotary`` /
-  ``torchembed::rotary_``), the one route into the RoPE kernel.
+  ``torchembed::rotary_``), the one route into the RoPE kernel; ``rotary_fused_usual(q, k, cos, sin,
+  inplace)``: HF's usual call through it, or None where the kernel does not take the call.
 * ALiBi (:mod:`~torchembed.kernels.alibi`, device code in ``alibi_triton``): the attention's one
   dispatch (``alibi_attention``), the fused attention kernel (``alibi_flash``, custom ops
   ``torchembed::alibi_flash``, ``torchembed::alibi_flash_backward``, ``torchembed::alibi_mask_rows``) and the
@@ -23,7 +24,7 @@ from torchembed.kernels.launch import (
     triton_available,
     use_kernel,
 )
-from torchembed.kernels.rope import rotary_fused, use_rope_kernel
+from torchembed.kernels.rope import rotary_fused, rotary_fused_usual, use_rope_kernel
 
-__all__ = ["FusedUnavailableError", "interpret_mode", "kernel_can_run", "rotary_fused", "triton_available", "use_kernel",
-           "use_rope_kernel"]
+__all__ = ["FusedUnavailableError", "interpret_mode", "kernel_can_run", "rotary_fused", "rotary_fused_usual",
+           "triton_available", "use_kernel", "use_rope_kernel"]

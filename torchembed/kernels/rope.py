@@ -45,7 +45,8 @@ from torchembed.kernels import launch
 from torchembed.kernels.launch import kernel_can_run, triton_disabled, use_kernel
 from torchembed.kernels.settings import settings
 
-__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "takes_full_tables", "use_rope_kernel"]
+__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "rotary_fused_usual", "takes_full_tables",
+           "use_rope_kernel"]
 
 
 class RopeArgs(NamedTuple):
@@ -496,6 +497,36 @@ def use_rope_kernel(fused: Optional[bool], x: Tensor) -> bool:
 
 
 
+def _kept_launch(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate,
+                 halves) -> Optional[Tuple[Tensor, Tensor]]:
+    """A call like one launched before (outside autograd and compile): that launch again, at once, without
+    validation; None where no launch is kept for it."""
+    key = _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate, halves)
+    kept = None if key is None else LAUNCHES.get(key)
+    if kept is None or triton_disabled():
+        return None
+    qo, ko = (q, k) if inplace else (_empty_like(q), _empty_like(k))
+    pos, offset = (None, positions) if type(positions) is int else (positions, 0)
+    if cos is None:
+        kept((q, k, qo, ko, inv_freq, inv_freq, q if pos is None else pos, inv_freq), offset, scale)
+    else:
+        kept((q, k, qo, ko, cos, sin, q if pos is None else pos, q), offset, scale)
+    return qo, ko
+
+
+def rotary_fused_usual(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inplace: bool) -> Optional[Tuple[Tensor, Tensor]]:
+    """HF's usual call on the kernel, ``rotary_fused(q, k, cos, sin, halves=True, inplace=inplace)``, or None
+    where the kernel does not take it (:func:`takes_full_tables`, asked when no launch is kept for the call):
+    the caller then rotates its own way. Decided before any launch; nothing is caught."""
+    if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        out = _kept_launch(q, k, cos, sin, None, None, 1.0, False, inplace, False, True)
+        if out is not None:
+            return out
+    if not takes_full_tables(q, k, cos, sin):
+        return None
+    return rotary_fused(q, k, cos, sin, inplace=inplace, halves=True)
+
+
 def rotary_fused(
     q: Tensor,
     k: Tensor,
@@ -540,16 +571,9 @@ def rotary_fused(
     compiling = torch.compiler.is_compiling()
     recorded = torch.is_grad_enabled() and (getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False))
     if not compiling and not recorded:  # a call like one launched before: that launch again, at once
-        key = _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate, halves)
-        kept = None if key is None else LAUNCHES.get(key)
-        if kept is not None and not triton_disabled():
-            qo, ko = (q, k) if inplace else (_empty_like(q), _empty_like(k))
-            pos, offset = (None, positions) if type(positions) is int else (positions, 0)
-            if cos is None:
-                kept((q, k, qo, ko, inv_freq, inv_freq, q if pos is None else pos, inv_freq), offset, scale)
-            else:
-                kept((q, k, qo, ko, cos, sin, q if pos is None else pos, q), offset, scale)
-            return qo, ko
+        out = _kept_launch(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate, halves)
+        if out is not None:
+            return out
     a = _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate, 1 if halves else 0)
     if not isinstance(inplace, bool):
         _fail(f"expected a bool inplace, got {inplace!r}")
