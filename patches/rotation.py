@@ -254,10 +254,7 @@ class RotaryHelper:
         if q.shape[-1] != cos.shape[-1]:
             return None
         if use_rope_kernel(self.fused, q):
-            # In place at inference; out of place where autograd records or torch.compile traces. HF's
-            # full-width rows: each feature its own entry, as upstream's arithmetic. None: not the kernel's.
-            inplace = not (torch.compiler.is_compiling() or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
-            return kernels.rotary_fused_usual(q, k, cos, sin, inplace)
+            return kernels.rotary_fused_usual(q, k, cos, sin)
         cb, sb = self._prepared((cos, sin), self.rotation.broadcast, 1, q.dtype)
         return functional.apply_rotary(q, cb, sb, full=True), functional.apply_rotary(k, cb, sb, full=True)
 

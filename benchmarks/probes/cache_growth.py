@@ -34,7 +34,7 @@ SHAPES = {  # (layers, hidden, heads, kv heads): d = 64
 }
 
 
-def _filled_cache(config, keys: int, device, dtype) -> transformers.DynamicCache:
+def filled_cache(config, keys: int, device, dtype) -> transformers.DynamicCache:
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dim = config.hidden_size // config.num_attention_heads
     cache = transformers.DynamicCache()
@@ -81,7 +81,7 @@ def main() -> None:
     patched = torchembed.patch(copy.deepcopy(upstream))
     rows = []
     for keys in args.keys:
-        filled = _filled_cache(config, keys, device, dtype)
+        filled = filled_cache(config, keys, device, dtype)
         kv_mb = sum(t.numel() * t.element_size() for layer in filled.layers for t in (layer.keys, layer.values)) / 2**20
         runs = {"upstream": [], "patched": []}
         for _ in range(args.repeats):

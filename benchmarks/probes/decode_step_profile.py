@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from cache_growth import _filled_cache
+from cache_growth import filled_cache
 
 import torchembed
 from torchembed.tools import bench
@@ -52,7 +52,7 @@ def _step(model, token, cache):
 
 def _static_cache(config, keys: int, dev) -> transformers.StaticCache:
     """A StaticCache of ``keys + 64`` slots whose first ``keys`` hold random keys and values."""
-    dynamic = _filled_cache(config, keys, dev, torch.bfloat16)
+    dynamic = filled_cache(config, keys, dev, torch.bfloat16)
     cache = transformers.StaticCache(config=config, max_cache_len=keys + 64)
     position = torch.arange(keys, device=dev)
     for i, layer in enumerate(dynamic.layers):
@@ -123,7 +123,7 @@ def _measure(model, config, keys: int, steps: int, compiled: bool = False, dev: 
         step = lambda m, t, c: forward(**inputs)
         steps += 3  # (compiles and records the graph)
     else:
-        cache = _filled_cache(config, keys, dev, dtype)
+        cache = filled_cache(config, keys, dev, dtype)
         step = _step
     times = []
     caught: list = []

@@ -23,7 +23,13 @@ def _tiny(name):
 def _spy(monkeypatch, name):
     """Record the calls of ``kernels.<name>`` (still calling it)."""
     calls, original = [], getattr(kernels, name)
-    monkeypatch.setattr(kernels, name, lambda *a, **kw: calls.append((a, kw)) or original(*a, **kw))
+
+    def spied(*a, **kw):
+        out = original(*a, **kw)
+        calls.append((a, kw, out))
+        return out
+
+    monkeypatch.setattr(kernels, name, spied)
     return calls
 
 
@@ -35,20 +41,20 @@ def test_patched_model_on_the_kernel_matches_upstream(name, monkeypatch):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     assert kernels.kernel_can_run(ids.float())
-    calls = _spy(monkeypatch, "rotary_fused_usual")  # (q, k, cos, sin, inplace): rotary_fused(..., halves=True)
+    calls = _spy(monkeypatch, "rotary_fused_usual")  # (q, k, cos, sin): rotary_fused(..., halves=True)
     with torch.no_grad():  # inference: in place on upstream's tables
         ref = upstream(ids, attention_mask=mask).logits
         out = patched(ids, attention_mask=mask).logits
     keep = mask.bool()
     torch.testing.assert_close(out[keep], ref[keep], rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    assert len(calls) == upstream.config.num_hidden_layers and all(a[4] for a, _ in calls)
+    assert len(calls) == upstream.config.num_hidden_layers and all(out[0] is a[0] for a, _, out in calls)  # in place
     calls.clear()
 
     # training: the autograd path, gradients as upstream's
     loss_ref = upstream(ids).logits.pow(2).mean()
     loss_out = patched(ids).logits.pow(2).mean()
     assert len(calls) == upstream.config.num_hidden_layers
-    assert all(a[2].shape[-1] == a[0].shape[-1] and not a[4] for a, _ in calls)
+    assert all(a[2].shape[-1] == a[0].shape[-1] and out[0] is not a[0] for a, _, out in calls)
     loss_ref.backward()
     loss_out.backward()
     grads = dict(upstream.named_parameters())
@@ -247,7 +253,7 @@ def test_tables_whose_halves_differ_on_the_kernel(monkeypatch):
     calls = _spy(monkeypatch, "rotary_fused")
     usual = _spy(monkeypatch, "rotary_fused_usual")  # HF's usual call: rotary_fused(..., halves=True)
     ref, out = outputs_of(upstream, case.inputs), outputs_of(patched, case.inputs)
-    assert (calls or usual) and all(kw.get("halves") for _, kw in calls)
+    assert (calls or usual) and all(kw.get("halves") for _, kw, _ in calls)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
     def grads_of(model, dtype):

@@ -1143,18 +1143,23 @@ def _full_tables_forms():
 
 
 @pytest.mark.parametrize("form", [f[0] for f in _full_tables_forms()])
-def test_takes_full_tables_says_what_rotary_fused_takes(form):
-    """``takes_full_tables`` is True exactly where ``rotary_fused(..., halves=True)`` takes the call;
-    ``rotary_fused_usual`` (a patched helper's usual call) rotates those and answers None for the rest,
-    never raising; taken calls rotate, also through the kept launch."""
+def test_the_usual_call_takes_what_rotary_fused_takes(form):
+    """``rotary_fused_usual`` (a patched helper's usual call) rotates exactly what ``rotary_fused(...,
+    halves=True)`` takes, in place at inference, also through the kept launch, and answers None for the
+    rest, never raising."""
     _, q, k, cos, sin = next(f for f in _full_tables_forms() if f[0] == form)
-    if rope.takes_full_tables(q, k, cos, sin):
+    taken = form in ("usual", "batched tables")
+    if taken:
+        want = [_oracle_halves(x, cos, sin) for x in (q, k)]
         for _ in range(2):  # the second time through the kept launch
-            for qo, ko in (rotary_fused(q, k, cos, sin, halves=True), rope.rotary_fused_usual(q, k, cos, sin, False)):
-                for got, x in ((qo, q), (ko, k)):
-                    torch.testing.assert_close(got.double(), _oracle_halves(x, cos, sin), **TOL[torch.float32])
+            for qo, ko in (rotary_fused(q, k, cos, sin, halves=True), rope.rotary_fused_usual(q.clone(), k.clone(), cos, sin)):
+                for got, w in zip((qo, ko), want):
+                    torch.testing.assert_close(got.double(), w, **TOL[torch.float32])
+        qi, ki = q.clone(), k.clone()
+        assert all(o is i for o, i in zip(rope.rotary_fused_usual(qi, ki, cos, sin), (qi, ki)))  # in place
     else:
         with pytest.raises(ValueError, match="rotary_fused"):
             rotary_fused(q, k, cos, sin, halves=True)
-        assert rope.rotary_fused_usual(q, k, cos, sin, False) is None  # refused before any launch
-    assert rope.takes_full_tables(q, k, cos, sin) == (form in ("usual", "batched tables"))
+        before = q.clone()
+        assert rope.rotary_fused_usual(q, k, cos, sin) is None  # refused before any launch
+        assert torch.equal(q, before)

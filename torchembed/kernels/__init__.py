@@ -9,8 +9,8 @@ call, and a kernel module is imported only when its kernel launches.
   :mod:`~torchembed.kernels.settings`: their configuration, in one object.
 * ``rotary_fused(q, k, cos, sin, *, inv_freq, scale, positions, interleaved, inplace, conjugate)``:
   RoPE on q and k in one launch (:mod:`~torchembed.kernels.rope`; custom ops ``torchembed::rotary`` /
-  ``torchembed::rotary_``), the one route into the RoPE kernel; ``rotary_fused_usual(q, k, cos, sin,
-  inplace)``: HF's usual call through it, or None where the kernel does not take the call.
+  ``torchembed::rotary_``), the one route into the RoPE kernel; ``rotary_fused_usual(q, k, cos,
+  sin)``: HF's usual call through it, or None where the kernel does not take the call.
 * ALiBi (:mod:`~torchembed.kernels.alibi`, device code in ``alibi_triton``): the attention's one
   dispatch (``alibi_attention``), the fused attention kernel (``alibi_flash``, custom ops
   ``torchembed::alibi_flash``, ``torchembed::alibi_flash_backward``, ``torchembed::alibi_mask_rows``) and the

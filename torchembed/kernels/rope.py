@@ -45,7 +45,7 @@ from torchembed.kernels import launch
 from torchembed.kernels.launch import kernel_can_run, triton_disabled, use_kernel
 from torchembed.kernels.settings import settings
 
-__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "rotary_fused_usual", "takes_full_tables",
+__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "rotary_fused_usual",
            "use_rope_kernel"]
 
 
@@ -210,72 +210,72 @@ def _fail(msg: str):
     raise ValueError(f"rotary_fused: {msg}")
 
 
-def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate, halves=0) -> RopeArgs:
-    """The arguments of ``rotary_fused`` as the kernel takes them, or a ValueError naming what is wrong.
+def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate, halves=0) -> RopeArgs | str:
+    """The arguments of ``rotary_fused`` as the kernel takes them, or why it does not take them.
 
     Tensor positions indexing cos/sin cache tables are range-checked on the host for CPU tensors
     only; on accelerators they are not (that would be a host sync)."""
     if not isinstance(q, Tensor) or not isinstance(k, Tensor):
-        _fail(f"expected q and k to be tensors, got {type(q).__name__} and {type(k).__name__}")
+        return f"expected q and k to be tensors, got {type(q).__name__} and {type(k).__name__}"
     qs, ks = q.shape, k.shape
     if len(qs) != 4 or len(ks) != 4:
-        _fail(f"expected 4-D q and k (B, H, S, D), got q {tuple(qs)} and k {tuple(ks)}")
+        return f"expected 4-D q and k (B, H, S, D), got q {tuple(qs)} and k {tuple(ks)}"
     if q.dtype not in _KERNEL_DTYPES or k.dtype != q.dtype:
-        _fail(f"expected q and k of one floating dtype in {_KERNEL_DTYPES}, got {q.dtype} and {k.dtype}")
+        return f"expected q and k of one floating dtype in {_KERNEL_DTYPES}, got {q.dtype} and {k.dtype}"
     dev = q.device
     if k.device != dev:
-        _fail(f"expected k on q's device {dev}, got {k.device}")
+        return f"expected k on q's device {dev}, got {k.device}"
     B, _, S, D = qs
     if ks[0] != B or ks[2] != S or ks[3] != D:
-        _fail(f"expected q and k with the same B, S, D, got q {tuple(qs)} and k {tuple(ks)}")
+        return f"expected q and k with the same B, S, D, got q {tuple(qs)} and k {tuple(ks)}"
 
     pos_t, offset = None, 0
     if isinstance(positions, Tensor):
         if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
-            _fail(f"expected integer positions, got dtype {positions.dtype}")
+            return f"expected integer positions, got dtype {positions.dtype}"
         if positions.device != dev:
-            _fail(f"expected positions on q's device {dev}, got {positions.device}")
+            return f"expected positions on q's device {dev}, got {positions.device}"
         ps = positions.shape
         if not (ps[:1] in ((1,), (B,)) and (len(ps) == 1 or (len(ps) == 2 and ps[1] == S))):
-            _fail(f"expected positions of shape ({B},) (per-sequence offsets) or ({B} or 1, {S}) (position ids), "
+            return (f"expected positions of shape ({B},) (per-sequence offsets) or ({B} or 1, {S}) (position ids), "
                   f"got {tuple(ps)}")
         pos_t = positions
     elif isinstance(positions, int) and not isinstance(positions, bool):
         if positions < 0:
-            _fail(f"expected a non-negative int offset, got {positions}")
+            return f"expected a non-negative int offset, got {positions}"
         offset = positions
     elif positions is not None:
-        _fail(f"expected positions None, an int offset or an integer tensor, got {type(positions).__name__}")
+        return f"expected positions None, an int offset or an integer tensor, got {type(positions).__name__}"
 
     if (cos is not None or sin is not None) == (inv_freq is not None):
-        _fail("expected either cos and sin tables or inv_freq=, got " + ("both" if inv_freq is not None else "neither"))
+        return ("expected either cos and sin tables or inv_freq=, got " + ("both" if inv_freq is not None else "neither"))
     if inv_freq is None:
         if not isinstance(cos, Tensor) or not isinstance(sin, Tensor):
-            _fail(f"expected cos and sin tensors together, got cos={type(cos).__name__} sin={type(sin).__name__}")
+            return f"expected cos and sin tensors together, got cos={type(cos).__name__} sin={type(sin).__name__}"
         if not cos.is_floating_point() or not sin.is_floating_point():
-            _fail(f"expected floating cos/sin, got {cos.dtype} and {sin.dtype}")
+            return f"expected floating cos/sin, got {cos.dtype} and {sin.dtype}"
         if cos.device != dev or sin.device != dev:
-            _fail(f"expected cos/sin on q's device {dev}, got {cos.device} and {sin.device}")
+            return f"expected cos/sin on q's device {dev}, got {cos.device} and {sin.device}"
         if cos.shape != sin.shape:
-            _fail(f"expected cos and sin of the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+            return f"expected cos and sin of the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
         cs = cos.shape
         half = (cs[-1] if cs else 0) // (2 if halves else 1)
         if halves and (halves not in (1, 2) or interleaved or cs[-1] % 2):
-            _fail(f"expected with halves full-width cos/sin rows (an even number R of entries) and half-split "
+            return (f"expected with halves full-width cos/sin rows (an even number R of entries) and half-split "
                   f"pairing, got rows of {cs[-1] if cs else 0} entries, halves={halves!r}, interleaved={interleaved}")
         if positions is None:
             if len(cs) != 3 or cs[0] not in (1, B) or cs[1] != S:
-                _fail(f"expected per-token cos/sin of shape ({B} or 1, {S}, R/2) when positions is None, got {tuple(cs)}")
+                return f"expected per-token cos/sin of shape ({B} or 1, {S}, R/2) when positions is None, got {tuple(cs)}"
         elif len(cs) != 2:
-            _fail(f"expected cos/sin cache tables of shape (T, R/2) when positions is given, got {tuple(cs)}")
+            return f"expected cos/sin cache tables of shape (T, R/2) when positions is given, got {tuple(cs)}"
         elif pos_t is None and offset + S > cs[0]:
-            _fail(f"expected offset + S <= table length, got {offset} + {S} > {cs[0]}")
+            return f"expected offset + S <= table length, got {offset} + {S} > {cs[0]}"
         elif pos_t is not None and dev.type == "cpu" and pos_t.numel() and S and not torch.compiler.is_compiling():
             # Tensor positions index the table: an index past either end would wrap or fail deep in the
             # fallback, or read out of bounds in the interpreted kernel.
             low, high = int(pos_t.min()), int(pos_t.max()) + (S - 1 if pos_t.dim() == 1 else 0)
             if low < 0 or high >= cs[0]:
-                _fail(f"expected tensor positions in [0, table length {cs[0]}), got positions {low}..{high}")
+                return f"expected tensor positions in [0, table length {cs[0]}), got positions {low}..{high}"
         # The kernel needs a unit last stride and one stride for both tables; tables are small, so a
         # copy here is cheap (q and k are never copied for this).
         st = cos.stride()
@@ -283,16 +283,16 @@ def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate
             cos, sin = cos.contiguous(), sin.contiguous()
     else:
         if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or not inv_freq.is_floating_point():
-            _fail(f"expected inv_freq a 1-D floating tensor (R/2,), got {getattr(inv_freq, 'shape', inv_freq)}")
+            return f"expected inv_freq a 1-D floating tensor (R/2,), got {getattr(inv_freq, 'shape', inv_freq)}"
         if inv_freq.device != dev:
-            _fail(f"expected inv_freq on q's device {dev}, got {inv_freq.device}")
+            return f"expected inv_freq on q's device {dev}, got {inv_freq.device}"
         if positions is None:
-            _fail("expected positions (int, (B,) or (B, S) tensor) with inv_freq=, got None")
+            return "expected positions (int, (B,) or (B, S) tensor) with inv_freq=, got None"
         half = inv_freq.shape[0]
         if inv_freq.stride(0) != 1:
             inv_freq = inv_freq.contiguous()
     if half < 1:
-        _fail(f"expected a positive even rotary dim R = 2 * cos.shape[-1], got R = {2 * half}")
+        return f"expected a positive even rotary dim R = 2 * cos.shape[-1], got R = {2 * half}"
     if 2 * half > D:
         hint = ""
         if cos is not None and 2 * D >= 2 * half:  # HF's (and Liger's) full-width tables
@@ -300,26 +300,14 @@ def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate
             hint = (f"; cos/sin with {half} entries per row look like HF's full tables "
                     f"({'repeat_interleave' if interleaved else 'cat'}(freqs, freqs)): rotary_fused takes half "
                     f"tables (R/2 entries), e.g. cos{first}, sin{first}")
-        _fail(f"expected rotary dim R = 2 * {half} = {2 * half} <= head dim D = {D}{hint}")
+        return f"expected rotary dim R = 2 * {half} = {2 * half} <= head dim D = {D}{hint}"
     if isinstance(scale, (Tensor, bool)) or not isinstance(scale, (int, float)):
-        _fail(f"expected a Python number scale, got {type(scale).__name__}")
+        return f"expected a Python number scale, got {type(scale).__name__}"
     if not isinstance(interleaved, bool) or not isinstance(conjugate, bool):
-        _fail(f"expected bool interleaved and conjugate, got {interleaved!r} and {conjugate!r}")
+        return f"expected bool interleaved and conjugate, got {interleaved!r} and {conjugate!r}"
     if halves and inv_freq is not None:
-        _fail("expected cos/sin tables with halves, got inv_freq")
+        return "expected cos/sin tables with halves, got inv_freq"
     return RopeArgs(q, k, cos, sin, inv_freq, pos_t, offset, float(scale), interleaved, conjugate, int(halves))
-
-
-def takes_full_tables(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> bool:
-    """Whether ``rotary_fused(q, k, cos, sin, halves=True)`` takes these tensors, without its ValueError:
-    HF's usual call, q ``(B, Hq, S, D)`` and k ``(B, Hk, S, D)`` of one floating dtype, per-token full-width
-    tables ``(B or 1, S, D)`` (D even) of one floating dtype, all on one device. A few shape comparisons,
-    so that the caller decides before the call instead of catching a refusal."""
-    qs, ks, cs = q.shape, k.shape, cos.shape
-    return (len(qs) == 4 and len(ks) == 4 and len(cs) == 3 and q.dtype in _KERNEL_DTYPES and k.dtype == q.dtype
-            and ks[0] == qs[0] and ks[2:] == qs[2:] and cs[0] in (1, qs[0]) and cs[1] == qs[2] and cs[2] == qs[3]
-            and qs[3] % 2 == 0 and qs[3] > 0 and sin.shape == cs and cos.is_floating_point() and sin.is_floating_point()
-            and k.device == q.device and cos.device == q.device and sin.device == q.device)
 
 
 # ------------------------------------------------------------------------------------------
@@ -514,17 +502,19 @@ def _kept_launch(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplac
     return qo, ko
 
 
-def rotary_fused_usual(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, inplace: bool) -> Optional[Tuple[Tensor, Tensor]]:
-    """HF's usual call on the kernel, ``rotary_fused(q, k, cos, sin, halves=True, inplace=inplace)``, or None
-    where the kernel does not take it (:func:`takes_full_tables`, asked when no launch is kept for the call):
-    the caller then rotates its own way. Decided before any launch; nothing is caught."""
-    if not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
-        out = _kept_launch(q, k, cos, sin, None, None, 1.0, False, inplace, False, True)
+def rotary_fused_usual(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """HF's usual call on the kernel, ``rotary_fused(q, k, cos, sin, halves=True)``, in place at inference (out of
+    place where autograd records or ``torch.compile`` traces); None where the kernel does not take the call (the
+    caller then rotates its own way). The kept launch first; nothing is launched before the call is known to fit."""
+    compiling = torch.compiler.is_compiling()
+    recorded = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    inplace = not (compiling or recorded)
+    if inplace:
+        out = _kept_launch(q, k, cos, sin, None, None, 1.0, False, True, False, True)
         if out is not None:
             return out
-    if not takes_full_tables(q, k, cos, sin):
-        return None
-    return rotary_fused(q, k, cos, sin, inplace=inplace, halves=True)
+    a = _validate(q, k, cos, sin, None, None, 1.0, False, False, 1)
+    return None if isinstance(a, str) else _call(a, inplace, compiling, recorded)
 
 
 def rotary_fused(
@@ -575,8 +565,16 @@ def rotary_fused(
         if out is not None:
             return out
     a = _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate, 1 if halves else 0)
+    if isinstance(a, str):
+        _fail(a)
     if not isinstance(inplace, bool):
         _fail(f"expected a bool inplace, got {inplace!r}")
+    return _call(a, inplace, compiling, recorded)
+
+
+def _call(a: RopeArgs, inplace: bool, compiling: bool, recorded: bool) -> Tuple[Tensor, Tensor]:
+    """Checked arguments on their route: the eager launch, the custom op under compile, autograd where recorded."""
+    q, k = a.q, a.k
     if not recorded:
         if compiling:
             if inplace:
