@@ -1,13 +1,13 @@
-"""Declarative adapters shared by the families: each states what it expects of upstream and checks
-it in ``plan`` (before anything changes), raising :class:`StructureError` naming what differs.
+"""Declarative adapters shared by the families: each states what it expects of upstream and checks it in ``plan``
+(before anything changes), raising :class:`StructureError` naming what differs.
 
 * :class:`OverrideMethod` - a method of a class becomes a torchembed function, per instance;
 * :class:`ReplaceForward` - a class's ``forward`` becomes torchembed's, per instance;
 * :class:`ReplaceGlobals` - a class's ``forward`` runs with module-level names replaced
   (:mod:`torchembed.patches.rebind`), per instance.
 
-Classes are matched by name along each module's MRO, so a subclass of a declared class (a user's,
-or a renamed upstream class that keeps the old one as a base) is patched as its base would be.
+Classes are matched by name along each module's MRO, so a subclass of a declared class (a user's, or a renamed upstream
+class that keeps the old one as a base) is patched as its base would be.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def _require_modules(family: Family, model: nn.Module, class_name: str) -> list[
 class OverrideMethod:
     """Set ``method`` on every module of ``class_name`` to a torchembed function (instance only).
 
-    The function is stored as a plain instance attribute, so it is called without ``self``; the
-    upstream method must take ``params``.
+    The function is stored as a plain instance attribute, so it is called without ``self``; the upstream method must
+    take ``params``.
     """
 
     def __init__(self, class_name: str, method: str, replacement: Any, params: tuple[str, ...], kind: str = "alibi") -> None:
@@ -85,8 +85,8 @@ class OverrideMethod:
 class ReplaceForward:
     """Replace ``forward`` of every module of ``class_name`` by ``forward`` (bound per instance).
 
-    ``requires``: parameters upstream's forward must have (what the replacement relies on being
-    passed); ``cache_any_of``: the cache parameter's possible names (one must be present).
+    ``requires``: parameters upstream's forward must have (what the replacement relies on being passed);
+    ``cache_any_of``: the cache parameter's possible names (one must be present).
     """
 
     def __init__(self, class_name: str, forward: Any, requires: tuple[str, ...], cache_any_of: tuple[str, ...] = (),
@@ -106,9 +106,8 @@ class ReplaceForward:
 class ReplaceGlobals:
     """Run ``forward`` of every module of ``class_name`` with module-level names replaced.
 
-    ``required`` names must be called by upstream's forward (through any decorators);
-    ``optional`` ones are replaced where the installed version calls them (BLOOM builds its bias
-    inline with ``_get_alibi_slopes`` only in some releases).
+    ``required`` names must be called by upstream's forward (through any decorators); ``optional`` ones are replaced
+    where the installed release calls them (only some BLOOM releases build the bias inline with ``_get_alibi_slopes``).
     """
 
     def __init__(self, class_name: str, required: dict[str, Any], optional: dict[str, Any] | None = None,

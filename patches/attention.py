@@ -1,19 +1,17 @@
 """A patched RoPE model's decode steps: torchembed's split-key attention kernel, decided per call.
 
 Upstream's SDPA attention hands a decode step (a few new queries over the KV cache) to PyTorch's
-``scaled_dot_product_attention``, which on recent GPUs picks cuDNN for half precision; cuDNN builds a new
-execution plan for every new key length, which a decode loop meets at every step (20-90 ms of host time
-per call on an H200), and with a padding mask HF repeats the key/value heads and SDPA falls back to
-slower kernels. A patched model's attention code sees :class:`AttentionFunctions` in place of
-transformers' ``ALL_ATTENTION_FUNCTIONS`` (the name is rebound in that instance's rebuilt forward only,
-with its rotation helper: :mod:`torchembed.patches.rebind`), whose ``"sdpa"`` entry is a
-:class:`DecodeAttention`: for each call it decides (:func:`decode_step`) whether the call is a decode
-step the kernel takes, and runs either the kernel (:func:`torchembed.kernels.alibi.fused_attention` without
-a bias: grouped key/value heads and HF's cache layout read in place, the mask summarised once per forward
-into per-row key ranges, so padding and a static cache's empty slots are never read) or upstream's SDPA
-function with the same arguments. Nothing process-wide changes (no backend flags): other models and
-other threads see upstream's functions. ``torchembed.patch(model, cudnn_decode=True)`` leaves the
-decode steps to upstream.
+``scaled_dot_product_attention``, which on recent GPUs picks cuDNN for half precision; cuDNN builds a new execution plan
+for every new key length, which a decode loop meets at every step (20-90 ms of host time per call on an H200), and with
+a padding mask HF repeats the key/value heads and SDPA falls back to slower kernels. A patched model's attention code
+sees :class:`AttentionFunctions` in place of transformers' ``ALL_ATTENTION_FUNCTIONS`` (the name is rebound in that
+instance's rebuilt forward only, with its rotation helper: :mod:`torchembed.patches.rebind`), whose ``"sdpa"`` entry is
+a :class:`DecodeAttention`: for each call it decides (:func:`decode_step`) whether the call is a decode step the kernel
+takes, and runs either the kernel (:func:`torchembed.kernels.alibi.fused_attention` without a bias: grouped key/value
+heads and HF's cache layout read in place, the mask summarised once per forward into per-row key ranges, so padding and
+a static cache's empty slots are never read) or upstream's SDPA function with the same arguments. Nothing process-wide
+changes (no backend flags): other models and other threads see upstream's functions.
+``torchembed.patch(model, cudnn_decode=True)`` leaves the decode steps to upstream.
 """
 
 from __future__ import annotations
@@ -29,22 +27,19 @@ from torchembed.kernels.per_forward import current, derive
 
 __all__ = ["DECODE_QUERIES", "AttentionFunctions", "DecodeAttention", "decode_step"]
 
-# Keyword arguments of upstream's SDPA function that do not change what it computes (it ignores them, or
-# the mask already carries them); a call with any other non-None keyword goes to upstream.
-_IGNORED_KWARGS = frozenset({
-    "position_ids", "cache_position", "output_attentions", "use_cache", "sliding_window", "layer_idx",
-    "past_key_values", "past_key_value", "token_type_ids", "is_causal",
-})
+# Keyword arguments of upstream's SDPA function that do not change what it computes (it ignores them, or the mask
+# already carries them); a call with any other non-None keyword goes to upstream.
+_IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "output_attentions", "use_cache", "sliding_window",
+                             "layer_idx", "past_key_values", "past_key_value", "token_type_ids", "is_causal"})
 
 
 def decode_step(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, dropout: float,
                 kwargs: Mapping[str, Any]) -> bool:
-    """Whether an SDPA call of HF's attention convention (``query (b, h, q, d)``, ``key``/``value``
-    ``(b, hk, k, d)``, a bool keep mask ``(b or 1, 1, q, k)`` or None) is a decode step the split-key
-    kernel computes as upstream does: at most :data:`DECODE_QUERIES` queries (one without a mask: upstream
-    aligns a causal prefill's queries to the first keys), no dropout, inputs the kernel takes
-    (:func:`~torchembed.kernels.alibi.flash_unsupported`), and no keyword that changes upstream's function
-    (soft-capping, a position bias, a paged cache, ...)."""
+    """Whether an SDPA call of HF's attention convention (``query (b, h, q, d)``, ``key``/``value`` ``(b, hk, k, d)``,
+    a bool keep mask ``(b or 1, 1, q, k)`` or None) is a decode step the split-key kernel computes as upstream does: at
+    most :data:`DECODE_QUERIES` queries (one without a mask: upstream aligns a causal prefill's queries to the first
+    keys), no dropout, inputs the kernel takes (:func:`~torchembed.kernels.alibi.flash_unsupported`), and no keyword
+    that changes upstream's function (soft-capping, a position bias, a paged cache, ...)."""
     if query.dim() != 4 or query.shape[2] > DECODE_QUERIES or dropout or value.shape[-1] != query.shape[-1]:
         return False
     if attention_mask is None and query.shape[2] != 1:
@@ -55,10 +50,9 @@ def decode_step(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tenso
 
 
 class DecodeAttention:
-    """The ``"sdpa"`` attention function of a patched model: decode steps (:func:`decode_step`) on the
-    split-key kernel where it runs (``fused``: the patch's choice; False: never), every other call to
-    ``upstream`` (transformers' ``sdpa_attention_forward``) unchanged. Returns upstream's
-    ``(output (b, q, h, d), None)``."""
+    """The ``"sdpa"`` attention function of a patched model: decode steps (:func:`decode_step`) on the split-key kernel
+    where it runs (``fused``: the patch's choice; False: never), every other call to ``upstream`` (transformers'
+    ``sdpa_attention_forward``) unchanged. Returns upstream's ``(output (b, q, h, d), None)``."""
 
     def __init__(self, upstream: Callable[..., Any], fused: bool | None) -> None:
         self.upstream, self.fused = upstream, fused
@@ -79,9 +73,9 @@ class DecodeAttention:
 
 
 class AttentionFunctions(Mapping):
-    """Stands in for transformers' ``ALL_ATTENTION_FUNCTIONS`` in a patched attention's code: the same
-    entries, upstream's SDPA function served by a :class:`DecodeAttention` (looked up on every call, so a
-    function registered later is seen). One per (upstream mapping, fused) (:meth:`get_for`)."""
+    """Stands in for transformers' ``ALL_ATTENTION_FUNCTIONS`` in a patched attention's code: the same entries,
+    upstream's SDPA function served by a :class:`DecodeAttention` (looked up on every call, so a function registered
+    later is seen). One per (upstream mapping, fused) (:meth:`get_for`)."""
 
     _KEPT: dict[tuple[int, Any], "AttentionFunctions"] = {}
 

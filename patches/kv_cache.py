@@ -1,18 +1,16 @@
 """A patched layer's KV cache: a long ``DynamicCache`` layer grows in place instead of by concatenation.
 
-transformers' ``DynamicLayer.update`` appends each decode step's keys and values with ``torch.cat`` of the
-whole cache: per step it reads and writes twice the cache's bytes, more than the attention itself reads.
-From :data:`IN_PLACE_BYTES` of keys a patched layer's cache lives in buffers with room for 1/8 more tokens
-(at least 256); the layer holds views of their filled part and a step writes its tokens into the room
-(:func:`append_in_place`). When the room is used up, or the layer's tensors were replaced (beam search
-reorders them, a crop), the filled part moves to new buffers once. What the cache holds, and what every
-reader sees, is upstream's.
+transformers' ``DynamicLayer.update`` appends each decode step's keys and values with ``torch.cat`` of the whole cache:
+per step it reads and writes twice the cache's bytes, more than the attention itself reads. From :data:`IN_PLACE_BYTES`
+of keys a patched layer's cache lives in buffers with room for 1/8 more tokens (at least 256); the layer holds views of
+their filled part and a step writes its tokens into the room (:func:`append_in_place`). When the room is used up, or the
+layer's tensors were replaced (beam search reorders them, a crop), the filled part moves to new buffers once. What the
+cache holds, and what every reader sees, is upstream's.
 
-The ALiBi layers update their cache themselves (:mod:`torchembed.patches.families.alibi`); a patched RoPE
-attention runs upstream's forward, which calls ``past_key_values.update``: it gets :class:`GrowInPlace`, a
-view of the caller's ``DynamicCache`` for that call whose ``update`` appends in place (every other attribute
-is the cache's own). Only a ``DynamicCache`` of plain ``DynamicLayer`` layers (no sliding window,
-quantisation or offloading) is grown in place, and never inside a graph that ``torch.compile`` traces.
+ALiBi layers update their cache themselves (:mod:`torchembed.patches.families.alibi`); a patched RoPE attention's
+upstream forward calls ``past_key_values.update`` on :class:`GrowInPlace`, a per-call view of the caller's
+``DynamicCache``. Only a ``DynamicCache`` of plain ``DynamicLayer`` layers (no sliding window, quantisation or
+offloading) grows in place, never inside a graph that ``torch.compile`` traces.
 """
 
 from __future__ import annotations
@@ -33,9 +31,8 @@ _ROOM = "_torchembed_room"  # a DynamicLayer's key and value buffers with room t
 
 
 def growing_layer(cache: Any, layer_idx: int) -> Any:
-    """The cache's ``DynamicLayer`` at ``layer_idx`` (exactly that class: no sliding window, quantisation or
-    offloading) when it grows in place: it holds :data:`IN_PLACE_BYTES` of keys or more, or room already;
-    else None (the cache's own update runs: below, the concatenation's copy costs less than the ops)."""
+    """The cache's ``DynamicLayer`` at ``layer_idx`` (exactly that class) when it grows in place: it holds
+    :data:`IN_PLACE_BYTES` of keys or more, or room already; else None (the cache's own update runs)."""
     layers = getattr(cache, "layers", None)
     if (torch.compiler.is_compiling() or not isinstance(layers, list) or not 0 <= layer_idx < len(layers)
             or getattr(cache, "offloading", False)):
@@ -50,9 +47,8 @@ def growing_layer(cache: Any, layer_idx: int) -> Any:
 
 
 def append_in_place(layer: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """``DynamicLayer.update`` of ``k``, ``v`` ``(b, h, new, d)`` into the room of a :func:`growing_layer`
-    (the module docstring), without the concatenation of the whole cache. Returns the layer's keys and
-    values, as its update does."""
+    """``DynamicLayer.update`` of ``k``, ``v`` ``(b, h, new, d)`` into the room of a :func:`growing_layer` (the module
+    docstring), without the concatenation of the whole cache. Returns the layer's keys and values as its update does."""
     keys, values = layer.keys, layer.values
     filled, new = keys.shape[-2], k.shape[-2]
     room = layer.__dict__.get(_ROOM)

@@ -1,32 +1,25 @@
 """Recognise upstream's rotation helpers by what they compute.
 
-HF attention code rotates queries and keys with a module-level helper (``apply_rotary_pos_emb``,
-``apply_rotary_emb``, ``apply_rotary_pos_emb_vision`` ...) fed with tables that the model's rotary
-module builds. Helpers differ in their parameters, in how the tables are laid out, in which
-features they pair, and in how the tables broadcast against q and k. Instead of a list of names,
-torchembed *probes* each candidate helper once (:func:`recognize`): it calls it on random float32
-inputs built for every known way of rotating and keeps the one whose result matches a float64
-rotation to 1e-5:
+HF attention code rotates queries and keys with a module-level helper (``apply_rotary_pos_emb``, ``apply_rotary_emb``,
+``apply_rotary_pos_emb_vision`` ...) fed with tables that the model's rotary module builds. Helpers differ in their
+parameters, table layout, feature pairing, and how the tables broadcast against q and k. Instead of a list of names,
+torchembed *probes* each candidate helper once (:func:`recognize`): it calls it on random float32 inputs built for
+every known way of rotating and keeps the one whose result matches a float64 rotation to 1e-5:
 
-* parameters, by name: the rotated tensors come first (``q, k``; ``x``; ``q, k, v`` ...; a rotated
-  tensor whose default is None is optional), then the tables: ``cos, sin`` (either order) or one
-  complex ``freqs*`` tensor (``cos + i sin``, Llama 4 and DeepSeek-V2), then extras that must have
-  defaults: ``unsqueeze_dim`` (the tables are unsqueezed there) and ``position_ids`` (only where the
-  probe shows the result does not depend on it);
-* broadcast: tables ``(b, s, w)`` or ``(s, w)`` against ``(..., h, s, d)`` (``"hs"``: HF's usual,
-  after the heads transpose) or ``(..., s, h, d)`` (``"sh"``: GPT-J, Llama 4, vision towers), or
-  as the ``unsqueeze_dim`` argument says (``"param"``);
-* table layout: ``cat`` (``(θ_0..θ_{r/2-1}, θ_0..θ_{r/2-1})``, LLaMA and most), ``repeat``
-  (``(θ_0, θ_0, θ_1, ...)``, Cohere), ``half`` (``r/2`` entries, GPT-J) or ``complex``;
-* pairing: ``half`` ``(x_i, x_{i+r/2})``, ``interleaved`` ``(x_{2i}, x_{2i+1})`` in place, or
-  ``deinterleave`` (``(x_{2i}, x_{2i+1})`` written in half-split order, DeepSeek-V3); by ``-θ``
-  where a helper rotates the other way; ``partial``: only the leading (or trailing) ``r`` features
-  of a wider input.
+* parameters, by name: the rotated tensors first (``q, k``; ``x``; ``q, k, v`` ...; one whose default is None is
+  optional), then the tables: ``cos, sin`` (either order) or one complex ``freqs*`` tensor (``cos + i sin``, Llama 4
+  and DeepSeek-V2), then extras that must have defaults: ``unsqueeze_dim`` (the tables are unsqueezed there) and
+  ``position_ids`` (only where the probe shows the result does not depend on it);
+* broadcast: tables ``(b, s, w)`` or ``(s, w)`` against ``(..., h, s, d)`` (``"hs"``: HF's usual, heads transposed)
+  or ``(..., s, h, d)`` (``"sh"``: GPT-J, Llama 4, vision towers), or as ``unsqueeze_dim`` says (``"param"``);
+* table layout: ``cat`` (``(θ_0..θ_{r/2-1}, θ_0..θ_{r/2-1})``, LLaMA and most), ``repeat`` (``(θ_0, θ_0, θ_1, ...)``,
+  Cohere), ``half`` (``r/2`` entries, GPT-J) or ``complex``;
+* pairing: ``half`` ``(x_i, x_{i+r/2})``, ``interleaved`` ``(x_{2i}, x_{2i+1})`` in place, or ``deinterleave``
+  (``(x_{2i}, x_{2i+1})`` written in half-split order, DeepSeek-V3); by ``-θ`` where a helper rotates the other way;
+  ``partial``: only the leading (or trailing) ``r`` features of a wider input.
 
-What is found (:class:`Rotation`) is what :class:`torchembed.patches.rotation.RotaryHelper`, the
-replacement, reproduces.
+What is found (:class:`Rotation`) is what the replacement (:class:`~torchembed.patches.rotation.RotaryHelper`) does.
 """
-
 
 from __future__ import annotations
 
@@ -57,11 +50,10 @@ _MROPE = "mrope_section"
 def upstream_function(helper: Any) -> Any:
     """The Python function behind a hub-kernel function module, else ``helper`` itself.
 
-    With the ``kernels`` package installed, transformers (5.25) turns module-level helpers such as
-    ``apply_rotary_pos_emb`` into ``nn.Module`` instances (``kernels``' ``Func``, marked by a class
-    attribute ``kernel_layer_name``) whose forward calls the function, or a hub kernel while a
-    kernelized model runs. Their forward takes ``*args, **kwargs``: what the helper computes, and
-    its signature, are the wrapped function's (the one Python function in the forward's closure).
+    With the ``kernels`` package installed, transformers 5.25 turns module-level helpers such as
+    ``apply_rotary_pos_emb`` into ``nn.Module`` instances (``kernels``' ``Func``, class attribute ``kernel_layer_name``)
+    whose forward, taking ``*args, **kwargs``, calls the function (or a hub kernel in a kernelized model): what the
+    helper computes, and its signature, are the wrapped function's (the one Python function in the forward's closure).
     """
     if isinstance(helper, torch.nn.Module) and "kernel_layer_name" in vars(type(helper)):
         forward = vars(type(helper)).get("forward")
@@ -103,9 +95,8 @@ class Rotation:
     # (rule, rank of x, rank of the tables) of every probe the helper passed: a helper that inserts the
     # heads axis at a fixed place broadcasts (s, w) tables against (s, h, d) as "sh", (b, s, w) as "hs"
     patterns: tuple[tuple[str, int, int], ...] = ()
-    # HF's usual call, ``helper(q, k, cos, sin)`` on ``cat`` tables with half-split pairing, tokens second
-    # to last: the replacement serves it on its shortest path (in place on the kernel). Set from the
-    # fields above when made (a plain attribute: ``torch.compile`` reads it inside a graph).
+    # HF's usual call ``helper(q, k, cos, sin)`` (cat tables, half-split pairing, tokens second to last): the
+    # replacement's shortest path (in place on the kernel). Set when made (a plain attribute, read in compiled graphs)
     usual: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -220,8 +211,8 @@ def _tables(theta: Tensor, layout: str) -> tuple[Tensor, ...]:
 
 def reference_rotate(x: Tensor, cos: Tensor, sin: Tensor, pairing: str, conjugate: bool = False,
                      trailing: bool = False) -> Tensor:
-    """Rotate the first (``trailing``: last) ``r = 2 * cos.shape[-1]`` features of ``x`` by half
-    tables broadcastable to ``x[..., :r/2]``, with ``pairing`` (float64 inputs: float64 math)."""
+    """Rotate the first (``trailing``: last) ``r = 2 * cos.shape[-1]`` features of ``x`` by half tables broadcastable
+    to ``x[..., :r/2]``, with ``pairing`` (float64 inputs: float64 math)."""
     rot = 2 * cos.shape[-1]
     if trailing and x.shape[-1] > rot:
         return torch.cat((x[..., :-rot], reference_rotate(x[..., -rot:], cos, sin, pairing, conjugate)), dim=-1)
@@ -259,9 +250,9 @@ def _close(got: tuple, want: list[Tensor]) -> bool:
 
 def _match(helper: Callable, roles: _Parameters, layout: str, feature_dim: int, half: int, gen: torch.Generator,
            keywords: dict | None = None, only: tuple | None = None, probes: tuple = _PROBES) -> list[tuple]:
-    """Every (probe, pairing, conjugate, trailing) that ``helper`` computes on inputs of ``feature_dim``
-    features rotated by ``half`` angles, with tables in ``layout``, among ``probes`` (``only``: one probe
-    and one (pairing, conjugate)); ``keywords`` passed through."""
+    """Every (probe, pairing, conjugate, trailing) that ``helper`` computes on inputs of ``feature_dim`` features
+    rotated by ``half`` angles, with tables in ``layout``, among ``probes`` (``only``: one probe and one (pairing,
+    conjugate)); ``keywords`` passed through."""
     found = []
     for probe in probes:
         rule, x_lead, t_lead = probe
@@ -367,15 +358,15 @@ def _probe_plain(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
 
 
 def merge_mrope(table: Tensor, sections: Any) -> Tensor:
-    """M-RoPE tables ``(3, ..., w)`` (temporal, height, width positions) -> ``(..., w)``: feature
-    section ``i`` (sections given for one half, repeated for the other) from axis ``i % 3``."""
+    """M-RoPE tables ``(3, ..., w)`` (temporal, height, width positions) -> ``(..., w)``: feature section ``i``
+    (sections given for one half, repeated for the other) from axis ``i % 3``."""
     parts = table.split([int(n) for n in sections] * 2, dim=-1)
     return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
 
 
 def _probe_mrope(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple[Rotation | None, str]:
-    """transformers 4.x's M-RoPE helpers ``(q, k, cos, sin, mrope_section, unsqueeze_dim=1)``: recognised
-    as the rotation they compute on merged tables, then checked with three different position axes."""
+    """transformers 4.x's M-RoPE helpers ``(q, k, cos, sin, mrope_section, unsqueeze_dim=1)``: recognised as the
+    rotation they compute on merged tables, then checked with three different position axes."""
     sections = (1, 1, 2)
 
     def on_merged(**args):  # the helper fed tables that merge into the given ones
@@ -383,8 +374,7 @@ def _probe_mrope(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
             args[name] = args[name].expand(3, *args[name].shape)
         return helper(**args, **{_MROPE: list(sections)})
 
-    plain = _Parameters(roles.names, roles.rotated, roles.tables, roles.optional,
-                        tuple(n for n in roles.extras if n != _MROPE), roles.defaults)
+    plain = replace(roles, extras=tuple(n for n in roles.extras if n != _MROPE), keywords=False)
     rotation, why = _probe_plain(on_merged, plain, gen)
     if rotation is None:
         return None, why
@@ -406,9 +396,8 @@ def _probe_mrope(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
 
 
 def _probe_indexed(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple[Rotation | None, str]:
-    """Helpers ``(q, k, cos, sin, position_ids, ...)`` that rotate by ``cos[position_ids]`` (tables of
-    every position): recognised as the rotation they compute on the gathered tables, then checked with
-    shuffled positions."""
+    """Helpers ``(q, k, cos, sin, position_ids, ...)`` that rotate by ``cos[position_ids]`` (tables of every
+    position): recognised as the rotation they compute on the gathered tables, then checked with shuffled positions."""
 
     def on_gathered(**args):  # the helper fed (T, w) tables and the ids that gather the given ones
         lead = args[roles.tables[0]].shape[:-1]
@@ -416,8 +405,7 @@ def _probe_indexed(helper: Any, roles: _Parameters, gen: torch.Generator) -> tup
             args[name] = args[name].reshape(-1, args[name].shape[-1])
         return helper(**args, **{_POSITION_IDS: torch.arange(lead.numel()).view(lead)})
 
-    plain = _Parameters(roles.names, roles.rotated, roles.tables, roles.optional,
-                        tuple(n for n in roles.extras if n != _POSITION_IDS), roles.defaults)
+    plain = replace(roles, extras=tuple(n for n in roles.extras if n != _POSITION_IDS), keywords=False)
     rotation, why = _probe_plain(on_gathered, plain, gen)
     if rotation is None or rotation.broadcast != "param":
         return None, why or f"it takes {_POSITION_IDS} in a way torchembed does not model"
@@ -438,9 +426,9 @@ def _probe_indexed(helper: Any, roles: _Parameters, gen: torch.Generator) -> tup
 
 
 def _probe_sections(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple[Rotation | None, str]:
-    """Multidimensional RoPE (Gemma 4's vision tower): ``helper(x, cos, sin, position_ids, ...)`` splits
-    the features into ``position_ids.shape[-1]`` equal sections and rotates each half-split by its own
-    slice of the (per-section ``cat``) tables."""
+    """Multidimensional RoPE (Gemma 4's vision tower): ``helper(x, cos, sin, position_ids, ...)`` splits the features
+    into ``position_ids.shape[-1]`` equal sections and rotates each half-split by its own slice of the (per-section
+    ``cat``) tables."""
     defaults = dict(roles.defaults)
     unsqueeze = int(defaults.get(UNSQUEEZE_DIM, 1))
     extras = [n for n in roles.extras if n not in (UNSQUEEZE_DIM, _POSITION_IDS)]
@@ -492,10 +480,9 @@ _UNEVEN_PROBES = (("hs", (2, 3), (2,)), ("hs", (2, 3), ()), ("hs", (2, 3), (1,))
 
 def _uneven(helper: Any, roles: _Parameters, layout: str, half: int, probe: tuple, way: tuple, param: bool,
             gen: torch.Generator, kind: str) -> tuple | None:
-    """The probe ``(rule, x rank, table rank)`` on which the helper rotates tensors whose token count
-    differs from the tables' (5 rows) this way, or None: ``"tail"``: a first tensor of 3 tokens by the
-    tables' last 3 rows, the others (5 tokens) as usual; ``"prefix"``: tensors of 7 tokens, the first
-    2 passed through, the last 5 rotated."""
+    """The probe ``(rule, x rank, table rank)`` on which the helper rotates tensors whose token count differs from the
+    tables' (5 rows) this way, or None: ``"tail"``: a first tensor of 3 tokens by the tables' last 3 rows, the others
+    (5 tokens) as usual; ``"prefix"``: tensors of 7 tokens, the first 2 passed through, the last 5 rotated."""
     if kind == "tail" and len(roles.rotated) < 2:
         return None
     pairing, conjugate = way

@@ -1,10 +1,9 @@
 """torchembed's replacement for an upstream rotation helper: the same call, the one rotation.
 
-:class:`RotaryHelper` takes the place of one recognised helper (:mod:`torchembed.patches.recognition`):
-its calls are bound to upstream's signature (:mod:`torchembed.patches.binding`), the tables reduced
-to what the rotation reads, and the tensors handed to the kernel or to the one PyTorch rotation as
-:func:`torchembed.kernels.rope.use_rope_kernel` decides (:func:`torchembed.kernels.rotary_fused`,
-:func:`torchembed.functional.apply_rotary`). Upstream's helper is never called.
+:class:`RotaryHelper` takes the place of one recognised helper (:mod:`torchembed.patches.recognition`): its calls are
+bound to upstream's signature (:mod:`torchembed.patches.binding`), the tables reduced to what the rotation reads, and
+the tensors handed to the kernel or to the one PyTorch rotation as :func:`torchembed.kernels.rope.use_rope_kernel`
+decides (:func:`torchembed.kernels.rotary_fused`, :func:`torchembed.functional.apply_rotary`).
 """
 
 from __future__ import annotations
@@ -32,15 +31,14 @@ __all__ = ["RotaryHelper"]
 class RotaryHelper:
     """torchembed's drop-in for one upstream rotation helper: the same parameters, the same results.
 
-    Called as upstream is (positional or keyword arguments, optional tensors left out); rotates in
-    float32 and rounds once: with :func:`torchembed.kernels.rotary_fused` (q and k in one launch;
-    at inference HF's usual ``helper(q, k, cos, sin)`` rotates in place: upstream binds its names to
-    the returned tensors, which are they) where :func:`~torchembed.kernels.rope.use_rope_kernel` says
-    so, with :func:`torchembed.functional.apply_rotary` elsewhere (upstream's products and sum in
-    float32, rounded once). Upstream's helper is never called.
+    Called as upstream is (positional or keyword arguments, optional tensors left out); rotates in float32 and rounds
+    once: with :func:`torchembed.kernels.rotary_fused` (q and k in one launch; at inference HF's usual
+    ``helper(q, k, cos, sin)`` rotates in place: upstream binds its names to the returned tensors, which are they) where
+    :func:`~torchembed.kernels.rope.use_rope_kernel` says so, with :func:`torchembed.functional.apply_rotary` elsewhere
+    (upstream's products and sum in float32, rounded once). Upstream's helper is never called.
 
-    One instance per (rotation, upstream, fused) (:meth:`get`), so the rebound attention code is
-    shared by every model patched the same way; it pickles as those three.
+    One instance per (rotation, upstream, fused) (:meth:`get`), so the rebound attention code is shared by every model
+    patched the same way; it pickles as those three.
     """
 
     _INSTANCES: dict[tuple, "RotaryHelper"] = {}
@@ -111,8 +109,8 @@ class RotaryHelper:
                       lambda: (merge_mrope(first, sections), merge_mrope(second, sections)))
 
     def _rotate_sections(self, x: Tensor, first: Tensor, second: Tensor, sections: int, unsqueeze: int) -> Tensor:
-        """Multidimensional RoPE: ``x (..., d)`` as ``sections`` equal feature sections, each rotated
-        half-split by its slice of the tables (PyTorch operations; the kernel takes one table per token)."""
+        """Multidimensional RoPE: ``x (..., d)`` as ``sections`` equal feature sections, each rotated half-split by its
+        slice of the tables (PyTorch operations; the kernel takes one table per token)."""
         if self.fused and use_rope_kernel(self.fused, x):
             raise FusedUnavailableError(f"fused=True: {self.__name__} rotates per feature section, which the fused "
                                         "kernel does not; patch with fused=None")
@@ -135,10 +133,10 @@ class RotaryHelper:
         return derive(current(), (first, second), (id(self), "half"), make)
 
     def _own_tables(self, first: Tensor, second: Tensor | None) -> tuple[Tensor, Tensor] | None:
-        """The helper's own ``(cos, sin)`` where it multiplies each feature by its own entry (``cat``
-        tables with half-split pairing, ``repeat`` tables with interleaved pairing), else None. The PyTorch path multiplies by them as upstream does, so it
-        computes upstream's function also where a feature pair's two entries differ (HunYuan-VL's
-        M-RoPE sections span both halves of the head: at an image token they are two axes' angles)."""
+        """The helper's own ``(cos, sin)`` where it multiplies each feature by its own entry (``cat`` tables with
+        half-split pairing, ``repeat`` tables with interleaved pairing), else None. The PyTorch path multiplies by them
+        as upstream does, so it computes upstream's function also where a feature pair's two entries differ
+        (HunYuan-VL's M-RoPE sections span both halves of the head: at an image token they are two axes' angles)."""
         rotation = self.rotation
         if not ((rotation.layout == "cat" and rotation.pairing in ("half", "deinterleave"))
                 or (rotation.layout == "repeat" and rotation.pairing == "interleaved")):
@@ -147,13 +145,12 @@ class RotaryHelper:
 
     def rotate(self, xs: list[Tensor], c: Tensor, s: Tensor, unsqueeze: int | None,
                full: tuple[Tensor, Tensor] | None = None) -> list[Tensor]:
-        """``xs`` rotated by half tables ``c``/``s`` ``(..., s, r/2)`` (broadcast as the helper does,
-        ``unsqueeze``: its unsqueeze_dim argument; ``full``: :meth:`_own_tables`): on the kernel (one launch
-        for two tensors) where the layout allows and the kernel runs, else in PyTorch.
+        """``xs`` rotated by half tables ``c``/``s`` ``(..., s, r/2)`` (broadcast as the helper does, ``unsqueeze``:
+        its unsqueeze_dim argument; ``full``: :meth:`_own_tables`): on the kernel (one launch for two tensors) where
+        the layout allows and the kernel runs, else in PyTorch.
 
         Raises:
-            ValueError: a tensor narrower than the rotated features, or wider for a helper that
-                rotates them all.
+            ValueError: a tensor narrower than the rotated features, or wider for a helper that rotates them all.
             FusedUnavailableError: ``fused=True`` where the kernel cannot take the call.
         """
         rotation = self.rotation
@@ -190,44 +187,37 @@ class RotaryHelper:
         if views is not None:
             bhsd, tables_view = views
             halves = full is not None and not interleaved  # the helper's own rows: a pair's second feature its entries
-            if halves:
-                cb, sb = (tables_view(t) for t in full)
-            else:
-                cb, sb = tables_view(c), tables_view(s)
+            cb, sb = (tables_view(t) for t in (full if halves else (c, s)))
             outs, i = [], 0
-            while i < len(bhsd):  # two tensors per launch where they pair up
-                if i + 1 < len(bhsd) and _pairable(bhsd[i], bhsd[i + 1]):
-                    outs += kernels.rotary_fused(bhsd[i], bhsd[i + 1], cb, sb, interleaved=interleaved,
-                                                 conjugate=rotation.conjugate, halves=halves)
-                    i += 2
-                else:
-                    outs.append(kernels.rotary_fused(bhsd[i], bhsd[i][:, :0], cb, sb, interleaved=interleaved,
-                                                     conjugate=rotation.conjugate, halves=halves)[0])
-                    i += 1
+            while i < len(bhsd):  # two tensors per launch where they pair up, else one (an empty second)
+                pair = i + 1 < len(bhsd) and _pairable(bhsd[i], bhsd[i + 1])
+                out = kernels.rotary_fused(bhsd[i], bhsd[i + 1] if pair else bhsd[i][:, :0], cb, sb,
+                                           interleaved=interleaved, conjugate=rotation.conjugate, halves=halves)
+                outs += out if pair else out[:1]
+                i += 2 if pair else 1
             return [_back(x, kernel_rule)(o) for x, o in zip(xs, outs)]
         return self._arithmetic(xs, c, s, full, unsqueeze, interleaved, rule)
 
     def _arithmetic(self, xs: list[Tensor], c: Tensor, s: Tensor, full: tuple[Tensor, Tensor] | None,
                     unsqueeze: int | None, interleaved: bool, rule: str) -> list[Tensor]:
-        """The PyTorch path: :func:`torchembed.functional.apply_rotary` on each tensor, with the
-        helper's own full-width tables where it has them (``full``: each feature its own entry, as
-        upstream multiplies), else the half tables, broadcast as the helper broadcasts them."""
+        """The PyTorch path: :func:`torchembed.functional.apply_rotary` on each tensor, with the helper's own full-width
+        tables where it has them (``full``: each feature its own entry, as upstream multiplies), else the half tables,
+        broadcast as the helper broadcasts them."""
         cb, sb = self._prepared(full if full is not None else (c, s), rule, unsqueeze, xs[0].dtype)
         return [functional.apply_rotary(x, cb, sb, interleaved=interleaved, conjugate=self.rotation.conjugate,
                                         full=full is not None) for x in xs]
 
     def _prepared(self, tables: tuple[Tensor, Tensor], rule: str, unsqueeze: int | None,
                   dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``tables`` broadcast as the helper does and in the rotation's compute dtype (float32, or
-        float64 for float64 inputs), once per forward: every layer of a forward gets the same ones, so
-        the PyTorch path converts them once per forward, not once per tensor."""
+        """``tables`` broadcast as the helper does and in the rotation's compute dtype (float32, or float64 for float64
+        inputs), once per forward (every layer of a forward gets the same ones), not once per tensor."""
         compute = torch.float64 if dtype == torch.float64 else torch.float32
         return derive(current(), tables, ("prep", rule, unsqueeze, compute),
                       lambda: tuple(broadcast_table(t, rule, unsqueeze).to(compute) for t in tables))
 
     def _kernel_views(self, xs: list[Tensor], c: Tensor, rule: str | None):
-        """``xs`` as the kernel's ``(B, H, S, D)`` views and a function making ``(B or 1, S, R/2)``
-        tables of the half tables; None for layouts the kernel does not take."""
+        """``xs`` as the kernel's ``(B, H, S, D)`` views and a function making ``(B or 1, S, R/2)`` tables of the half
+        tables; None for layouts the kernel does not take."""
         nd = xs[0].dim()
         if rule == "flat":  # (b, s, d): one head
             if nd != 3 or c.dim() != 3 or any(x.dim() != 3 for x in xs):
@@ -247,10 +237,10 @@ class RotaryHelper:
         return bhsd, (lambda t: t if t.dim() == 3 else t[None])
 
     def _usual_call(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor] | None:
-        """HF's usual call, with less Python around it: on the kernel at inference in place (one cache
-        lookup and one launch per layer), else :func:`torchembed.functional.apply_rotary` with upstream's
-        own tables. None: the general way (also a call the kernel does not take, which
-        :func:`~torchembed.kernels.rope.rotary_fused_usual` tells before any launch)."""
+        """HF's usual call, with less Python around it: on the kernel at inference in place (one cache lookup and one
+        launch per layer), else :func:`torchembed.functional.apply_rotary` with upstream's own tables. None: the general
+        way (also a call the kernel does not take, which :func:`~torchembed.kernels.rope.rotary_fused_usual` tells
+        before any launch)."""
         if q.shape[-1] != cos.shape[-1]:
             return None
         if use_rope_kernel(self.fused, q):
@@ -260,10 +250,9 @@ class RotaryHelper:
 
 
 def _rows(table: Tensor, x: Tensor, rule: str) -> Tensor:
-    """A fixed-rule helper's half table as ``(n, S, r/2)`` rows, ``n`` 1 or x's batch (``(S, r/2)``
-    for an unbatched x): what it holds, whatever singleton axes it carries (Llama 4's vision tower
-    hands ``(S, 1, r/2)`` frequencies, which its helper views against the queries). Unchanged where
-    its size does not fit."""
+    """A fixed-rule helper's half table as ``(n, S, r/2)`` rows, ``n`` 1 or x's batch (``(S, r/2)`` for an unbatched
+    x): what it holds, whatever singleton axes it carries (Llama 4's vision tower hands ``(S, 1, r/2)`` frequencies,
+    which its helper views against the queries). Unchanged where its size does not fit."""
     seq_axis = -3 if rule == "sh" else -2
     lead = x.shape[:-3] if rule in ("hs", "sh") else x.shape[:-2]
     if x.dim() < -seq_axis or len(lead) > 1:
@@ -282,10 +271,10 @@ def _pairable(q: Tensor, k: Tensor) -> bool:
 
 
 def _kernel_rule(rule: str, unsqueeze: Any, table: Tensor, x: Tensor) -> str | None:
-    """How the kernel reads the tables of a call broadcast by ``rule`` (the helper's probed rule, "param"
-    for one taking unsqueeze_dim): "hs" (tokens second to last in ``x``), "sh", "flat" (``(b, s, d)``,
-    one head), or None where it cannot. Right-aligned ``(1 or none, S, r/2)`` tables against a 4-D
-    ``x`` (SAM 3's "flat" rule) are per-token rows: "hs"."""
+    """How the kernel reads the tables of a call broadcast by ``rule`` (the helper's probed rule, "param" for one
+    taking unsqueeze_dim): "hs" (tokens second to last in ``x``), "sh", "flat" (``(b, s, d)``, one head), or None where
+    it cannot. Right-aligned ``(1 or none, S, r/2)`` tables against a 4-D ``x`` (SAM 3's "flat" rule) are per-token
+    rows: "hs"."""
     if rule == "param":
         return _unsqueezed_rule(unsqueeze, table.dim())
     if rule == "flat" and x.dim() == 4 and (table.dim() == 2 or (table.dim() == 3 and table.shape[0] == 1)):
@@ -294,9 +283,9 @@ def _kernel_rule(rule: str, unsqueeze: Any, table: Tensor, x: Tensor) -> str | N
 
 
 def _unsqueezed_rule(unsqueeze: Any, table_dim: int) -> str | None:
-    """Where HF's ``cos.unsqueeze(unsqueeze_dim)`` puts the tables' token axis against ``x``: "hs" for
-    ``(S, R)`` tables at 0 or ``(B, S, R)`` at 1 (tokens second to last, ``x (B, H, S, D)``), "sh" for
-    ``(S, R)`` at 1 or ``(B, S, R)`` at 2 (``x (B, S, H, D)``); None for any other broadcast."""
+    """Where HF's ``cos.unsqueeze(unsqueeze_dim)`` puts the tables' token axis against ``x``: "hs" for ``(S, R)``
+    tables at 0 or ``(B, S, R)`` at 1 (tokens second to last, ``x (B, H, S, D)``), "sh" for ``(S, R)`` at 1 or
+    ``(B, S, R)`` at 2 (``x (B, S, H, D)``); None for any other broadcast."""
     if type(unsqueeze) is not int:
         return None
     return {(2, 0): "hs", (2, 1): "sh", (3, 1): "hs", (3, 2): "sh"}.get((table_dim, unsqueeze % (table_dim + 1)))

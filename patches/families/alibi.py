@@ -1,48 +1,34 @@
 """ALiBi families (BLOOM, MPT, Falcon with ``alibi=True``): torchembed's slopes, bias and attention.
 
-Upstream builds the bias in key-only form (``slope * position_of_key``), which differs from the
-paper's ``-slope * |i - j|`` by a constant per query row, which softmax ignores. torchembed's
-builders keep that form (the attention code consumes it as is) but compute it in float32 from
-:func:`torchembed.functional.alibi_slopes` (the slopes of ``ALiBiEmbedding``), zero at the
-newest key and non-positive, so the values that matter most for a causal row are the smallest
-and round least in low precision.
+Upstream builds the bias in key-only form (``slope * position_of_key``), which differs from the paper's
+``-slope * |i - j|`` by a per-row constant that softmax ignores. torchembed's builders keep that form but compute it
+in float32 from :func:`torchembed.functional.alibi_slopes` (the slopes of ``ALiBiEmbedding``), zero at the newest key
+and non-positive, so the values that matter most for a causal row are the smallest and round least in low precision.
 
-* BLOOM: ``BloomModel.build_alibi_tensor`` (instance method) and, where transformers builds the
-  bias inline without a mask, the slopes it uses (``_get_alibi_slopes``, rebound for the instance).
+* BLOOM: ``BloomModel.build_alibi_tensor`` (instance method) and, where transformers builds the bias inline without a
+  mask, the slopes it uses (``_get_alibi_slopes``, rebound for the instance).
 * MPT: ``MptModel.build_mpt_alibi_tensor`` (instance method).
-* Falcon: ``build_alibi_tensor`` as called by ``FalconModel.forward`` (rebound for the instance to
-  :func:`falcon_no_model_bias`: the model builds no bias, so no release folds one into the mask);
-  the patched attention derives the bias from the mask it receives (:func:`falcon_key_bias`).
-  Upstream rounds Falcon's slopes to bfloat16 even in float32 models; torchembed does not, so for
-  head counts whose slopes are not powers of two the two differ by that rounding.
+* Falcon: releases hand the bias to the attention differently (4.57-5.24: an ``alibi`` argument beside a mask with
+  the bias folded in; 5.25: only the folded ``(b, h, q, k)`` mask). ``build_alibi_tensor`` as ``FalconModel.forward``
+  calls it is rebound for the instance to :func:`falcon_no_model_bias`, so every release passes the plain causal mask,
+  and the patched attention derives the bias from it once per forward (:func:`falcon_key_bias`). Upstream rounds
+  Falcon's slopes to bfloat16 even in float32 models; torchembed does not (the two differ by that rounding for head
+  counts whose slopes are not powers of two). The patched attention computes upstream's **sdpa** path,
+  ``softmax(q k^T / sqrt(d) + alibi / sqrt(d))``, whatever ``attn_implementation`` says: upstream's eager path before
+  5.25 adds the bias a second time on top of the folded mask (an upstream bug), so a patched eager Falcon-ALiBi model
+  agrees with upstream sdpa, not eager (the registry's ``reference_attn="sdpa"``, which ``torchembed compare`` uses).
 
-All three also get torchembed's attention (``BloomAttention``/``MptAttention``/``FalconAttention``
-forward, per instance): upstream's eager attention materialises the scores in the model dtype, a
-float32 softmax and the probabilities, and Falcon's model folds the bias into a ``(b, h, q, k)``
-mask in the model dtype that every layer reads; torchembed's runs ALiBi inside one fused Triton
-kernel (:func:`torchembed.kernels.alibi.alibi_flash`: the bias computed in the kernel, any
-padding mask summarised per row once per forward, multi-query and grouped kv heads read in place,
-forward and backward; nothing quadratic materialised) and, where that measured faster (small
-prefills, decode steps), SDPA with a row-centred bias built once per forward
-(:func:`torchembed.kernels.alibi.alibi_attention`). The patch's ``fused`` reaches the
-attention: ``False`` builds the bias with PyTorch operations only, ``True`` takes the kernel for
-every call.
-``output_attentions=True`` and BLOOM's ``slow_but_exact`` tensor-parallel emulation fall back to
-upstream's forward. On a model split over devices (accelerate ``device_map``), the layers of each
-device share one copy of the mask and bias (:mod:`torchembed.patches.devices`), so the masks
-derived from them are built once per device and forward, not once per layer.
-
-Falcon: releases hand the bias to the attention in different ways (4.57-5.24: an ``alibi``
-argument beside a mask with the bias folded in; 5.25: only the folded ``(b, h, q, k)`` mask).
-The patched ``FalconModel.forward`` builds no bias (:func:`falcon_no_model_bias`), so every
-release passes the plain causal mask, and the patched attention derives the key bias from that
-mask once per forward (:func:`falcon_key_bias`: Falcon counts positions over the keys its last
-query attends, i.e. the non-padded ones). The patched attention computes upstream's **sdpa**
-path, ``softmax(q k^T / sqrt(d) + alibi / sqrt(d))``, whatever ``attn_implementation`` says:
-upstream's eager path before 5.25 adds the bias a second time on top of the folded mask (an
-upstream bug), so a patched eager Falcon-ALiBi model differs from upstream eager there and agrees
-with upstream sdpa (the registry records this as ``reference_attn="sdpa"``; ``torchembed compare``
-uses it).
+All three also get torchembed's attention (``BloomAttention``/``MptAttention``/``FalconAttention`` forward, per
+instance). Upstream's eager attention materialises the scores in the model dtype, a float32 softmax and the
+probabilities; torchembed's runs ALiBi inside one fused Triton kernel (:func:`torchembed.kernels.alibi.alibi_flash`:
+the bias computed in the kernel, any padding mask summarised per row once per forward, multi-query and grouped kv heads
+read in place, forward and backward; nothing quadratic materialised) and, where that measured faster (small prefills,
+decode steps), SDPA with a row-centred bias built once per forward (:func:`torchembed.kernels.alibi.alibi_attention`).
+The patch's ``fused``: ``False`` builds the bias with PyTorch operations only, ``True`` takes the kernel for every
+call. ``output_attentions=True`` and BLOOM's ``slow_but_exact`` tensor-parallel emulation fall back to upstream's
+forward. On a model split over devices (accelerate ``device_map``), the layers of each device share one copy of the
+mask and bias (:mod:`torchembed.patches.devices`), so the masks derived from them are built once per device and
+forward, not once per layer.
 """
 
 from __future__ import annotations
@@ -69,11 +55,10 @@ __all__ = ["AlibiOptions", "InstanceConstants", "bloom_alibi_tensor", "falcon_ke
 
 
 class InstanceConstants:
-    """What a patched model derives from its config alone (the slopes, MPT's bias table), built once per
-    (heads, length, device) instead of at every forward (a host-to-device copy and a few launches per
-    decode step) and kept per model instance: at most :attr:`LIMIT` entries, the oldest dropped. Inside a
-    graph that ``torch.compile`` traces nothing is kept (the graph builds them). A copy of the model (deep
-    copy, pickle) starts empty."""
+    """What a patched model derives from its config alone (the slopes, MPT's bias table), built once per (heads,
+    length, device) instead of at every forward (a host-to-device copy and a few launches per decode step) and kept per
+    model instance: at most :attr:`LIMIT` entries, the oldest dropped. Inside a graph that ``torch.compile`` traces
+    nothing is kept (the graph builds them). A copy of the model (deep copy, pickle) starts empty."""
 
     LIMIT = 4
 
@@ -118,11 +103,8 @@ def bloom_alibi_tensor(attention_mask: Tensor, num_heads: int, dtype: torch.dtyp
 
 
 def falcon_no_model_bias(attention_mask: Tensor, num_heads: int, dtype: torch.dtype) -> None:
-    """``build_alibi_tensor`` for a patched ``FalconModel.forward``: no bias at model level.
-
-    Every release then passes its attention the plain causal mask (4.57-5.24 fold the bias into it
-    only when there is one, 5.25 likewise), and the patched attention derives the bias from that
-    mask (:func:`falcon_key_bias`) in float32."""
+    """``build_alibi_tensor`` for a patched ``FalconModel.forward``: no bias at model level, so every release passes
+    its attention the plain causal mask, from which the patched attention derives the bias (:func:`falcon_key_bias`)."""
     return None
 
 
@@ -130,10 +112,10 @@ def falcon_key_bias(attention_mask: Tensor | None, num_heads: int, k_len: int, d
                     constants: InstanceConstants | None = None) -> Tensor:
     """Falcon's ALiBi bias in key-only form, ``(b or 1, h, k)`` float32, from the layer's causal mask.
 
-    Falcon counts key positions over the keys that are not padding (``cumsum`` of the 2-D mask);
-    those are exactly the keys the last query row of the causal mask attends, so the bias is
-    :func:`alibi_key_bias` of that row (up to a constant per row, which softmax ignores). A static
-    cache's keys past the newest token are masked in that row too and get no weight either way.
+    Falcon counts key positions over the keys that are not padding (``cumsum`` of the 2-D mask); those are exactly the
+    keys the last query row of the causal mask attends, so the bias is :func:`alibi_key_bias` of that row (up to a
+    constant per row, which softmax ignores). A static cache's keys past the newest token are masked in that row too
+    and get no weight either way.
 
     Args:
         attention_mask: ``(b, q, k)`` or ``(b, 1, q, k)``, bool (True = attend) or additive float
@@ -150,9 +132,8 @@ def falcon_key_bias(attention_mask: Tensor | None, num_heads: int, k_len: int, d
 
 def mpt_alibi_tensor(num_heads: int, sequence_length: int, alibi_bias_max: float = 8, device=None, *,
                      constants: InstanceConstants | None = None) -> Tensor:
-    """MPT's bias ``(h, 1, L)`` float32: ``slope * (j - (L - 1))`` for keys ``j < L``. It depends on
-    the config only: built once per (heads, length, max bias, device) and kept in the model's
-    ``constants`` (read-only)."""
+    """MPT's bias ``(h, 1, L)`` float32: ``slope * (j - (L - 1))`` for keys ``j < L``. It depends on the config only:
+    built once per (heads, length, max bias, device) and kept in the model's ``constants`` (read-only)."""
 
     def make() -> Tensor:
         slopes = alibi_slopes(num_heads, device, max_bias=float(alibi_bias_max))
@@ -192,44 +173,34 @@ class OverrideBuilder(OverrideMethod):
         return actions
 
 
+# Keyed by the upstream forward functions (a handful per process, alive as long as their classes).
+_POSITIONAL_NAMES: dict[Any, tuple[str, ...]] = {}
+
+
 def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """Upstream forward's arguments by name (positional ones mapped through its signature, cached
-    per function): the patched forwards accept whatever each release passes."""
-    return _bind(type(module).forward, args, kwargs)
-
-
-def _bind(method: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """``method``'s arguments after ``self`` by name (its positional names cached per function)."""
+    """Upstream forward's arguments after ``self`` by name (positional ones mapped through its signature, the names
+    cached per function): the patched forwards accept whatever each release passes."""
+    method = type(module).forward
     names = _POSITIONAL_NAMES.get(method)
     if names is None:
         params = inspect.signature(method).parameters.values()
         names = _POSITIONAL_NAMES[method] = tuple(
             p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         )[1:]
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    return bound
-
-
-# Keyed by the upstream forward functions (a handful per process, alive as long as their classes).
-_POSITIONAL_NAMES: dict[Any, tuple[str, ...]] = {}
+    return {**dict(zip(names, args)), **kwargs}
 
 
 def _cache_of(arguments: dict[str, Any]) -> Any:
-    for name in CACHE_KEYWORDS:
-        cache = arguments.get(name)
-        if cache is not None:
-            return cache
-    return None
+    """The KV cache among the arguments, under whichever name the release gives it; None without one."""
+    return next((arguments[name] for name in CACHE_KEYWORDS if arguments.get(name) is not None), None)
 
 
 def _cache_update(cache: Any, k: Tensor, v: Tensor, layer_idx: int, arguments: dict[str, Any]) -> tuple[Tensor, Tensor]:
-    """``cache.update`` as each release calls it (4.x passes ``cache_position`` for static caches), with
-    ``k`` and ``v`` made contiguous first: they are strided views of the fused query-key-value projection
-    (BLOOM's heads interleave q, k and v), and a strided new key sends each decode step's concatenation
-    of the whole cache down CUDA's slow copy path (BLOOM-7B1 shape at 65k tokens on an H200: 1.7 ms per
-    layer and tensor; see ``benchmarks/results/long-context.md``). A long ``DynamicCache`` layer grows in
-    place instead (:mod:`torchembed.patches.kv_cache`)."""
+    """``cache.update`` as each release calls it (4.x passes ``cache_position`` for static caches) with ``k``, ``v``
+    made contiguous: they are strided views of the fused query-key-value projection (BLOOM's heads interleave q, k and
+    v), and a strided new key sends each decode step's concatenation of the whole cache down CUDA's slow copy path
+    (BLOOM-7B1 shape at 65k tokens on an H200: 1.7 ms per layer and tensor; ``benchmarks/results/long-context.md``).
+    A long ``DynamicCache`` layer grows in place instead (:mod:`torchembed.patches.kv_cache`)."""
     position = arguments.get("cache_position")
     extra = () if position is None else ({"cache_position": position},)
     return kv_cache.update(cache, k.contiguous(), v.contiguous(), layer_idx, *extra)
@@ -277,25 +248,21 @@ def bloom_attention_forward(self: nn.Module, *args: Any, options: AlibiOptions |
 
 def falcon_attention_forward(self: nn.Module, *args: Any, options: AlibiOptions | None = None,
                              **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-    """``FalconAttention.forward`` for ALiBi models with torchembed's ALiBi attention (``options``: the
-    patch's choices and the model's constants, see :func:`_attention`).
+    """``FalconAttention.forward`` for ALiBi models with torchembed's ALiBi attention (``options``: the patch's
+    choices and the model's constants, see :func:`_attention`).
 
-    Computes upstream's sdpa path, ``softmax(q k^T / sqrt(d) + alibi / sqrt(d) | mask) v``, with the
-    bias derived from the mask (:func:`falcon_key_bias`); an ``alibi`` argument (4.57-5.24, None
-    under a patched model) is not read.
-
-    Upstream arguments used: ``hidden_states`` ``(b, q, hidden)``; ``attention_mask`` ``(b, 1, q, k)``
-    or ``(b, q, k)``, bool (True = attend) or additive float (0 = attend), None: causal; the cache
-    under the release's name.
+    Computes upstream's sdpa path, ``softmax(q k^T / sqrt(d) + alibi / sqrt(d) | mask) v``, with the bias derived from
+    the mask (:func:`falcon_key_bias`); an ``alibi`` argument (4.57-5.24, None under a patched model) is not read.
+    Upstream arguments used: ``hidden_states`` ``(b, q, hidden)``; ``attention_mask`` ``(b, 1, q, k)`` or ``(b, q, k)``,
+    bool (True = attend) or additive float (0 = attend), None: causal; the cache under the release's name.
 
     Returns:
-        ``(dense(context) (b, q, hidden), None)``; with ``output_attentions`` or a ``head_mask``
-        upstream's eager forward runs (:func:`_falcon_upstream`) and returns its ``(b, h, q, k)``
-        probabilities.
+        ``(dense(context) (b, q, hidden), None)``; with ``output_attentions`` or a ``head_mask`` upstream's eager
+        forward runs (:func:`_falcon_upstream`) and returns its ``(b, h, q, k)`` probabilities.
 
     Raises:
-        ValueError: a mask with the bias folded in (``(b, h, q, k)`` float, what upstream's model
-            forward builds when it is not patched).
+        ValueError: a mask with the bias folded in (``(b, h, q, k)`` float, what upstream's model forward builds when
+            it is not patched).
     """
     a = _arguments(self, args, kwargs)
     hidden_states, attention_mask = a["hidden_states"], a.get("attention_mask")
@@ -323,10 +290,10 @@ def falcon_attention_forward(self: nn.Module, *args: Any, options: AlibiOptions 
 
 
 def _falcon_upstream(self: nn.Module, args: tuple, kwargs: dict, a: dict[str, Any], options: AlibiOptions) -> Any:
-    """Upstream's eager ``FalconAttention.forward`` (attention weights, head masks) on what this
-    release expects, computing the same function as the patched path: 4.57-5.24 take the key bias
-    as ``alibi`` ``(b * h, 1, k)`` beside the unfolded additive mask; 5.25 takes the bias folded
-    into a ``(b, h, q, k)`` mask in the model dtype, as its ``FalconModel.forward`` builds it."""
+    """Upstream's eager ``FalconAttention.forward`` (attention weights, head masks) on what this release expects,
+    computing the same function as the patched path: 4.57-5.24 take the key bias as ``alibi`` ``(b * h, 1, k)`` beside
+    the unfolded additive mask; 5.25 takes it folded into a ``(b, h, q, k)`` mask in the model dtype, as its
+    ``FalconModel.forward`` builds it."""
     hidden_states, attention_mask = a["hidden_states"], a.get("attention_mask")
     past = _cache_of(a)
     k_len = hidden_states.shape[1] + (past.get_seq_length(self.layer_idx) if past is not None else 0)
@@ -345,9 +312,9 @@ def _falcon_upstream(self: nn.Module, args: tuple, kwargs: dict, a: dict[str, An
 
 
 def _falcon_qkv(attn: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """q ``(b, h, s, d)`` and k, v ``(b, kv, s, d)``: views of ``query_key_value``'s output in the
-    layout every release reads it (``kv`` = 1 for multi-query; new_decoder_architecture: each kv
-    group's queries, then its key and value; otherwise q, k, v interleaved per head)."""
+    """q ``(b, h, s, d)`` and k, v ``(b, kv, s, d)``: views of ``query_key_value``'s output in the layout every
+    release reads it (``kv`` = 1 for multi-query; new_decoder_architecture: each kv group's queries, then its key and
+    value; otherwise q, k, v interleaved per head)."""
     batch, seq = hidden_states.shape[:2]
     fused = attn.query_key_value(hidden_states).view(batch, seq, -1, attn.head_dim)  # (b, s, parts, d)
     if attn.new_decoder_architecture:
@@ -367,14 +334,12 @@ def _bloom_keep(mask: Tensor) -> Tensor:
 
 def _falcon_keep(mask: Tensor) -> Tensor:
     """``(b, 1, q, k)`` bool keep mask from Falcon's ``(b, q, k)`` or ``(b, 1, q, k)`` mask."""
-    if mask.ndim == 3:
-        mask = mask[:, None]
-    return mask if mask.dtype == torch.bool else mask == 0
+    return _bloom_keep(mask[:, None] if mask.ndim == 3 else mask)
 
 
 def _additive_mask(attention_mask: Tensor | None, hidden_states: Tensor, k_len: int) -> Tensor:
-    """Upstream's eager form of the mask: ``(b or 1, 1, q, k)`` in the model dtype, 0 = attend,
-    the finite minimum elsewhere (causal, queries last, when ``attention_mask`` is None)."""
+    """Upstream's eager form of the mask: ``(b or 1, 1, q, k)`` in the model dtype, 0 = attend, the finite minimum
+    elsewhere (causal, queries last, when ``attention_mask`` is None)."""
     if attention_mask is None:
         keep = causal_keep(hidden_states.shape[1], k_len, hidden_states.device)
     else:
@@ -385,12 +350,12 @@ def _additive_mask(attention_mask: Tensor | None, hidden_states: Tensor, k_len: 
 
 def mpt_attention_forward(self: nn.Module, *args: Any, options: AlibiOptions | None = None,
                           **kwargs: Any) -> tuple[Tensor, Tensor | None]:
-    """``MptAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs; ``options``:
-    the patch's choices and the model's constants, see :func:`_attention`).
+    """``MptAttention.forward`` with torchembed's ALiBi attention (same inputs and outputs; ``options``: the patch's
+    choices and the model's constants, see :func:`_attention`).
 
-    Upstream's ``MptAttention`` always returns its attention weights; ``MptBlock`` does not pass
-    ``output_attentions`` down. :class:`AttentionWeightsRequest` (a pre-hook on each block) records
-    whether the block was asked for them, and then upstream's forward runs and returns them.
+    Upstream's ``MptAttention`` always returns its attention weights; ``MptBlock`` does not pass ``output_attentions``
+    down. :class:`AttentionWeightsRequest` (a pre-hook on each block) records whether the block was asked for them,
+    and then upstream's forward runs and returns them.
     """
     if getattr(self, WEIGHTS_REQUESTED, False):
         return type(self).forward(self, *args, **kwargs)
@@ -407,9 +372,8 @@ def mpt_attention_forward(self: nn.Module, *args: Any, options: AlibiOptions | N
         k, v = _cache_update(cache, k, v, self.layer_idx, a)
     k_len = k.shape[-2]
     if position_bias is not None and position_bias.shape[-1] < k_len:
-        raise ValueError(
-            f"{k_len} keys exceed MPT's ALiBi table of {position_bias.shape[-1]} positions (config.max_seq_len)"
-        )
+        raise ValueError(f"{k_len} keys exceed MPT's ALiBi table of {position_bias.shape[-1]} positions "
+                         "(config.max_seq_len)")
     if attention_mask is not None and attention_mask.shape[-1] != k_len:  # 4.x: a longer static-cache mask
         attention_mask = attention_mask[..., -k_len:]
     heads = self.n_heads
@@ -431,8 +395,8 @@ WEIGHTS_REQUESTED = "_torchembed_attention_weights_requested"
 
 
 class AttentionWeightsRequest:
-    """Forward pre-hook (with kwargs) of an ``MptBlock``: tells its attention whether this call
-    was asked for attention weights (``output_attentions``), which the block does not pass on."""
+    """Forward pre-hook (with kwargs) of an ``MptBlock``: tells its attention whether this call was asked for attention
+    weights (``output_attentions``), which the block does not pass on."""
 
     def __init__(self, position: int) -> None:
         self.position = position  # index of output_attentions among the block's positional args
@@ -465,11 +429,10 @@ class RequestAttentionWeights:
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, to_keep: Any, source: Tensor | None,
                tag: Any, key_bias: Any, *, scale: float, dropout_p: float, options: "AlibiOptions | None") -> Tensor:
-    """ALiBi attention of one patched layer, ``(b, h, q, d)``; ``k``, ``v`` may have fewer heads: the
-    policy's (:func:`torchembed.kernels.alibi.alibi_attention` with ``layer=True``), with what
-    this forward derives once for all its layers kept in its
-    :class:`~torchembed.kernels.per_forward.PerForward` (none outside a patched model's forward):
-    ``to_keep`` makes HF's mask a keep mask, ``key_bias()`` builds the ``(b or 1, h, k)`` float32 bias from
+    """ALiBi attention of one patched layer, ``(b, h, q, d)``; ``k``, ``v`` may have fewer heads: the policy's
+    (:func:`torchembed.kernels.alibi.alibi_attention` with ``layer=True``), with what this forward derives once for all
+    its layers kept in its :class:`~torchembed.kernels.per_forward.PerForward` (none outside a patched model's
+    forward): ``to_keep`` makes HF's mask a keep mask, ``key_bias()`` builds the ``(b or 1, h, k)`` float32 bias from
     ``source``, the tensor every layer receives (``tag`` names the family's derivation)."""
     cache = current()
     keep = None if attention_mask is None else derive(cache, attention_mask, "keep", to_keep, attention_mask)
@@ -480,17 +443,15 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, t
 
 
 def _parameter_names(fn: Any) -> tuple[str, ...]:
-    if fn is None:
-        return ()
-    try:
+    try:  # (None, or a callable without a signature: no names)
         return tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return ()
 
 
 class AlibiOptions:
-    """What a patched ALiBi model's attention forwards share: the patch's ``fused`` and decode choice
-    (``sdpa_decode``: the patch's ``cudnn_decode``) and the model's :class:`InstanceConstants`."""
+    """What a patched ALiBi model's attention forwards share: the patch's ``fused`` and decode choice (``sdpa_decode``:
+    the patch's ``cudnn_decode``) and the model's :class:`InstanceConstants`."""
 
     __slots__ = ("fused", "sdpa_decode", "constants")
 
@@ -506,8 +467,8 @@ class AlibiOptions:
 
 class AlibiForward:
     """A family's patched attention forward with one model's :class:`AlibiOptions` bound: called as
-    ``forward(module, *args, **kwargs)``; picklable and deep-copyable (rebuilt from the module-level
-    function and the choices), named as the function."""
+    ``forward(module, *args, **kwargs)``; picklable and deep-copyable (rebuilt from the module-level function and the
+    choices), named as the function."""
 
     def __init__(self, forward: Any, options: AlibiOptions) -> None:
         self.forward, self.options = forward, options
@@ -525,9 +486,9 @@ class AlibiForward:
 
 
 class ReplaceAlibiForward(ReplaceForward):
-    """:class:`ReplaceForward` whose forwards (every layer of one model) share one :class:`AlibiOptions`:
-    the patch's ``fused`` (False keeps the attention to PyTorch operations, True requires the fused
-    kernel) and ``cudnn_decode``, and the model's constants."""
+    """:class:`ReplaceForward` whose forwards (every layer of one model) share one :class:`AlibiOptions`: the patch's
+    ``fused`` (False keeps the attention to PyTorch operations, True requires the fused kernel) and ``cudnn_decode``,
+    and the model's constants."""
 
     def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[Any]:
         shared = AlibiOptions(options.fused, options.cudnn_decode)
@@ -547,48 +508,35 @@ def _falcon_alibi(config: Any) -> bool:
     return bool(getattr(config, "alibi", False))
 
 
-register(
-    Family(
-        model_type="bloom",
-        encoding="alibi",
-        adapters=(
-            OverrideBuilder("BloomModel", "build_alibi_tensor", bloom_alibi_tensor, ("attention_mask", "num_heads", "dtype")),
-            ReplaceGlobals("BloomModel", required={}, optional={"_get_alibi_slopes": alibi_slopes}),  # same signature
-            ReplaceAlibiForward("BloomAttention", bloom_attention_forward, _ATTENTION_NEEDS["bloom"], CACHE_KEYWORDS),
-            ShareDeviceCopies(),
-        ),
-        description="build_alibi_tensor / slopes -> torchembed ALiBi; attention -> fused ALiBi attention",
-    )
-)
-register(
-    Family(
-        model_type="mpt",
-        encoding="alibi",
-        adapters=(
-            OverrideBuilder("MptModel", "build_mpt_alibi_tensor", mpt_alibi_tensor,
-                           ("num_heads", "sequence_length", "alibi_bias_max", "device")),
-            ReplaceAlibiForward("MptAttention", mpt_attention_forward, _ATTENTION_NEEDS["mpt"], CACHE_KEYWORDS),
-            RequestAttentionWeights("MptBlock"),
-            ShareDeviceCopies(),
-        ),
-        description="build_mpt_alibi_tensor -> torchembed ALiBi; attention -> fused ALiBi attention",
-    )
-)
-register(
-    Family(
-        model_type="falcon",
-        encoding="alibi",
-        variant="alibi",
-        applies=_falcon_alibi,
-        adapters=(
-            ReplaceGlobals("FalconModel", {"build_alibi_tensor": falcon_no_model_bias}),
-            ReplaceAlibiForward("FalconAttention", falcon_attention_forward, _ATTENTION_NEEDS["falcon"], CACHE_KEYWORDS),
-            ShareDeviceCopies(),
-        ),
-        description=(
-            "build_alibi_tensor -> none (not folded into the mask); attention -> fused ALiBi attention "
-            "with torchembed's float32 bias (upstream's sdpa function)"
-        ),
-        reference_attn="sdpa",  # upstream eager adds the bias twice
-    )
-)
+register(Family(
+    model_type="bloom", encoding="alibi",
+    adapters=(
+        OverrideBuilder("BloomModel", "build_alibi_tensor", bloom_alibi_tensor, ("attention_mask", "num_heads", "dtype")),
+        ReplaceGlobals("BloomModel", required={}, optional={"_get_alibi_slopes": alibi_slopes}),  # same signature
+        ReplaceAlibiForward("BloomAttention", bloom_attention_forward, _ATTENTION_NEEDS["bloom"], CACHE_KEYWORDS),
+        ShareDeviceCopies(),
+    ),
+    description="build_alibi_tensor / slopes -> torchembed ALiBi; attention -> fused ALiBi attention",
+))
+register(Family(
+    model_type="mpt", encoding="alibi",
+    adapters=(
+        OverrideBuilder("MptModel", "build_mpt_alibi_tensor", mpt_alibi_tensor,
+                        ("num_heads", "sequence_length", "alibi_bias_max", "device")),
+        ReplaceAlibiForward("MptAttention", mpt_attention_forward, _ATTENTION_NEEDS["mpt"], CACHE_KEYWORDS),
+        RequestAttentionWeights("MptBlock"),
+        ShareDeviceCopies(),
+    ),
+    description="build_mpt_alibi_tensor -> torchembed ALiBi; attention -> fused ALiBi attention",
+))
+register(Family(
+    model_type="falcon", encoding="alibi", variant="alibi", applies=_falcon_alibi,
+    adapters=(
+        ReplaceGlobals("FalconModel", {"build_alibi_tensor": falcon_no_model_bias}),
+        ReplaceAlibiForward("FalconAttention", falcon_attention_forward, _ATTENTION_NEEDS["falcon"], CACHE_KEYWORDS),
+        ShareDeviceCopies(),
+    ),
+    description=("build_alibi_tensor -> none (not folded into the mask); attention -> fused ALiBi attention "
+                 "with torchembed's float32 bias (upstream's sdpa function)"),
+    reference_attn="sdpa",  # upstream eager adds the bias twice
+))

@@ -1,10 +1,9 @@
 """Learned absolute families (BERT, GPT-2): the position table becomes torchembed's.
 
-``BertEmbeddings.position_embeddings`` and ``GPT2Model.wpe`` (``nn.Embedding``) are replaced by
-:class:`HFPositionTable`, a :class:`~torchembed.positional.LearnedPositionalEmbedding` that holds
-the very same ``weight`` Parameter (``state_dict`` keys and values do not change) and is called
-as upstream calls the table: with position ids. Positions past the table raise a ``ValueError``
-naming the table length instead of an index error deep inside ``F.embedding``.
+``BertEmbeddings.position_embeddings`` and ``GPT2Model.wpe`` (``nn.Embedding``) become :class:`HFPositionTable`, a
+:class:`~torchembed.positional.LearnedPositionalEmbedding` holding the very same ``weight`` Parameter (``state_dict``
+keys and values unchanged), called as upstream calls the table (with position ids). Positions past the table raise a
+``ValueError`` naming the table length instead of an index error deep inside ``F.embedding``.
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ __all__ = ["HFPositionTable"]
 class HFPositionTable(LearnedPositionalEmbedding, nn.Embedding):
     """``LearnedPositionalEmbedding`` called like ``nn.Embedding``: ``(position_ids) -> (..., d)``.
 
-    It is also an ``nn.Embedding`` (same attributes as the table it replaces), so what HF and
-    PEFT do with embeddings (``_init_weights``, ``init_weights``, adapters that target embedding
-    modules) treats it as upstream's table.
+    It is also an ``nn.Embedding`` (same attributes as the table it replaces), so what HF and PEFT do with embeddings
+    (``_init_weights``, ``init_weights``, adapters that target embedding modules) treats it as upstream's table.
     """
 
     @classmethod

@@ -1,24 +1,21 @@
 """RoPE families: every attention that calls a rotation helper gets torchembed's rotation.
 
-Discovery is by structure, not by class names. For each module of the model, the forward its
-class provides is followed through its decorators (:mod:`torchembed.patches.rebind`); each
-module-level callable it loads whose name speaks of rotary/rope is probed once
-(:func:`torchembed.patches.recognition.recognize`). A module whose forward calls at least one
-recognised helper is a rotating attention: its forward is rebuilt, for that instance only, with
-each helper replaced by a :class:`~torchembed.patches.rotation.RotaryHelper` (the fused Triton
-kernel where it can run, the float32 reference elsewhere) and installed as an instance method.
+Discovery is by structure, not by class names. For each module of the model, the forward its class provides is
+followed through its decorators (:mod:`torchembed.patches.rebind`); each module-level callable it loads whose name
+speaks of rotary/rope is probed once (:func:`torchembed.patches.recognition.recognize`). A module whose forward calls at
+least one recognised helper is a rotating attention: its forward is rebuilt, for that instance only, with each helper
+replaced by a :class:`~torchembed.patches.rotation.RotaryHelper` (the fused Triton kernel where it can run, the float32
+reference elsewhere) and installed as an instance method.
 
-The model's rotary module stays as it is: it builds upstream's ``cos``/``sin`` tables from its
-own ``inv_freq`` for every rope type (default, linear, dynamic, yarn, longrope, llama3, per-layer
-types ...), and torchembed rotates with them. So HF's own machinery (``_init_weights``, dynamic
-frequency updates, ``rope_parameters`` handling) keeps working on a patched model, and a patched
-model can never pair torchembed's tables with upstream's rotation or the reverse.
+The model's rotary module stays as it is: it builds upstream's ``cos``/``sin`` tables from its own ``inv_freq`` for
+every rope type (default, linear, dynamic, yarn, longrope, llama3, per-layer types ...), and torchembed rotates with
+them. So HF's own machinery (``_init_weights``, dynamic frequency updates, ``rope_parameters`` handling) keeps working
+on a patched model, and a patched model can never pair torchembed's tables with upstream's rotation or the reverse.
 
-Checked before anything changes (:class:`~torchembed.patches.errors.StructureError` otherwise):
-a helper that is found but computes none of the known rotations next to one that does; a module
-whose class inherits a rotating forward but overrides it with one that calls ``super().forward``
-(the parent's helper cannot be replaced per instance); and what a family declares
-(:class:`RopeExpectation`): the helper names it calls and one rotating attention per layer.
+Checked before anything changes (:class:`~torchembed.patches.errors.StructureError` otherwise): a helper that is found
+but computes none of the known rotations next to one that does; a module whose class inherits a rotating forward but
+overrides it with one that calls ``super().forward`` (the parent's helper cannot be replaced per instance); and what a
+family declares (:class:`RopeExpectation`): the helper names it calls and one rotating attention per layer.
 """
 
 from __future__ import annotations
@@ -46,13 +43,12 @@ __all__ = ["ClassRotations", "RopeExpectation", "ReplaceRotationHelpers", "RopeD
 
 @dataclass(frozen=True)
 class ClassRotations:
-    """What the forward of one attention class calls: ``{global name: (upstream helper, rotation)}``
-    for the recognised helpers, ``{name: why}`` for rope-named callables that are not.
+    """What the forward of one attention class calls: ``{global name: (upstream helper, rotation)}`` for the
+    recognised helpers, ``{name: why}`` for rope-named callables that are not.
 
-    ``methods``: the functions to rebuild per instance, by attribute name: ``forward`` and each
-    method of the class that the forward reaches as ``self.<name>(...)`` (directly or through such
-    methods) and that calls a rotation helper itself (Qwen4-Exp's indexer rotates its keys in
-    ``_select_tokens``)."""
+    ``methods``: the functions to rebuild per instance, by attribute name: ``forward`` and each method of the class that
+    the forward reaches as ``self.<name>(...)`` (directly or through such methods) and that calls a rotation helper
+    itself (Qwen4-Exp's indexer rotates its keys in ``_select_tokens``)."""
 
     forward: Any
     recognized: dict[str, tuple[Any, Rotation]]
@@ -70,8 +66,8 @@ def _is_candidate(name: str, value: Any) -> bool:
 
 
 def _rotating_methods(cls: type, forward: Any) -> dict[str, Any]:
-    """``forward`` and the plain methods of ``cls`` it reaches by attribute name (transitively)
-    that load a rotation-named global, by name."""
+    """``forward`` and the plain methods of ``cls`` it reaches by attribute name (transitively) that load a
+    rotation-named global, by name."""
     methods, seen, todo = {"forward": forward}, {"forward"}, [forward]
     while todo:
         for name in sorted({n for f in chain(todo.pop()) for n in attribute_names(f)} - seen):
@@ -171,8 +167,8 @@ def discover(model: nn.Module) -> RopeDiscovery:
 
 @dataclass(frozen=True)
 class RopeExpectation:
-    """What a declared family relies on: the helper names its attention calls, and whether each
-    decoder layer (``config.num_hidden_layers``) has exactly one rotating attention."""
+    """What a declared family relies on: the helper names its attention calls, and whether each decoder layer
+    (``config.num_hidden_layers``) has exactly one rotating attention."""
 
     helpers: tuple[str, ...] = ("apply_rotary_pos_emb",)
     one_per_layer: bool = True
@@ -214,40 +210,32 @@ class ReplaceRotationHelpers:
         return actions
 
     def _check(self, found: RopeDiscovery, model: nn.Module, config: Any, family: Family) -> None:
+        refusal = f"torchembed cannot patch model_type {getattr(config, 'model_type', '?')!r} ({type(model).__name__})"
         for path, rotations in found.mixed:
             cls = type(dict(model.named_modules())[path])
             raise StructureError(
                 family.name, f"{cls.__qualname__}.forward",
                 "every rotary helper it calls to compute a rotation torchembed knows",
-                "; ".join(f"{name}: {why}" for name, why in rotations.unrecognized.items()),
-            )
+                "; ".join(f"{name}: {why}" for name, why in rotations.unrecognized.items()))
         for path, cls in found.shadowed:
             raise StructureError(
-                family.name, f"{cls.__qualname__} ({path})",
-                "a forward that calls its rotation helper itself",
+                family.name, f"{cls.__qualname__} ({path})", "a forward that calls its rotation helper itself",
                 "a forward that calls super().forward of a rotating attention class, whose helper cannot be "
-                "replaced for one instance",
-            )
+                "replaced for one instance")
         if not found.attentions:
             if self.expect is None:
-                raise UnsupportedModelError(
-                    f"torchembed cannot patch model_type {getattr(config, 'model_type', '?')!r} "
-                    f"({type(model).__name__}): {found.reason_unsupported()}"
-                )
+                raise UnsupportedModelError(f"{refusal}: {found.reason_unsupported()}")
             raise StructureError(
                 family.name, type(model).__name__,
                 f"attention modules whose forward calls {' or '.join(self.expect.helpers)} as a module-level function",
-                found.reason_unsupported(),
-            )
+                found.reason_unsupported())
         unserved = {name: why for name, why in found.unrecognized.items() if _is_apply_like(name)}
         if unserved or found.via_attribute:  # some rotations recognised, others not: never half-patched
             what = "; ".join(f"{name} ({why})" for name, why in sorted(unserved.items()))
             if found.via_attribute:
                 what = "; ".join(filter(None, (what, f"{', '.join(sorted(found.via_attribute))} reached through an attribute")))
-            message = (f"torchembed cannot patch model_type {getattr(config, 'model_type', '?')!r} ({type(model).__name__}) "
-                       f"whole: it also rotates with {what}")
             if self.expect is None:
-                raise UnsupportedModelError(message)
+                raise UnsupportedModelError(f"{refusal} whole: it also rotates with {what}")
             raise StructureError(family.name, type(model).__name__, "every rotation helper of the model recognised", what)
         if self.expect is None:
             return
@@ -261,8 +249,7 @@ class ReplaceRotationHelpers:
             classes = sorted({type(module).__qualname__ for _, module, _ in found.attentions})
             raise StructureError(
                 family.name, type(model).__name__, f"one rotating attention per layer ({layers} layers)",
-                f"{len(found.attentions)} modules ({', '.join(classes)}) whose forward calls a rotation helper",
-            )
+                f"{len(found.attentions)} modules ({', '.join(classes)}) whose forward calls a rotation helper")
 
 
 def _falcon_rotary(config: Any) -> bool:
@@ -270,34 +257,19 @@ def _falcon_rotary(config: Any) -> bool:
 
 
 _DECLARED = RopeExpectation()
+_DESCRIPTION = "apply_rotary_pos_emb of each attention -> torchembed rotation (fused RoPE kernel)"
 for _model_type in ("llama", "mistral"):
-    register(Family(
-        model_type=_model_type,
-        encoding="rope",
-        adapters=(ReplaceRotationHelpers(_DECLARED),),
-        description="apply_rotary_pos_emb of each attention -> torchembed rotation (fused RoPE kernel)",
-    ))
-
-register(Family(
-    model_type="falcon",
-    encoding="rope",
-    variant="rotary",
-    applies=_falcon_rotary,
-    adapters=(ReplaceRotationHelpers(_DECLARED),),
-    description="apply_rotary_pos_emb of each attention -> torchembed rotation (fused RoPE kernel)",
-))
+    register(Family(model_type=_model_type, encoding="rope", adapters=(ReplaceRotationHelpers(_DECLARED),),
+                    description=_DESCRIPTION))
+register(Family(model_type="falcon", encoding="rope", variant="rotary", applies=_falcon_rotary,
+                adapters=(ReplaceRotationHelpers(_DECLARED),), description=_DESCRIPTION))
 
 
 @functools.lru_cache(maxsize=None)
 def discovered_family(model_type: str) -> Family:
     """The family of a RoPE model_type with no registered adapter: found by structure."""
-    return Family(
-        model_type=model_type,
-        encoding="rope",
-        adapters=(ReplaceRotationHelpers(),),
-        description="rotation helpers found by structure -> torchembed rotation (fused RoPE kernel)",
-        discovered=True,
-    )
+    return Family(model_type=model_type, encoding="rope", adapters=(ReplaceRotationHelpers(),), discovered=True,
+                  description="rotation helpers found by structure -> torchembed rotation (fused RoPE kernel)")
 
 
 set_fallback(discovered_family)

@@ -20,11 +20,10 @@ __all__ = ["alibi_slopes", "alibi_bias", "alibi_key_bias", "causal_keep", "alibi
 def alibi_slopes(num_heads: int, device: torch.device | str | None = None, *, max_bias: float = 8.0) -> Tensor:
     """Per-head slopes, the paper's recipe.
 
-    For ``n`` a power of two the slopes are the geometric sequence ``2^(-8/n), 2^(-16/n), ...,
-    2^-8``. Otherwise the ``n' = 2^floor(log2 n)`` slopes of the closest smaller power of two are
-    followed by every other slope of ``2 n'`` (the ones in between), as in the reference code.
-    ``max_bias`` replaces the 8 (MPT's ``alibi_bias_max``); BLOOM, MPT and Falcon all produce
-    these slopes.
+    For ``n`` a power of two the slopes are the geometric sequence ``2^(-8/n), 2^(-16/n), ..., 2^-8``. Otherwise the
+    ``n' = 2^floor(log2 n)`` slopes of the closest smaller power of two are followed by every other slope of ``2 n'``
+    (the ones in between), as in the reference code. ``max_bias`` replaces the 8 (MPT's ``alibi_bias_max``); BLOOM,
+    MPT and Falcon all produce these slopes.
 
     Returns:
         ``(h,)`` float32, all in ``(0, 1)``.
@@ -48,14 +47,12 @@ def alibi_slopes(num_heads: int, device: torch.device | str | None = None, *, ma
     return torch.tensor(slopes, dtype=torch.float32, device=device)
 
 
-def alibi_bias(
-    slopes: Tensor, query_len: int, key_len: int, *, causal_offset: bool = True, dtype: torch.dtype = torch.float32
-) -> Tensor:
+def alibi_bias(slopes: Tensor, query_len: int, key_len: int, *, causal_offset: bool = True,
+               dtype: torch.dtype = torch.float32) -> Tensor:
     """The ALiBi bias ``-slope * |i - j|`` for every (query, key) pair.
 
-    Queries are the last ``query_len`` positions of the ``key_len`` keys (as with a KV cache), so
-    query ``i`` sits at absolute position ``key_len - query_len + i``. With ``causal_offset=False``
-    queries and keys both start at position 0.
+    Queries are the last ``query_len`` positions of the ``key_len`` keys (as with a KV cache), so query ``i`` sits at
+    absolute position ``key_len - query_len + i``. With ``causal_offset=False`` queries and keys both start at 0.
 
     Args:
         slopes: ``(h,)`` float32.
@@ -73,20 +70,19 @@ def alibi_bias(
 def alibi_key_bias(slopes: Tensor, attention_mask: Tensor | None = None, *, key_len: int | None = None) -> Tensor:
     """ALiBi in key-only form, ``slope * (p_j - p_last)``: the one builder of the key bias.
 
-    ``p_j`` is key ``j``'s position counted over non-padded tokens (``cumsum(mask) - 1``; without a
-    mask, ``j``), and ``p_last`` the position of the row's last real key. For a causal query at
-    ``p_i`` this differs from ``-slope * (p_i - p_j)`` by ``slope * (p_i - p_last)``, a constant per
-    query row that softmax ignores; being non-positive and zero at the newest key, it keeps the values
-    near the diagonal small, where low-precision dtypes round least.
+    ``p_j`` is key ``j``'s position counted over non-padded tokens (``cumsum(mask) - 1``; without a mask, ``j``), and
+    ``p_last`` the position of the row's last real key. For a causal query at ``p_i`` this differs from
+    ``-slope * (p_i - p_j)`` by ``slope * (p_i - p_last)``, a constant per query row that softmax ignores; being
+    non-positive and zero at the newest key, it keeps the values near the diagonal small, where low-precision dtypes
+    round least.
 
     Args:
         slopes: ``(h,)`` float32.
-        attention_mask: ``(b, k)`` with 1 (or True) for real tokens, 0 for padding; or None with
-            ``key_len``: no padding.
+        attention_mask: ``(b, k)`` with 1 (or True) for real tokens, 0 for padding; or None with ``key_len``: no
+            padding.
 
     Returns:
-        ``(b, h, k)`` float32 (``(1, h, key_len)`` without a mask); padded keys get 0 (the attention
-        mask removes them).
+        ``(b, h, k)`` float32 (``(1, h, key_len)`` without a mask); padded keys get 0 (the attention mask removes them).
 
     Raises:
         ValueError: neither or both of ``attention_mask`` and ``key_len``.
@@ -102,16 +98,16 @@ def alibi_key_bias(slopes: Tensor, attention_mask: Tensor | None = None, *, key_
 
 
 def causal_keep(query_len: int, key_len: int, device: torch.device | str | None = None) -> Tensor:
-    """The causal keep mask, queries at the last ``query_len`` of ``key_len`` positions (as with a KV
-    cache): ``(1, 1, q, k)`` bool, True where query ``i`` may attend key ``j`` (``j <= k - q + i``)."""
+    """The causal keep mask, queries at the last ``query_len`` of ``key_len`` positions (as with a KV cache):
+    ``(1, 1, q, k)`` bool, True where query ``i`` may attend key ``j`` (``j <= k - q + i``)."""
     positions = torch.arange(key_len, device=device)
     return (positions[None, :] <= positions[key_len - query_len:, None])[None, None]
 
 
 def alibi_decode_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """The SDPA mask of one decode step: ``key_bias`` centred on the newest key (softmax ignores
-    the per-row constant; the values near it stay small and exact in low precision), the
-    positions ``keep`` excludes set to ``dtype``'s minimum.
+    """The SDPA mask of one decode step: ``key_bias`` centred on the newest key (softmax ignores the per-row constant;
+    the values near it stay small and exact in low precision), the positions ``keep`` excludes set to ``dtype``'s
+    minimum.
 
     Args:
         key_bias: ``(b or 1, h, k)`` float.
@@ -128,35 +124,25 @@ def alibi_decode_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype)
     return bias.to(dtype)
 
 
-def alibi_attention_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    bias: Tensor | None,
-    keep: Tensor | None = None,
-    *,
-    scale: float,
-    key_bias: bool = True,
-    dropout_p: float = 0.0,
-    empty_rows: str = "mean",
-    return_lse: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Attention with ALiBi, the reference: ``softmax(scale * q k^T + bias | keep) v``, the scores
-    materialised in float32 (float64 inputs: float64). What every ALiBi path is tested against, and what
-    runs where no kernel and no faster PyTorch path applies (the CPU, ``fused=False``).
+def alibi_attention_reference(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, keep: Tensor | None = None, *,
+                              scale: float, key_bias: bool = True, dropout_p: float = 0.0, empty_rows: str = "mean",
+                              return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention with ALiBi, the reference: ``softmax(scale * q k^T + bias | keep) v``, the scores materialised in
+    float32 (float64 inputs: float64). What every ALiBi path is tested against, and what runs where no kernel and no
+    faster PyTorch path applies (the CPU, ``fused=False``).
 
     Args:
         q: ``(b, h, q, d)``; k, v: ``(b, hk, k, d)``, ``h`` a multiple of ``hk`` (GQA/MQA).
         bias: a key-only bias ``(b or 1, h, k)`` (``key_bias=True``), the ``(h,)`` slopes (``key_bias=False``:
             ``slope * (j - i)`` for a query at position ``i``), or None (no bias).
-        keep: ``(b or 1, 1, q, k)`` bool, True where a query may attend; None: causal with the queries at
-            the last ``q`` of the ``k`` positions (as with a KV cache).
+        keep: ``(b or 1, 1, q, k)`` bool, True where a query may attend; None: causal with the queries at the last
+            ``q`` of the ``k`` positions (as with a KV cache).
         scale: multiplies ``q k^T``.
         dropout_p: dropout on the attention weights.
         empty_rows: what a query row that keeps no key gets: ``"mean"`` (the mean of ``v``: upstream's
             eager attention, whose mask is finite) or ``"zero"`` (the fused kernel's).
-        return_lse: also return the natural-log log-sum-exp of each row's scores ``(b, h, q)``
-            float32 (+inf for an empty row).
+        return_lse: also return the natural-log log-sum-exp of each row's scores ``(b, h, q)`` float32 (+inf for an
+            empty row).
 
     Returns:
         ``(b, h, q, d)`` in ``q.dtype`` (and the log-sum-exp).
@@ -187,18 +173,17 @@ def alibi_attention_reference(
 
 
 def alibi_prefill_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """The SDPA mask of a prefill: ``key_bias`` re-centred on each query's own key (queries are the
-    last ``q`` of the ``k`` keys, as in a prefill after any cache), the positions ``keep`` excludes
-    set to ``dtype``'s minimum (finite, as upstream). Softmax ignores the per-row constant; the
-    entries near the diagonal, which carry the attention, are then small and exact in low precision.
+    """The SDPA mask of a prefill: ``key_bias`` re-centred on each query's own key (queries are the last ``q`` of the
+    ``k`` keys, as in a prefill after any cache), the positions ``keep`` excludes set to ``dtype``'s minimum (finite,
+    as upstream). Softmax ignores the per-row constant; the entries near the diagonal, which carry the attention, are
+    then small and exact in low precision.
 
-    Built in one pass in ``dtype`` (the difference computed in float32, rounded once on store) and
-    one masking pass: no ``(b, h, q, k)`` float32 tensor. A row that keeps no key attends uniformly.
+    Built in one pass in ``dtype`` (the difference computed in float32, rounded once on store) and one masking pass:
+    no ``(b, h, q, k)`` float32 tensor. A row that keeps no key attends uniformly.
 
     Args:
         key_bias: ``(b or 1, h, k)`` float.
-        keep: ``(b or 1, 1, q, k)`` bool, or None (every key, one row: the bias shifted by its
-            largest entry).
+        keep: ``(b or 1, 1, q, k)`` bool, or None (every key, one row: the bias shifted by its largest entry).
 
     Returns:
         ``(b, h, q, k)`` in ``dtype`` (``(b or 1, h, 1, k)`` when ``keep`` is None).

@@ -2,14 +2,13 @@
 
 Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", arXiv:2104.09864.
 
-Shape legend: ``b`` batch, ``h`` heads, ``s`` sequence, ``d`` head dim, ``r`` rotary dim
-(``r <= d``, even), ``t`` table length (positions).
+Shape legend: ``b`` batch, ``h`` heads, ``s`` sequence, ``d`` head dim, ``r`` rotary dim (``r <= d``, even), ``t``
+table length (positions).
 
-Frequencies follow ``transformers.modeling_rope_utils`` for every ``rope_type`` it defines for
-decoder LLMs (default, linear, dynamic, yarn, longrope, llama3) and give the same float32 numbers,
-so a patched model rotates by exactly the angles upstream does. Tables are float32 and hold the
-``r / 2`` distinct angles only (HF duplicates them to ``r``). All rotation math runs in float32 and
-rounds once to the input dtype.
+Frequencies follow ``transformers.modeling_rope_utils`` for every ``rope_type`` it defines for decoder LLMs (default,
+linear, dynamic, yarn, longrope, llama3) and give the same float32 numbers, so a patched model rotates by exactly the
+angles upstream does. Tables are float32 and hold the ``r / 2`` distinct angles only (HF duplicates them to ``r``).
+All rotation math runs in float32 and rounds once to the input dtype.
 """
 
 from __future__ import annotations
@@ -22,23 +21,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = [
-    "ROPE_TYPES",
-    "rope_inv_freq",
-    "rope_cos_sin",
-    "rope_positions",
-    "apply_rotary",
-    "apply_rotary_qk",
-    "check_base",
-    "check_nonnegative",
-    "is_position_dtype",
-]
+__all__ = ["ROPE_TYPES", "rope_inv_freq", "rope_cos_sin", "rope_positions", "apply_rotary", "apply_rotary_qk",
+           "check_base", "check_nonnegative", "is_position_dtype"]
 
 
 def check_base(base: Any, name: str = "base") -> float:
-    """``base`` as a float, or a ValueError/TypeError naming ``name``: ``theta = base^(-2i/r)`` is
-    finite and decreasing in ``i`` only for a finite ``base > 0`` (0, negative or NaN bases give
-    NaN/inf frequencies and NaN outputs, silently)."""
+    """``base`` as a float, or a ValueError/TypeError naming ``name``: ``theta = base^(-2i/r)`` is finite and
+    decreasing in ``i`` only for a finite ``base > 0`` (others give NaN/inf frequencies and NaN outputs, silently)."""
     if isinstance(base, bool) or not isinstance(base, numbers.Real):
         raise TypeError(f"{name} must be a real number (finite, > 0), got {type(base).__name__} {base!r}")
     value = float(base)
@@ -55,10 +44,9 @@ def is_position_dtype(t: Tensor) -> bool:
 def check_nonnegative(positions: Tensor, name: str) -> None:
     """Reject negative ``positions`` where that is cheap: on the host for CPU tensors.
 
-    Accelerator tensors are not checked (that would cost a host sync, or extra kernel launches
-    on the hot path); there a negative position rotates by the negative angle, as the formula
-    ``pos * theta`` says (no table is indexed by it, nothing is read out of bounds). Skipped for
-    empty and meta tensors and while ``torch.compile`` traces.
+    Accelerator tensors are not checked (a host sync, or extra kernel launches on the hot path); there a negative
+    position rotates by the negative angle, as ``pos * theta`` says (no table is indexed by it, nothing is read out of
+    bounds). Skipped for empty and meta tensors and while ``torch.compile`` traces.
     """
     if positions.is_cpu and positions.numel() and not torch.compiler.is_compiling():
         low = int(positions.min())
@@ -193,9 +181,9 @@ def rope_inv_freq(
         ``(inv_freq, attention_scaling)``: float32 ``(r/2,)`` and the factor cos/sin are multiplied by.
 
     Raises:
-        ValueError: odd/non-positive ``dim``; a ``base`` (or ``rope_theta``) that is not a finite
-            number > 0; unknown ``rope_type``, a missing key, a ``factor`` that is not a finite
-            number > 0, llama3 with ``low_freq_factor == high_freq_factor``.
+        ValueError: odd/non-positive ``dim``; a ``base`` (or ``rope_theta``) that is not a finite number > 0; unknown
+            ``rope_type``, a missing key, a ``factor`` that is not a finite number > 0, llama3 with
+            ``low_freq_factor == high_freq_factor``.
         TypeError: ``base`` not a real number, ``rope_parameters`` not a mapping.
     """
     if not isinstance(dim, int) or dim <= 0 or dim % 2:
@@ -218,10 +206,8 @@ def rope_inv_freq(
                                or not math.isfinite(factor) or factor <= 0):
         raise ValueError(f"rope_parameters['factor'] must be a finite number > 0, got {factor!r}")
     if rope_type == "llama3" and params["low_freq_factor"] == params["high_freq_factor"]:
-        raise ValueError(
-            "rope_type 'llama3' needs low_freq_factor != high_freq_factor (the smoothing divides by their "
-            f"difference), got {params['low_freq_factor']!r} and {params['high_freq_factor']!r}"
-        )
+        raise ValueError("rope_type 'llama3' needs low_freq_factor != high_freq_factor (the smoothing divides by their "
+                         f"difference), got {params['low_freq_factor']!r} and {params['high_freq_factor']!r}")
     inv_freq, scaling = ROPE_TYPES[rope_type](dim, base, params, max_position_embeddings, seq_len, device)
     return inv_freq.to(torch.float32), float(scaling)
 
@@ -234,8 +220,7 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, attention_scaling: float =
         positions: any integer shape ``P`` (e.g. ``(s,)`` or ``(b, s)``).
 
     Returns:
-        ``(cos, sin)``, each ``P + (r/2,)`` float32 (float64 for float64 ``inv_freq``), times
-        ``attention_scaling``.
+        ``(cos, sin)``, each ``P + (r/2,)`` float32 (float64 for float64 ``inv_freq``), times ``attention_scaling``.
     """
     # Same op order as HF (position * inv_freq in fp32, then cos/sin, then the scaling).
     dtype = torch.promote_types(inv_freq.dtype, torch.float32)  # float64 inv_freq gives float64 tables
@@ -250,9 +235,8 @@ def rope_positions(offset: int | Tensor, seq_len: int, device: torch.device | No
     """Positions of ``seq_len`` new tokens after ``offset`` earlier ones.
 
     Args:
-        offset: non-negative int, or ``(b,)`` integer tensor (per-sequence offsets, e.g. a ragged
-            KV cache). Negative tensor offsets are a ValueError for CPU tensors; accelerator tensors
-            are not checked (no host sync): their positions are then negative.
+        offset: non-negative int, or ``(b,)`` integer tensor (per-sequence offsets, e.g. a ragged KV cache). Negative
+            tensor offsets are a ValueError for CPU tensors; accelerator ones are not checked (no host sync).
 
     Returns:
         ``(s,)`` for an int offset, ``(b, s)`` for a tensor offset; int64.
@@ -269,26 +253,25 @@ def rope_positions(offset: int | Tensor, seq_len: int, device: torch.device | No
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False, conjugate: bool = False,
                  full: bool = False) -> Tensor:
-    """Rotate the first ``r`` features of ``x``; the rest pass through. torchembed's one PyTorch
-    rotation: the module, the patched HF helpers and every fallback of the kernel run it.
+    """Rotate the first ``r`` features of ``x``; the rest pass through. torchembed's one PyTorch rotation: the
+    module, the patched HF helpers and every fallback of the kernel run it.
 
-    ``y = x * cos + partner(x) * sin``, ``partner`` taking each feature's pair with the rotation's
-    sign (half-split: ``(-x2, x1)``; interleaved: ``(-x[2i+1], x[2i])``): the products and the sum of
-    HF's ``q * cos + rotate_half(q) * sin``, so float32 inputs give upstream's float32 result bit for bit.
+    ``y = x * cos + partner(x) * sin``, ``partner`` taking each feature's pair with the rotation's sign (half-split:
+    ``(-x2, x1)``; interleaved: ``(-x[2i+1], x[2i])``): the products and the sum of HF's
+    ``q * cos + rotate_half(q) * sin``, so float32 inputs give upstream's float32 result bit for bit.
 
     Args:
         x: ``(..., d)``, any float dtype (float64 computes in float64, the rest in float32).
-        cos, sin: broadcastable to ``x[..., :r]``'s rows, e.g. ``(s, w)`` against ``(b, h, s, d)``:
-            half tables, ``w = r / 2`` entries (one angle per pair); with ``full``, ``w = r`` entries,
-            each feature its own (HF's ``cat(freqs, freqs)`` rows for half-split pairing,
-            ``repeat_interleave(freqs, 2)`` for interleaved), read as they are, also where a pair's
-            two entries differ (M-RoPE sections across both halves of the head).
+        cos, sin: broadcastable to ``x[..., :r]``'s rows, e.g. ``(s, w)`` against ``(b, h, s, d)``: half tables,
+            ``w = r / 2`` entries (one angle per pair); with ``full``, ``w = r`` entries, each feature its own (HF's
+            ``cat(freqs, freqs)`` rows for half-split pairing, ``repeat_interleave(freqs, 2)`` for interleaved), read
+            as they are, also where a pair's two entries differ (M-RoPE sections across both halves of the head).
         interleaved: pair ``(x[2i], x[2i+1])`` (GPT-J) instead of ``(x[i], x[i + r/2])`` (GPT-NeoX/LLaMA).
         conjugate: rotate by ``-theta`` (the inverse rotation; what backward applies).
 
     Returns:
-        ``x.shape``, ``x.dtype``; the math runs in float32 (only the tables are converted; ``x``
-        promotes inside the products) and rounds once.
+        ``x.shape``, ``x.dtype``; the math runs in float32 (only the tables are converted; ``x`` promotes inside the
+        products) and rounds once.
 
     Raises:
         ValueError: tables of different shapes, or wider than ``x``.
@@ -317,11 +300,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
     return out if xr is x else torch.cat((out, x[..., rot:]), dim=-1)
 
 
-def apply_rotary_qk(
-    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False, conjugate: bool = False
-) -> tuple[Tensor, Tensor]:
+def apply_rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False,
+                    conjugate: bool = False) -> tuple[Tensor, Tensor]:
     """:func:`apply_rotary` on queries and keys (which may have different head counts)."""
-    return (
-        apply_rotary(q, cos, sin, interleaved=interleaved, conjugate=conjugate),
-        apply_rotary(k, cos, sin, interleaved=interleaved, conjugate=conjugate),
-    )
+    return (apply_rotary(q, cos, sin, interleaved=interleaved, conjugate=conjugate),
+            apply_rotary(k, cos, sin, interleaved=interleaved, conjugate=conjugate))

@@ -1,35 +1,28 @@
 """ALiBi attention, host side: where each call runs, the fused kernels' plans and launches, their custom ops.
 
-Press et al., "Train Short, Test Long", arXiv:2108.12409 (the bias); Dao, "FlashAttention-2",
-arXiv:2307.08691 (the fused kernel's tiling). The Triton code is :mod:`torchembed.kernels.alibi_triton`
-(device code only, imported with Triton on the first launch); the PyTorch reference is
-:func:`torchembed.functional.alibi.alibi_attention_reference`.
+Press et al., "Train Short, Test Long", arXiv:2108.12409 (the bias); Dao, "FlashAttention-2", arXiv:2307.08691 (the
+fused kernel's tiling). Device code: :mod:`torchembed.kernels.alibi_triton` (imported with Triton on the first launch);
+the PyTorch reference: :func:`torchembed.functional.alibi.alibi_attention_reference`.
 
-Where an attention runs, decided once per call by :func:`attention_path` (from the settings' typed
-:class:`~torchembed.kernels.settings.AlibiPolicy`), for ``ALiBiEmbedding.attention`` and the patched
-BLOOM, MPT and Falcon-ALiBi layers (``layer=True``):
+:func:`attention_path` decides, once per call and by the :class:`~torchembed.kernels.settings.AlibiPolicy`, where an
+attention of ``ALiBiEmbedding.attention`` or a patched BLOOM, MPT or Falcon-ALiBi layer (``layer=True``) runs:
 
-* ``"kernel"``: the fused attention kernel (:func:`fused_attention`): the bias computed in the kernel from
-  the slopes or read from a key-only bias, any mask summarised into per-row key ranges
-  (:func:`mask_rows`), grouped kv heads read in place, split-key decode; a model layer's decode steps
-  (one query, or up to :data:`DECODE_QUERIES` over a KV cache) and its prefills above the policy's bound;
-* ``"dense"``: a model layer's small CUDA prefill: SDPA with the bias materialised once per forward
-  (:func:`prefill_bias`, one Triton write), shared by the forward's layers (host-bound there);
-* ``"decode"``: a decode step with ``cudnn_decode`` (or no kernel): SDPA with the decode mask built once
-  per forward;
+* ``"kernel"``: the fused kernel (:func:`fused_attention`; masks summarised by :func:`mask_rows`, grouped kv heads read
+  in place, split-key decode): a layer's decode steps (one query, or up to :data:`DECODE_QUERIES` over a KV cache) and
+  its prefills above the policy's bound;
+* ``"dense"``: a layer's small CUDA prefill: SDPA with the bias materialised once per forward (:func:`prefill_bias`);
+* ``"decode"``: a decode step with ``cudnn_decode`` (or no kernel): SDPA with the decode mask built once per forward;
 * ``"reference"``: everything else (the CPU, ``fused=False``): the PyTorch reference.
 
-The kernels take a key-only bias, the slopes, or no bias at all (a patched RoPE model's decode steps,
-:mod:`torchembed.patches.attention`). Routes into them: eager, the launches of a plan kept per call
-signature (shapes, strides, dtypes, mask form, scale; a repeated call skips validation), with gradients
-through :class:`_AlibiFlash`; ``torch.compile``: the custom ops ``torchembed::alibi_flash``,
-``torchembed::alibi_flash_backward``, ``torchembed::alibi_mask_rows`` and ``torchembed::alibi_prefill_bias``
-(fake implementations included: ``fullgraph=True``, CUDA graphs, nothing syncs with the host). Where the
-kernel cannot run (CPU without ``TRITON_INTERPRET=1``) the ops compute the same function with the reference.
+Eager calls launch the plan kept per call signature (a repeated call skips validation), with gradients through
+:class:`_AlibiFlash`; ``torch.compile`` runs the custom ops ``torchembed::alibi_flash``, ``alibi_flash_backward``,
+``alibi_mask_rows`` and ``alibi_prefill_bias`` (with fake implementations: ``fullgraph=True``, CUDA graphs, no host
+sync), which compute the same function by the reference where the kernel cannot run (CPU, no ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Optional
@@ -66,12 +59,10 @@ _KERNEL = "the fused ALiBi attention kernel"
 
 def attention_path(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, *, fused: bool | None, dropout_p: float,
                    layer: bool, sdpa_decode: bool = False) -> str:
-    """``"kernel"``, ``"dense"``, ``"decode"`` or ``"reference"`` (the module docstring) for the attention
-    of ``q (b, h, q, d)`` over ``k, v (b, hk, k, d)`` with ``keep``: the one place that decides, once per
-    call; ``"kernel"`` only where the kernel runs and takes these inputs. ``layer``: a model layer's call,
-    whose forward shares what it derives across its layers (decode steps and small prefills are bound by
-    host time there); its decode steps (one query, or up to :data:`DECODE_QUERIES` over a KV cache) take
-    the split-key kernel, or with ``sdpa_decode`` (the patch's ``cudnn_decode``) SDPA with the decode mask.
+    """``"kernel"``, ``"dense"``, ``"decode"`` or ``"reference"`` (the module docstring) for the attention of
+    ``q (b, h, q, d)`` over ``k, v (b, hk, k, d)`` with ``keep``; ``"kernel"`` only where the kernel runs and takes
+    these inputs. ``layer``: a model layer's call, whose forward shares what it derives across its layers; its decode
+    steps take the split-key kernel, or with ``sdpa_decode`` (the patch's ``cudnn_decode``) SDPA with the decode mask.
 
     Raises:
         FusedUnavailableError: ``fused=True`` where the kernel cannot run or take the inputs, naming why.
@@ -103,8 +94,8 @@ def attention_path(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, *, fuse
 
 
 def _dense(q: Tensor, k: Tensor, policy) -> bool:
-    """A model layer's prefill materialises the bias: a prefill on a dense device (outside
-    ``torch.compile``) within the policy's bound (any size under ``prefill="dense"``)."""
+    """A model layer's prefill materialises the bias: a prefill on a dense device (outside ``torch.compile``)
+    within the policy's bound (any size under ``prefill="dense"``)."""
     q_len = q.shape[-2]
     if q_len == 1 or q.device.type not in policy.dense_devices or torch.compiler.is_compiling() or policy.prefill == "kernel":
         return False
@@ -116,15 +107,14 @@ def _dense(q: Tensor, k: Tensor, policy) -> bool:
 
 
 def causal_keep(q_len: int, k_len: int, device: torch.device, cache: PerForward | None = None) -> Tensor:
-    """The causal ``keep`` mask, queries at the last ``q_len`` of ``k_len`` positions: ``(1, 1, q, k)``
-    bool (:func:`torchembed.functional.alibi.causal_keep`), built once per forward given its ``cache``."""
+    """The causal ``keep`` mask, queries at the last ``q_len`` of ``k_len`` positions: ``(1, 1, q, k)`` bool
+    (:func:`torchembed.functional.alibi.causal_keep`), built once per forward given its ``cache``."""
     return derive(cache, None, ("causal", q_len, k_len, device), _build_causal_keep, q_len, k_len, device)
 
 
-
 def prefill_path(path: str):
-    """Within the block, CUDA prefill with ``fused=None`` takes ``path``: ``"auto"``, ``"kernel"`` or
-    ``"dense"`` (:class:`~torchembed.kernels.settings.AlibiPolicy`), e.g. to measure one against another.
+    """Within the block, CUDA prefill with ``fused=None`` takes ``path``: ``"auto"``, ``"kernel"`` or ``"dense"``
+    (:class:`~torchembed.kernels.settings.AlibiPolicy`), e.g. to measure one against another.
 
     Raises:
         ValueError: an unknown path.
@@ -137,47 +127,34 @@ def prefill_path(path: str):
 # ------------------------------------------------------------------------------------------------
 
 
-def alibi_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    key_bias: Tensor | None = None,
-    keep: Tensor | None = None,
-    *,
-    scale: float,
-    dropout_p: float = 0.0,
-    cache: PerForward | None = None,
-    fused: bool | None = None,
-    slopes: Tensor | None = None,
-    layer: bool = False,
-    sdpa_decode: bool = False,
-) -> Tensor:
+def alibi_attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None = None, keep: Tensor | None = None, *,
+                    scale: float, dropout_p: float = 0.0, cache: PerForward | None = None, fused: bool | None = None,
+                    slopes: Tensor | None = None, layer: bool = False, sdpa_decode: bool = False) -> Tensor:
     """Attention with ALiBi: ``softmax(scale * q k^T + bias | keep) v``.
 
-    The bias is ``key_bias[b, h, j]`` (a key-only form, as the HF ALiBi models build it) or, given
-    ``slopes``, ``slope_h * (j - i)``; either up to a constant per query row, which softmax ignores.
-    Which implementation runs: :func:`attention_path` (the module docstring).
+    The bias is ``key_bias[b, h, j]`` (a key-only form, as the HF ALiBi models build it) or, given ``slopes``,
+    ``slope_h * (j - i)``; either up to a constant per query row, which softmax ignores. Which implementation runs:
+    :func:`attention_path` (the module docstring).
 
     Args:
         q: ``(b, h, q, d)``; k, v: ``(b, hk, k, d)``, ``h`` a multiple of ``hk`` (GQA/MQA).
         key_bias: ``(b or 1, h, k)``, any float dtype (used in float32); or None with ``slopes``.
-        keep: ``(b or 1, 1, q, k)`` bool, True where a query may attend (HF's causal + padding
-            mask, static-cache slots included). None: causal, queries at the last positions.
+        keep: ``(b or 1, 1, q, k)`` bool, True where a query may attend (HF's causal + padding mask, static-cache
+            slots included). None: causal, queries at the last positions.
         scale: multiplies ``q k^T``.
         dropout_p: attention dropout (the fused kernel has none: SDPA runs it).
-        cache: the forward's :class:`~torchembed.kernels.per_forward.PerForward`, where what is derived
-            from ``keep`` and ``key_bias`` is kept for the other layers of the forward; pass the same
-            ``key_bias`` tensor to every layer, e.g. via ``cache.memo``. None: nothing is kept.
-        fused: None: the fastest measured path (module docstring), PyTorch where the kernel cannot
-            run; True: the fused kernel or :class:`FusedUnavailableError`; False: PyTorch operations
-            only (SDPA with the materialised bias).
+        cache: the forward's :class:`~torchembed.kernels.per_forward.PerForward`, where what is derived from ``keep``
+            and ``key_bias`` is kept for the forward's other layers; pass the same ``key_bias`` tensor to every layer,
+            e.g. via ``cache.memo``. None: nothing is kept.
+        fused: None: the fastest measured path, PyTorch where the kernel cannot run; True: the fused kernel or
+            :class:`FusedUnavailableError`; False: PyTorch operations only (SDPA with the materialised bias).
         slopes: ``(h,)`` per-head slopes, instead of ``key_bias``.
         layer: a model layer's call (see :func:`attention_path`).
         sdpa_decode: a layer's decode steps take SDPA with the decode mask, not the split-key kernel.
 
     Returns:
-        ``(b, h, q, d)`` in ``q.dtype``. A query row that keeps no key: 0 from the kernel, the mean of
-        ``v`` (upstream's eager behaviour) from SDPA and the reference.
+        ``(b, h, q, d)`` in ``q.dtype``. A query row that keeps no key: 0 from the kernel, the mean of ``v``
+        (upstream's eager behaviour) from SDPA and the reference.
 
     Raises:
         FusedUnavailableError: ``fused=True`` where the kernel cannot run or take the inputs, naming why.
@@ -200,14 +177,11 @@ def alibi_attention(
         bias, is_key_bias = (slopes, False) if slopes is not None else (key_bias, True)
         bias = _check_bias(bias, is_key_bias, q, k)
         return fused_attention(q, k, v, bias, scale=scale, key_bias=is_key_bias, keep=keep, rows=rows)
-    if key_bias is None:  # slope * (j - (k - 1)): zero at the newest key, small near it
-        key_bias = alibi_key_bias(slopes.to(q.device), key_len=k.shape[-2])
-    return alibi_attention_reference(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p)
+    return alibi_attention_reference(q, k, v, _key_bias(key_bias, slopes, q, k), keep, scale=scale, dropout_p=dropout_p)
 
 
 def _key_bias(key_bias: Tensor | None, slopes: Tensor | None, q: Tensor, k: Tensor) -> Tensor:
-    """The ``(b or 1, h, k)`` key bias: ``key_bias``, else ``slope * (j - (k - 1))`` (zero at the newest
-    key, small near it)."""
+    """The ``(b or 1, h, k)`` key bias: ``key_bias``, else ``slope * (j - (k - 1))`` (0 at the newest key)."""
     return key_bias if key_bias is not None else alibi_key_bias(slopes.to(q.device), key_len=k.shape[-2])
 
 
@@ -222,8 +196,8 @@ def _dense_mask(key_bias: Tensor | None, slopes: Tensor | None, keep: Tensor, q:
 
 
 def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, dropout_p: float) -> Tensor:
-    """SDPA with an additive mask; a decode step broadcasts a multi-query kv head (as upstream's
-    SDPA does) and reads grouped kv heads in place (``enable_gqa``), a prefill gets them repeated."""
+    """SDPA with an additive mask; a decode step broadcasts a multi-query kv head (as upstream's SDPA does) and reads
+    grouped kv heads in place (``enable_gqa``), a prefill gets them repeated."""
     heads, kv_heads = q.shape[1], k.shape[1]
     if q.shape[-2] != 1 and kv_heads != heads:
         k, v = repeat_kv(k, heads), repeat_kv(v, heads)
@@ -232,8 +206,8 @@ def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, dro
 
 
 def repeat_kv(x: Tensor, heads: int) -> Tensor:
-    """``(b, hk, s, d) -> (b, heads, s, d)``, each kv head shared by ``heads / hk`` query heads, for SDPA
-    with a bias (a stride-0 view for multi-query, ``hk = 1``; SDPA's own GQA broadcasts the same way)."""
+    """``(b, hk, s, d) -> (b, heads, s, d)``, each kv head shared by ``heads / hk`` query heads, for SDPA with a bias
+    (a stride-0 view for multi-query, ``hk = 1``; SDPA's own GQA broadcasts the same way)."""
     batch, kv, length, dim = x.shape
     if kv == heads:
         return x
@@ -278,9 +252,7 @@ def flash_unsupported(q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor] = 
             return f"it takes keep (batch or 1, 1, {q_len}, {k_len}), got {tuple(ms)}"
         if keep.dtype != torch.bool:
             return f"it takes a bool keep mask, got {keep.dtype}"
-        if keep.device != device:
-            return "it takes q, k, v (and keep) on one device"
-    if k.device != device or v.device != device:
+    if k.device != device or v.device != device or (keep is not None and keep.device != device):
         return "it takes q, k, v (and keep) on one device"
     return None
 
@@ -301,17 +273,15 @@ def _check_bias(bias: Optional[Tensor], key_bias: bool, q: Tensor, k: Tensor) ->
 
 
 def _out_like(q: Tensor) -> Tensor:
-    """``(b, h, q, d)`` output over ``(b, q, h, d)`` memory (what the callers reshape to ``(b, q, h * d)``
-    next, for free)."""
+    """``(b, h, q, d)`` output over ``(b, q, h, d)`` memory (what the callers reshape to ``(b, q, h * d)`` next)."""
     b, h, m, d = q.shape
     return torch.empty(b, m, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)
 
 
 def mask_rows(keep: Tensor) -> Tensor:
-    """The kernel's summary of a bool ``keep (b or 1, 1, q, k)`` mask (True = attend): ``(b or 1, 3, q)``
-    int32, per query row its first kept key, one past its last (0, 0 for a row that keeps none) and
-    whether it keeps every key in between (0) or has holes (1). One pass over ``keep``; compute it once
-    per mask and hand it to every layer."""
+    """The kernel's summary of a bool ``keep (b or 1, 1, q, k)`` mask (True = attend): ``(b or 1, 3, q)`` int32, per
+    query row its first kept key, one past its last (0, 0 for a row that keeps none) and whether it keeps every key in
+    between (0) or has holes (1). One pass over ``keep``; compute it once per mask and hand it to every layer."""
     if torch.compiler.is_compiling():
         return torch.ops.torchembed.alibi_mask_rows(keep)
     return _mask_rows(keep)
@@ -321,32 +291,29 @@ def alibi_flash(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], *, scal
                 keep: Optional[Tensor] = None, rows: Optional[Tensor] = None) -> Tensor:
     """Causal or masked attention with ALiBi computed inside one fused kernel.
 
-    ``softmax(scale * q k^T + bias) v`` where the bias of query ``i`` and key ``j`` is
-    ``slope_h * (j - i)`` (``bias`` = slopes) or ``key_bias[b, h, j]`` (``key_bias=True``), up to a
-    constant per query row (which softmax ignores). With slopes and at least
-    ``AlibiTuning.skip_min_keys`` keys, keys whose weight is provably below
-    ``2**-(32 + log2 keys)`` of their row's largest are not visited (``TORCHEMBED_ALIBI_SKIP=0``: every
-    key); what they would add is below float32 rounding.
+    ``softmax(scale * q k^T + bias) v`` where the bias of query ``i`` and key ``j`` is ``slope_h * (j - i)``
+    (``bias`` = slopes) or ``key_bias[b, h, j]`` (``key_bias=True``), up to a constant per query row (which softmax
+    ignores). With slopes and at least ``AlibiTuning.skip_min_keys`` keys, keys whose weight is provably below
+    ``2**-(32 + log2 keys)`` of their row's largest are not visited (``TORCHEMBED_ALIBI_SKIP=0``: every key); what
+    they would add is below float32 rounding.
 
     Args:
-        q: ``(b, h, q, d)``; k, v: ``(b, hk, k, d)`` with ``h`` a multiple of ``hk`` (GQA/MQA: each kv
-            head serves ``h / hk`` query heads, nothing repeated). float16/bfloat16/float32, any
-            strides (HF's ``(b, s, h, d)`` memory viewed as ``(b, h, s, d)`` is read in place),
-            ``d <= 256``.
+        q: ``(b, h, q, d)``; k, v: ``(b, hk, k, d)`` with ``h`` a multiple of ``hk`` (GQA/MQA: each kv head serves
+            ``h / hk`` query heads, nothing repeated). float16/bfloat16/float32, any strides (HF's ``(b, s, h, d)``
+            memory viewed as ``(b, h, s, d)`` is read in place), ``d <= 256``.
         bias: slopes ``(h,)`` or (``key_bias=True``) a key-only bias ``(b or 1, h, k)``; used in float32.
             None: no bias (plain attention: what a patched RoPE model's decode steps run).
         scale: multiplies ``q k^T``.
-        keep: ``(b or 1, 1, q, k)`` bool, True where a query may attend (padding, KV cache slots, any
-            mask); None: causal with the queries at the last ``q`` of the ``k`` positions (``q <= k``).
+        keep: ``(b or 1, 1, q, k)`` bool, True where a query may attend (padding, KV cache slots, any mask); None:
+            causal with the queries at the last ``q`` of the ``k`` positions (``q <= k``).
         rows: :func:`mask_rows` of ``keep`` (computed here when not given).
 
     Returns:
-        ``(b, h, q, d)`` in ``q.dtype`` (over ``(b, q, h, d)`` memory). A row that keeps no key is 0.
-        float32 accumulation and softmax; gradients flow to q, k, v (none to the bias or the mask).
+        ``(b, h, q, d)`` in ``q.dtype`` (over ``(b, q, h, d)`` memory). A row that keeps no key is 0. float32
+        accumulation and softmax; gradients flow to q, k, v (none to the bias or the mask).
 
     Raises:
-        ValueError: inputs the kernel does not take (:func:`flash_unsupported` says why), a bias of
-            the wrong shape or device.
+        ValueError: inputs the kernel does not take (:func:`flash_unsupported` says why); a bias's wrong shape/device.
     """
     why = flash_unsupported(q, k, v, keep)
     if why is not None:
@@ -357,18 +324,15 @@ def alibi_flash(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], *, scal
 
 def fused_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], *, scale: float, key_bias: bool = False,
                     keep: Optional[Tensor] = None, rows: Optional[Tensor] = None) -> Tensor:
-    """:func:`alibi_flash` for inputs the caller checked (:func:`flash_unsupported` found nothing, the bias
-    is :func:`_check_bias`'s): the kept plan of a call like one made before, else a new plan, the custom op
-    under ``torch.compile``, the autograd function where gradients are recorded."""
-    compiling = torch.compiler.is_compiling()
+    """:func:`alibi_flash` for inputs the caller checked (:func:`flash_unsupported` found nothing, the bias is
+    :func:`_check_bias`'s): the kept plan of a call like one made before, else a new plan, the custom op under
+    ``torch.compile``, the autograd function where gradients are recorded."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if keep is not None and rows is None:
         rows = mask_rows(keep)
-    if compiling:
+    if torch.compiler.is_compiling():
         return torch.ops.torchembed.alibi_flash(q, k, v, bias, rows, keep, float(scale), bool(key_bias))[0]
-    plan = None
-    if kernel_can_run(q) and not _empty(q, k):
-        plan = _plan(q, k, v, bias, rows, keep, scale, key_bias, grad)
+    plan = _plan(q, k, v, bias, rows, keep, scale, key_bias, grad) if kernel_can_run(q) and not _empty(q, k) else None
     if grad:
         return _AlibiFlash.apply(q, k, v, (bias, rows, keep, float(scale), bool(key_bias), plan))
     if plan is None:
@@ -381,8 +345,8 @@ def fused_attention(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], *, 
 # ------------------------------------------------------------------------------------------------
 
 
-# Plans (:class:`ForwardPlan` / :class:`BackwardPlan`) by call signature: everything the
-# launches were derived from, so a hit needs no validation. Cleared when full (many prefill lengths).
+# Plans (:class:`ForwardPlan` / :class:`BackwardPlan`) by call signature: everything the launches were derived from,
+# so a hit needs no validation. Cleared when full (many prefill lengths).
 _PLANS = Launches(1024)
 
 
@@ -401,8 +365,7 @@ def clear_plans() -> None:
 
 
 def _plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse):
-    """The kept :class:`ForwardPlan` of this call signature
-    (made and kept on a miss); for non-empty inputs the kernel takes (see :func:`_forward`)."""
+    """The kept :class:`ForwardPlan` of this call signature (made on a miss), for non-empty inputs the kernel takes."""
     key = _signature(q, k, v, bias, rows, keep, scale, key_bias, need_lse)
     plan = _PLANS.get(key)
     if plan is None:
@@ -410,10 +373,9 @@ def _plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse):
     return plan
 
 
-def _forward(q, k, v, bias, rows, keep, scale, key_bias,
-             need_lse) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-    """``(out, lse, bounds)``; the skip's bounds (None unless the kernel skipped negligible keys: key
-    norms and the key bias's running maximum) spare the backward its own pass over the keys."""
+def _forward(q, k, v, bias, rows, keep, scale, key_bias, need_lse) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """``(out, lse, bounds)``; the skip's bounds (None unless the kernel skipped negligible keys: key norms and the key
+    bias's running maximum) spare the backward its own pass over the keys."""
     if kernel_can_run(q):
         if _empty(q, k):
             lse = torch.full(q.shape[:3], float("inf"), device=q.device) if need_lse else None
@@ -424,11 +386,9 @@ def _forward(q, k, v, bias, rows, keep, scale, key_bias,
 
 def _forward_reference(q, k, v, bias, rows, keep, scale, key_bias) -> tuple[Tensor, Tensor]:
     """The kernel's function by the reference (rows that keep nothing: 0), its log-sum-exp in base 2."""
-    result = _out_like(q)
     out, lse = alibi_attention_reference(q, k, v, bias, keep, scale=scale, key_bias=key_bias, empty_rows="zero",
                                          return_lse=True)
-    result.copy_(out)
-    return result, torch.where(torch.isfinite(lse), lse / _LN2, float("inf"))
+    return _out_like(q).copy_(out), torch.where(torch.isfinite(lse), lse / _LN2, float("inf"))
 
 
 def _backward_reference(grad, q, k, v, bias, keep, scale, key_bias) -> tuple[Tensor, Tensor, Tensor]:
@@ -446,21 +406,21 @@ def _empty(q: Tensor, k: Tensor) -> bool:
 
 def _backward_kernel(grad, q, k, v, out, lse, bias, rows, keep, scale, key_bias,
                      bounds: Optional[tuple[Tensor, Tensor]] = None, plan=None) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` by the kernels; ``plan``: the forward's, which keeps its backward plans by the
-    output gradient's strides (else the backward plan is looked up by the whole signature)."""
-    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[0] * q.shape[1] == 0:
+    """``(dq, dk, dv)`` by the kernels; ``plan``: the forward's, which keeps its backward plans by the output
+    gradient's strides (else the backward plan is looked up by the whole signature)."""
+    if _empty(q, k) or k.shape[2] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if plan is not None:
         backward = plan.backwards.get(grad.stride())
         if backward is None:
             backward = plan.backwards[grad.stride()] = backward_plan(grad, q, k, v, out, bias, rows, keep, scale,
                                                                      key_bias)
-        return backward(grad, q, k, v, out, lse, bias, rows, keep, bounds)
-    key = ("backward", grad.shape, grad.stride(), out.stride(), *_signature(q, k, v, bias, rows, keep, scale,
-                                                                           key_bias, True))
-    backward = _PLANS.get(key)
-    if backward is None:
-        backward = _PLANS.keep(key, backward_plan(grad, q, k, v, out, bias, rows, keep, scale, key_bias))
+    else:
+        key = ("backward", grad.shape, grad.stride(), out.stride(),
+               *_signature(q, k, v, bias, rows, keep, scale, key_bias, True))
+        backward = _PLANS.get(key)
+        if backward is None:
+            backward = _PLANS.keep(key, backward_plan(grad, q, k, v, out, bias, rows, keep, scale, key_bias))
     return backward(grad, q, k, v, out, lse, bias, rows, keep, bounds)
 
 
@@ -478,9 +438,7 @@ def _mask_rows_reference(keep: Tensor) -> Tensor:
 
 
 def _mask_rows(keep: Tensor) -> Tensor:
-    if not kernel_can_run(keep):
-        return _mask_rows_reference(keep)
-    return _rows_launch(keep)
+    return _rows_launch(keep) if kernel_can_run(keep) else _mask_rows_reference(keep)
 
 
 @torch.library.custom_op("torchembed::alibi_mask_rows", mutates_args=())
@@ -538,13 +496,12 @@ _flash_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _AlibiFlash(torch.autograd.Function):
-    """Eager autograd of :func:`alibi_flash` (no custom-op dispatch, whose Python cost exceeds a small
-    attention's); the op ``torchembed::alibi_flash`` registers the same backward for torch.compile.
+    """Eager autograd of :func:`alibi_flash` (no custom-op dispatch, whose Python cost exceeds a small attention's);
+    the op ``torchembed::alibi_flash`` registers the same backward for torch.compile.
 
-    ``apply(q, k, v, call)`` with ``call = (bias, rows, keep, scale, key_bias, plan)``: what takes no
-    gradient travels in one tuple (each argument of ``apply`` costs host time) and is kept on the
-    context, as are the kernel's own lse and the skip's bounds; ``plan``: the kept forward plan (None: the
-    PyTorch implementation, or nothing to launch)."""
+    ``apply(q, k, v, call)`` with ``call = (bias, rows, keep, scale, key_bias, plan)``: what takes no gradient travels
+    in one tuple (each argument of ``apply`` costs host time) and is kept on the context, as are the kernel's lse and
+    the skip's bounds; ``plan``: the kept forward plan (None: the PyTorch implementation, or nothing to launch)."""
 
     @staticmethod
     def forward(ctx, q, k, v, call):
@@ -583,20 +540,14 @@ class _AlibiFlash(torch.autograd.Function):
 
 _FP32_CONFIG = {"fwd": (64, 32, 4, 2), "dq": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "decode": (16, 32, 4, 2)}
 _INTERPRET_CONFIG = {"fwd": (16, 16, 4, 1), "dq": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "decode": (16, 16, 4, 1)}
-_device_code = None
 
 
+@functools.cache
 def _device():
     """:mod:`torchembed.kernels.alibi_triton` (which imports Triton), imported on the first launch."""
-    global _device_code
-    if _device_code is None:
-        from torchembed.kernels import alibi_triton
+    from torchembed.kernels import alibi_triton
 
-        _device_code = alibi_triton
-    return _device_code
-
-
-_SMS: dict[int, int] = {}
+    return alibi_triton
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -613,8 +564,7 @@ def block_d(head_dim: int) -> int:
 
 
 def config_for(kind: str, head_dim: int, dtype: torch.dtype, masked: bool) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of one kernel at this head dim and dtype, with a
-    mask (``masked``) or causal."""
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of one kernel at this head dim and dtype, masked or causal."""
     if interpret_mode():
         return _INTERPRET_CONFIG[kind]
     if dtype == torch.float32:
@@ -634,8 +584,8 @@ def _out_strides(batch: int, heads: int, q_len: int, dim: int) -> tuple[int, int
 
 
 def _shapes(q: Tensor, k: Tensor, rows: Tensor | None) -> tuple:
-    """What a plan is made from: ``(B, H, M, D, Hk, N, GROUP, BLOCK_D, PREC, masked)``; ``PREC``: 1 for
-    float32 operands at full precision, 2 for half ones upcast on the interpreter, else 0."""
+    """What a plan is made from: ``(B, H, M, D, Hk, N, GROUP, BLOCK_D, PREC, masked)``; ``PREC``: 1 for float32
+    operands at full precision, 2 for half ones upcast on the interpreter, else 0."""
     batch, heads, q_len, head_dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     prec = 1 if q.dtype == torch.float32 else (2 if interpret_mode() else 0)
@@ -675,8 +625,8 @@ def _rows_launch(keep: Tensor) -> Tensor:
     key = (keep.shape, keep.stride(), keep.device)
     launch = _ROWS_LAUNCHES.get(key)
     if launch is None:
-        # decode-shaped masks (a few rows, many keys): one program scans a row, so wide key blocks (a
-        # 65k-key row: 8 blocks of 8192 instead of 256 of 256)
+        # decode-shaped masks (a few rows, many keys): one program scans a row, so wide key blocks (a 65k-key row:
+        # 8 blocks of 8192 instead of 256 of 256)
         block_q = min(32, _pow2(q_len))
         block_q, block_k = (16, 32) if interpret_mode() else (block_q, max(256, 8192 // block_q))
         s = keep.stride()
@@ -688,14 +638,13 @@ def _rows_launch(keep: Tensor) -> Tensor:
     return rows
 
 
-# Keys of negligible weight: ALiBi's bias falls linearly with distance, so far enough back every score is
-# provably below the row's largest by more than skip_margin_bits + log2(keys) bits (Cauchy-Schwarz on q.k
-# with the head's largest key norm): the kernels do not visit those keys. With slopes the position follows
-# from the slope; with a key bias (padding: not monotone) from its running maximum (running_max). What
-# they leave out is under 2**-skip_margin_bits of each row's softmax mass, below float32 rounding.
-# TORCHEMBED_ALIBI_SKIP=0 visits every key. skip_min_keys: shorter calls are not worth the key-norm pass
-# (H200, 2026-12-02, benchmarks/probes/alibi_skip_probe.py: 4 x 16 x 2048 x 64 forward 0.107 + 0.011 ms for the
-# norms against 0.131 without the skip; 1 x 16 x 1024 x 64 0.0228 + 0.006 against 0.0225).
+# Keys of negligible weight: ALiBi's bias falls linearly with distance, so far enough back every score is provably
+# below the row's largest by more than skip_margin_bits + log2(keys) bits (Cauchy-Schwarz on q.k with the head's
+# largest key norm): the kernels do not visit those keys (the position from the slope, or with a key bias, not
+# monotone under padding, from its running_max). What they leave out is under 2**-skip_margin_bits of each row's
+# softmax mass, below float32 rounding. TORCHEMBED_ALIBI_SKIP=0 visits every key. skip_min_keys: shorter calls are not
+# worth the key-norm pass (H200, 2026-12-02, benchmarks/probes/alibi_skip_probe.py: 4 x 16 x 2048 x 64 forward 0.107 +
+# 0.011 ms for the norms against 0.131 without the skip; 1 x 16 x 1024 x 64 0.0228 + 0.006 against 0.0225).
 
 
 def skips_negligible(k_len: int) -> bool:
@@ -705,8 +654,8 @@ def skips_negligible(k_len: int) -> bool:
 
 
 def running_max(key_bias: Tensor) -> Tensor:
-    """``(B or 1, H, N)`` float32, contiguous: ``out[..., j] = max(key_bias[..., :j + 1])`` with NaN as
-    +inf (a NaN bias then keeps every key after it), the bound the skip takes in key-bias mode."""
+    """``(B or 1, H, N)`` float32, contiguous: ``out[..., j] = max(key_bias[..., :j + 1])`` with NaN as +inf (a NaN
+    bias then keeps every key after it), the bound the skip takes in key-bias mode."""
     inf = float("inf")
     return torch.cummax(key_bias.nan_to_num(nan=inf, posinf=inf, neginf=-inf), dim=-1).values.contiguous()
 
@@ -725,11 +674,10 @@ def skip_log2(k_len: int) -> float:
 
 
 class NormPlan:
-    """The skip's bounds for one key signature: ``plan(k, bias) -> (norms, reach)``. ``norms (B, Hk,
-    NORM_PARTS)`` float32: the largest key norm of each slice of the keys of ``k (B, Hk, N, D)`` (inf
-    where a key has a NaN: the kernels then skip nothing), one launch of ``NORM_PARTS`` programs per
-    (batch, kv head), the kernels taking the maximum over the slices; ``reach``: :func:`running_max` of
-    a key bias (``key_bias``), else ``bias`` itself (unread)."""
+    """The skip's bounds for one key signature: ``plan(k, bias) -> (norms, reach)``. ``norms (B, Hk, NORM_PARTS)``
+    float32: the largest key norm of each slice of the keys of ``k (B, Hk, N, D)`` (inf where a key has a NaN: the
+    kernels then skip nothing), one launch of ``NORM_PARTS`` programs per (batch, kv head), the kernels taking the
+    maximum over the slices; ``reach``: :func:`running_max` of a key bias (``key_bias``), else ``bias`` (unread)."""
 
     __slots__ = ("shape", "device", "launch", "key_bias")
 
@@ -739,7 +687,8 @@ class NormPlan:
         self.shape, self.device, self.key_bias = (batch, kv_heads, parts), k.device, key_bias
         chunk = _cdiv(k_len, parts)
         block_k = 16 if interpret_mode() else min(64, max(16, _pow2(chunk)))
-        self.launch = Launch(_device()._key_norm_kernel, (parts, batch * kv_heads, 1), (kv_heads, k_len, chunk, *_strides4(k)),
+        self.launch = Launch(_device()._key_norm_kernel, (parts, batch * kv_heads, 1),
+                             (kv_heads, k_len, chunk, *_strides4(k)),
                              {"HEAD_DIM": head_dim, "BLOCK_K": block_k, "BLOCK_D": block_d(head_dim), "PARTS": parts},
                              num_warps=4, num_stages=1)
 
@@ -755,17 +704,18 @@ def key_norms(k: Tensor) -> Tensor:
 
 
 def _sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    count = _SMS.get(index)
-    if count is None:
-        count = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return count
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    """The multiprocessor count of CUDA device ``index`` (read once)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 class ForwardPlan:
-    """The forward of one call signature (shapes, strides, dtypes, device, mask form, scale): its
-    launches (the prefill kernel, or the split-key decode kernel and its combine) and the buffers
-    each call allocates. ``plan(q, k, v, bias, rows, keep) -> (out, lse or None, bounds or None)``;
+    """The forward of one call signature (shapes, strides, dtypes, device, mask form, scale): its launches (the
+    prefill kernel, or the split-key decode kernel and its combine) and the buffers each call allocates;
     ``backwards``: its :class:`BackwardPlan` by the output gradient's strides (kept by the caller)."""
 
     __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "main", "combine", "prefill",
@@ -780,10 +730,8 @@ class ForwardPlan:
         lse_t = out if lse is None else lse
         rows_t = bias if rows is None else rows  # (unread without a mask: any pointer will do)
         keep_t = bias if keep is None else keep.view(torch.uint8)
-        bounds = None
-        if self.prefill:  # (norms: the skip's NormPlan, or None)
-            if self.norms is not None:
-                bounds = self.norms(k, bias)
+        bounds = None if self.norms is None else self.norms(k, bias)  # (norms: the skip's NormPlan, prefill only)
+        if self.prefill:
             self.main((q, k, v, out, lse_t, bias, rows_t, keep_t, *(bounds or (bias, bias))))
         elif self.combine is None and not self.part:
             self.main((q, k, v, out, lse_t, bias, rows_t, keep_t))
@@ -796,11 +744,10 @@ class ForwardPlan:
 
 
 def _decode_splits(device: torch.device, programs: int, k_len: int, block_n: int, masked: bool) -> int:
-    """How many parts the split-key decode cuts the keys into: at least ``least`` programs per
-    multiprocessor (``AlibiTuning.decode_programs_per_sm``), more while each part keeps
-    ``decode_split_keys`` keys, never over ``most`` per multiprocessor; each part two key blocks or more.
-    A masked call takes the least: the keys it keeps (a static cache's filled part) are known on the
-    device only, and parts of a few hundred keys are slower."""
+    """How many parts the split-key decode cuts the keys into: at least ``least`` programs per multiprocessor
+    (``AlibiTuning.decode_programs_per_sm``), more while each part keeps ``decode_split_keys`` keys, never over
+    ``most`` per multiprocessor; each part two key blocks or more. A masked call takes the least: the keys it keeps (a
+    static cache's filled part) are known on the device only, and parts of a few hundred keys are slower."""
     tuning = settings().alibi
     least, most = tuning.decode_programs_per_sm
     sms = _sms(device) if device.type == "cuda" else 16  # (the interpreter: several splits at small shapes)
@@ -811,17 +758,15 @@ def _decode_splits(device: torch.device, programs: int, k_len: int, block_n: int
 
 def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Tensor | None, keep: Tensor | None,
                  scale: float, key_bias: bool, need_lse: bool) -> ForwardPlan:
-    """The :class:`ForwardPlan` of attention of ``q (B, H, M, D)`` over ``k, v (B, Hk, N, D)``: output
-    ``(B, H, M, D)`` over ``(B, M, H, D)`` memory and, with ``need_lse``, ``lse (B, H, M)`` float32
-    (base 2). ``bias``: slopes ``(H,)``, a key bias ``(B or 1, H, N)`` (``key_bias``), float32, or None.
-    ``rows``/``keep``: the mask summary and the mask, or None (causal, queries last). Inputs checked
-    by the caller."""
+    """The :class:`ForwardPlan` of attention of ``q (B, H, M, D)`` over ``k, v (B, Hk, N, D)``: output ``(B, H, M, D)``
+    over ``(B, M, H, D)`` memory and, with ``need_lse``, ``lse (B, H, M)`` float32 (base 2). ``bias``: slopes
+    ``(H,)``, a key bias ``(B or 1, H, N)`` (``key_bias``), float32, or None. ``rows``/``keep``: the mask summary and
+    the mask, or None (causal, queries last). Inputs checked by the caller."""
     batch, heads, q_len, head_dim, kv_heads, k_len, group, bd, prec, masked = _shapes(q, k, rows)
     out_stride = _out_strides(batch, heads, q_len, head_dim)
-    srb, smb, smm, smn = _mask_strides(rows, keep)
-    sbb, sbh, sbn = _bias_strides(bias, key_bias)
     out4 = (0 if batch == 1 else out_stride[0], *out_stride[1:])
-    strides = (*_strides4(q), *_strides4(k), *_strides4(v), *out4, sbb, sbh, sbn, srb, smb, smm, smn)
+    strides = (*_strides4(q), *_strides4(k), *_strides4(v), *out4, *_bias_strides(bias, key_bias),
+               *_mask_strides(rows, keep))
     qk_scale = float(scale) * LOG2E
     plan = ForwardPlan()
     plan.out_shape, plan.out_stride, plan.dtype, plan.device = (batch, heads, q_len, head_dim), out_stride, q.dtype, q.device
@@ -838,15 +783,13 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Ten
                            {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_D": bd,
                             "BIAS": _bias_mode(bias, key_bias), "MASK": int(masked), "PREC": prec, "SINGLE": single,
                             "STORE_LSE": need_lse}, num_warps=warps, num_stages=stages)
-        if not single:
+        if single:  # the decode kernel's signature has the workspace pointer: pass out in its place
+            main = plan.main
+            plan.main = lambda t, main=main: main((t[0], t[1], t[2], t[3], t[4], t[3], t[5], t[6], t[7]))
+        else:
             plan.combine = Launch(_device()._combine_kernel, (programs, 1, 1), (*out4, heads, group, q_len, splits),
                                   {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_D": bd, "STORE_LSE": need_lse},
                                   num_warps=4, num_stages=1)
-        else:
-            plan.part = 0
-            # the decode kernel's signature has the workspace pointer: pass out in its place
-            main = plan.main
-            plan.main = lambda t, main=main: main((t[0], t[1], t[2], t[3], t[4], t[3], t[5], t[6], t[7]))
         return plan
     block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, masked)
     skip = skips_negligible(k_len) and bias is not None
@@ -867,8 +810,8 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Ten
 
 
 def _tma_layout(k: Tensor, v: Tensor) -> bool:
-    """Keys and values can be read through tensor descriptors: a CUDA device of compute capability 9
-    or later, a Triton that makes them, unit last strides and 16-byte strides."""
+    """Keys and values can be read through tensor descriptors: a CUDA device of compute capability 9 or later, a
+    Triton that makes them, unit last strides and 16-byte strides."""
     if not (settings().tma and hasattr(_device().tl, "make_tensor_descriptor") and _tma_device(k.device)):
         return False
     size = k.element_size()
@@ -876,8 +819,8 @@ def _tma_layout(k: Tensor, v: Tensor) -> bool:
 
 
 def _tma_device(device: torch.device) -> bool:
-    """A CUDA device with a tensor memory accelerator (compute capability 9 or later); tests stand
-    in the interpreter (which models descriptors) for one."""
+    """A CUDA device with a tensor memory accelerator (compute capability 9 or later); tests stand in the interpreter
+    (which models descriptors) for one."""
     return device.type == "cuda" and not interpret_mode() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
@@ -886,10 +829,9 @@ def _allocate(size: int, alignment: int, stream: Optional[int]) -> Tensor:
 
 
 class _TmaLaunch:
-    """The TMA launch where the key and value pointers are 16-byte aligned (what a descriptor
-    needs), else the pointer launch. Triton allocates the descriptors' workspace through the allocator
-    of the calling context: where none is set, one (PyTorch's caching allocator) is set for this launch
-    only and the previous one restored after it (nothing changes for other code)."""
+    """The TMA launch where the key and value pointers are 16-byte aligned (what a descriptor needs), else the pointer
+    launch. Triton allocates the descriptors' workspace through the calling context's allocator: where none is set,
+    PyTorch's caching allocator is set for this launch only and the previous one restored after it."""
 
     __slots__ = ("tma", "plain")
 
@@ -915,10 +857,8 @@ class _TmaLaunch:
 
 
 class BackwardPlan:
-    """The backward of one call signature: ``delta = rowsum(dO * O)``, then the dk/dv and dq kernels.
-    ``plan(grad, q, k, v, out, lse, bias, rows, keep, bounds=None) -> (dq, dk, dv)``; ``bounds``: the
-    forward's where it skipped (else made here by ``norms``, the skip's :class:`NormPlan`, None without
-    the skip)."""
+    """The backward of one call signature: ``delta = rowsum(dO * O)``, then the dk/dv and dq kernels. ``bounds``: the
+    forward's where it skipped (else made here by ``norms``, the skip's :class:`NormPlan`, None without the skip)."""
 
     __slots__ = ("delta_shape", "device", "delta", "dkdv", "dq", "norms", "horizon_shape")
 
@@ -957,25 +897,22 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
     block = 16 if interpret_mode() else 64
     n_horizon = _cdiv(q_len, block)
     plan.horizon_shape = (batch, heads, n_horizon)
+    consts = {"HEAD_DIM": head_dim, "BLOCK_D": bd, "BIAS": _bias_mode(bias, key_bias), "MASK": int(masked),
+              "SKIP": skip}
     plan.delta = Launch(_device()._bwd_delta_kernel, (n_horizon, batch * heads, 1),
                         (*_strides4(out), *_strides4(grad), *_strides4(q), sbb, sbh, sbn, srb, heads, group, q_len,
-                         k_len, qk_scale, skip_log2(k_len)),
-                        {"HEAD_DIM": head_dim, "BLOCK_M": block, "BLOCK_D": bd, "BIAS": _bias_mode(bias, key_bias),
-                         "MASK": int(masked), "SKIP": skip},
-                        num_warps=4, num_stages=1)
+                         k_len, qk_scale, skip_log2(k_len)), {**consts, "BLOCK_M": block}, num_warps=4, num_stages=1)
     common = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad))
-    consts = {"HEAD_DIM": head_dim, "BIAS": _bias_mode(bias, key_bias), "MASK": int(masked), "PREC": prec}
+    consts["PREC"] = prec
     block_m, block_n, warps, stages = config_for("dkdv", head_dim, q.dtype, masked)
     plan.dkdv = Launch(_device()._bwd_dkdv_kernel, (_cdiv(k_len, block_n), batch * kv_heads, 1),
                        (*common, *like(k), *like(v), *tail, heads, group, q_len, k_len, n_horizon, *floats[:2]),
-                       {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
-                        "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": skip,
-                        "HBLOCK": block}, num_warps=warps, num_stages=stages)
+                       {**consts, "BLOCK_M": block_m, "BLOCK_N": block_n, "HBLOCK": block},
+                       num_warps=warps, num_stages=stages)
     block_m, block_n, warps, stages = config_for("dq", head_dim, q.dtype, masked)
     plan.dq = Launch(_device()._bwd_dq_kernel, (_cdiv(q_len, block_m), batch * heads, 1),
                      (*common, *like(q), *tail, heads, group, q_len, k_len, k_len.bit_length(), *floats),
-                     {"HEAD_DIM": head_dim, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": bd,
-                      "BIAS": consts["BIAS"], "MASK": consts["MASK"], "PREC": prec, "SKIP": skip}, num_warps=warps, num_stages=stages)
+                     {**consts, "BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=warps, num_stages=stages)
     return plan
 
 
@@ -983,24 +920,19 @@ def backward_plan(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, bi
 # The prefill bias in one write
 # ------------------------------------------------------------------------------------------------
 
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_PROGRAMS_Z = 65535  # grid axis 2 of the kernel is b * h
 
 
 def _shape(key_bias: Tensor, keep: Tensor) -> tuple[int, int, int, int]:
     """``(b, h, q, k)`` of the bias; ValueError naming the shapes that do not fit."""
     if key_bias.dim() != 3 or keep.dim() != 4 or keep.shape[1] != 1:
-        raise ValueError(
-            f"prefill_bias: key_bias must be (b or 1, h, k) and keep (b or 1, 1, q, k), got "
-            f"{tuple(key_bias.shape)} and {tuple(keep.shape)}"
-        )
+        raise ValueError(f"prefill_bias: key_bias must be (b or 1, h, k) and keep (b or 1, 1, q, k), got "
+                         f"{tuple(key_bias.shape)} and {tuple(keep.shape)}")
     kb, heads, k_len = key_bias.shape
     mb, _, q_len, mk = keep.shape
     if mk != k_len or q_len > k_len or (kb != mb and 1 not in (kb, mb)):
-        raise ValueError(
-            f"prefill_bias: keep (b or 1, 1, q, k) must match key_bias (b or 1, h, k) with q <= k, got "
-            f"{tuple(keep.shape)} and {tuple(key_bias.shape)}"
-        )
+        raise ValueError(f"prefill_bias: keep (b or 1, 1, q, k) must match key_bias (b or 1, h, k) with q <= k, got "
+                         f"{tuple(keep.shape)} and {tuple(key_bias.shape)}")
     return max(kb, mb), heads, q_len, k_len
 
 
@@ -1026,12 +958,12 @@ def prefill_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype) -> T
         dtype: of the result.
 
     Returns:
-        ``(b, h, q, k)`` in ``dtype``: ``key_bias[j] - key_bias[k - q + i]`` where ``keep``, the
-        finite minimum of ``dtype`` elsewhere; the subtraction in float32, rounded once. The Triton
-        kernel where it can run (CUDA, or CPU under ``TRITON_INTERPRET=1``; float16/bfloat16/float32
-        results), else the PyTorch reference, with equal results. No gradient (ALiBi learns nothing).
+        ``(b, h, q, k)`` in ``dtype``: ``key_bias[j] - key_bias[k - q + i]`` where ``keep``, the finite minimum of
+        ``dtype`` elsewhere; the subtraction in float32, rounded once. The Triton kernel where it can run (CUDA, or
+        CPU under ``TRITON_INTERPRET=1``; float16/bfloat16/float32 results), else the PyTorch reference, with equal
+        results. No gradient (ALiBi learns nothing).
     """
-    if keep is not None and dtype in _KERNEL_DTYPES and kernel_can_run(key_bias):
+    if keep is not None and dtype in DTYPES and kernel_can_run(key_bias):
         shape = _shape(key_bias, keep)
         if (keep.dtype == torch.bool and keep.device == key_bias.device and key_bias.is_floating_point()
                 and shape[0] * shape[1] <= _MAX_PROGRAMS_Z):
@@ -1049,12 +981,10 @@ def _write_bias(key_bias: Tensor, keep: Tensor, out: Tensor) -> Tensor:
     """Write the bias into ``out`` ``(B, H, Q, K)`` (unit last-dim stride) from ``key_bias`` ``(B or 1, H, K)``
     and ``keep`` ``(B or 1, 1, Q, K)`` bool (checked by the caller), by the kernel; the launch is kept."""
     batch, heads, q_len, k_len = out.shape
-    ints = (
-        heads, q_len, k_len,
-        key_bias.stride(0) if key_bias.shape[0] != 1 else 0, key_bias.stride(1), key_bias.stride(2),
-        keep.stride(0) if keep.shape[0] != 1 else 0, keep.stride(2), keep.stride(3),
-        out.stride(0), out.stride(1), out.stride(2),
-    )
+    ints = (heads, q_len, k_len,
+            key_bias.stride(0) if key_bias.shape[0] != 1 else 0, key_bias.stride(1), key_bias.stride(2),
+            keep.stride(0) if keep.shape[0] != 1 else 0, keep.stride(2), keep.stride(3),
+            out.stride(0), out.stride(1), out.stride(2))
     key = (key_bias.dtype, out.dtype, out.device, batch, ints)
     kept = _BIAS_LAUNCHES.get(key)
     if kept is None:

@@ -1,51 +1,37 @@
 """Triton kernels: flash attention with the ALiBi bias computed inside, forward and backward.
 
-Press et al., "Train Short, Test Long", arXiv:2108.12409 (the bias); Dao, "FlashAttention-2",
-arXiv:2307.08691 (the tiling, the online softmax, the backward that recomputes the probabilities
-from the saved log-sum-exp). Shape legend: ``B`` batch, ``H`` query heads, ``Hk`` key/value heads
-(``GROUP = H / Hk`` query heads share one; no copy of k or v), ``M`` queries, ``N`` keys, ``D`` head
-dim (padded to a power of two ``BLOCK_D`` inside, masked).
+Press et al., "Train Short, Test Long", arXiv:2108.12409 (the bias); Dao, "FlashAttention-2", arXiv:2307.08691 (the
+tiling, the online softmax, the backward that recomputes the probabilities from the saved log-sum-exp). Shapes: ``B``
+batch, ``H`` query heads, ``Hk`` key/value heads (``GROUP = H / Hk`` query heads share one; no copy of k or v), ``M``
+queries, ``N`` keys, ``D`` head dim (padded to a power of two ``BLOCK_D`` inside, masked).
 
-Scores are kept in base-2 units: ``s2 = log2(e) * (scale * q.k + bias)``, so each probability is one
-``exp2``. The bias of query row ``i`` and key ``j`` is ``slope_h * (j - c_i)`` (``BIAS == 0``, from the
-``(H,)`` slopes), ``key_bias[b, h, j] - key_bias[b, h, c_i]`` (``BIAS == 1``, from a ``(B or 1, H, N)``
-float32 key bias) or none (``BIAS == 2``: plain attention, what a RoPE model's decode step runs).
-``c_i`` is the row's last kept key. The bias splits into a key part ``kvec[j]`` (relative to ``c0``, the last key any row of the query block keeps: small near the newest keys, where
-the weight is, so it rounds least there) and a row part ``rvec[i]``. A per-row constant does not change
-softmax: each score adds ``kvec[j]`` only (one fused multiply-add with the scale), and ``rvec`` enters
-once per row, into the log-sum-exp the backward reads (which subtracts it again per row).
+Scores are in base-2 units, ``s2 = log2(e) * (scale * q.k + bias)``: each probability is one ``exp2``. The bias of
+query row ``i`` and key ``j`` is ``slope_h * (j - c_i)`` (``BIAS == 0``, from the ``(H,)`` slopes), ``key_bias[b, h,
+j] - key_bias[b, h, c_i]`` (``BIAS == 1``, from a ``(B or 1, H, N)`` float32 key bias) or none (``BIAS == 2``: what a
+RoPE model's decode step runs); ``c_i`` is the row's last kept key. It splits into a key part ``kvec[j]``, relative to
+``c0``, the last key any row of the query block keeps (small near the newest keys, where the weight is, so it rounds
+least there), and a row part ``rvec[i]``: a per-row constant, which softmax ignores, so each score adds ``kvec[j]`` only
+(one fused multiply-add with the scale) and ``rvec`` enters once per row, into the log-sum-exp the backward reads.
 
 Which keys a row sees (``MASK``):
 
-* ``0``: causal with the queries at the last ``M`` of the ``N`` key positions (a prefill after any
-  KV cache, ``M <= N``): row ``i`` sees keys ``[0, i + N - M]``;
-* ``1``: a boolean ``keep (B or 1, 1, M, N)`` summarised once per forward by :func:`_rows_kernel` into
-  ``rows (B or 1, 3, M)`` int32: the first kept key ``lo``, one past the last ``hi`` and whether the row
-  keeps every key in between (left or right padding, static-cache slots and KV caches all give such
-  rows). Only tiles that straddle ``lo`` or ``hi`` are masked; a row with holes in its range
-  (``irregular``) makes its tiles read ``keep`` itself. A row that keeps no key gives 0.
+* ``0``: causal with the queries at the last ``M`` of the ``N`` key positions (a prefill after any KV cache,
+  ``M <= N``): row ``i`` sees keys ``[0, i + N - M]``;
+* ``1``: a boolean ``keep (B or 1, 1, M, N)`` summarised once per forward by :func:`_rows_kernel` into ``rows (B or 1,
+  3, M)`` int32: the first kept key ``lo``, one past the last ``hi`` and whether the row keeps every key in between
+  (padding, static-cache slots and KV caches give such rows). Only tiles that straddle ``lo`` or ``hi`` are masked; a
+  row with holes in its range (``irregular``) makes its tiles read ``keep`` itself. A row that keeps no key gives 0.
 
-Every key block a row cannot see is skipped: a query block visits ``[min lo, max hi)`` only, in up to
-three loops (the masked tiles at the end first -- causal: the diagonal --, then the unmasked bulk, then
-the masked tiles at the start), so the bulk of a causal prefill runs with no mask arithmetic. In long
-prefills (``SKIP``) the keys whose weight is provably negligible are not visited either: ALiBi's bias
-falls with distance, and ``|q.k| <= |q| |k|`` bounds every score by the head's largest key norm
-(:func:`_first_needed`; dq likewise against the saved log-sum-exp, and dk/dv stop after the last query
-block whose horizon, written by the delta kernel, reaches the key block). With slopes the first needed
-key follows from the slope; with a key bias (padding makes it non-monotone) from its running maximum
-``reach`` (:func:`running_max`), which bounds the bias of every key up to a position. Programs of the
-shallowest slopes (ALiBi's last heads: the most keys to visit) are scheduled first.
-Every index is int64 before it meets a stride; all tensors take any strides. On Hopper and later GPUs
-the prefill kernel reads keys and values through tensor descriptors (``TMA``: the tensor memory
-accelerator copies each tile, zero-filling past the last key and the head dim) where their strides
-and pointers allow it (16-byte aligned), else through pointers. Matrix products take
-the input dtype (float32: full-precision products) and accumulate in float32; the softmax statistics
-are float32.
+A query block visits ``[min lo, max hi)`` only, in up to three loops (the masked tiles at the end first -- causal: the
+diagonal --, then the unmasked bulk, then the masked tiles at the start): the bulk runs with no mask arithmetic. Long
+prefills (``SKIP``) also leave out the keys of provably negligible weight (:func:`_first_needed`, the horizon of
+:func:`_bwd_delta_kernel`). Programs of the shallowest slopes (ALiBi's last heads: the most keys) are scheduled first.
 
-Also here: the mask's row summary (:func:`_rows_kernel`), the key norms of the skip (:func:`_key_norm_kernel`)
-and the prefill bias written in one pass (:func:`_prefill_bias_kernel`). Device code only: the host side
-(validation, plans, launches, custom ops, the policy) is :mod:`torchembed.kernels.alibi`, which imports
-this module (and Triton) on the first launch.
+Every index is int64 before it meets a stride; all tensors take any strides. On Hopper and later GPUs the prefill
+kernel reads keys and values through tensor descriptors (``TMA``: zero-filling past the last key and the head dim)
+where strides and pointers are 16-byte aligned, else through pointers. Matrix products take the input dtype (float32:
+full precision) and accumulate in float32; the softmax statistics are float32. Device code only: the host side is
+:mod:`torchembed.kernels.alibi`, which imports this module (and Triton) on the first launch.
 """
 
 from __future__ import annotations
@@ -100,8 +86,8 @@ _NORM_PARTS = tl.constexpr(NORM_PARTS)
 @triton.jit
 def _key_norm_kernel(K, Out, Hk, N, CHUNK, skb, skh, skn, skd, HEAD_DIM: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_D: tl.constexpr, PARTS: tl.constexpr):
-    """``Out[b * Hk + hk, part]``: the largest Euclidean norm among keys ``[part * CHUNK, (part + 1) *
-    CHUNK)`` of (batch, kv head) (0: none; a NaN key: inf, so nothing is skipped)."""
+    """Grid ``(PARTS, B * Hk)``: ``Out[b * Hk + hk, part]``, the largest Euclidean norm among keys ``[part * CHUNK,
+    (part + 1) * CHUNK)`` of (batch, kv head) (0: none; a NaN key: inf, so nothing is skipped)."""
     part = tl.program_id(0)
     bk = tl.program_id(1).to(tl.int64)
     b, hk = bk // Hk, bk % Hk
@@ -132,8 +118,7 @@ def _head_key_norm(KNorm, bk, PARTS: tl.constexpr):
 
 @triton.jit
 def _row_ranges(Rows, rows_base, offs_m, row_ok, M, N, MASK: tl.constexpr):
-    """Per query row: first key ``lo``, one past the last ``hi`` (0, 0: none), ``irregular``; rows past
-    ``M`` see nothing."""
+    """Per query row: first key ``lo``, one past the last ``hi`` (0, 0: none), ``irregular``; rows past M: none."""
     if MASK == 0:
         hi = tl.where(row_ok, offs_m + (N - M) + 1, 0)
         lo = tl.zeros_like(hi)
@@ -148,9 +133,8 @@ def _row_ranges(Rows, rows_base, offs_m, row_ok, M, N, MASK: tl.constexpr):
 
 @triton.jit
 def _query_block(H, GROUP, M, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The query block of a program over (query blocks, batch x heads): the longest (causal) blocks and
-    the shallowest slopes (the most keys to visit) first. ``(b, h, b * H + h, kv head, rows, rows < M,
-    features, features < HEAD_DIM)``."""
+    """The query block of a program over (query blocks, batch x heads): the longest (causal) blocks and the shallowest
+    slopes (the most keys to visit) first. ``(b, h, b * H + h, kv head, rows, rows < M, features, features < D)``."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
     b, h = pid_bh // H, H - 1 - pid_bh % H
@@ -161,8 +145,7 @@ def _query_block(H, GROUP, M, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLO
 
 @triton.jit
 def _masked(s, offs_n, lo, hi, keep_base, offs_m, row_ok, n_ok, n64, smm, smn, HOLES: tl.constexpr):
-    """Scores ``s`` with -inf where a row keeps no key: outside its ``[lo, hi)``, and (``HOLES``) where
-    ``keep`` says so."""
+    """Scores ``s``, -inf where a row keeps no key: outside its ``[lo, hi)`` and (``HOLES``) where ``keep`` says so."""
     keep = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
     if HOLES:
         t = tl.load(keep_base + offs_m.to(tl.int64)[:, None] * smm + n64[None, :] * smn,
@@ -194,8 +177,7 @@ def _row_bias(Bias, bias_base, sbn, c, c0, kb0, slope2, row_ok, BIAS: tl.constex
 
 @triton.jit
 def _key_bias(Bias, bias_base, sbn, offs_n, c0, kb0, slope2, N, BIAS: tl.constexpr, BOUNDED: tl.constexpr):
-    """``kvec[j]``: the key part of the base-2 bias relative to position ``c0`` (``kb0``: the key
-    bias there, :func:`_bias_at`)."""
+    """``kvec[j]``: the key part of the base-2 bias relative to position ``c0`` (``kb0``: the key bias there)."""
     if BIAS == 0:
         return slope2 * (offs_n - c0).to(tl.float32)
     elif BIAS == 1:
@@ -220,17 +202,17 @@ def _head_slope(Bias, h, sbh, BIAS: tl.constexpr):
 
 @triton.jit
 def _qk_bound(q, knorm, qk_scale):
-    """Per query row: the largest ``|qk_scale * q_i . k|`` over keys of norm at most ``knorm``
-    (Cauchy-Schwarz), plus 1 (base 2) for rounding."""
+    """Per query row: the largest ``|qk_scale * q_i . k|`` over keys of norm at most ``knorm`` (Cauchy-Schwarz), plus 1
+    (base 2) for rounding."""
     qf = q.to(tl.float32)
     return tl.abs(qk_scale) * tl.sqrt(tl.sum(qf * qf, 1)) * knorm + 1.0
 
 
 @triton.jit
 def _first_reaching(Reach, reach_base, t, N, STEPS):
-    """The first key position ``j`` with ``reach[j] >= t`` (``N``: none), elementwise over ``t`` (a
-    scalar or a tensor): ``reach`` (key-bias mode: the running maximum of the key bias, NaN as inf)
-    does not decrease, so a binary search of ``STEPS >= bit_length(N)`` halvings finds it."""
+    """The first key position ``j`` with ``reach[j] >= t`` (``N``: none), elementwise over ``t`` (scalar or tensor):
+    ``reach`` (the key bias's running maximum, NaN as inf) does not decrease, so ``STEPS >= bit_length(N)`` halvings
+    of a binary search find it."""
     lo = tl.zeros_like(t).to(tl.int32)
     hi = lo + N
     for _ in range(0, STEPS):
@@ -245,15 +227,13 @@ def _first_reaching(Reach, reach_base, t, N, STEPS):
 @triton.jit
 def _first_needed(m_i, q, knorm, c0, kb0, slope2, qk_scale, skip_log2, row_ok, N, Reach, reach_base, STEPS,
                   BIAS: tl.constexpr):
-    """The first key position any row of a query block needs (``SKIP``): a key ``j`` is negligible
-    for row ``i`` when even the Cauchy-Schwarz bound of its score, ``|qk_scale| * |q_i| * knorm +
-    bias2(j)`` (base 2, relative to ``c0``), is below ``m_i - skip_log2`` (``m_i`` a score the row has;
-    ``knorm`` the largest key norm of the head): its weight is then under ``2**-skip_log2`` of the
-    row's largest. Slopes: ``bias2(j) = slope2 * (j - c0)`` falls with distance, so every key before
-    that position is negligible too (a slope <= 0: nothing is skipped). Key bias: every key up to
-    ``j`` has a bias at most ``reach[j]``, the running maximum, and the first position where it
-    reaches the rows' smallest threshold is found by :func:`_first_reaching`. Rows that saw no key
-    yet, NaN: nothing is skipped (0)."""
+    """The first key position any row of a query block needs (``SKIP``): a key ``j`` is negligible for row ``i`` when
+    even the Cauchy-Schwarz bound of its score, ``|qk_scale| * |q_i| * knorm + bias2(j)`` (base 2, relative to ``c0``),
+    is below ``m_i - skip_log2`` (``m_i`` a score the row has; ``knorm`` the head's largest key norm): its weight is
+    then under ``2**-skip_log2`` of the row's largest. Slopes: ``bias2(j) = slope2 * (j - c0)`` falls with distance,
+    so every key before that position is negligible too (a slope <= 0: nothing is skipped). Key bias: every key up to
+    ``j`` has a bias at most ``reach[j]``, the running maximum; :func:`_first_reaching` finds where it reaches the rows'
+    smallest threshold. Rows that saw no key yet, NaN: nothing is skipped (0)."""
     room = m_i - skip_log2 - _qk_bound(q, knorm, qk_scale)
     if BIAS == 0:
         j = c0.to(tl.float32) + room / tl.where(slope2 > 0.0, slope2, 1.0)
@@ -283,9 +263,8 @@ def _dot_acc(a, b, acc, PREC: tl.constexpr):
 
 @triton.jit
 def _dot(a, b, PREC: tl.constexpr):
-    """``a @ b`` accumulated in float32. ``PREC``: 0 the operands' own (half) precision, 1 float32
-    operands at full precision (not tf32), 2 half operands upcast first (the interpreter's half dot is
-    wrong)."""
+    """``a @ b`` accumulated in float32. ``PREC``: 0 the operands' own (half) precision, 1 float32 operands at full
+    precision (not tf32), 2 half operands upcast first (the interpreter's half dot is wrong)."""
     if PREC == 0:
         return tl.dot(a, b)
     elif PREC == 1:
@@ -301,8 +280,8 @@ def _dot(a, b, PREC: tl.constexpr):
 
 @triton.jit
 def _load_tile(ptrs, n_ok, d_ok, MASKED: tl.constexpr, FULL_D: tl.constexpr, KEYS_ACROSS: tl.constexpr):
-    """A tile of keys or values at ``ptrs``: ``(n, d)``, or ``(d, n)`` with ``KEYS_ACROSS``; keys outside
-    ``n_ok`` (read only when ``MASKED``) and features past the head dim (unless ``FULL_D``) load as 0."""
+    """A tile of keys or values at ``ptrs``: ``(n, d)``, or ``(d, n)`` with ``KEYS_ACROSS``; keys outside ``n_ok``
+    (read only when ``MASKED``) and features past the head dim (unless ``FULL_D``) load as 0."""
     if KEYS_ACROSS:
         keys, dims = n_ok[None, :], d_ok[:, None]
     else:
@@ -321,8 +300,8 @@ def _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bi
               row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BIAS: tl.constexpr,
               MASKED: tl.constexpr, HOLES: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
-    """One key tile of the online softmax. ``MASKED``: the tile straddles some row's ``lo`` or ``hi``
-    (or the end of the keys); ``HOLES``: it reads ``keep`` as well."""
+    """One key tile of the online softmax. ``MASKED``: the tile straddles some row's ``lo`` or ``hi`` (or the end of
+    the keys); ``HOLES``: it reads ``keep`` as well."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -331,8 +310,7 @@ def _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bi
     if TMA:  # tensor-memory-accelerator loads: keys past N and features past HEAD_DIM read as 0
         kt = tl.trans(k_desc.load([start_n, 0]))
     else:
-        # addresses made afresh for each tile (a loop-carried tile of 64-bit pointers costs registers
-        # that the scores need)
+        # addresses made afresh for each tile (a loop-carried tile of 64-bit pointers costs registers the scores need)
         kt = _load_tile(k_base + n64[None, :] * skn + offs_d[:, None] * skd, n_ok, d_ok, MASKED,
                         HEAD_DIM == BLOCK_D, True)
     qk = _dot(q, kt, PREC)
@@ -356,10 +334,9 @@ def _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bi
 
 @triton.jit
 def _key_ranges(lo, hi, irregular, row_ok, N, BLOCK_N: tl.constexpr, MASK: tl.constexpr):
-    """The key tiles a query block visits: ``[full_lo, full_hi)`` where every row sees every key,
-    then ``n_a`` masked tiles from ``first`` and ``n_b`` from ``full_hi`` (up to ``hi_max``);
-    ``holes``: some row has holes in its range (then ``full_lo = full_hi = first``, ``n_a = 0``: every
-    tile masked, reading ``keep``)."""
+    """The key tiles a query block visits: ``[full_lo, full_hi)`` where every row sees every key, then ``n_a`` masked
+    tiles from ``first`` and ``n_b`` from ``full_hi`` (up to ``hi_max``); ``holes``: some row has holes in its range
+    (then ``full_lo = full_hi = first``, ``n_a = 0``: every tile masked, reading ``keep``)."""
     lo_min = tl.min(tl.where(row_ok, lo, N), 0)
     lo_max = tl.max(lo, 0)
     hi_min = tl.min(tl.where(row_ok, hi, N), 0)
@@ -400,8 +377,7 @@ def _fwd_kernel(
     Q, K, V, Out, Lse, Bias, Rows, Keep, KNorm, Reach,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     sbb, sbh, sbn, srb, smb, smm, smn, sxb, sxh,
-    H, GROUP, M, N, STEPS,
-    qk_scale, skip_log2,
+    H, GROUP, M, N, STEPS, qk_scale, skip_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, STORE_LSE: tl.constexpr,
     TMA: tl.constexpr, SKIP: tl.constexpr,
@@ -468,10 +444,9 @@ def _fwd_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-# What grows with the cache is not specialised on (Triton would compile a variant each time the key
-# count or a key-bias/mask stride changes between "divisible by 16" and not): one compile per decode
-# configuration, whatever the context length. (K/V strides stay specialised: their alignment feeds
-# vectorised loads, and a cache's are multiples of the head dim.)
+# What grows with the cache is not specialised on (Triton would compile a variant each time the key count or a
+# key-bias/mask stride changes between "divisible by 16" and not): one compile per decode configuration, whatever the
+# context length. (K/V strides stay specialised: their alignment feeds vectorised loads; a cache's are multiples of D.)
 _DECODE_LENGTHS = ("sbb", "sbh", "smb", "smm", "N", "SPLITS")
 
 
@@ -480,9 +455,9 @@ def _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows,
                  last, skn, skd, svn, svd, sbn, smn, r_ok, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_D: tl.constexpr, BIAS: tl.constexpr, MASKED: tl.constexpr, HOLES: tl.constexpr,
                  PREC: tl.constexpr):
-    """One key tile of a decode program's online softmax. ``MASKED``: the tile straddles some row's
-    ``lo`` or ``hi``; only keys in ``[first, last)`` (those some row keeps) are read, so what lies
-    outside (a static cache's empty slots) never reaches the result. ``HOLES``: it reads ``keep`` too."""
+    """One key tile of a decode program's online softmax. ``MASKED``: the tile straddles some row's ``lo`` or ``hi``;
+    only keys in ``[first, last)`` (those some row keeps) are read, so what lies outside (a static cache's empty
+    slots) never reaches the result. ``HOLES``: it reads ``keep`` too."""
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -520,34 +495,30 @@ def _decode_kernel(
     Q, K, V, Out, Lse, Part, Bias, Rows, Keep,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     sbb, sbh, sbn, srb, smb, smm, smn,
-    H, GROUP, M, N, SPLITS,
-    qk_scale,
+    H, GROUP, M, N, SPLITS, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SINGLE: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
-    """Rows are the ``GROUP * M`` queries of one (batch, kv head): every kv head's keys are read once
-    per split. The keys its rows keep, ``[min lo, max hi)`` (a static cache's filled part, a padded
-    sequence's own tokens), are split into ``SPLITS`` equal parts on the device, one per program, so
-    empty cache slots and padding are never read, whatever the length the launch was set up for.
-    ``SINGLE``: one split, the result is written directly; else the split's unnormalised ``(acc, m,
-    l)`` go to ``Part`` for :func:`_combine_kernel`."""
+    """Grid ``(SPLITS, B * Hk)``; rows are the ``GROUP * M`` queries of one (batch, kv head): every kv head's keys are
+    read once per split. The keys its rows keep, ``[min lo, max hi)`` (a static cache's filled part, a padded
+    sequence's own tokens), are split into ``SPLITS`` equal parts on the device, one per program, so empty cache slots
+    and padding are never read, whatever the length the launch was set up for. ``SINGLE``: one split, the result is
+    written directly; else the split's unnormalised ``(acc, m, l)`` go to ``Part`` for :func:`_combine_kernel`."""
     split = tl.program_id(0)
     bk = tl.program_id(1).to(tl.int64)
     Hk = H // GROUP
     b, hk = bk // Hk, bk % Hk
     r = tl.arange(0, BLOCK_R)
     r_ok = r < GROUP * M
-    g = r // M
     i = r % M
-    h = (hk * GROUP + g).to(tl.int64)
+    h = (hk * GROUP + r // M).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     q = tl.load(Q + b * sqb + h[:, None] * sqh + i.to(tl.int64)[:, None] * sqm + offs_d[None, :] * sqd,
                 mask=r_ok[:, None] & d_ok[None, :], other=0.0)
     lo, hi, irregular = _row_ranges(Rows, b * srb, i, r_ok, M, N, MASK)
     c = tl.maximum(hi - 1, 0)
-    slope2 = 0.0
-    kbc = 0.0
+    slope2, kbc = 0.0, 0.0
     if BIAS == 0:
         slope2 = tl.load(Bias + h * sbh, mask=r_ok, other=0.0) * 1.4426950408889634
     bias_rows = Bias + b * sbb + h * sbh
@@ -613,11 +584,10 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=("SPLITS",))
 def _combine_kernel(
-    Out, Lse, Part,
-    sob, soh, som, sod,
-    H, GROUP, M, SPLITS,
+    Out, Lse, Part, sob, soh, som, sod, H, GROUP, M, SPLITS,
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
+    """Grid ``(B * Hk,)``: merges the ``SPLITS`` partial ``(acc, m, l)`` of :func:`_decode_kernel` into ``Out``."""
     bk = tl.program_id(0).to(tl.int64)
     Hk = H // GROUP
     b, hk = bk // Hk, bk % Hk
@@ -662,13 +632,13 @@ def _bwd_delta_kernel(Out, DO, Delta, Q, Lse, Bias, Rows, KNorm, Horizon,
                       qk_scale, skip_log2,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BIAS: tl.constexpr,
                       MASK: tl.constexpr, SKIP: tl.constexpr):
-    """``delta[b, h, i] = sum_d dO * O`` (float32), the rowsum the softmax backward subtracts. ``SKIP``
-    also ``horizon[b, h, block]``: the smallest over the block's rows of ``lse_i + bias2(c_i) - bound_i -
-    skip_log2`` (``c_i`` the row's last key, ``bias2`` the base-2 bias at a key relative to key 0:
-    ``slope2 * c_i`` or ``log2(e) * key_bias[c_i]``, ``bound_i`` :func:`_qk_bound` with the head's
-    largest key norm): a key block whose base-2 bias is at most ``bias2(j)`` at every key (its last key
-    ``j``; key bias: the running maximum there) below it gives every row of the query block a weight
-    under ``2**-skip_log2`` (-inf where that cannot be shown: NaN, a slope <= 0)."""
+    """Grid ``(cdiv(M, BLOCK_M), B * H)``: ``delta[b, h, i] = sum_d dO * O`` (float32), the rowsum the softmax backward
+    subtracts. ``SKIP`` also ``horizon[b, h, block]``: the smallest over the block's rows of ``lse_i + bias2(c_i) -
+    bound_i - skip_log2`` (``c_i`` the row's last key, ``bias2`` the base-2 bias at a key relative to key 0: ``slope2 *
+    c_i`` or ``log2(e) * key_bias[c_i]``, ``bound_i`` :func:`_qk_bound` with the head's largest key norm): a key block
+    whose base-2 bias is at most ``bias2(j)`` at every key (its last key ``j``; key bias: the running maximum there)
+    below it gives every row of the query block a weight under ``2**-skip_log2`` (-inf where that cannot be shown:
+    NaN, a slope <= 0)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h = bh // H, bh % H
@@ -721,14 +691,13 @@ def _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, b
             go = (tl.max(hi, 0) > j0) & (tl.min(tl.where(hi > lo, lo, N), 0) < j_end)
         if go:
             rows = offs_m.to(tl.int64)
-            q = tl.load(q_base + rows[:, None] * sqm + offs_d[None, :] * sqd, mask=row_ok[:, None] & d_ok[None, :],
-                        other=0.0)
+            m2 = row_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_base + rows[:, None] * sqm + offs_d[None, :] * sqd, mask=m2, other=0.0)
             lse = tl.load(Lse + bh * M + offs_m, mask=row_ok, other=float("inf"))
             c = tl.maximum(hi - 1, 0)
             # the row part of the bias (a per-row constant) taken off the log-sum-exp instead of each score
             lse -= _row_bias(Bias, bias_base, sbn, c, kvec_c0, kb0, slope2, row_ok, BIAS)
-            do = tl.load(do_base + rows[:, None] * sgm + offs_d[None, :] * sgd, mask=row_ok[:, None] & d_ok[None, :],
-                         other=0.0)
+            do = tl.load(do_base + rows[:, None] * sgm + offs_d[None, :] * sgd, mask=m2, other=0.0)
             delta = tl.load(Delta + bh * M + offs_m, mask=row_ok, other=0.0)
             st = _dot(k, tl.trans(q), PREC) * qk_scale + kvec[:, None]  # (BLOCK_N, BLOCK_M)
             if MASKED:
@@ -749,8 +718,8 @@ def _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, b
 
 @triton.jit
 def _reach(Horizon, bh, NH, thr, M, HBLOCK: tl.constexpr):
-    """One past the last query row whose block's horizon (:func:`_bwd_delta_kernel`) is at or below
-    ``thr``: later query blocks give the key block no weight (``M`` where ``thr`` is NaN)."""
+    """One past the last query row whose block's horizon (:func:`_bwd_delta_kernel`) is at or below ``thr``: later
+    query blocks give the key block no weight (``M`` where ``thr`` is NaN)."""
     last = -1
     for start in range(0, NH, 128):
         idx = start + tl.arange(0, 128)
@@ -765,14 +734,13 @@ def _bwd_dkdv_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgm, sgd,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     sbb, sbh, sbn, srb, smb, smm, smn, sxb, sxh,
-    H, GROUP, M, N, NH,
-    qk_scale, scale,
+    H, GROUP, M, N, NH, qk_scale, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SKIP: tl.constexpr, HBLOCK: tl.constexpr,
 ):
-    """One program per (key block, batch x kv head): its dk, dv summed over the ``GROUP`` query heads
-    that share the kv head (no atomics). ``SKIP``: each head's query blocks stop after the last one whose
-    horizon (``NH`` per head, ``HBLOCK`` rows each) reaches this key block."""
+    """One program per (key block, batch x kv head): its dk, dv summed over the ``GROUP`` query heads that share the kv
+    head (no atomics). ``SKIP``: each head's query blocks stop after the last one whose horizon (``NH`` per head,
+    ``HBLOCK`` rows each) reaches this key block."""
     pid_n = tl.program_id(0)
     bk = tl.program_id(1).to(tl.int64)
     Hk = H // GROUP
@@ -857,8 +825,7 @@ def _bwd_dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, Bias, Rows, Keep, KNorm, Reach,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sgb, sgh, sgm, sgd, sdqb, sdqh, sdqm, sdqd,
     sbb, sbh, sbn, srb, smb, smm, smn, sxb, sxh,
-    H, GROUP, M, N, STEPS,
-    qk_scale, scale, skip_log2,
+    H, GROUP, M, N, STEPS, qk_scale, scale, skip_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SKIP: tl.constexpr,
 ):
@@ -904,22 +871,18 @@ def _bwd_dq_kernel(
 
 
 # ----------------------------------------------------------------------------------------------
-# The prefill bias, written once: out[b, h, i, j] = key_bias[b, h, j] - key_bias[b, h, k - q + i]
-# where keep, MIN elsewhere (the difference in float32, rounded once on store). One program writes a
-# BLOCK_Q x BLOCK_K tile of one (b, h); grid (cdiv(k, BLOCK_K), cdiv(q, BLOCK_Q), B * H).
+# The prefill bias, written once
 # ----------------------------------------------------------------------------------------------
 
 
 @triton.jit
 def _prefill_bias_kernel(
-    kb_ptr, keep_ptr, out_ptr,
-    H, Q, K,
-    skb_b, skb_h, skb_k,
-    skp_b, skp_q, skp_k,
-    so_b, so_h, so_q,
-    MIN,
+    kb_ptr, keep_ptr, out_ptr, H, Q, K, skb_b, skb_h, skb_k, skp_b, skp_q, skp_k, so_b, so_h, so_q, MIN,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE_RTNE: tl.constexpr,
 ):
+    """Grid ``(cdiv(K, BLOCK_K), cdiv(Q, BLOCK_Q), B * H)``, one ``BLOCK_Q x BLOCK_K`` tile of one (b, h) each:
+    ``out[b, h, i, j] = key_bias[b, h, j] - key_bias[b, h, K - Q + i]`` where ``keep``, ``MIN`` elsewhere (the
+    difference in float32, rounded once on store)."""
     bh = tl.program_id(2).to(tl.int64)
     b, h = bh // H, bh % H
     i = tl.program_id(1).to(tl.int64) * BLOCK_Q + tl.arange(0, BLOCK_Q).to(tl.int64)

@@ -7,20 +7,17 @@ Every API that can use a kernel takes ``fused: bool | None`` and decides with :f
 * ``True``: the kernel, or :class:`FusedUnavailableError` saying what is missing;
 * ``False``: PyTorch ops only.
 
-``TORCHEMBED_DISABLE_TRITON=1`` makes every kernel unavailable (``fused=None`` then runs PyTorch ops,
-``fused=True`` raises). That variable and ``TRITON_INTERPRET`` are read on every call (well under a
-microsecond), so a switch takes effect at once. Triton is imported on the first question only.
+``TORCHEMBED_DISABLE_TRITON=1`` makes every kernel unavailable (``fused=None`` then runs PyTorch ops, ``fused=True``
+raises). That variable and ``TRITON_INTERPRET`` are read on every call (well under a microsecond), so a switch takes
+effect at once. Triton is imported on the first question only.
 
-Launching: ``kernel[grid](...)`` re-derives the specialisation of every argument on each call (dtypes,
-16-byte alignment of pointers, ints equal to 1 or divisible by 16): tens of microseconds of host time on
-a slow host, more than a decode-sized kernel runs. A :class:`Launch` is one launch set up once (grid,
-fixed scalars, constexprs, warps, stages) and then called with its tensors (and the scalars that vary per
-call). On CUDA it keeps the compiled kernel's launcher after its first call and calls it with raw
-pointers while their alignment is what Triton specialised on (``KernelSettings.direct_launch``); elsewhere
-(the interpreter), or where the installed Triton's launcher is called differently, through
-``kernel[grid]``. :class:`Launches` is the bounded table in which a kernel's host code keeps its launches
-(no tensors: shapes, strides and the like as keys), under a key it builds from what Triton specialises
-on. Every kernel of the library launches through here. This module imports neither Triton nor a kernel.
+Launching: ``kernel[grid](...)`` re-derives the specialisation of every argument on each call (dtypes, 16-byte
+alignment of pointers, ints equal to 1 or divisible by 16): tens of microseconds of host time on a slow host, more
+than a decode-sized kernel runs. A :class:`Launch` is one launch set up once (grid, fixed scalars, constexprs, warps,
+stages), then called with its tensors and per-call scalars: on CUDA through the compiled kernel's launcher with raw
+pointers (``KernelSettings.direct_launch``), elsewhere (the interpreter, or a Triton whose launcher is called
+differently) through ``kernel[grid]``. A kernel's host code keeps its launches in a bounded :class:`Launches` table.
+Every kernel of the library launches through here; this module imports neither Triton nor a kernel.
 """
 
 from __future__ import annotations
@@ -38,9 +35,7 @@ __all__ = ["FusedUnavailableError", "Launch", "Launches", "check_fused", "direct
            "kernel_can_run", "triton_available", "triton_disabled", "use_kernel", "why_not"]
 
 
-# ------------------------------------------------------------------------------------------------
-# Where the kernels run
-# ------------------------------------------------------------------------------------------------
+# --- Where the kernels run ----------------------------------------------------------------------
 
 
 class FusedUnavailableError(RuntimeError):
@@ -50,9 +45,8 @@ class FusedUnavailableError(RuntimeError):
 def _env_flag(name: str, value: str = "1") -> Callable[[], bool]:
     """A reader of ``os.environ.get(name) == value`` for switches read on every call.
 
-    ``os.environ.get`` pays for a KeyError on a missing name (about 1 us); CPython's ``os.environ``
-    keeps its entries in a dict of encoded names and values, read here directly (the same dict, so
-    changes show at once)."""
+    ``os.environ.get`` pays for a KeyError on a missing name (about 1 us); CPython's ``os.environ`` keeps its entries
+    in a dict of encoded names and values, read here directly (the same dict, so changes show at once)."""
     environ = os.environ
     data = getattr(environ, "_data", None)
     try:
@@ -89,8 +83,8 @@ def interpret_mode() -> bool:
 
 
 def kernel_can_run(t: Tensor) -> bool:
-    """Whether a Triton kernel can run on ``t``: Triton available and ``t`` on CUDA (or on the CPU
-    under ``TRITON_INTERPRET=1``); ``TORCHEMBED_DISABLE_TRITON=1`` forces False."""
+    """Whether a Triton kernel can run on ``t``: Triton available and ``t`` on CUDA (or on the CPU under
+    ``TRITON_INTERPRET=1``); ``TORCHEMBED_DISABLE_TRITON=1`` forces False."""
     if triton_disabled() or not (_TRITON_OK or triton_available()):
         return False
     return t.is_cuda or (_interpreting() and t.device.type == "cpu")
@@ -131,9 +125,7 @@ def use_kernel(fused: Optional[bool], t: Tensor, what: str = "the fused kernel")
     return False
 
 
-# ------------------------------------------------------------------------------------------------
-# Launching
-# ------------------------------------------------------------------------------------------------
+# --- Launching ----------------------------------------------------------------------------------
 
 # the current CUDA stream of a device index, as the int the launcher takes
 raw_stream = torch._C._cuda_getCurrentRawStream if torch.cuda.is_available() else None
@@ -141,8 +133,8 @@ _launcher_fails = False  # the installed Triton's launcher failed once: kernel[g
 
 
 def direct() -> bool:
-    """Whether kept launches call the compiled kernel's launcher directly now (the settings say so and
-    the installed Triton's launcher has not failed)."""
+    """Whether kept launches call the compiled kernel's launcher directly now (the settings say so and the installed
+    Triton's launcher has not failed)."""
     return settings().direct_launch and not _launcher_fails
 
 
@@ -152,13 +144,12 @@ def _on_gpu(t: Tensor) -> bool:  # (a function, so that tests can stand in a GPU
 
 def entry_of(compiled: Any) -> Optional[tuple[Callable[..., Any], tuple]]:
     """``(entry, head)`` for a compiled kernel (what ``kernel[grid](...)`` returned): launch it with
-    ``entry(grid_x, grid_y, grid_z, stream, *head, *arguments, *constexprs)``, every pointer an int.
-    None where the compiled kernel lacks the expected attributes.
+    ``entry(grid_x, grid_y, grid_z, stream, *head, *arguments, *constexprs)``, every pointer an int. None where the
+    compiled kernel lacks the expected attributes.
 
-    The launcher's C entry point where the installed Triton exposes it with the kernel arguments flat
-    after a fixed head (as Triton 3.6's) and there are no scratch buffers to allocate; otherwise (3.9
-    packs the arguments with their annotations) its Python wrapper, called as Triton's own launch
-    calls it."""
+    The launcher's C entry point where the installed Triton exposes it with the kernel arguments flat after a fixed
+    head (as Triton 3.6's) and there are no scratch buffers to allocate; otherwise (3.9 packs the arguments with their
+    annotations) its Python wrapper, called as Triton's own launch calls it."""
     run, function, metadata = (getattr(compiled, name, None) for name in ("run", "function", "packed_metadata"))
     if run is None or function is None or metadata is None:
         return None
@@ -174,9 +165,9 @@ class Launch:
     """One kernel launch set up once: ``launch(tensors, *varying)`` runs
     ``kernel[grid](*tensors, *fixed, *varying, **constexprs)``.
 
-    The caller keys a kept launch by everything Triton specialises on except the tensors' alignment
-    (shapes, strides, dtypes, devices, the ints in ``fixed`` and the facts of ``varying`` ints that
-    Triton specialises on: equal to 1, divisible by 16); the alignment is checked here, per call."""
+    The caller keys a kept launch by everything Triton specialises on except the tensors' alignment (shapes,
+    strides, dtypes, devices, the ints in ``fixed`` and the facts of ``varying`` ints that Triton specialises on:
+    equal to 1, divisible by 16); the alignment is checked here, per call."""
 
     __slots__ = ("kernel", "grid", "fixed", "kwargs", "tail", "entry", "head", "aligned", "index")
 
@@ -215,8 +206,8 @@ def _switch_direct_off() -> None:
 
 
 class Launches:
-    """The kept launches (or plans of several launches) of one kernel's host code: ``key -> value``,
-    at most ``limit`` (cleared when full: prefill at many lengths)."""
+    """The kept launches (or plans of several launches) of one kernel's host code: ``key -> value``, at most
+    ``limit`` (cleared when full: prefill at many lengths)."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.table = limit, {}
@@ -239,4 +230,3 @@ class Launches:
 
     def __iter__(self) -> Iterator[Hashable]:
         return iter(self.table)
-

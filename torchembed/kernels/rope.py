@@ -1,10 +1,9 @@
 """``rotary_fused``: the one entry into the fused RoPE kernel (host side).
 
-Rotary embedding: Su et al., "RoFormer", arXiv:2104.09864. The Triton code is in
-:mod:`torchembed.kernels.rope_triton` (imported on the first launch); this module owns everything
-around it: validation, the launch configuration, the launch cache, the PyTorch fallback, the custom
-ops and the autograd. Every caller -- the public function, its backward, ``RotaryEmbedding`` and the
-patched HF attention -- calls :func:`rotary_fused`.
+Rotary embedding: Su et al., "RoFormer", arXiv:2104.09864. The Triton code is :mod:`torchembed.kernels.rope_triton`
+(imported on the first launch); this module owns validation, the launch configuration and cache, the PyTorch
+fallback, the custom ops and the autograd. Every caller (the public function, its backward, ``RotaryEmbedding``, the
+patched HF attention) calls :func:`rotary_fused`.
 
 Positions, one meaning per form (``B`` batch, ``S`` tokens, ``R`` rotated features):
 
@@ -18,19 +17,16 @@ int ``o``              ``o + s``                                  cache ``(T, R/
 ``(B or 1, S)`` tensor ``positions[b, s]`` (position ids)         cache or inv_freq
 =====================  ========================================  ===========================
 
-A call is keyed by what its tensors are -- shapes, strides, dtypes, devices, position form, flags,
-never their values (:func:`_key`). The first call of a key is validated and launched through Triton;
-the launch is then kept (:data:`LAUNCHES`, a :class:`torchembed.kernels.launch.Launch`) and a later
-call of the same key repeats it with its own pointers, offset and scale, skipping validation (the key
-implies it) and Triton's per-call binding: a decode step costs little more than the launch itself.
-The launch configuration is ``settings().rope``, a typed :class:`~torchembed.kernels.settings.RopeTuning`.
+A call is keyed by what its tensors are, never their values (:func:`_key`). The first call of a key is validated and
+launched through Triton; the launch is kept (:data:`LAUNCHES`) and a later call of the same key repeats it with its
+own pointers, offset and scale, skipping validation and Triton's per-call binding: a decode step costs little more
+than the launch itself. ``settings().rope`` (:class:`~torchembed.kernels.settings.RopeTuning`) configures launches.
 
-Routes: eager without gradients -> :func:`_rotate`; eager with autograd -> :class:`_Rotary`;
-``torch.compile`` -> the custom ops ``torchembed::rotary`` (out of place, same autograd) and
-``torchembed::rotary_`` (in place, no autograd), whose arguments are :class:`RopeArgs` in order.
-Where the kernel cannot run (:func:`~torchembed.kernels.launch.kernel_can_run`) the same
-float32 math runs in PyTorch (:func:`torchembed.functional.apply_rotary`). Whether a caller takes
-the kernel at all is :func:`use_rope_kernel`'s decision.
+Routes: eager without gradients -> :func:`_rotate`; eager with autograd -> :class:`_Rotary`; ``torch.compile`` -> the
+custom ops ``torchembed::rotary`` (out of place, same autograd) and ``torchembed::rotary_`` (in place, no autograd),
+whose arguments are :class:`RopeArgs` in order. Where the kernel cannot run
+(:func:`~torchembed.kernels.launch.kernel_can_run`) the same float32 math runs in PyTorch
+(:func:`torchembed.functional.apply_rotary`). :func:`use_rope_kernel` decides whether a caller takes the kernel.
 """
 
 from __future__ import annotations
@@ -45,20 +41,18 @@ from torchembed.kernels import launch
 from torchembed.kernels.launch import kernel_can_run, triton_disabled, use_kernel
 from torchembed.kernels.settings import settings
 
-__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "rotary_fused_usual",
-           "use_rope_kernel"]
+__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "rotary_fused_usual", "use_rope_kernel"]
 
 
 class RopeArgs(NamedTuple):
     """The arguments of one rotation, validated (the custom ops' schema, in order).
 
-    ``q (B, Hq, S, D)``, ``k (B, Hk, S, D)``; ``cos``/``sin`` tables or ``inv_freq (R/2,)``;
-    ``positions`` a tensor (see the module docstring) or None, with ``offset`` the int offset (0 for
-    tensor positions and per-token tables); ``scale`` multiplies cos and sin; ``interleaved`` pairs
-    features ``(2j, 2j + 1)`` instead of ``(j, j + R/2)``; ``conjugate`` rotates by ``-theta``;
-    ``halves`` (half-split pairing, tables): 1 where the tables are full-width rows of ``R`` entries,
-    the first ``R/2`` for each pair's first feature and the last ``R/2`` for its second, 2 the same
-    with the two halves' sines exchanged (the backward of 1), else 0 (rows of ``R/2`` entries).
+    ``q (B, Hq, S, D)``, ``k (B, Hk, S, D)``; ``cos``/``sin`` tables or ``inv_freq (R/2,)``; ``positions`` a tensor
+    (see the module docstring) or None, with ``offset`` the int offset (0 for tensor positions and per-token tables);
+    ``scale`` multiplies cos and sin; ``interleaved`` pairs features ``(2j, 2j + 1)`` instead of ``(j, j + R/2)``;
+    ``conjugate`` rotates by ``-theta``; ``halves`` (half-split pairing, tables): 1 where the tables are full-width
+    rows of ``R`` entries, the first ``R/2`` for each pair's first feature and the last ``R/2`` for its second, 2 the
+    same with the two halves' sines exchanged (the backward of 1), else 0 (rows of ``R/2`` entries).
     """
 
     q: Tensor
@@ -78,8 +72,8 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
-def _config(a: RopeArgs, inplace: bool) -> tuple[tuple[int, int, int], dict, int]:
-    """(grid, meta-parameters, number of q head groups) of the launch for ``a``."""
+def _config(a: RopeArgs, inplace: bool) -> tuple[tuple[int, int, int], dict, int, int]:
+    """(grid, meta-parameters, number of q head groups, warps) of the launch for ``a``."""
     t = settings().rope
     B, Hq, S, D = a.q.shape
     Hk = a.k.shape[1]
@@ -96,7 +90,8 @@ def _config(a: RopeArgs, inplace: bool) -> tuple[tuple[int, int, int], dict, int
     meta = dict(
         HALF=half, D=D, BLOCK_D=block_d, BLOCK_P=_next_pow2(D - 2 * half) if has_pass else 1, BLOCK_S=block_s,
         HPP=hpp, POS_MODE=0 if a.positions is None else a.positions.dim(), USE_INV_FREQ=a.cos is None,
-        INTERLEAVED=a.interleaved, CONJUGATE=a.conjugate, HALVES=a.halves, HAS_PASS=has_pass, CDT="fp64" if a.q.dtype == torch.float64 else "fp32",
+        INTERLEAVED=a.interleaved, CONJUGATE=a.conjugate, HALVES=a.halves, HAS_PASS=has_pass,
+        CDT="fp64" if a.q.dtype == torch.float64 else "fp32",
         # The interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest even.
         EMULATE_RTNE=not a.q.is_cuda and a.q.dtype == torch.bfloat16, HEADS_FAST=heads_fast,
     )
@@ -105,12 +100,9 @@ def _config(a: RopeArgs, inplace: bool) -> tuple[tuple[int, int, int], dict, int
     return ((n_h, n_s, B) if heads_fast else (n_s, n_h, B)), meta, Hq // hpp, warps
 
 
-# ------------------------------------------------------------------------------------------
-# The launch cache
-# ------------------------------------------------------------------------------------------
+# --- The launch cache -------------------------------------------------------------------------
 
-# key -> the kept Launch: its tensors (q, k, q_out, k_out, cos, sin, positions, inv_freq; q stands in
-# for an absent one) and per-call scalars (offset, scale) are given per call
+# key -> the kept Launch; its tensors (see _tensors) and scalars (offset, scale) are given per call
 LAUNCHES = launch.Launches(4096)
 _I32 = 2**31
 
@@ -125,12 +117,11 @@ def _tensor_key(t: Tensor) -> tuple:
 
 
 def _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate, halves) -> Optional[tuple]:
-    """What a call with these arguments (``positions`` as given to :func:`rotary_fused`) is, for the
-    launch cache -- the one place a launch key is built: shapes, strides, dtypes, devices, position
-    form and flags, never values; an int offset enters as the facts Triton specialises on. None for
-    calls never kept (tensor subclasses, flags that are not bools, a scale that is not a Python number,
-    a negative int offset or one past the end of a cache table, tensor positions indexing a CPU table:
-    range-checked on every call)."""
+    """The launch-cache key of a call with these arguments (``positions`` as given to :func:`rotary_fused`), built
+    here only: shapes, strides, dtypes, devices, position form and flags, never values; an int offset enters as the
+    facts Triton specialises on. None for calls never kept (tensor subclasses, flags that are not bools, a scale that
+    is not a Python number, a negative int offset or one past the end of a cache table, tensor positions indexing a
+    CPU table: range-checked on every call)."""
     if type(q) is not Tensor or type(k) is not Tensor or q.dim() != 4:
         return None
     if type(interleaved) is not bool or type(inplace) is not bool or type(conjugate) is not bool:
@@ -191,17 +182,16 @@ def _setup(a: RopeArgs, qo: Tensor, ko: Tensor) -> launch.Launch:
     return launch.Launch(_triton.rope_kernel, grid, fixed, meta, num_warps=warps)
 
 
-def _tensors(a: RopeArgs, qo: Tensor, ko: Tensor) -> tuple:
-    """The kernel's tensor arguments; ``q`` stands in for the absent ones (never read)."""
-    q = a.q
-    if a.cos is None:
-        return q, a.k, qo, ko, a.inv_freq, a.inv_freq, q if a.positions is None else a.positions, a.inv_freq
-    return q, a.k, qo, ko, a.cos, a.sin, q if a.positions is None else a.positions, q
+def _tensors(q, k, qo, ko, cos, sin, inv_freq, positions) -> tuple:
+    """The kernel's tensor arguments (q, k, q_out, k_out, cos, sin, positions, inv_freq); ``q`` stands in for the
+    absent ones (never read)."""
+    pos = q if positions is None else positions
+    if cos is None:
+        return q, k, qo, ko, inv_freq, inv_freq, pos, inv_freq
+    return q, k, qo, ko, cos, sin, pos, q
 
 
-# ------------------------------------------------------------------------------------------
-# Validation (attribute reads and int compares; no tensor ops, no host syncs on accelerators)
-# ------------------------------------------------------------------------------------------
+# --- Validation (attribute reads and int compares; no tensor ops, no host syncs on accelerators) ---
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -211,10 +201,8 @@ def _fail(msg: str):
 
 
 def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate, halves=0) -> RopeArgs | str:
-    """The arguments of ``rotary_fused`` as the kernel takes them, or why it does not take them.
-
-    Tensor positions indexing cos/sin cache tables are range-checked on the host for CPU tensors
-    only; on accelerators they are not (that would be a host sync)."""
+    """The arguments of ``rotary_fused`` as the kernel takes them, or why it does not take them. Tensor positions
+    indexing cos/sin cache tables are range-checked on the host for CPU tensors only (on accelerators: a host sync)."""
     if not isinstance(q, Tensor) or not isinstance(k, Tensor):
         return f"expected q and k to be tensors, got {type(q).__name__} and {type(k).__name__}"
     qs, ks = q.shape, k.shape
@@ -271,13 +259,12 @@ def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate
         elif pos_t is None and offset + S > cs[0]:
             return f"expected offset + S <= table length, got {offset} + {S} > {cs[0]}"
         elif pos_t is not None and dev.type == "cpu" and pos_t.numel() and S and not torch.compiler.is_compiling():
-            # Tensor positions index the table: an index past either end would wrap or fail deep in the
-            # fallback, or read out of bounds in the interpreted kernel.
+            # An index past either end of the table would wrap or fail deep in the fallback, or read out of
+            # bounds in the interpreted kernel.
             low, high = int(pos_t.min()), int(pos_t.max()) + (S - 1 if pos_t.dim() == 1 else 0)
             if low < 0 or high >= cs[0]:
                 return f"expected tensor positions in [0, table length {cs[0]}), got positions {low}..{high}"
-        # The kernel needs a unit last stride and one stride for both tables; tables are small, so a
-        # copy here is cheap (q and k are never copied for this).
+        # The kernel needs a unit last stride and one stride for both tables (small: copied here; q and k never are).
         st = cos.stride()
         if st != sin.stride() or (st and st[-1] != 1):
             cos, sin = cos.contiguous(), sin.contiguous()
@@ -310,25 +297,22 @@ def _validate(q, k, cos, sin, inv_freq, positions, scale, interleaved, conjugate
     return RopeArgs(q, k, cos, sin, inv_freq, pos_t, offset, float(scale), interleaved, conjugate, int(halves))
 
 
-# ------------------------------------------------------------------------------------------
-# The rotation: the kernel where it runs, the PyTorch reference elsewhere
-# ------------------------------------------------------------------------------------------
+# --- The rotation: the kernel where it runs, the PyTorch reference elsewhere -------------------
 
 _empty_like = torch.empty_like  # module-level so tests can poison fresh outputs
 
 
 def _alloc_like(x: Tensor) -> Tensor:
-    """Output buffer: ``empty_like`` keeps a dense input's strides (HF's (B, H, S, D) view over
-    (B, S, H, D) memory gets an output in the same memory order); otherwise a contiguous tensor.
-    The fake impl uses the same rule, so compiled and eager agree."""
+    """Output buffer: ``empty_like`` keeps a dense input's strides (HF's (B, H, S, D) view over (B, S, H, D) memory
+    gets an output in its memory order); otherwise contiguous. The fake impl's rule too, so compiled and eager agree."""
     if x.stride(-1) == 1:
         return _empty_like(x)
     return _empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _reference_tables(a: RopeArgs) -> Tuple[Tensor, Tensor]:
-    """``(Bc, 1, S, W)`` cos/sin with the kernel's semantics, for the PyTorch path (``W`` the rows'
-    width: ``R`` with ``halves``, else ``R/2``)."""
+    """``(Bc, 1, S, W)`` cos/sin with the kernel's semantics, for the PyTorch path (``W``: ``R`` with ``halves``,
+    else ``R/2``)."""
     if a.inv_freq is None and a.cos.dim() == 3:
         c, s = a.cos, a.sin
     else:
@@ -364,7 +348,7 @@ def _run(a: RopeArgs, qo: Tensor, ko: Tensor) -> None:
             kept = _setup(a, qo, ko)
             if key is not None:
                 LAUNCHES.keep(key, kept)
-        kept(_tensors(a, qo, ko), a.offset, a.scale)
+        kept(_tensors(q, k, qo, ko, a.cos, a.sin, a.inv_freq, a.positions), a.offset, a.scale)
         return
     c, s = _reference_tables(a)
     for x, out in ((q, qo), (k, ko)):
@@ -392,9 +376,7 @@ def _rotate_(a: RopeArgs) -> None:
         _run(a, a.q, a.k)
 
 
-# ------------------------------------------------------------------------------------------
-# Custom ops (what torch.compile sees) and the one autograd definition
-# ------------------------------------------------------------------------------------------
+# --- Custom ops (what torch.compile sees) and the one autograd definition ----------------------
 
 
 @torch.library.custom_op("torchembed::rotary", mutates_args=())
@@ -422,13 +404,12 @@ def _rotary_inplace_fake(q, k, cos, sin, inv_freq, positions, pos_offset, scale,
 
 
 class _Rotary(torch.autograd.Function):
-    """The autograd of the out-of-place rotation, once: eager calls apply this Function (no custom-op
-    dispatch, whose Python cost is several times a decode-sized kernel); ``torchembed::rotary``
-    registers the same ``setup_context`` and ``backward`` for torch.compile.
+    """The autograd of the out-of-place rotation, once: eager calls apply this Function (no custom-op dispatch,
+    whose Python cost is several times a decode-sized kernel); ``torchembed::rotary`` registers the same
+    ``setup_context`` and ``backward`` for torch.compile.
 
-    The rotation is orthogonal (times ``scale``): the gradient of q/k is the conjugate rotation of
-    the incoming gradient. cos/sin/inv_freq/positions get none (constants). Under
-    ``create_graph=True`` the backward is itself differentiable.
+    The rotation is orthogonal (times ``scale``): the gradient of q/k is the conjugate rotation of the incoming
+    gradient; cos/sin/inv_freq/positions get none (constants). Differentiable under ``create_graph=True``.
     """
 
     @staticmethod
@@ -460,21 +441,17 @@ class _Rotary(torch.autograd.Function):
 _rotary_op.register_autograd(_Rotary.backward, setup_context=_Rotary.setup_context)
 
 
-# ------------------------------------------------------------------------------------------
-# The decision and the entry point
-# ------------------------------------------------------------------------------------------
+# --- The decision and the entry point ---------------------------------------------------------
 
 
 def use_rope_kernel(fused: Optional[bool], x: Tensor) -> bool:
     """Whether to rotate ``x`` on the kernel (:func:`rotary_fused`) or with PyTorch operations
-    (:func:`torchembed.functional.apply_rotary`): the one place that decides, asked by every caller
-    (``RotaryEmbedding``, the patched HF helpers).
+    (:func:`torchembed.functional.apply_rotary`): the one place that decides, for every caller.
 
-    ``fused`` means what it means everywhere (:func:`~torchembed.kernels.launch.use_kernel`), with
-    one addition: while ``torch.compile`` traces, ``fused=None`` takes the PyTorch operations, which
-    inductor fuses with the neighbouring norms and projections (an opaque custom op prevents that; the
-    compiled decode step measured slower on the kernel, ``benchmarks/results/e2e-compiled-step.md``).
-    ``fused=True`` keeps the kernel under compile.
+    ``fused`` means what it means everywhere (:func:`~torchembed.kernels.launch.use_kernel`), except that while
+    ``torch.compile`` traces, ``fused=None`` takes the PyTorch operations, which inductor fuses with the neighbouring
+    norms and projections (an opaque custom op prevents that; the compiled decode step measured slower on the kernel,
+    ``benchmarks/results/e2e-compiled-step.md``). ``fused=True`` keeps the kernel under compile.
 
     Raises:
         FusedUnavailableError: ``fused=True`` where the kernel cannot run, naming the fix.
@@ -482,7 +459,6 @@ def use_rope_kernel(fused: Optional[bool], x: Tensor) -> bool:
     if fused is None and torch.compiler.is_compiling():
         return False
     return use_kernel(fused, x, "the fused RoPE kernel")
-
 
 
 def _kept_launch(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate,
@@ -495,10 +471,7 @@ def _kept_launch(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplac
         return None
     qo, ko = (q, k) if inplace else (_empty_like(q), _empty_like(k))
     pos, offset = (None, positions) if type(positions) is int else (positions, 0)
-    if cos is None:
-        kept((q, k, qo, ko, inv_freq, inv_freq, q if pos is None else pos, inv_freq), offset, scale)
-    else:
-        kept((q, k, qo, ko, cos, sin, q if pos is None else pos, q), offset, scale)
+    kept(_tensors(q, k, qo, ko, cos, sin, inv_freq, pos), offset, scale)
     return qo, ko
 
 
@@ -547,9 +520,9 @@ def rotary_fused(
         interleaved: GPT-J pairing ``(2j, 2j + 1)`` instead of ``(j, j + R/2)``.
         inplace: write into q and k and return them; else new tensors (``empty_like`` layout).
         conjugate: rotate by ``-theta`` (the inverse rotation).
-        halves: cos/sin rows hold ``R`` entries (HF's ``cat`` tables): the first ``R/2`` for each pair's
-            first feature, the last ``R/2`` for its second; HF's arithmetic with its full tables, also where
-            the two halves differ (half-split pairing only).
+        halves: cos/sin rows hold ``R`` entries (HF's ``cat`` tables): the first ``R/2`` for each pair's first feature,
+            the last ``R/2`` for its second; HF's arithmetic with its full tables, also where the two halves differ
+            (half-split pairing only).
 
     Returns:
         ``(q_rot, k_rot)``, the input shapes and dtype; float32 math (float64 for float64 inputs),

@@ -1,35 +1,29 @@
 """Fused rotary-embedding Triton kernel: q and k rotated in one launch.
 
-Rotary embedding: Su et al., "RoFormer", arXiv:2104.09864.  For each (batch b, head h,
-token s) row of q or k and each pair index j < R/2 (R = rotary dim):
+Rotary embedding: Su et al., "RoFormer", arXiv:2104.09864. For each (batch b, head h, token s) row of q or k and each
+pair index j < R/2 (R = rotary dim):
 
     x1, x2 = x[j], x[j + R/2]          (half-split, GPT-NeoX / LLaMA pairing)
     x1, x2 = x[2j], x[2j + 1]          (interleaved, GPT-J pairing)
     y1 = x1 * c - x2 * s
     y2 = x2 * c + x1 * s               (s -> -s when CONJUGATE: the inverse rotation)
 
-With ``HALVES`` (half-split pairing, tables read from memory) the second feature of a pair takes its
-own entries, ``R/2`` further along the table row: ``y2 = x2 * c' + x1 * s'`` -- what HF computes with
-its full-width tables also where their two halves differ (HunYuan-VL's M-RoPE sections); ``HALVES == 2``
-exchanges ``s`` and ``s'`` (the backward of ``HALVES == 1``: the transpose of that map).
+With ``HALVES`` (half-split pairing, tables read from memory) the second feature of a pair takes its own entries,
+``R/2`` further along the table row: ``y2 = x2 * c' + x1 * s'`` -- what HF computes with its full-width tables also
+where their two halves differ (HunYuan-VL's M-RoPE sections); ``HALVES == 2`` exchanges ``s`` and ``s'`` (the
+backward of ``HALVES == 1``: the transpose of that map).
 
-Dims [R, D) pass through.  All math is float32 (float64 for float64 inputs); the result is
-rounded once, on store.
+Dims [R, D) pass through. All math is float32 (float64 for float64 inputs), rounded once on store. Triton code only:
+the host side, :mod:`torchembed.kernels.rope`, imports this module on the first launch.
 
-This module holds the Triton code only and imports Triton; :mod:`torchembed.kernels.rope` (the
-host side: validation, launch configuration, the launch cache) imports it on the first launch.
+Grid: ``(cdiv(S, BLOCK_S), Hq // HPP + Hk // HPP, B)`` (axes 0 and 1 exchanged with HEADS_FAST). The head axis
+enumerates head groups of q first, then of k, so ONE launch rotates both; a program makes the cos/sin of its BLOCK_S
+tokens once (loaded, or computed from inv_freq) and applies them to HPP heads (1 for decode-sized grids, for
+parallelism; 2 for prefill-sized ones). Batch is grid axis 2, so B <= 65535.
 
-Grid: ``(cdiv(S, BLOCK_S), Hq // HPP + Hk // HPP, B)``.  Axis 1 enumerates head groups of q
-first, then of k, so q and k are rotated by ONE launch; a program loads the cos/sin (or
-computes them from inv_freq) for its BLOCK_S tokens once and applies them to HPP heads
-(HPP = 1 for decode-sized grids, for parallelism; 2 for prefill-sized ones); the first heads' q/k
-loads are issued before that cos/sin work, so their latency overlaps it.  Batch is grid axis
-2, so B <= 65535.
-
-Addressing: every index is cast to int64 *before* it is multiplied by a stride, so tensors
-(and cos/sin caches) with more than 2**31 elements are addressed correctly.  Only the last
-dim must have stride 1; every other stride is a runtime argument (HF's ``(B, H, S, D)``
-transposed view over ``(B, S, H, D)`` memory and padded views work without copies).
+Addressing: every index is cast to int64 *before* it is multiplied by a stride, so tensors (and cos/sin caches) with
+more than 2**31 elements are addressed correctly. Only the last dim must have stride 1; every other stride is a
+runtime argument (HF's ``(B, H, S, D)`` view over ``(B, S, H, D)`` memory and padded views need no copy).
 """
 
 from __future__ import annotations
@@ -63,26 +57,13 @@ def _load_pairs(x_ptr, x_row, s_mask, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
 
 
 @triton.jit
-def _store_rotated(
-    x_ptr,
-    o_ptr,
-    x_row,  # [BLOCK_S] int64 element offset of each token row of the input head
-    o_row,  # [BLOCK_S] int64 element offset of each token row of the output head
-    x1,
-    x2,
-    c,  # [BLOCK_S, BLOCK_D] cos * scale, compute dtype
-    s,  # [BLOCK_S, BLOCK_D] sin * scale (negated when conjugate), compute dtype
-    c2,  # the second features' cos and sin (c and s but with HALVES)
-    s2,
-    s_mask,  # [BLOCK_S] token in range
-    HALF: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
-    HAS_PASS: tl.constexpr,
-    EMULATE_RTNE: tl.constexpr,
-):
+def _store_rotated(x_ptr, o_ptr, x_row, o_row, x1, x2, c, s, c2, s2, s_mask, HALF: tl.constexpr, D: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_PASS: tl.constexpr,
+                   EMULATE_RTNE: tl.constexpr):
+    """Store the rotated pairs (x1, x2) of BLOCK_S token rows. ``x_row``/``o_row``: [BLOCK_S] int64 element offsets
+    of each token row of the input/output head; ``c``/``s``: [BLOCK_S, BLOCK_D] cos * scale and sin * scale (negated
+    when conjugate) in the compute dtype; ``c2``/``s2``: the second features' (``c``/``s`` but with HALVES);
+    ``s_mask``: [BLOCK_S] token in range."""
     d1, d2, j_mask = _pair_dims(HALF, BLOCK_D, INTERLEAVED)
     m = s_mask[:, None] & j_mask[None, :]
     op = o_ptr + o_row[:, None]
@@ -153,9 +134,8 @@ def _rotate_heads(
     POS_MODE: tl.constexpr, USE_INV_FREQ: tl.constexpr, INTERLEAVED: tl.constexpr, CONJUGATE: tl.constexpr,
     HALVES: tl.constexpr, HAS_PASS: tl.constexpr, CDT: tl.constexpr, EMULATE_RTNE: tl.constexpr,
 ):
-    """Rotate heads h0 .. h0 + HPP - 1 of x into o for BLOCK_S tokens; cos/sin made once.  The first
-    two heads' loads are issued before the positions / tables / angles work, so their memory latency
-    overlaps it."""
+    """Rotate heads h0 .. h0 + HPP - 1 of x into o for BLOCK_S tokens; cos/sin made once. The first two heads' loads
+    are issued before the positions / tables / angles work, so their memory latency overlaps it."""
     x_row = b * sx_b + h0 * sx_h + s64 * sx_s
     o_row = b * so_b + h0 * so_h + s64 * so_s
     x1, x2 = _load_pairs(x_ptr, x_row, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
@@ -178,9 +158,8 @@ def _rotate_heads(
 
 @triton.jit
 def round_f32_to_bf16_rtne(y):
-    # Round-to-nearest-even onto the bf16 grid, staying in float32 (the later .to(bf16) is then
-    # exact).  Only used under TRITON_INTERPRET, whose fp32->bf16 cast truncates; the GPU cast
-    # already rounds to nearest even.
+    # Round-to-nearest-even onto the bf16 grid, staying in float32 (the later .to(bf16) is then exact). Only used
+    # under TRITON_INTERPRET, whose fp32->bf16 cast truncates; the GPU cast already rounds to nearest even.
     bits = y.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return bits.to(tl.float32, bitcast=True)
@@ -188,12 +167,9 @@ def round_f32_to_bf16_rtne(y):
 
 @triton.jit
 def rope_kernel(
-    q_ptr,
-    k_ptr,
-    qo_ptr,  # == q_ptr when in-place
-    ko_ptr,  # == k_ptr when in-place
-    cos_ptr,  # table rows of R/2 entries (unused with USE_INV_FREQ)
-    sin_ptr,
+    q_ptr, k_ptr,
+    qo_ptr, ko_ptr,  # == q_ptr, k_ptr when in-place
+    cos_ptr, sin_ptr,  # table rows of R/2 entries (unused with USE_INV_FREQ)
     pos_ptr,  # int positions (unused with POS_MODE == 0)
     inv_freq_ptr,  # (R/2,) (unused without USE_INV_FREQ)
     S,  # tokens per sequence
@@ -202,8 +178,7 @@ def rope_kernel(
     sk_b, sk_h, sk_s,
     sqo_b, sqo_h, sqo_s,
     sko_b, sko_h, sko_s,
-    sc_b,  # cos/sin stride per batch row (0: broadcast / cache table)
-    sc_s,  # cos/sin stride per position (per token in table mode)
+    sc_b, sc_s,  # cos/sin strides per batch row (0: broadcast / cache table) and per position (per token in table mode)
     sp_b, sp_s,  # positions strides (batch, token); 0 where broadcast
     pos_offset,  # added to the token index when POS_MODE == 0
     scale,  # multiplies cos and sin

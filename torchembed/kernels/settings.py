@@ -1,20 +1,18 @@
 """The kernels' configuration, in one object: tunings, the ALiBi policy, how launches are made.
 
-:func:`settings` is read by every kernel's host code; it is made once, when this module is imported
-(outside any graph ``torch.compile`` traces, which could not build it), from the defaults below and
-these environment variables (read then, not per call):
+:func:`settings` is read by every kernel's host code. It is made once, on import (outside any graph ``torch.compile``
+traces, which could not build it), from the defaults below and these environment variables (read then, not per call):
 
 * ``TORCHEMBED_ALIBI_PREFILL=auto|kernel|dense``: :attr:`AlibiPolicy.prefill`;
 * ``TORCHEMBED_ALIBI_SKIP=0``: the ALiBi kernels visit every key (:attr:`AlibiTuning.skip`);
 * ``TORCHEMBED_ALIBI_TMA=0``: keys and values through pointers, not tensor descriptors (:attr:`KernelSettings.tma`);
 * ``TORCHEMBED_DIRECT_LAUNCH=0``: every launch through ``kernel[grid]`` (:attr:`KernelSettings.direct_launch`).
 
-``TORCHEMBED_DISABLE_TRITON=1`` and ``TRITON_INTERPRET=1`` are read on every call instead
-(:mod:`torchembed.kernels.launch`), so that switching them takes effect at once.
+``TORCHEMBED_DISABLE_TRITON`` and ``TRITON_INTERPRET`` are read per call instead (:mod:`torchembed.kernels.launch`).
 
-:func:`changed` replaces fields for a block (benchmarks, tests) and forgets every kept launch on entry
-and exit (they were set up with the old values). The settings are process-wide: change them in a
-program's setup or a benchmark, not while other threads launch kernels.
+:func:`changed` replaces fields for a block (benchmarks, tests) and forgets every kept launch on entry and exit (they
+were set up with the old values). The settings are process-wide: change them in a program's setup or a benchmark, not
+while other threads launch kernels.
 """
 
 from __future__ import annotations
@@ -37,12 +35,11 @@ PREFILL_PATHS = ("auto", "kernel", "dense")
 class RopeTuning:
     """The launch configuration of the RoPE kernel, measured on an H200 (``benchmarks/results/rope.md``).
 
-    ``tile_pairs``: (token, pair) lanes per program (4 KB of bf16 per operand at 1024). Heads per
-    program: several heads share one cos/sin load (or angle computation), but only on prefill-sized
-    grids (at least ``grouped_min_programs`` programs with one head each); decode keeps one head per
-    program for parallelism; ``grouped_heads``: the candidates, the first that divides both head counts
-    wins, run with ``grouped_warps`` warps. ``heads_fast``: head groups fastest on the grid, so the
-    programs running together cover whole tokens (contiguous ``(H, D)`` rows in HF's memory)."""
+    ``tile_pairs``: (token, pair) lanes per program (4 KB of bf16 per operand at 1024). Several heads per program
+    share one cos/sin load (or angle computation) on prefill-sized grids only (``grouped_min_programs`` one-head
+    programs or more; decode keeps one head per program for parallelism): the first of ``grouped_heads`` dividing both
+    head counts, with ``grouped_warps`` warps. ``heads_fast``: head groups fastest on the grid, so the programs running
+    together cover whole tokens (contiguous ``(H, D)`` rows in HF's memory)."""
 
     tile_pairs: int = 1024
     grouped_min_programs: int = 4096
@@ -51,12 +48,11 @@ class RopeTuning:
     heads_fast: bool = True
 
 
-# (kernel, BLOCK_D bucket, mask given?) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps, num_stages) for
-# float16/bfloat16: the fastest candidates of benchmarks/probes/alibi_kernel_tune.py on an H200 at head
-# dims 64 and 128 (benchmarks/results/alibi-kernel-tune.json; the forward's with keys and values read
-# through tensor descriptors; the masked backward takes the causal winners); 16 and 32 take 64's, 256
-# the largest tiles that compile without spilling much (not timed). decode: torchembed bench decode
-# --sweep (benchmarks/results/decode-attention.md): the best on average over its cases.
+# AlibiTuning.blocks for float16/bfloat16: the fastest candidates of benchmarks/probes/alibi_kernel_tune.py on an H200
+# at head dims 64 and 128 (benchmarks/results/alibi-kernel-tune.json; the forward's with keys and values read through
+# tensor descriptors; the masked backward takes the causal winners); 16 and 32 take 64's, 256 the largest tiles that
+# compile without spilling much (not timed). decode: torchembed bench decode --sweep
+# (benchmarks/results/decode-attention.md): the best on average over its cases.
 _MEASURED_BLOCKS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
     **{("fwd", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
     ("fwd", 128, False): (64, 64, 4, 3),
@@ -78,17 +74,15 @@ _MEASURED_BLOCKS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
 class AlibiTuning:
     """The launch configuration of the ALiBi kernels.
 
-    ``blocks``: ``(kernel, BLOCK_D bucket, mask given?) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps,
-    num_stages)`` for float16/bfloat16 (float32 and the interpreter take fixed small tiles).
-    ``decode_programs_per_sm``: ``(least, most)``: the split-key decode splits the keys until its grid
-    has ``least`` programs per multiprocessor, and more, up to ``most``, while each part keeps
-    ``decode_split_keys`` keys (H200, batch 1, grouped heads: a second program per multiprocessor is
-    2-8 % faster from 64k keys on, 12 % slower at 16k, ``decode-sweep-gqa.md``; over 8 x 8k keys it was
-    3 % slower, ``alibi-decode-splits.json``, so a grid that already fills the machine is not split more;
-    a masked call, whose kept keys the host does not know, takes ``least``).
-    ``skip``, ``skip_margin_bits``, ``skip_min_keys``: the skip of keys
-    of negligible weight in long prefills (from this many keys; what is left out is under
-    ``2**-(skip_margin_bits + log2 keys)`` of each row's mass)."""
+    ``blocks``: ``(kernel, BLOCK_D bucket, mask given?) -> (BLOCK_M or BLOCK_R, BLOCK_N, num_warps, num_stages)``
+    for float16/bfloat16 (float32 and the interpreter take fixed small tiles).
+    ``decode_programs_per_sm``: ``(least, most)``: the split-key decode splits the keys until its grid has ``least``
+    programs per multiprocessor, and more, up to ``most``, while each part keeps ``decode_split_keys`` keys (H200,
+    batch 1, grouped heads: a second program per multiprocessor is 2-8 % faster from 64k keys on, 12 % slower at 16k,
+    ``decode-sweep-gqa.md``; over 8 x 8k keys it was 3 % slower, ``alibi-decode-splits.json``, so a grid that already
+    fills the machine is not split more; a masked call, whose kept keys the host does not know, takes ``least``).
+    ``skip``, ``skip_margin_bits``, ``skip_min_keys``: the skip of keys of negligible weight in long prefills (from
+    this many keys; what is left out is under ``2**-(skip_margin_bits + log2 keys)`` of each row's mass)."""
 
     blocks: Mapping[tuple[str, int, bool], tuple[int, int, int, int]] = field(
         default_factory=lambda: MappingProxyType(dict(_MEASURED_BLOCKS)))
@@ -111,12 +105,12 @@ class AlibiTuning:
 class AlibiPolicy:
     """What :func:`torchembed.kernels.alibi.attention_path` decides with.
 
-    ``prefill``: ``"auto"`` (the materialised bias up to the bounds below, else the kernel), ``"kernel"``
-    (the kernel at every size) or ``"dense"`` (the materialised bias at every size). ``dense_max_elements``:
-    bias elements (b * h * q * k) up to which a model layer's prefill materialises the bias (2**26: 128 MB
-    of bf16; beyond, memory quadratic in the length); ``dense_grad_max_elements``: the same with gradients
-    recorded (per layer the kernel's forward + backward is ahead from 4 x 16 x 2048^2 on, 0.51 vs 1.01 ms).
-    ``dense_devices``: device types whose prefill may take the materialised bias (tests add "cpu")."""
+    ``prefill``: ``"auto"`` (the materialised bias up to the bounds below, else the kernel), ``"kernel"`` (the kernel
+    at every size) or ``"dense"`` (the materialised bias at every size). ``dense_max_elements``: bias elements
+    (b * h * q * k) up to which a model layer's prefill materialises the bias (2**26: 128 MB of bf16; beyond, memory
+    quadratic in the length); ``dense_grad_max_elements``: the same with gradients recorded (per layer the kernel's
+    forward + backward is ahead from 4 x 16 x 2048^2 on, 0.51 vs 1.01 ms). ``dense_devices``: device types whose
+    prefill may take the materialised bias (tests add "cpu")."""
 
     prefill: str = "auto"
     dense_max_elements: int = 2**26
@@ -149,8 +143,6 @@ def _from_environment() -> KernelSettings:
     )
 
 
-
-
 _settings: KernelSettings = _from_environment()
 
 
@@ -161,9 +153,9 @@ def settings() -> KernelSettings:
 
 @contextlib.contextmanager
 def changed(**changes: Any) -> Iterator[KernelSettings]:
-    """Within the block, the settings in force with ``changes``: a field's new value, or for ``rope``,
-    ``alibi`` and ``policy`` a mapping of their fields' new values (``alibi={"blocks": {...}}`` merges
-    block entries into the current ones). Kept launches are forgotten on entry and exit.
+    """Within the block, the settings in force with ``changes``: a field's new value, or for ``rope``, ``alibi`` and
+    ``policy`` a mapping of their fields' new values (``alibi={"blocks": {...}}`` merges block entries into the current
+    ones). Kept launches are forgotten on entry and exit.
 
     Raises:
         TypeError: a name that is not a field; ValueError: an unknown prefill path.

@@ -20,21 +20,21 @@ _CHECKED: set[tuple] = set()
 class ALiBiEmbedding(nn.Module):
     """Add ``-slope_h * |i - j|`` to the attention logits of head ``h``.
 
-    No parameters. The slopes follow the paper (non-power-of-2 head counts interleave the slopes
-    of the next power of two). The bias is non-positive and zero where query and key positions
-    coincide. With ``seq_q < seq_k`` the queries are the last ``seq_q`` positions (KV cache).
+    No parameters. The slopes follow the paper (non-power-of-2 head counts interleave the slopes of the next power of
+    two). The bias is non-positive and zero where query and key positions coincide. With ``seq_q < seq_k`` the queries
+    are the last ``seq_q`` positions (KV cache).
 
     Args:
         num_heads: attention heads ``h``; each gets its own slope.
-        max_seq_len: distances ``0 .. max_seq_len - 1`` are precomputed per head as a
-            ``(h, max_seq_len)`` float32 table (non-persistent); longer inputs extend it.
+        max_seq_len: distances ``0 .. max_seq_len - 1`` are precomputed per head as a ``(h, max_seq_len)`` float32
+            table (non-persistent); longer inputs extend it.
 
     Shapes:
         ``attn_scores``: ``(b, h, q, k)`` -> same shape and dtype (bias added in float32).
 
     Raises:
-        ValueError: bad ``num_heads``/``max_seq_len``; scores not 4D, with another head count,
-            ``seq_q > seq_k`` or on another device than the module's buffers.
+        ValueError: bad ``num_heads``/``max_seq_len``; scores not 4D, with another head count, ``seq_q > seq_k`` or on
+            another device than the module's buffers.
         TypeError: scores not a floating-point tensor.
     """
 
@@ -79,32 +79,21 @@ class ALiBiEmbedding(nn.Module):
 
         return alibi_score_mod
 
-    def attention(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        causal: bool = True,
-        key_padding_mask: Tensor | None = None,
-        scale: float | None = None,
-        dropout_p: float = 0.0,
-        fused: bool | None = None,
-    ) -> Tensor:
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, key_padding_mask: Tensor | None = None,
+                  scale: float | None = None, dropout_p: float = 0.0, fused: bool | None = None) -> Tensor:
         """Attention with this ALiBi bias fused in: ``softmax(q k^T * scale + bias) v``.
 
         Causal attention runs in one fused Triton kernel that computes the bias from the slopes
-        (:func:`torchembed.kernels.alibi.alibi_flash`; no ``(b, h, q, k)`` tensor of any kind)
-        where it can run: CUDA tensors, float16/bfloat16/float32, head dim <= 256, no dropout. From
-        2048 keys it leaves out the keys whose weight is provably under ``2**-(32 + log2 keys)`` of their
-        row's largest (the bias falls with distance; ``TORCHEMBED_ALIBI_SKIP=0`` visits every key).
-        Elsewhere, and for non-causal attention, SDPA with the bias materialised (:meth:`bias`,
-        row-centred). Queries are the last ``seq_q`` positions (KV cache).
+        (:func:`torchembed.kernels.alibi.alibi_flash`; no ``(b, h, q, k)`` tensor of any kind) where it can run: CUDA
+        tensors, float16/bfloat16/float32, head dim <= 256, no dropout. From 2048 keys it leaves out the keys whose
+        weight is provably under ``2**-(32 + log2 keys)`` of their row's largest (the bias falls with distance;
+        ``TORCHEMBED_ALIBI_SKIP=0`` visits every key). Elsewhere, and for non-causal attention, SDPA with the bias
+        materialised (:meth:`bias`, row-centred). Queries are the last ``seq_q`` positions (KV cache).
 
         Args:
-            q: ``(b, h, seq_q, d)``; k, v: ``(b, hk, seq_k, d)``: floating-point, one dtype, one
-                device, the same batch, ``h = num_heads`` a multiple of ``hk`` (GQA/MQA: query head
-                ``i`` attends with key/value head ``i // (h // hk)``), q and k the same ``d``.
+            q: ``(b, h, seq_q, d)``; k, v: ``(b, hk, seq_k, d)``: floating-point, one dtype, one device, the same
+                batch, ``h = num_heads`` a multiple of ``hk`` (GQA/MQA: query head ``i`` attends with key/value head
+                ``i // (h // hk)``), q and k the same ``d``.
             key_padding_mask: ``(b, seq_k)`` bool, True for real tokens (left padding).
             scale: default ``d ** -0.5``.
             dropout_p: in ``[0, 1]``.
@@ -112,16 +101,15 @@ class ALiBiEmbedding(nn.Module):
                 :class:`~torchembed.kernels.launch.FusedUnavailableError`; False: PyTorch only.
 
         Returns:
-            ``(b, h, seq_q, d)`` (``v``'s last dim). ``seq_q = 0`` gives an empty
-            ``(b, h, 0, d)`` result (also with ``seq_k = 0``). A query that keeps no key (all
-            padding) gets 0 from the kernel, the mean of ``v`` from SDPA.
+            ``(b, h, seq_q, d)`` (``v``'s last dim). ``seq_q = 0`` gives an empty ``(b, h, 0, d)`` result (also with
+            ``seq_k = 0``). A query that keeps no key (all padding) gets 0 from the kernel, the mean of ``v`` from SDPA.
 
         Raises:
             TypeError: q, k, v not floating-point tensors of one dtype; ``fused`` not None/True/False.
-            ValueError: shapes, devices, ``key_padding_mask`` or ``dropout_p`` that do not fit,
-                naming what was expected and what was given.
-            FusedUnavailableError: ``fused=True`` where the kernel cannot run (CPU tensors,
-                ``causal=False``, dropout, ...), naming why.
+            ValueError: shapes, devices, ``key_padding_mask`` or ``dropout_p`` that do not fit, naming what was
+                expected and what was given.
+            FusedUnavailableError: ``fused=True`` where the kernel cannot run (CPU tensors, ``causal=False``,
+                dropout, ...), naming why.
 
         Example::
 
@@ -151,10 +139,9 @@ class ALiBiEmbedding(nn.Module):
         if key_padding_mask is not None:
             if (not isinstance(key_padding_mask, Tensor) or key_padding_mask.shape != (q.shape[0], seq_k)
                     or key_padding_mask.dtype != torch.bool):
-                raise ValueError(
-                    f"key_padding_mask must be bool (batch, seq_k) = {(q.shape[0], seq_k)}, got "
-                    f"{getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)} {tuple(getattr(key_padding_mask, 'shape', ()))}"
-                )
+                raise ValueError(f"key_padding_mask must be bool (batch, seq_k) = {(q.shape[0], seq_k)}, got "
+                                 f"{getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)} "
+                                 f"{tuple(getattr(key_padding_mask, 'shape', ()))}")
             if key_padding_mask.device != q.device:
                 raise ValueError(f"key_padding_mask must be on q's device {q.device}, got {key_padding_mask.device}")
             keep = key_padding_mask[:, None, None, :]
@@ -205,10 +192,8 @@ class ALiBiEmbedding(nn.Module):
         if attn_scores.shape[1] != self.num_heads:
             raise ValueError(f"attn_scores has {attn_scores.shape[1]} heads, this ALiBiEmbedding has num_heads={self.num_heads}")
         if attn_scores.device != self.bias_table.device:
-            raise ValueError(
-                f"attn_scores are on {attn_scores.device} but this ALiBiEmbedding's buffers are on "
-                f"{self.bias_table.device}: move the module with .to({str(attn_scores.device)!r})"
-            )
+            raise ValueError(f"attn_scores are on {attn_scores.device} but this ALiBiEmbedding's buffers are on "
+                             f"{self.bias_table.device}: move the module with .to({str(attn_scores.device)!r})")
         bias = self.bias(attn_scores.shape[-2], attn_scores.shape[-1])
         compute = torch.promote_types(attn_scores.dtype, torch.float32)  # add in >= float32, round once
         return (attn_scores.to(compute) + bias).to(attn_scores.dtype)

@@ -68,8 +68,8 @@ class LearnedPositionalEmbedding(nn.Module):
         """Rows of the table for integer ``position_ids`` of any shape: ``position_ids.shape + (d,)``.
 
         Raises:
-            ValueError: a position outside ``[0, max_seq_len)`` (checked on the host for CPU
-                tensors; on accelerators by an asynchronous device-side assert, no sync).
+            ValueError: a position outside ``[0, max_seq_len)`` (checked on the host for CPU tensors; on accelerators
+                by an asynchronous device-side assert, no sync).
         """
         if isinstance(position_ids, torch.fx.Proxy):  # symbolic tracing (HF's fx export): no values to check
             return F.embedding(position_ids, self.weight, self.padding_idx)
@@ -79,10 +79,9 @@ class LearnedPositionalEmbedding(nn.Module):
             if position_ids.device.type == "cpu":
                 low, high = int(position_ids.min()), int(position_ids.max())
                 if low < 0 or high >= self.max_seq_len:
-                    raise ValueError(
-                        f"positions {low}..{high} are outside the learned table of {self.max_seq_len} positions "
-                        "(learned embeddings cannot extrapolate: use a shorter input or a larger table)"
-                    )
+                    raise ValueError(f"positions {low}..{high} are outside the learned table of {self.max_seq_len} "
+                                     "positions (learned embeddings cannot extrapolate: use a shorter input or a "
+                                     "larger table)")
             else:
                 torch._assert_async(
                     ((position_ids >= 0) & (position_ids < self.max_seq_len)).all(),
@@ -100,10 +99,8 @@ class LearnedPositionalEmbedding(nn.Module):
             raise ValueError(f"offset must be a non-negative int, got {offset!r}")
         seq_len = x.shape[1]
         if offset + seq_len > self.max_seq_len:
-            raise ValueError(
-                f"offset + seq_len = {offset} + {seq_len} exceeds max_seq_len={self.max_seq_len}: "
-                "learned positions cannot extrapolate; use a larger max_seq_len"
-            )
+            raise ValueError(f"offset + seq_len = {offset} + {seq_len} exceeds max_seq_len={self.max_seq_len}: "
+                             "learned positions cannot extrapolate; use a larger max_seq_len")
         positions = torch.arange(offset, offset + seq_len, device=x.device)
         # F.embedding rather than slicing: it honours padding_idx (no gradient into that row).
         pos = F.embedding(positions, self.weight, self.padding_idx)

@@ -13,15 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from torchembed import kernels
-from torchembed.functional.rope import (
-    check_base,
-    check_nonnegative,
-    is_position_dtype,
-    apply_rotary,
-    rope_cos_sin,
-    rope_inv_freq,
-    rope_positions,
-)
+from torchembed.functional.rope import (apply_rotary_qk, check_base, check_nonnegative, is_position_dtype, rope_cos_sin,
+                                        rope_inv_freq, rope_positions)
 from torchembed.kernels.launch import FusedUnavailableError, check_fused, triton_available
 from torchembed.kernels.rope import use_rope_kernel
 
@@ -33,40 +26,36 @@ _UNSET = object()
 class RotaryEmbedding(nn.Module):
     """Rotate query/key features in 2D subspaces by position-dependent angles.
 
-    ``<R_m q, R_n k>`` depends only on ``m - n``; norms are preserved; position 0 is the identity.
-    The module has no parameters: ``inv_freq`` and the cos/sin cache are non-persistent float32
-    buffers (never in ``state_dict``), and the cache grows by itself past ``max_seq_len``.
+    ``<R_m q, R_n k>`` depends only on ``m - n``; norms are preserved; position 0 is the identity. The module has no
+    parameters: ``inv_freq`` and the cos/sin cache are non-persistent float32 buffers (never in ``state_dict``), and
+    the cache grows by itself past ``max_seq_len``.
 
     Args:
         dim: head dim ``d`` (even); the rotary dim unless ``rotary_dim`` is given.
         max_seq_len: positions to precompute; longer sequences extend the cache.
         base: ``theta`` of the frequency progression (LLaMA 3 uses 500000).
-        fused: the fused Triton kernel (q and k in one launch): ``None`` where it can run (CUDA
-            tensors, Triton installed; CPU tensors under ``TRITON_INTERPRET=1``) and the PyTorch path
-            elsewhere; ``True`` always (``FusedUnavailableError`` where it cannot run); ``False`` (the
-            default) never. Both paths compute in float32 and round once.
+        fused: the fused Triton kernel (q and k in one launch): ``None`` where it can run (CUDA tensors, Triton
+            installed; CPU tensors under ``TRITON_INTERPRET=1``) and the PyTorch path elsewhere; ``True`` always
+            (``FusedUnavailableError`` where it cannot run); ``False`` (the default) never. Both compute in float32.
         device: where to build the buffers.
         rotary_dim: rotate only the first ``rotary_dim`` features (partial rotary); default ``dim``.
         interleaved: pair features ``(2i, 2i+1)`` (GPT-J) instead of ``(i, i + r/2)`` (LLaMA).
         rope_parameters: HF-style frequency scaling, e.g. ``{"rope_type": "llama3", "factor": 8, ...}``.
-        use_fused: deprecated spelling: ``use_fused=True`` is ``fused=None``, ``use_fused=False`` is
-            ``fused=False`` (a DeprecationWarning says so).
+        use_fused: deprecated: ``use_fused=True`` is ``fused=None``, ``use_fused=False`` is ``fused=False`` (with a
+            DeprecationWarning).
 
     Shapes:
-        ``q``: ``(..., s, d)``, ``k``: ``(..., s, d)``, the same rank, device and sequence length;
-        outputs have the input shapes and dtypes. The math runs in float32. With shared positions
-        (an int ``offset`` or ``(s,)``/``(1, s)`` ``position_ids``) the leading dims may differ
-        (e.g. GQA heads), each tensor is rotated on its own. With per-sequence positions (an
-        offset tensor or ``(b, s)`` ``position_ids``) dim 0 is the batch: q and k need a batch dim
-        and the same batch size (no broadcasting of k to q's batch).
+        ``q``: ``(..., s, d)``, ``k``: ``(..., s, d)``, the same rank, device and sequence length; outputs have the
+        input shapes and dtypes. The math runs in float32 and rounds once. With shared positions (an int ``offset`` or
+        ``(s,)``/``(1, s)`` ``position_ids``) the leading dims may differ (e.g. GQA heads), each tensor is rotated on
+        its own. With per-sequence positions (an offset tensor or ``(b, s)`` ``position_ids``) dim 0 is the batch: q
+        and k need a batch dim and the same batch size (no broadcasting of k to q's batch).
 
     Raises:
-        ValueError: odd/non-positive ``dim``, bad ``rotary_dim``/``max_seq_len``, ``base`` not a
-            finite number > 0.
-        TypeError: ``base`` not a real number, ``fused`` not None/True/False, ``fused`` and
-            ``use_fused`` both given.
-        FusedUnavailableError: ``fused=True`` without Triton (at construction) or on tensors the
-            kernel cannot run on (at the call).
+        ValueError: odd/non-positive ``dim``, bad ``rotary_dim``/``max_seq_len``, ``base`` not a finite number > 0.
+        TypeError: ``base`` not a real number, ``fused`` not None/True/False, ``fused`` and ``use_fused`` both given.
+        FusedUnavailableError: ``fused=True`` without Triton (at construction) or on tensors the kernel cannot run on
+            (at the call).
     """
 
     def __init__(
@@ -137,28 +126,24 @@ class RotaryEmbedding(nn.Module):
         Args:
             q, k: ``(..., s, d)`` with the sequence at ``seq_dim``, on this module's device.
             seq_dim: dim of ``q``/``k`` that indexes positions (not the last).
-            offset: position of the first token: a non-negative int, or ``(b,)`` per sequence (KV
-                cache), ``b`` the batch (dim 0 of q and k once the sequence dim is moved to -2).
-            position_ids: explicit positions, ``(s,)`` or ``(b, s)`` with ``b = q.shape[0]`` (or
-                1); excludes ``offset``.
+            offset: position of the first token: a non-negative int, or ``(b,)`` per sequence (KV cache), ``b`` the
+                batch (dim 0 of q and k once the sequence dim is moved to -2).
+            position_ids: the positions, ``(s,)`` or ``(b, s)`` with ``b = q.shape[0]`` (or 1); excludes ``offset``.
 
-        Tensor positions must be non-negative integers. For CPU tensors that is checked on the
-        host (a ValueError); accelerator tensors are not checked (no host sync on the hot path):
-        a negative position there rotates by the negative angle.
+        Tensor positions must be non-negative integers: checked on the host for CPU tensors (a ValueError), not for
+        accelerator tensors (no host sync on the hot path), where a negative position rotates by the negative angle.
 
         Returns:
             Rotated ``(q, k)``, same shapes and dtypes.
 
         Raises:
-            TypeError: q/k not floating-point tensors, ``position_ids`` not a tensor, ``seq_dim``
-                not an int.
-            ValueError: shapes, devices or positions that do not fit (see the class docstring),
-                each naming what was expected and what was given.
+            TypeError: q/k not floating-point tensors, ``position_ids`` not a tensor, ``seq_dim`` not an int.
+            ValueError: shapes, devices or positions that do not fit (see the class docstring), each naming what was
+                expected and what was given.
         """
         if self.fused is not False and self._kernel_first(q, seq_dim, offset, position_ids) and use_rope_kernel(self.fused, q):
-            # (b, h, s, d) on the kernel: rotary_fused checks what this call's shapes must satisfy (once
-            # per layout: a call like one it ran before is its kept launch); any ValueError from it means
-            # the call needs the module's own checks below, which name the problem in its terms.
+            # (b, h, s, d) on the kernel: rotary_fused checks the shapes (once per layout; later calls reuse its kept
+            # launch). A ValueError from it falls back to the module's own checks below, which name it in its terms.
             try:
                 return self._fused(q, k, offset, position_ids, self._buffers["inv_freq"])
             except ValueError:
@@ -179,8 +164,8 @@ class RotaryEmbedding(nn.Module):
         return q_out, k_out
 
     def _kernel_first(self, q: Tensor, seq_dim: int, offset: int | Tensor, position_ids: Tensor | None) -> bool:
-        """A call the kernel may take before the module's checks: ``(b, h, s, d)`` with the sequence at
-        dim 2, and positions the kernel reads as given (an int or CUDA ``(b,)`` offset, or CUDA position ids)."""
+        """A call the kernel may take before the module's checks: ``(b, h, s, d)`` with the sequence at dim 2, and
+        positions the kernel reads as given (an int or CUDA ``(b,)`` offset, or CUDA position ids)."""
         if type(q) is not Tensor or q.dim() != 4 or q.shape[-1] != self.dim or (seq_dim != -2 and seq_dim != 2):
             return False
         if position_ids is None:
@@ -214,10 +199,8 @@ class RotaryEmbedding(nn.Module):
         if k.device != device:
             raise ValueError(f"q and k must be on one device, got q on {device} and k on {k.device}")
         if inv_freq.device != device:
-            raise ValueError(
-                f"q and k are on {device} but this RotaryEmbedding's buffers are on {inv_freq.device}: "
-                f"move the module with .to({str(device)!r})"
-            )
+            raise ValueError(f"q and k are on {device} but this RotaryEmbedding's buffers are on {inv_freq.device}: "
+                             f"move the module with .to({str(device)!r})")
         nd = q.dim()
         if k.dim() != nd:
             raise ValueError(f"q and k must have the same rank, got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -226,32 +209,28 @@ class RotaryEmbedding(nn.Module):
         if not -nd <= seq_dim < nd or seq_dim % nd == nd - 1:
             raise ValueError(f"seq_dim must index a dim of q other than the last, got {seq_dim} for rank {nd}")
         if q.shape[seq_dim] != k.shape[seq_dim]:
-            raise ValueError(
-                f"q and k must have the same sequence length at seq_dim={seq_dim}, got {tuple(q.shape)} and {tuple(k.shape)}"
-            )
+            raise ValueError(f"q and k must have the same sequence length at seq_dim={seq_dim}, got {tuple(q.shape)} "
+                             f"and {tuple(k.shape)}")
         return q.shape[seq_dim]
 
-    def _positions(
-        self, q: Tensor, k: Tensor, seq_len: int, offset: int | Tensor, position_ids: Tensor | None
-    ) -> tuple[int | Tensor, Tensor | None]:
-        """Checked ``(offset, position_ids)`` for ``q``/``k`` of shape ``(..., s, d)`` (sequence at -2):
-        an int or ``(b,)`` offset and None, or 0 and ``(s,)``/``(b, s)`` position ids."""
+    def _positions(self, q: Tensor, k: Tensor, seq_len: int, offset: int | Tensor,
+                   position_ids: Tensor | None) -> tuple[int | Tensor, Tensor | None]:
+        """Checked ``(offset, position_ids)`` for ``q``/``k`` of shape ``(..., s, d)`` (sequence at -2): an int or
+        ``(b,)`` offset and None, or 0 and ``(s,)``/``(b, s)`` position ids."""
         if position_ids is not None:
             if not isinstance(position_ids, Tensor):
                 raise TypeError(f"position_ids must be an integer tensor (s,) or (b, s), got {type(position_ids).__name__}")
             if isinstance(offset, Tensor) or offset != 0:
                 raise ValueError("pass either offset or position_ids, not both")
             if not is_position_dtype(position_ids) or position_ids.dim() not in (1, 2) or position_ids.shape[-1] != seq_len:
-                raise ValueError(
-                    f"position_ids must be integer (s,) or (b, s) with s={seq_len}, got {position_ids.dtype} {tuple(position_ids.shape)}"
-                )
+                raise ValueError(f"position_ids must be integer (s,) or (b, s) with s={seq_len}, got "
+                                 f"{position_ids.dtype} {tuple(position_ids.shape)}")
             if position_ids.dim() == 2:
                 if q.dim() == 2:  # no batch dim: only positions shared by all, (1, s), fit
                     if position_ids.shape[0] != 1:
-                        raise ValueError(
-                            f"position_ids (b, s) = {tuple(position_ids.shape)} need q and k with a batch dim, "
-                            f"(b, ..., s, d); got q {tuple(q.shape)} (pass (s,) position_ids for unbatched inputs)"
-                        )
+                        raise ValueError(f"position_ids (b, s) = {tuple(position_ids.shape)} need q and k with a batch "
+                                         f"dim, (b, ..., s, d); got q {tuple(q.shape)} (pass (s,) position_ids for "
+                                         "unbatched inputs)")
                     position_ids = position_ids[0]
                 elif position_ids.shape[0] not in (1, q.shape[0]):
                     raise ValueError(f"position_ids batch {position_ids.shape[0]} does not match q.shape[0]={q.shape[0]}")
@@ -262,10 +241,8 @@ class RotaryEmbedding(nn.Module):
             return 0, position_ids
         if isinstance(offset, Tensor):
             if q.dim() < 3:
-                raise ValueError(
-                    f"an offset tensor (per-sequence offsets) needs q and k with a batch dim, (b, ..., s, d); "
-                    f"got q {tuple(q.shape)} (pass an int offset for unbatched inputs)"
-                )
+                raise ValueError("an offset tensor (per-sequence offsets) needs q and k with a batch dim, "
+                                 f"(b, ..., s, d); got q {tuple(q.shape)} (pass an int offset for unbatched inputs)")
             if offset.dim() != 1 or not is_position_dtype(offset) or offset.shape[0] != q.shape[0]:
                 raise ValueError(f"offset tensor must be integer (b,) with b={q.shape[0]}, got {offset.dtype} {tuple(offset.shape)}")
             self._check_batch(q, k, "per-sequence offsets")
@@ -279,19 +256,16 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def _check_batch(q: Tensor, k: Tensor, what: str) -> None:
         if k.shape[0] != q.shape[0]:
-            raise ValueError(
-                f"with {what}, q and k must have the same batch size (dim 0), got q {tuple(q.shape)} "
-                f"and k {tuple(k.shape)} (shapes with the sequence dim at -2)"
-            )
+            raise ValueError(f"with {what}, q and k must have the same batch size (dim 0), got q {tuple(q.shape)} "
+                             f"and k {tuple(k.shape)} (shapes with the sequence dim at -2)")
 
     @staticmethod
     def _check_meta(positions: Tensor, q: Tensor, name: str) -> None:
         if positions.is_meta and not q.is_meta:
             raise ValueError(f"{name} is on the meta device (no values) but q is on {q.device}")
 
-    def _reference(
-        self, q: Tensor, k: Tensor, offset: int | Tensor, position_ids: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
+    def _reference(self, q: Tensor, k: Tensor, offset: int | Tensor,
+                   position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         seq_len = q.shape[-2]
         if position_ids is None and not isinstance(offset, Tensor):
             self._ensure_cache(offset + seq_len)
@@ -303,16 +277,12 @@ class RotaryEmbedding(nn.Module):
             if positions.dim() == 2:  # (b, s, r/2) -> (b, 1, ..., 1, s, r/2) against (b, ..., s, d)
                 cos = cos.view(cos.shape[0], *([1] * (q.dim() - 3)), *cos.shape[1:])
                 sin = sin.view(cos.shape)
-        return (
-            apply_rotary(q, cos, sin, interleaved=self.interleaved),
-            apply_rotary(k, cos, sin, interleaved=self.interleaved),
-        )
+        return apply_rotary_qk(q, k, cos, sin, interleaved=self.interleaved)
 
-    def _fused(
-        self, q: Tensor, k: Tensor, offset: int | Tensor, position_ids: Tensor | None, inv_freq: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        # The kernel computes the angles from inv_freq (no table bytes read). Offsets go to it as they
-        # are ((b,): pos = offset[b] + s), position ids as (1 or b, s).
+    def _fused(self, q: Tensor, k: Tensor, offset: int | Tensor, position_ids: Tensor | None,
+               inv_freq: Tensor) -> tuple[Tensor, Tensor]:
+        # The kernel computes the angles from inv_freq (no table bytes read). Offsets go to it as they are
+        # ((b,): pos = offset[b] + s), position ids as (1 or b, s).
         if position_ids is None:
             positions = offset
         else:
@@ -331,10 +301,8 @@ class RotaryEmbedding(nn.Module):
         return q_out.reshape(q.shape), k_out.reshape(k.shape)
 
     def extra_repr(self) -> str:
-        return (
-            f"dim={self.dim}, rotary_dim={self.rotary_dim}, max_seq_len={self.max_seq_len}, base={self.base}, "
-            f"interleaved={self.interleaved}, fused={self.fused}"
-        )
+        return (f"dim={self.dim}, rotary_dim={self.rotary_dim}, max_seq_len={self.max_seq_len}, base={self.base}, "
+                f"interleaved={self.interleaved}, fused={self.fused}")
 
 
 def _as_bhsd(x: Tensor) -> Tensor:
