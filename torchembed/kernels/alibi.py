@@ -177,7 +177,9 @@ def alibi_attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None = N
         bias, is_key_bias = (slopes, False) if slopes is not None else (key_bias, True)
         bias = _check_bias(bias, is_key_bias, q, k)
         return fused_attention(q, k, v, bias, scale=scale, key_bias=is_key_bias, keep=keep, rows=rows)
-    return alibi_attention_reference(q, k, v, _key_bias(key_bias, slopes, q, k), keep, scale=scale, dropout_p=dropout_p)
+    if key_bias is None:  # slope * (j - (k - 1)): zero at the newest key, small near it
+        key_bias = alibi_key_bias(slopes.to(q.device), key_len=k.shape[-2])
+    return alibi_attention_reference(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p)
 
 
 def _key_bias(key_bias: Tensor | None, slopes: Tensor | None, q: Tensor, k: Tensor) -> Tensor:
@@ -386,9 +388,10 @@ def _forward(q, k, v, bias, rows, keep, scale, key_bias, need_lse) -> tuple[Tens
 
 def _forward_reference(q, k, v, bias, rows, keep, scale, key_bias) -> tuple[Tensor, Tensor]:
     """The kernel's function by the reference (rows that keep nothing: 0), its log-sum-exp in base 2."""
+    result = _out_like(q)
     out, lse = alibi_attention_reference(q, k, v, bias, keep, scale=scale, key_bias=key_bias, empty_rows="zero",
                                          return_lse=True)
-    return _out_like(q).copy_(out), torch.where(torch.isfinite(lse), lse / _LN2, float("inf"))
+    return result.copy_(out), torch.where(torch.isfinite(lse), lse / _LN2, float("inf"))
 
 
 def _backward_reference(grad, q, k, v, bias, keep, scale, key_bias) -> tuple[Tensor, Tensor, Tensor]:
