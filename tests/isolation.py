@@ -115,10 +115,23 @@ def tensors_in_library_state() -> list[str]:
     return found
 
 
-def live_tensors() -> int:
+def live_tensors() -> list[torch.Tensor]:
     """Tensors alive in the process now (after a collection)."""
     gc.collect()
-    return sum(1 for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor))
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
+
+
+class TensorCensus:
+    """The tensors alive at its making; :meth:`born_since` names the ones alive now that were not. By identity,
+    so a tensor that an unrelated cache lets go of meanwhile neither hides a new one nor counts as one."""
+
+    def __init__(self) -> None:
+        self._alive = {id(t): weakref.ref(t) for t in live_tensors()}
+
+    def born_since(self) -> list[str]:
+        """``shape dtype`` of each tensor alive now and not at the census."""
+        new = [t for t in live_tensors() if (ref := self._alive.get(id(t))) is None or ref() is not t]
+        return [f"{tuple(t.shape)} {t.dtype}" for t in new]
 
 
 def run_threads(jobs: list[Callable[[], Any]], threads: int) -> list[Any]:

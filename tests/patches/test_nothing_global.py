@@ -24,7 +24,7 @@ import torch
 import transformers
 
 import torchembed
-from tests.isolation import (FlagWatcher, compiler_state, live_tensors, run_threads,
+from tests.isolation import (FlagWatcher, TensorCensus, compiler_state, live_tensors, run_threads,
                              tensors_in_library_state)
 
 FAMILIES = ("llama", "falcon-alibi", "bloom")
@@ -137,6 +137,16 @@ def test_library_state_finds_a_kept_tensor(monkeypatch):
     assert tensors_in_library_state() == ["torchembed.kernels.per_forward._PLANTED['mask'][0]"]
 
 
+def test_the_census_finds_a_kept_tensor_beside_one_let_go():
+    """What the next test counts: a tensor made after the census and kept is found, also while an unrelated
+    one is let go meanwhile (a plain count of live tensors would see no change)."""
+    unrelated = torch.zeros(3)
+    census = TensorCensus()
+    kept = torch.ones(2, 7)  # noqa: F841  (the planted leak)
+    del unrelated
+    assert census.born_since() == ["(2, 7) torch.float32"]
+
+
 def test_no_tensor_outlives_its_forward(load, gpu_route):
     """Forwards of varying batches and lengths (prefill, decode loop, generate) leave as many live tensors
     as there were before them, and none in the library's module-level state (each forward's derived
@@ -145,12 +155,12 @@ def test_no_tensor_outlives_its_forward(load, gpu_route):
     for model in models.values():  # (a first round: HF's own lazily built state)
         for path in PATHS.values():
             path(model, 99)
-    before = live_tensors()
+    census = TensorCensus()
     for seed in range(3):
         for model in models.values():
             for path in PATHS.values():
                 path(model, seed)
-    assert live_tensors() == before
+    assert not census.born_since()
     assert not tensors_in_library_state()
 
 
