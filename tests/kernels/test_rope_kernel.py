@@ -1163,3 +1163,28 @@ def test_the_usual_call_takes_what_rotary_fused_takes(form):
         before = q.clone()
         assert rope.rotary_fused_usual(q, k, cos, sin) is None  # refused before any launch
         assert torch.equal(q, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("B,S,Hq,Hk,D", [(2, 17, 32, 8, 64), (3, 23, 7, 13, 92)])
+def test_peer_matrix_forward_and_backward_against_hf_in_float64(B, S, Hq, Hk, D, dtype):
+    """Shapes of the kind peer RoPE kernels test (more kv heads than query heads, neither a multiple of
+    the other, a head dim of 92): HF's usual call, q and k in HF's ``(B, S, H, D)`` memory, LLaMA's own
+    tables, values and gradients against HF's helper in float64."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(B * S + D)
+    q = torch.randn(B, S, Hq, D, generator=gen).to(DEV, dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, S, Hk, D, generator=gen).to(DEV, dtype).transpose(1, 2).requires_grad_()
+    positions = torch.randint(0, 4096, (B, S), generator=gen).to(DEV)
+    rope = LlamaRotaryEmbedding(LlamaConfig(hidden_size=Hq * D, num_attention_heads=Hq, head_dim=D)).to(DEV)
+    cos, sin = (t.to(dtype) for t in rope(q.float(), positions))
+    q64, k64 = (x.detach().double().requires_grad_() for x in (q, k))
+    want = apply_rotary_pos_emb(q64, k64, cos.double(), sin.double())
+    got = rotary_fused(q, k, cos, sin, halves=True)
+    grads = [torch.randn(x.shape, generator=gen).to(DEV, dtype) for x in got]
+    torch.autograd.backward(want, [g.double() for g in grads])
+    torch.autograd.backward(got, grads)
+    for ours, truth in ((got[0], want[0]), (got[1], want[1]), (q.grad, q64.grad), (k.grad, k64.grad)):
+        torch.testing.assert_close(ours.double(), truth.detach(), **TOL[dtype])
