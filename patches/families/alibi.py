@@ -22,8 +22,9 @@ All three also get torchembed's attention (``BloomAttention``/``MptAttention``/`
 instance). Upstream's eager attention materialises the scores in the model dtype, a float32 softmax and the
 probabilities; torchembed's runs ALiBi inside one fused Triton kernel (:func:`torchembed.kernels.alibi.alibi_flash`:
 the bias computed in the kernel, any padding mask summarised per row once per forward, multi-query and grouped kv heads
-read in place, forward and backward; nothing quadratic materialised) and, where that measured faster (small prefills,
-decode steps), SDPA with a row-centred bias built once per forward (:func:`torchembed.kernels.alibi.alibi_attention`).
+read in place, forward and backward, split-key decode steps; nothing quadratic materialised) and, where that measured
+faster (small prefills) or ``cudnn_decode=True`` asks for it (decode steps), SDPA with a row-centred bias built once
+per forward (:func:`torchembed.kernels.alibi.attention_path` decides, :func:`torchembed.kernels.alibi.alibi_attention`).
 The patch's ``fused``: ``False`` builds the bias with PyTorch operations only, ``True`` takes the kernel for every
 call. ``output_attentions=True`` and BLOOM's ``slow_but_exact`` tensor-parallel emulation fall back to upstream's
 forward. On a model split over devices (accelerate ``device_map``), the layers of each device share one copy of the
