@@ -251,6 +251,16 @@ def _first_needed(m_i, q, knorm, c0, kb0, slope2, qk_scale, skip_log2, row_ok, N
 
 
 @triton.jit
+def _cast(x, dtype: tl.constexpr, PREC: tl.constexpr):
+    """float32 ``x`` as ``dtype``, rounded to nearest even as the GPU rounds, also under the interpreter (``PREC`` 2),
+    whose float32 -> bfloat16 cast truncates."""
+    if PREC == 2:
+        if dtype == tl.bfloat16:
+            x = round_f32_to_bf16_rtne(x)
+    return x.to(dtype)
+
+
+@triton.jit
 def _dot_acc(a, b, acc, PREC: tl.constexpr):
     """``acc + a @ b`` (see :func:`_dot`)."""
     if PREC == 0:
@@ -328,7 +338,7 @@ def _fwd_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, k_desc, v_desc, Bias, bi
     else:
         v = _load_tile(v_base + n64[:, None] * svn + offs_d[None, :] * svd, n_ok, d_ok, MASKED,
                        HEAD_DIM == BLOCK_D, False)
-    acc = _dot_acc(p.to(v.dtype), v, acc, PREC)
+    acc = _dot_acc(_cast(p, v.dtype, PREC), v, acc, PREC)
     return acc, l_i, m_new
 
 
@@ -431,7 +441,7 @@ def _fwd_kernel(
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(Out + b * sob + h * soh + offs_m.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+             _cast(out, Out.dtype.element_ty, PREC), mask=row_ok[:, None] & d_ok[None, :])
     if STORE_LSE:
         # +inf for a row that sees nothing: the backward's exp2(s - lse) is then 0 there
         lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
@@ -486,7 +496,7 @@ def _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows,
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_tile(v_base + n64[:, None] * svn + offs_d[None, :] * svd, n_ok, d_ok, MASKED, HEAD_DIM == BLOCK_D,
                    False)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PREC)
+    acc = acc * alpha[:, None] + _dot(_cast(p, v.dtype, PREC), v, PREC)
     return acc, l_i, m_new
 
 
@@ -570,7 +580,7 @@ def _decode_kernel(
         seen = l_i > 0.0
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
         tl.store(Out + b * sob + h[:, None] * soh + i.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,
-                 out.to(Out.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+                 _cast(out, Out.dtype.element_ty, PREC), mask=r_ok[:, None] & d_ok[None, :])
         if STORE_LSE:
             lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
             tl.store(Lse + (b * H + h) * M + i, lse, mask=r_ok)
@@ -585,7 +595,7 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=("SPLITS",))
 def _combine_kernel(
     Out, Lse, Part, sob, soh, som, sod, H, GROUP, M, SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid ``(B * Hk,)``: merges the ``SPLITS`` partial ``(acc, m, l)`` of :func:`_decode_kernel` into ``Out``."""
     bk = tl.program_id(0).to(tl.int64)
@@ -615,7 +625,7 @@ def _combine_kernel(
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(Out + b * sob + h[:, None] * soh + i.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,
-             out.to(Out.dtype.element_ty), mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+             _cast(out, Out.dtype.element_ty, PREC), mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
     if STORE_LSE:
         lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
         tl.store(Lse + (b * H + h) * M + i, lse, mask=r_ok)
@@ -709,10 +719,10 @@ def _bwd_kv_block(dk, dv, k, v, Lse, Delta, Bias, Rows, Keep, q_base, do_base, b
                         keep = keep & (t != 0)
                 st = tl.where(keep, st, float("-inf"))
             pt = tl.math.exp2(st - lse[None, :])
-            dv = _dot_acc(pt.to(do.dtype), do, dv, PREC)
+            dv = _dot_acc(_cast(pt, do.dtype, PREC), do, dv, PREC)
             dpt = _dot(v, tl.trans(do), PREC)
             dst = pt * (dpt - delta[None, :])
-            dk = _dot_acc(dst.to(q.dtype), q, dk, PREC)
+            dk = _dot_acc(_cast(dst, q.dtype, PREC), q, dk, PREC)
     return dk, dv
 
 
@@ -793,9 +803,9 @@ def _bwd_dkdv_kernel(
                                    sqm, sqd, sgm, sgd, sbn, srb, smb, smm, smn, M, N, qk_scale,
                                    HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BIAS, MASK, True, PREC)
     tl.store(DK + b * sdkb + hk * sdkh + n64[:, None] * sdkn + offs_d[None, :] * sdkd,
-             (dk * scale).to(DK.dtype.element_ty), mask=m2)
+             _cast(dk * scale, DK.dtype.element_ty, PREC), mask=m2)
     tl.store(DV + b * sdvb + hk * sdvh + n64[:, None] * sdvn + offs_d[None, :] * sdvd,
-             dv.to(DV.dtype.element_ty), mask=m2)
+             _cast(dv, DV.dtype.element_ty, PREC), mask=m2)
 
 
 @triton.jit
@@ -817,7 +827,7 @@ def _bwd_q_tile(dq, q, do, lse, delta, lo, hi, k_base, v_base, Bias, bias_base, 
     p = tl.math.exp2(s - lse[:, None])
     dp = _dot(do, tl.trans(v), PREC)
     ds = p * (dp - delta[:, None])
-    return _dot_acc(ds.to(k.dtype), k, dq, PREC)
+    return _dot_acc(_cast(ds, k.dtype, PREC), k, dq, PREC)
 
 
 @triton.jit(do_not_specialize=("STEPS",))  # (the search's length: no compile per power of two)
@@ -867,7 +877,7 @@ def _bwd_dq_kernel(
                              row_ok, c0, kb0, slope2, start_n, N, skn, skd, svn, svd, sbn, smm, smn, qk_scale,
                              HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
     tl.store(DQ + b * sdqb + h * sdqh + offs_m.to(tl.int64)[:, None] * sdqm + offs_d[None, :] * sdqd,
-             (dq * scale).to(DQ.dtype.element_ty), mask=m2)
+             _cast(dq * scale, DQ.dtype.element_ty, PREC), mask=m2)
 
 
 # ----------------------------------------------------------------------------------------------
