@@ -188,7 +188,9 @@ def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
         names = _POSITIONAL_NAMES[method] = tuple(
             p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         )[1:]
-    return {**dict(zip(names, args)), **kwargs}
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
 
 
 def _cache_of(arguments: dict[str, Any]) -> Any:

@@ -78,7 +78,8 @@ def _has_nvidia_backend() -> bool:
     return _compile(probe).stdout.strip() == "yes"
 
 
-@pytest.mark.skipif(not _has_nvidia_backend(), reason="the installed Triton has no NVIDIA backend")
 def test_every_kernel_compiles_for_sm90():
+    if not _has_nvidia_backend():
+        pytest.skip("the installed Triton has no NVIDIA backend")
     done = _compile(SCRIPT)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
