@@ -595,40 +595,43 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=("SPLITS",))
 def _combine_kernel(
     Out, Lse, Part, sob, soh, som, sod, H, GROUP, M, SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, STORE_LSE: tl.constexpr, PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    STORE_LSE: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid ``(B * Hk,)``: merges the ``SPLITS`` partial ``(acc, m, l)`` of :func:`_decode_kernel` into ``Out``."""
+    """Grid ``(B * Hk, GROUP * M)``: one program per query row merges that row's ``SPLITS`` partial ``(acc, m, l)``
+    of :func:`_decode_kernel` into ``Out``, ``BLOCK_S`` parts per step (their loads in flight together)."""
     bk = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1)
     Hk = H // GROUP
     b, hk = bk // Hk, bk % Hk
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < GROUP * M
     h = (hk * GROUP + r // M).to(tl.int64)
-    i = r % M
+    i = (r % M).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+    offs_s = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    l_i = 0.0
+    m_i = -1.0e30
     stride = tl.num_programs(0).to(tl.int64) * BLOCK_R * (BLOCK_D + 2)
-    part = Part + (bk * BLOCK_R + r.to(tl.int64)) * (BLOCK_D + 2)
-    for _ in range(0, SPLITS):
-        m_s = tl.load(part + BLOCK_D)
-        l_s = tl.load(part + BLOCK_D + 1)
-        a_s = tl.load(part[:, None] + offs_d[None, :])
-        m_new = tl.maximum(m_i, m_s)
+    row = Part + (bk * BLOCK_R + r) * (BLOCK_D + 2)
+    for s0 in range(0, SPLITS, BLOCK_S):
+        s_ok = s0 + offs_s < SPLITS
+        part = row + (s0 + offs_s).to(tl.int64) * stride
+        m_s = tl.load(part + BLOCK_D, mask=s_ok, other=-1.0e30)
+        l_s = tl.load(part + BLOCK_D + 1, mask=s_ok, other=0.0)
+        a_s = tl.load(part[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(m_s, 0))
         alpha = tl.math.exp2(m_i - m_new)
         beta = tl.math.exp2(m_s - m_new)
-        acc = acc * alpha[:, None] + a_s * beta[:, None]
-        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha + tl.sum(a_s * beta[:, None], 0)
+        l_i = l_i * alpha + tl.sum(l_s * beta, 0)
         m_i = m_new
-        part += stride
     seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    tl.store(Out + b * sob + h[:, None] * soh + i.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,
-             _cast(out, Out.dtype.element_ty, PREC), mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    out = acc / tl.where(seen, l_i, 1.0)
+    tl.store(Out + b * sob + h * soh + i * som + offs_d * sod, _cast(out, Out.dtype.element_ty, PREC),
+             mask=offs_d < HEAD_DIM)
     if STORE_LSE:
         lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
-        tl.store(Lse + (b * H + h) * M + i, lse, mask=r_ok)
+        tl.store(Lse + (b * H + h) * M + i, lse)
 
 
 # ----------------------------------------------------------------------------------------------
