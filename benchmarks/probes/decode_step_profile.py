@@ -24,6 +24,7 @@ import datetime
 import json
 import statistics
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -44,6 +45,14 @@ SHAPES = {
                                             max_seq_len=1 << 20, expansion_ratio=4, use_cache=True,
                                             attn_config={"alibi": True, "alibi_bias_max": 8}),
 }
+
+
+def _python_site() -> str:
+    """The innermost torchembed or transformers frame of the running Python stack (where a sync was called)."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "/torchembed/" in frame.filename or "/patches/" in frame.filename or "/transformers/" in frame.filename:
+            return f"{frame.filename.rsplit('/', 2)[-2]}/{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} {frame.name}"
+    return "?"
 
 
 def _step(model, token, cache):
@@ -147,8 +156,9 @@ def _measure(model, config, keys: int, steps: int, compiled: bool = False, dev: 
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                with warnings.catch_warnings(record=True) as caught:
+                with warnings.catch_warnings():
                     warnings.simplefilter("always")
+                    warnings.showwarning = lambda message, *_: caught.append((message, _python_site()))
                     step(model, token, cache)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
@@ -157,8 +167,8 @@ def _measure(model, config, keys: int, steps: int, compiled: bool = False, dev: 
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {"step_ms": statistics.median(times[5 if compiled else 2:]), "steps_ms": times, "gpu_ms": gpu_us / 1e3,
             "host_ms_by_owner": min(owners, key=lambda h: sum(h.values())),
-            "host_syncs": sum("synchroniz" in str(w.message) for w in caught),
-            "sync_sites": sorted({str(w.message).splitlines()[0][:120] for w in caught}),
+            "host_syncs": sum("synchroniz" in str(message) for message, _ in caught),
+            "sync_sites": sorted({f"{str(message).splitlines()[0][:80]} at {site}" for message, site in caught}),
             "top_host_ops": [{"name": e.key[:70], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
                               "gpu_ms": e.self_device_time_total / 1e3} for e in top]}
 
