@@ -74,6 +74,20 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    lines = [f"# Split-key decode: key splits and blocks ({meta['device']})", "",
+             f"- date: {meta['date']}", f"- versions: torch {meta['torch']}, triton {meta['triton']}, "
+             f"transformers {meta['transformers']}", f"- floor: K and V bytes over {args.bandwidth / 1e9:.0f} GB/s", "",
+             "Device time of one decode step's attention, replayed from a CUDA graph; 'combine': the combine launch "
+             "alone. Settings: decode programs per multiprocessor (least, most), keys per part, decode blocks "
+             "(BLOCK_R, BLOCK_N, warps, stages).", "",
+             "| case | keys | per SM | keys per part | blocks | splits | us | floor us | of floor | combine us |",
+             "|---|---:|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        combine = "-" if r["combine_us"] is None else f"{r['combine_us']:.1f}"
+        lines.append(f"| {r['case']} | {r['keys']} | {tuple(r['per_sm'])} | {r['split_keys']} | "
+                     f"{tuple(r['blocks']) if r['blocks'] else 'tuned'} | {r['splits']} | {r['us']:.1f} | "
+                     f"{r['floor_us']:.1f} | {r['of_floor']:.2f} | {combine} |")
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
