@@ -2,6 +2,7 @@
 # The GPU measurements behind the decode results, by phase (each fits one device call; results in $OUT):
 #   tests   - the CUDA tests of the decode route and the nothing-global suite
 #   kernel-tests - the split-key kernel's tests on CUDA
+#   splits  - the split-key decode's whole call and its combine alone under key-split settings (decode_splits_graph.py)
 #   sweep   - the split-key kernel's launch configurations at batch 1 against SDPA (torchembed bench decode --sweep)
 #   decode  - torchembed bench decode (decode attention against its floor and SDPA's backends)
 #   depth   - full-depth decode per step: MPT-7B-StoryWriter and BLOOM-7B1 shapes at 65k, LLaMA-3.1-8B at 128k
@@ -29,6 +30,8 @@ for phase in "$@"; do
       timeout 300 python3 -m pytest -v -p no:cacheprovider tests/kernels/test_alibi_flash.py --tb=short --durations=8 \
         -k "without_a_bias or only_the_keys or compiles_once" 2>&1 | grep -E "PASS|FAIL|ERROR|Error|passed|failed|s call" \
         | tee "$OUT/kernel-tests.log" ;;
+    splits)  # the split-key decode under key-split settings and blocks, the combine alone (from a CUDA graph)
+      timeout 200 python3 benchmarks/probes/decode_splits_graph.py --out "$OUT" 2>&1 | grep "^|" ;;
     sweep)  # the split-key kernel's launch configurations at batch 1 (GQA), the best against SDPA's backends
       timeout 280 python3 -m torchembed bench decode --sweep --cases gqa --name decode-sweep-gqa --out "$OUT" 2>&1 \
         | grep "^| gqa" ;;
@@ -62,7 +65,7 @@ for phase in "$@"; do
         --steps 8 --name long-depth-mpt-again --out "$OUT" 2>&1 | grep "^| mpt" ;;
     before-after)  # this tree against another commit's tree in _baseline (carried), side by side:
       # git archive 0244682 | tar -x -C _baseline   (the tree before the nothing-global and walkable-house work)
-      BASE=_baseline RESULTS="$OUT/before-after" timeout 590 bash benchmarks/probes/compare_commits_gpu.sh ;;
+      BASE=_baseline RESULTS="$OUT/before-after" SECONDS_EACH=30 timeout 590 bash benchmarks/probes/compare_commits_gpu.sh ;;
     profile)
       timeout 190 python3 benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 \
         --variants upstream patched upstream-compiled patched-compiled --out "$OUT" 2>&1 | grep "^|"
