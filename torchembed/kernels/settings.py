@@ -79,7 +79,7 @@ class AlibiTuning:
     ``decode_programs_per_sm``: ``(least, most)``: the split-key decode splits the keys until its grid has ``least``
     programs per multiprocessor, and more, up to ``most``, while each part keeps ``decode_split_keys`` keys (H200,
     batch 1, grouped heads: at 16k keys two programs per multiprocessor are 9-12 % faster than one, at 64k and 128k
-    two are 12-15 % faster than four, ``decode-splits-graph.md``; over 8 x 8k keys it was 3 % slower,
+    two are 10-18 % faster than four, ``decode-splits-graph.md``; over 8 x 8k keys it was 3 % slower,
     ``alibi-decode-splits.json``, so a grid that already fills the machine is not split more; a masked call, whose
     kept keys the host does not know, takes ``least``).
     ``skip``, ``skip_margin_bits``, ``skip_min_keys``: the skip of keys of negligible weight in long prefills (from
