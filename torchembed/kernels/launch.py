@@ -23,6 +23,7 @@ Every kernel of the library launches through here; this module imports neither T
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Optional
 
@@ -61,6 +62,10 @@ def _env_flag(name: str, value: str = "1") -> Callable[[], bool]:
 triton_disabled = _env_flag("TORCHEMBED_DISABLE_TRITON")
 _interpreting = _env_flag("TRITON_INTERPRET")
 _TRITON_OK: Optional[bool] = None
+# Triton's interpreter (TRITON_INTERPRET=1) swaps the functions of triton.language for interpreted ones while a kernel
+# runs and puts them back after, for the whole process: kernels interpreted on two threads at once break each other
+# (Triton 3.8 and 3.9). Interpreted launches take turns on this lock; compiled launches never touch it.
+_INTERPRETER_TURN = threading.Lock()
 
 
 def triton_available() -> bool:
@@ -191,6 +196,10 @@ class Launch:
                     return
                 except Exception:  # the installed Triton launches differently: kernel[grid] from now on
                     _switch_direct_off()
+        if _interpreting():  # Triton's interpreter rebinds triton.language while a kernel runs: one at a time
+            with _INTERPRETER_TURN:
+                self.kernel[self.grid](*tensors, *self.fixed, *varying, **self.kwargs)
+            return
         compiled = self.kernel[self.grid](*tensors, *self.fixed, *varying, **self.kwargs)
         if self.entry is None and is_direct and _on_gpu(tensors[0]):
             found = entry_of(compiled)
