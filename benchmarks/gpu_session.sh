@@ -10,6 +10,8 @@
 #   compiled - compiled static-cache generate at 64k (8 layers), upstream and patched, and the padded batch
 #   short   - compiled static-cache decode of ~1B LLaMA and Qwen3 at 512 and 4k (torchembed bench e2e)
 #   compiled-more - compiled static-cache generate at 64k for the Qwen3-8B and Falcon-ALiBi shapes
+#   compiled-depth - eager and compiled static-cache decode at 64k at full depth: LLaMA-3.1-8B (32 layers), BLOOM-7B1 (30),
+#             Qwen3-8B (36), Falcon-ALiBi (32) shapes (MODELS="llama bloom" for some)
 #   depth-profile - full-depth MPT at 65k through the profile probe (a filled cache, no prefill)
 #   depth-again - the same through bench long (the cache of a 65k prefill)
 #   before-after - speed of this tree against the tree in _baseline (compare_commits_gpu.sh; carry _baseline)
@@ -60,6 +62,13 @@ for phase in "$@"; do
     compiled-more)  # compiled static-cache generate at 64k (8 layers): Qwen3-8B and Falcon-ALiBi shapes
       timeout 240 python3 -m torchembed bench long --models qwen3 falcon --contexts 65536 --layers 8 --steps 6 \
         --compiled 16 --max-seconds 200 --name long-compiled-qwen3-falcon --out "$OUT" 2>&1 | grep -E "^\| (qwen3|falcon)" ;;
+    compiled-depth)
+      for spec in ${MODELS:-llama bloom qwen3 falcon}; do
+        layers=$(case $spec in llama|falcon) echo 32;; bloom) echo 30;; qwen3) echo 36;; esac)
+        timeout 190 python3 -m torchembed bench long --models "$spec" --variants patched --layers "$layers" \
+          --contexts 65536 --steps 4 --compiled 16 --max-seconds 170 --name "long-compiled-depth-$spec" --out "$OUT" \
+          2>&1 | grep -E "^\| $spec|Error"
+      done ;;
     depth-profile)  # full-depth MPT at 65k: the profile's filled cache against bench long's prefilled one
       timeout 200 python3 benchmarks/probes/decode_step_profile.py --model mpt --keys 65536 --layers 32 \
         --variants patched --out "$OUT/full" 2>&1 | grep "^|" ;;
