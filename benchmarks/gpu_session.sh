@@ -65,8 +65,8 @@ for phase in "$@"; do
     compiled-depth)
       for spec in ${MODELS:-llama bloom qwen3 falcon}; do
         layers=$(case $spec in llama|falcon) echo 32;; bloom) echo 30;; qwen3) echo 36;; esac)
-        timeout 190 python3 -m torchembed bench long --models "$spec" --variants patched --layers "$layers" \
-          --contexts 65536 --steps 4 --compiled 16 --max-seconds 170 --name "long-compiled-depth-$spec" --out "$OUT" \
+        timeout 280 python3 -m torchembed bench long --models "$spec" --variants patched --layers "$layers" \
+          --contexts 65536 --steps 4 --compiled 48 --max-seconds 250 --name "long-compiled-depth-$spec" --out "$OUT" \
           2>&1 | grep -E "^\| $spec|Error"
       done ;;
     depth-profile)  # full-depth MPT at 65k: the profile's filled cache against bench long's prefilled one

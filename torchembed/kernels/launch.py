@@ -198,9 +198,9 @@ class Launch:
                     _switch_direct_off()
         if _interpreting():  # Triton's interpreter rebinds triton.language while a kernel runs: one at a time
             with _INTERPRETER_TURN:
-                self.kernel[self.grid](*tensors, *self.fixed, *varying, **self.kwargs)
-            return
-        compiled = self.kernel[self.grid](*tensors, *self.fixed, *varying, **self.kwargs)
+                compiled = self.kernel[self.grid](*tensors, *self.fixed, *varying, **self.kwargs)
+        else:
+            compiled = self.kernel[self.grid](*tensors, *self.fixed, *varying, **self.kwargs)
         if self.entry is None and is_direct and _on_gpu(tensors[0]):
             found = entry_of(compiled)
             if found is not None:

@@ -95,11 +95,13 @@ def _decode_steps(base: nn.Module, cache: Any, vocab: int, steps: int, device: t
 
 
 def generate_ms(model: nn.Module, context: int, vocab: int, new_tokens: int, seed: int, device: torch.device,
-                compiled: bool = False) -> float:
+                compiled: bool = False, repeats: int = 3) -> float:
     """``generate``'s time per new token at ``context`` tokens of prompt: (generate(n) - generate(1)) / (n - 1),
-    greedy, with the attention mask a user passes (after one warm-up call). ``compiled``: HF's fast path, a
-    static cache and ``torch.compile(fullgraph=True, mode="reduce-overhead")`` (CUDA graphs) of the decode
-    step; the warm-up generates ``n`` tokens first, so the static cache keeps its size (no recompile)."""
+    the medians of ``repeats`` interleaved pairs (a long prompt's prefill varies by tens of ms between calls, which
+    one pair divided by a few tokens would count as decode time), greedy, with the attention mask a user passes,
+    after one warm-up call. ``compiled``: HF's fast path, a static cache and
+    ``torch.compile(fullgraph=True, mode="reduce-overhead")`` (CUDA graphs) of the decode step; the warm-up
+    generates ``n`` tokens first, so the static cache keeps its size (no recompile)."""
     ids = torch.randint(3, vocab - 16, (1, context), generator=torch.Generator().manual_seed(seed)).to(device)
     kwargs: dict[str, Any] = dict(do_sample=False, pad_token_id=0, use_cache=True)
     if compiled:
@@ -108,15 +110,16 @@ def generate_ms(model: nn.Module, context: int, vocab: int, new_tokens: int, see
         config = CompileConfig(fullgraph=True, mode="reduce-overhead")
         config._compile_all_devices = device.type != "cuda"  # (--smoke: compiled on the CPU too)
         kwargs.update(cache_implementation="static", compile_config=config)
-    times = []
+    times: dict[int, list[float]] = {1: [], new_tokens: []}
     with torch.no_grad():
-        for n in (new_tokens if compiled else 2, 1, new_tokens):  # (the first: a warm-up)
+        for i, n in enumerate([new_tokens if compiled else 2] + [1, new_tokens] * repeats):  # (the first: a warm-up)
             bench.sync(device)
             start = time.perf_counter()
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, **kwargs)
             bench.sync(device)
-            times.append(time.perf_counter() - start)
-    return (times[2] - times[1]) / (new_tokens - 1) * 1e3
+            if i:
+                times[n].append(time.perf_counter() - start)
+    return (statistics.median(times[new_tokens]) - statistics.median(times[1])) / (new_tokens - 1) * 1e3
 
 
 def measure_cell(base: nn.Module, config: Any, context: int, args: argparse.Namespace,
@@ -145,10 +148,12 @@ def measure_cell(base: nn.Module, config: Any, context: int, args: argparse.Name
             out = None
             if model is not None and args.generate:
                 bench.free_memory(device)
-                record["generate_ms"] = generate_ms(model, context, vocab, args.generate, args.seed, device)
+                record["generate_ms"] = generate_ms(model, context, vocab, args.generate, args.seed, device,
+                                                    repeats=1 if args.smoke else 3)
             if model is not None and args.compiled:
                 bench.free_memory(device)
-                record["compiled_ms"] = generate_ms(model, context, vocab, args.compiled, args.seed, device, compiled=True)
+                record["compiled_ms"] = generate_ms(model, context, vocab, args.compiled, args.seed, device, compiled=True,
+                                                    repeats=1 if args.smoke else 3)
         except Exception as exc:  # noqa: BLE001 - OOM (or another failure) is a result
             if not bench.is_oom(exc):
                 raise
@@ -229,7 +234,8 @@ def markdown(records: list[dict[str, Any]], args: argparse.Namespace, bandwidth:
            f"{args.layers} layers of each shape, batch 1, {args.dtype}, random weights; base model (no LM head). "
            f"Prefill: one timed run after a 4,096-token warm-up; decode: the median of {args.steps} plain-loop steps "
            "(`model(next, past_key_values=cache)`, synchronised) after the first two"
-           + ("; generate: (generate(N) - generate(1)) / (N - 1) with the task model and its mask" if args.generate else "")
+           + ("; generate: (generate(N) - generate(1)) / (N - 1) with the task model and its mask, the medians of "
+              f"{1 if args.smoke else 3} interleaved pairs" if args.generate else "")
            + ("; compiled: the same with a static cache and torch.compile(fullgraph=True, mode=\"reduce-overhead\") "
               "(CUDA graphs), after a warm-up that compiles" if args.compiled else "")
            + ". Floors: prefill matmul FLOPs at "
@@ -247,7 +253,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=count(3), default=8, help="decode steps per cell (default 8)")
     parser.add_argument("--generate", type=count(2), default=0, metavar="N",
                         help="also time generate() per new token, (generate(N) - generate(1)) / (N - 1), with its "
-                             "attention mask (default: off; each costs two more prefills)")
+                             "attention mask, medians of 3 interleaved pairs (default: off; each costs seven more "
+                             "prefills; a long prefill's variation counts divided by N - 1: take N of 64 or more "
+                             "at 64k tokens)")
     parser.add_argument("--compiled", type=count(2), default=0, metavar="N",
                         help="also time HF's compiled static-cache generate() per new token the same way (default: off)")
 
