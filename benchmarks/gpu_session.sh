@@ -21,6 +21,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-torchembed-results}
 mkdir -p "$OUT"
+if [ -n "${WHEELS:-}" ]; then  # another transformers, from wheels carried in the folder WHEELS, e.g. made here with
+  # pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl transformers==5.22.2
+  python3 -m venv --system-site-packages /tmp/venv-wheels && . /tmp/venv-wheels/bin/activate
+  python3 -m pip install -q --no-index --find-links "$WHEELS" transformers
+  python3 -c "import transformers; print('transformers', transformers.__version__)"
+fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
 for phase in "$@"; do
