@@ -12,6 +12,7 @@
 #   compiled-more - compiled static-cache generate at 64k for the Qwen3-8B and Falcon-ALiBi shapes
 #   compiled-depth - eager and compiled static-cache decode at 64k at full depth: LLaMA-3.1-8B (32 layers), BLOOM-7B1 (30),
 #             Qwen3-8B (36), Falcon-ALiBi (32) shapes (MODELS="llama bloom" for some)
+#   generate-profile - where compiled static-cache generate spends each token beyond the compiled step (LLaMA, 32 layers, 64k)
 #   depth-profile - full-depth MPT at 65k through the profile probe (a filled cache, no prefill)
 #   depth-again - the same through bench long (the cache of a 65k prefill)
 #   before-after - speed of this tree against the tree in _baseline (compare_commits_gpu.sh; carry _baseline)
@@ -75,6 +76,9 @@ for phase in "$@"; do
           --contexts 65536 --steps 4 --compiled 48 --max-seconds 250 --name "long-compiled-depth-$spec" --out "$OUT" \
           2>&1 | grep -E "^\| $spec|Error"
       done ;;
+    generate-profile)
+      timeout 400 python3 benchmarks/probes/generate_profile.py --model llama --layers 32 --keys 65536 \
+        --variants patched upstream --out "$OUT" 2>&1 | grep -E "^##|^\||^- " ;;
     depth-profile)  # full-depth MPT at 65k: the profile's filled cache against bench long's prefilled one
       timeout 200 python3 benchmarks/probes/decode_step_profile.py --model mpt --keys 65536 --layers 32 \
         --variants patched --out "$OUT/full" 2>&1 | grep "^|" ;;
