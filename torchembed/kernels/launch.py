@@ -22,6 +22,7 @@ Every kernel of the library launches through here; this module imports neither T
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -66,6 +67,7 @@ _TRITON_OK: Optional[bool] = None
 # runs and puts them back after, for the whole process: kernels interpreted on two threads at once break each other
 # (Triton 3.8 and 3.9). Interpreted launches take turns on this lock; compiled launches never touch it.
 _INTERPRETER_TURN = threading.Lock()
+_NO_TURN = contextlib.nullcontext()
 
 
 def triton_available() -> bool:
@@ -196,10 +198,7 @@ class Launch:
                     return
                 except Exception:  # the installed Triton launches differently: kernel[grid] from now on
                     _switch_direct_off()
-        if _interpreting():  # Triton's interpreter rebinds triton.language while a kernel runs: one at a time
-            with _INTERPRETER_TURN:
-                compiled = self.kernel[self.grid](*tensors, *self.fixed, *varying, **self.kwargs)
-        else:
+        with _INTERPRETER_TURN if _interpreting() else _NO_TURN:  # (the interpreter: one kernel at a time)
             compiled = self.kernel[self.grid](*tensors, *self.fixed, *varying, **self.kwargs)
         if self.entry is None and is_direct and _on_gpu(tensors[0]):
             found = entry_of(compiled)
