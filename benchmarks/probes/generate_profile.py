@@ -99,11 +99,27 @@ def main() -> None:
             print(f"- {key[:70]}: {count:.1f} calls, {cpu_ms:.3f} ms host, {gpu_ms:.3f} ms GPU per token")
     meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
             "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"generate-profile-{args.model}.json").write_text(json.dumps({"meta": meta, "args": vars(args),
-                                                                          "rows": rows}, indent=1))
+    write(Path(args.out), {"meta": meta, "args": vars(args), "rows": rows})
 
+
+def write(out: Path, result: dict) -> None:
+    """``generate-profile-<model>.json`` and its markdown table (one row per variant and counted event)."""
+    meta, args, rows = result["meta"], result["args"], result["rows"]
+    name = f"generate-profile-{args['model']}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+    lines = [f"# Compiled static-cache generate, per new token ({args['model']}, {args['layers']} layers, "
+             f"{args['keys']} keys)", "", f"- date: {meta['date']}", f"- device: {meta['device']}",
+             f"- versions: torch {meta['torch']}, transformers {meta['transformers']}", "",
+             f"`generate(N)` less `generate(1)` (N = {args['tokens']}) under `torch.profiler`, divided by N - 1; "
+             "wall: medians of 3 interleaved pairs without the profiler.", "",
+             "| variant | wall ms/token | GPU ms/token | event | calls/token | host ms/token | GPU ms/token |",
+             "|---|---:|---:|---|---:|---:|---:|"]
+    for variant, r in rows.items():
+        for key, (count, cpu_ms, gpu_ms) in r["per_token"].items():
+            lines.append(f"| {variant} | {r['generate_ms_per_token']:.2f} | {r['gpu_ms_per_token']:.2f} | {key} | "
+                         f"{count:.2f} | {cpu_ms:.3f} | {gpu_ms:.3f} |")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 if __name__ == "__main__":
     main()
