@@ -12,6 +12,8 @@
 #   compiled-more - compiled static-cache generate at 64k for the Qwen3-8B and Falcon-ALiBi shapes
 #   compiled-depth - eager and compiled static-cache decode at 64k at full depth: LLaMA-3.1-8B (32 layers), BLOOM-7B1 (30),
 #             Qwen3-8B (36), Falcon-ALiBi (32) shapes (MODELS="llama bloom" for some)
+#   rerecord - why compiled static-cache generate re-records its CUDA graph (LLaMA, 4 layers, 16k; the reasons logged)
+#   decode-ab - torchembed bench decode on the tree in _baseline and on this one, in turn (carry _baseline)
 #   generate-profile - where compiled static-cache generate spends each token beyond the compiled step (LLaMA, 32 layers, 64k)
 #   depth-profile - full-depth MPT at 65k through the profile probe (a filled cache, no prefill)
 #   depth-again - the same through bench long (the cache of a 65k prefill)
@@ -79,6 +81,17 @@ for phase in "$@"; do
     generate-profile)
       timeout 400 python3 benchmarks/probes/generate_profile.py --model llama --layers 32 --keys 65536 \
         --variants patched upstream --out "$OUT" 2>&1 | grep -E "^##|^\||^- " ;;
+    rerecord)
+      timeout 200 python3 benchmarks/probes/generate_profile.py --model llama --layers 4 --keys 16384 --tokens 9 \
+        --variants patched upstream --why --out "$OUT/rerecord" 2>&1 | grep -E "^##|re-record|counters|cudaDevice|cuLaunch" ;;
+    decode-ab)  # the split-key decode of _baseline's tree against this one's, each case on both before the next
+      for case in gqa alibi gqa-padded; do
+        for side in base new; do
+          tree=$([ $side = base ] && echo _baseline || echo .)
+          ( cd "$tree" && PYTHONPATH=$PWD timeout 100 python3 -m torchembed bench decode --cases "$case" \
+              --name "decode-ab-$case-$side" --out "$OUT" 2>&1 | grep "^| $case" | sed "s/^/$side /" )
+        done
+      done ;;
     depth-profile)  # full-depth MPT at 65k: the profile's filled cache against bench long's prefilled one
       timeout 200 python3 benchmarks/probes/decode_step_profile.py --model mpt --keys 65536 --layers 32 \
         --variants patched --out "$OUT/full" 2>&1 | grep "^|" ;;

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -75,7 +76,16 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["patched"], choices=["patched", "upstream"])
     parser.add_argument("--out", default=".")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (exercises the script)")
+    parser.add_argument("--why", action="store_true",
+                        help="print each CUDA-graph re-recording with its reason (and inductor's counters)")
     args = parser.parse_args()
+    if args.why:  # cudagraph_trees logs each re-recording's reason at DEBUG level
+        rerecords = logging.getLogger("torch._inductor.cudagraph_trees")
+        rerecords.setLevel(logging.DEBUG)
+        handler = logging.StreamHandler()
+        handler.addFilter(lambda record: "Re-recording" in record.getMessage())
+        handler.setFormatter(logging.Formatter("- re-record: %(message).600s"))
+        rerecords.addHandler(handler)
     device = torch.device("cpu" if args.smoke else "cuda")
     config = make_config(args.model, args.layers, args.keys, args.smoke)
     torch.manual_seed(0)
@@ -89,6 +99,10 @@ def main() -> None:
         rows[variant] = measure(model, args.keys, args.tokens, vocab, device)
         if variant == "patched":
             torchembed.unpatch(model)
+        if args.why:
+            from torch._dynamo.utils import counters
+            print(f"- {variant}: inductor counters {dict(counters['inductor'])}")
+            counters.clear()
         torch._dynamo.reset()
         r = rows[variant]
         print(f"## {args.model}, {args.layers} layers, {args.keys} keys, {variant}: generate {r['generate_ms_per_token']:.2f}"

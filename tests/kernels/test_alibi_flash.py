@@ -223,18 +223,23 @@ def test_decode_split_count_follows_the_tuning():
         assert _decode_splits(cpu, 24, 65536, 64, False) == 1  # already more than one program per multiprocessor
         assert _decode_splits(cpu, 1, 65536, 64, True) == 16  # masked: the least
         assert _decode_splits(cpu, 8, 16384, 64, True) == 2
-    for bad in ({"decode_programs_per_sm": (2, 1)}, {"decode_programs_per_sm": (0, 1)}, {"decode_split_keys": 0}):
+    for bad in ({"decode_programs_per_sm": (2, 1)}, {"decode_programs_per_sm": (0, 1)}, {"decode_split_keys": 0},
+                {"decode_combine": (48, 32)}, {"decode_combine": (64, 0)}):
         with pytest.raises(ValueError, match="decode_"):
             AlibiTuning(**bad)
 
 
-def test_decode_with_many_parts_matches_the_oracle():
-    """The most parts the tuning allows (short parts of many splits) still combine to the reference."""
+@pytest.mark.parametrize("combine", [(64, 32), (4, 16)])
+def test_decode_with_many_parts_matches_the_oracle(combine):
+    """The most parts the tuning allows (short parts of many splits) still combine to the reference, the combine
+    taking all parts in one step or in several (4 per step) over one feature block or several (16 of 64)."""
     from torchembed.kernels.settings import changed
 
-    with changed(alibi={"decode_programs_per_sm": (1, 4), "decode_split_keys": 16}):
+    with changed(alibi={"decode_programs_per_sm": (1, 4), "decode_split_keys": 16, "decode_combine": combine}):
         q, k, v = _inputs(2, 4, 2, 1, 200, 32, torch.float32, seed=5)
         _check(q, k, v, alibi_slopes(4, DEV))
+        q, k, v = _inputs(1, 8, 2, 1, 300, 64, torch.float32, seed=6)
+        _check(q, k, v, None)
 
 
 def test_decode_with_padding_and_a_few_queries():

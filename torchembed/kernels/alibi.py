@@ -790,10 +790,12 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Ten
             main = plan.main
             plan.main = lambda t, main=main: main((t[0], t[1], t[2], t[3], t[4], t[3], t[5], t[6], t[7]))
         else:
-            plan.combine = Launch(_device()._combine_kernel, (programs, group * q_len, 1),
+            parts, features = settings().alibi.decode_combine
+            chunk = min(bd, features)
+            plan.combine = Launch(_device()._combine_kernel, (programs, group * q_len, bd // chunk),
                                   (*out4, heads, group, q_len, splits),
-                                  {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_D": bd, "BLOCK_S": 16,
-                                   "STORE_LSE": need_lse, "PREC": prec},
+                                  {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_D": bd, "BLOCK_C": chunk,
+                                   "BLOCK_S": parts, "STORE_LSE": need_lse, "PREC": prec},
                                   num_warps=2, num_stages=1)
         return plan
     block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, masked)

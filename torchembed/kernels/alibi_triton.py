@@ -586,29 +586,32 @@ def _decode_kernel(
             tl.store(Lse + (b * H + h) * M + i, lse, mask=r_ok)
     else:
         # Part: (splits, B * Hk, BLOCK_R, BLOCK_D + 2) float32: acc, then m and l
+        # (the rows past GROUP * M are padding of the dot's tile: not written, the combine never reads them)
         part = Part + ((split * tl.num_programs(1) + bk) * BLOCK_R + r.to(tl.int64)) * (BLOCK_D + 2)
-        tl.store(part[:, None] + offs_d[None, :], acc)
-        tl.store(part + BLOCK_D, m_i)
-        tl.store(part + BLOCK_D + 1, l_i)
+        tl.store(part[:, None] + offs_d[None, :], acc, mask=r_ok[:, None])
+        tl.store(part + BLOCK_D, m_i, mask=r_ok)
+        tl.store(part + BLOCK_D + 1, l_i, mask=r_ok)
 
 
 @triton.jit(do_not_specialize=("SPLITS",))
 def _combine_kernel(
     Out, Lse, Part, sob, soh, som, sod, H, GROUP, M, SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    STORE_LSE: tl.constexpr, PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid ``(B * Hk, GROUP * M)``: one program per query row merges that row's ``SPLITS`` partial ``(acc, m, l)``
-    of :func:`_decode_kernel` into ``Out``, ``BLOCK_S`` parts per step (their loads in flight together)."""
+    """Grid ``(B * Hk, GROUP * M, BLOCK_D // BLOCK_C)``: one program per query row and ``BLOCK_C`` features merges
+    that row's ``SPLITS`` partial ``(acc, m, l)`` of :func:`_decode_kernel` into ``Out``, ``BLOCK_S`` parts per step
+    (their loads in flight together; one step for the usual split counts)."""
     bk = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1)
+    chunk = tl.program_id(2)
     Hk = H // GROUP
     b, hk = bk // Hk, bk % Hk
     h = (hk * GROUP + r // M).to(tl.int64)
     i = (r % M).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_s = tl.arange(0, BLOCK_S)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     l_i = 0.0
     m_i = -1.0e30
     stride = tl.num_programs(0).to(tl.int64) * BLOCK_R * (BLOCK_D + 2)
@@ -630,8 +633,9 @@ def _combine_kernel(
     tl.store(Out + b * sob + h * soh + i * som + offs_d * sod, _cast(out, Out.dtype.element_ty, PREC),
              mask=offs_d < HEAD_DIM)
     if STORE_LSE:
-        lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
-        tl.store(Lse + (b * H + h) * M + i, lse)
+        if chunk == 0:
+            lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+            tl.store(Lse + (b * H + h) * M + i, lse)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -82,6 +82,8 @@ class AlibiTuning:
     two are 10-18 % faster than four, ``decode-splits-graph.md``; over 8 x 8k keys it was 3 % slower,
     ``alibi-decode-splits.json``, so a grid that already fills the machine is not split more; a masked call, whose
     kept keys the host does not know, takes ``least``).
+    ``decode_combine``: ``(parts, features)``: the split decode's combine merges this many parts per step (their loads
+    in flight together) for this many features per program (one program per query row and feature block).
     ``skip``, ``skip_margin_bits``, ``skip_min_keys``: the skip of keys of negligible weight in long prefills (from
     this many keys; what is left out is under ``2**-(skip_margin_bits + log2 keys)`` of each row's mass)."""
 
@@ -89,6 +91,7 @@ class AlibiTuning:
         default_factory=lambda: MappingProxyType(dict(_MEASURED_BLOCKS)))
     decode_programs_per_sm: tuple[int, int] = (1, 2)
     decode_split_keys: int = 512
+    decode_combine: tuple[int, int] = (64, 32)
     skip: bool = True
     skip_margin_bits: float = 32.0
     skip_min_keys: int = 2048
@@ -100,6 +103,9 @@ class AlibiTuning:
                              f"got {self.decode_programs_per_sm!r}")
         if self.decode_split_keys < 1:
             raise ValueError(f"decode_split_keys must be positive, got {self.decode_split_keys}")
+        parts, features = self.decode_combine
+        if not all(n >= 1 and n & (n - 1) == 0 for n in (parts, features)):
+            raise ValueError(f"decode_combine must be (parts, features), powers of two, got {self.decode_combine!r}")
 
 
 @dataclass(frozen=True)
