@@ -92,9 +92,10 @@ def single_launch_decode(Q, K, V, Out, Part, Count, sqb, sqh, skb, skh, skn, svb
 
 
 def single_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, splits: int, block_n: int = 64,
-                  warps: int = 4, stages: int = 3):
+                  warps: int = 4, stages: int = 3, zero_each_call: bool = False):
     """A callable running :func:`single_launch_decode` on ``q (B, H, 1, D)`` over ``k, v (B, Hk, N, D)``; it returns
-    the output ``(B, H, 1, D)`` (buffers made once, the counter left zeroed by each call)."""
+    the output ``(B, H, 1, D)`` (buffers made once, the counter left zeroed by each call). ``zero_each_call``: zero
+    the counter before each launch too (a memset, what a counter made per forward costs)."""
     batch, heads, _, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -106,6 +107,8 @@ def single_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, splits: int
     prec = 1 if q.dtype == torch.float32 else (2 if q.device.type == "cpu" else 0)  # (as the library's kernels)
 
     def call() -> torch.Tensor:
+        if zero_each_call:
+            count.zero_()
         single_launch_decode[grid](q, k, v, out, part, count, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                    k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1),
                                    kv_heads, group, keys, splits, dim ** -0.5 * 1.4426950408889634, HEAD_DIM=dim,
@@ -138,9 +141,10 @@ def main() -> None:
         library = [_torchembed(c) for c in copies]
         reference = library[0]().float()
         for name, fns in (("torchembed (split pass + combine)", library),
-                          *((f"one launch, {splits} parts, {w} warps, {s} stages",
-                             [single_launch(c["q"], c["k"], c["v"], splits, 64, w, s) for c in copies])
-                            for w, s in ((4, 3), (4, 4), (8, 3)))):
+                          *((f"one launch, {splits} parts, {w} warps, {s} stages" + (", counter zeroed per call" if z
+                                                                                      else ""),
+                             [single_launch(c["q"], c["k"], c["v"], splits, 64, w, s, z) for c in copies])
+                            for w, s, z in ((4, 3, False), (4, 4, False), (8, 3, False), (4, 3, True)))):
             error = (fns[0]().float() - reference).abs().max().item()
             us = bench.graph_time(bench.rotate(fns), dev, calls=calls) * 1e3
             rows.append({"keys": keys, "what": name, "us": us, "floor_us": floor, "of_floor": floor / us,

@@ -26,9 +26,25 @@ import torchembed
 from torchembed.tools.bench_long import make_config
 
 
-def _generate(model, ids, n: int, config: CompileConfig) -> None:
+class StepClock(transformers.LogitsProcessor):
+    """Takes the host time at each step's logits processing (after the step's forward, which generate waits for):
+    the gaps between consecutive calls are the wall time of each decode step inside one ``generate``."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+    def gaps_ms(self) -> list[float]:
+        return [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:])]
+
+
+def _generate(model, ids, n: int, config: CompileConfig, clock: StepClock | None = None) -> None:
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                   pad_token_id=0, use_cache=True, cache_implementation="static", compile_config=config)
+                   pad_token_id=0, use_cache=True, cache_implementation="static", compile_config=config,
+                   logits_processor=transformers.LogitsProcessorList([clock] if clock else []))
 
 
 def measure(model, keys: int, tokens: int, vocab: int, device: torch.device) -> dict:
@@ -39,13 +55,19 @@ def measure(model, keys: int, tokens: int, vocab: int, device: torch.device) -> 
     with torch.no_grad():
         _generate(model, ids, tokens, config)  # compiles, records the graph
         times: dict[int, list[float]] = {1: [], tokens: []}
+        gaps: list[list[float]] = []
         for n in [1, tokens] * 3:
+            clock = StepClock()
             sync()
             start = time.perf_counter()
-            _generate(model, ids, n, config)
+            _generate(model, ids, n, config, clock)
             sync()
             times[n].append(time.perf_counter() - start)
+            if n == tokens:
+                gaps.append(clock.gaps_ms())
         per_token = (statistics.median(times[tokens]) - statistics.median(times[1])) / (tokens - 1) * 1e3
+        steady = statistics.median([g for run in gaps for g in run[2:]])  # (the first two steps: warm-up, record)
+        first = [statistics.median(run[i] for run in gaps) for i in range(2)]
         counts: dict[int, dict] = {}
         for n in (1, tokens):  # the profile of generate(N) less that of generate(1): the decode steps alone
             with torch.profiler.profile() as prof:
@@ -63,7 +85,8 @@ def measure(model, keys: int, tokens: int, vocab: int, device: torch.device) -> 
                                                       "cudaMemcpyAsync", "Torch-Compiled Region: 0/0",
                                                       "TorchDynamo Cache Lookup")}
     top = sorted(per_step.items(), key=lambda kv: -kv[1][1])[:15]
-    return {"generate_ms_per_token": per_token, "per_token": picked, "top_host": top,
+    return {"generate_ms_per_token": per_token, "steady_ms_per_token": steady, "first_steps_ms": first,
+            "per_token": picked, "top_host": top,
             "gpu_ms_per_token": sum(v[2] for k, v in per_step.items() if not k.startswith("## Call"))}
 
 
@@ -106,7 +129,8 @@ def main() -> None:
         torch._dynamo.reset()
         r = rows[variant]
         print(f"## {args.model}, {args.layers} layers, {args.keys} keys, {variant}: generate {r['generate_ms_per_token']:.2f}"
-              f" ms/token, GPU {r['gpu_ms_per_token']:.2f} ms/token")
+              f" ms/token, GPU {r['gpu_ms_per_token']:.2f} ms/token; steady {r['steady_ms_per_token']:.2f} ms/token, first "
+              f"steps {r['first_steps_ms'][0]:.1f} / {r['first_steps_ms'][1]:.1f} ms")
         for key, (count, cpu_ms, gpu_ms) in r["per_token"].items():
             print(f"| {key} | {count:.1f} calls | {cpu_ms:.3f} ms host | {gpu_ms:.3f} ms GPU |")
         for key, (count, cpu_ms, gpu_ms) in r["top_host"]:
@@ -126,9 +150,14 @@ def write(out: Path, result: dict) -> None:
              f"{args['keys']} keys)", "", f"- date: {meta['date']}", f"- device: {meta['device']}",
              f"- versions: torch {meta['torch']}, transformers {meta['transformers']}", "",
              f"`generate(N)` less `generate(1)` (N = {args['tokens']}) under `torch.profiler`, divided by N - 1; "
-             "wall: medians of 3 interleaved pairs without the profiler.", "",
-             "| variant | wall ms/token | GPU ms/token | event | calls/token | host ms/token | GPU ms/token |",
-             "|---|---:|---:|---|---:|---:|---:|"]
+             "wall: medians of 3 interleaved pairs without the profiler. Steady: the median gap between consecutive "
+             "steps inside one `generate` (host time at each step's logits processing), the first two steps left "
+             "out; first steps: the first two gaps (median over the 3 calls).", "",
+             "| variant | wall ms/token | steady ms/token | first steps ms |", "|---|---:|---:|---:|"]
+    lines += [f"| {v} | {r['generate_ms_per_token']:.2f} | {r['steady_ms_per_token']:.2f} | "
+              f"{r['first_steps_ms'][0]:.1f} / {r['first_steps_ms'][1]:.1f} |" for v, r in rows.items()]
+    lines += ["", "| variant | wall ms/token | GPU ms/token | event | calls/token | host ms/token | GPU ms/token |",
+              "|---|---:|---:|---|---:|---:|---:|"]
     for variant, r in rows.items():
         for key, (count, cpu_ms, gpu_ms) in r["per_token"].items():
             lines.append(f"| {variant} | {r['generate_ms_per_token']:.2f} | {r['gpu_ms_per_token']:.2f} | {key} | "
