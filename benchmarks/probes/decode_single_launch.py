@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from torchembed.kernels import alibi as A
-from torchembed.kernels.alibi_triton import _decode_tile
+from torchembed.kernels.alibi_triton import _decode_tile, merge_parts
 
 
 @triton.jit
@@ -68,24 +68,10 @@ def single_launch_decode(Q, K, V, Out, Part, Count, sqb, sqh, skb, skh, skn, svb
     ticket = tl.atomic_add(Count + bk, 1, sem="acq_rel")  # (releases the stores above; the last one acquires all)
     if ticket == SPLITS - 1:
         stride = tl.num_programs(1).to(tl.int64) * BLOCK_R * row
-        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, HEAD_DIM)
         for g in range(0, GROUP):  # each query row of this kv head: all parts at once, BLOCK_S per step
-            base = Part + (bk * BLOCK_R + g) * row
-            out = tl.zeros([HEAD_DIM], dtype=tl.float32)
-            l_g = 0.0
-            m_g = -1.0e30
-            for s0 in range(0, SPLITS, BLOCK_S):
-                s_ok = s0 + offs_s < SPLITS
-                p = base + (s0 + offs_s).to(tl.int64) * stride
-                m_s = tl.load(p + HEAD_DIM, mask=s_ok, other=-1.0e30, cache_modifier=".cg")
-                l_s = tl.load(p + HEAD_DIM + 1, mask=s_ok, other=0.0, cache_modifier=".cg")
-                a_s = tl.load(p[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m_g, tl.max(m_s, 0))
-                alpha = tl.math.exp2(m_g - m_new)
-                beta = tl.math.exp2(m_s - m_new)
-                out = out * alpha + tl.sum(a_s * beta[:, None], 0)
-                l_g = l_g * alpha + tl.sum(l_s * beta, 0)
-                m_g = m_new
+            out, l_g, m_g = merge_parts(Part + (bk * BLOCK_R + g) * row, stride, offs_d, SPLITS, HEAD_DIM, HEAD_DIM,
+                                        BLOCK_S)
             out = out / tl.where(l_g > 0.0, l_g, 1.0)
             tl.store(Out + b * sob + (hk * GROUP + g).to(tl.int64) * soh + offs_d, out.to(Out.dtype.element_ty))
         tl.atomic_xchg(Count + bk, 0)

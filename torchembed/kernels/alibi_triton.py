@@ -593,6 +593,30 @@ def _decode_kernel(
         tl.store(part + BLOCK_D + 1, l_i, mask=r_ok)
 
 
+@triton.jit
+def merge_parts(row, stride, offs_d, SPLITS, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merges one query row's ``SPLITS`` partial ``(acc, m, l)`` (``row``: its first part, ``BLOCK_D + 2`` float32;
+    the next part ``stride`` further) over the features ``offs_d`` (``BLOCK_C`` of them), ``BLOCK_S`` parts per
+    step: the unnormalised ``(acc, l, m)`` of all keys (log-sum-exp rescaling, Milakov & Gimelshein 2018)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    l_i = 0.0
+    m_i = -1.0e30
+    for s0 in range(0, SPLITS, BLOCK_S):
+        s_ok = s0 + offs_s < SPLITS
+        part = row + (s0 + offs_s).to(tl.int64) * stride
+        m_s = tl.load(part + BLOCK_D, mask=s_ok, other=-1.0e30)
+        l_s = tl.load(part + BLOCK_D + 1, mask=s_ok, other=0.0)
+        a_s = tl.load(part[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(m_s, 0))
+        alpha = tl.math.exp2(m_i - m_new)
+        beta = tl.math.exp2(m_s - m_new)
+        acc = acc * alpha + tl.sum(a_s * beta[:, None], 0)
+        l_i = l_i * alpha + tl.sum(l_s * beta, 0)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
 @triton.jit(do_not_specialize=("SPLITS",))
 def _combine_kernel(
     Out, Lse, Part, sob, soh, som, sod, H, GROUP, M, SPLITS,
@@ -610,24 +634,9 @@ def _combine_kernel(
     h = (hk * GROUP + r // M).to(tl.int64)
     i = (r % M).to(tl.int64)
     offs_d = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
-    offs_s = tl.arange(0, BLOCK_S)
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    l_i = 0.0
-    m_i = -1.0e30
     stride = tl.num_programs(0).to(tl.int64) * BLOCK_R * (BLOCK_D + 2)
     row = Part + (bk * BLOCK_R + r) * (BLOCK_D + 2)
-    for s0 in range(0, SPLITS, BLOCK_S):
-        s_ok = s0 + offs_s < SPLITS
-        part = row + (s0 + offs_s).to(tl.int64) * stride
-        m_s = tl.load(part + BLOCK_D, mask=s_ok, other=-1.0e30)
-        l_s = tl.load(part + BLOCK_D + 1, mask=s_ok, other=0.0)
-        a_s = tl.load(part[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-        m_new = tl.maximum(m_i, tl.max(m_s, 0))
-        alpha = tl.math.exp2(m_i - m_new)
-        beta = tl.math.exp2(m_s - m_new)
-        acc = acc * alpha + tl.sum(a_s * beta[:, None], 0)
-        l_i = l_i * alpha + tl.sum(l_s * beta, 0)
-        m_i = m_new
+    acc, l_i, m_i = merge_parts(row, stride, offs_d, SPLITS, BLOCK_D, BLOCK_C, BLOCK_S)
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)
     tl.store(Out + b * sob + h * soh + i * som + offs_d * sod, _cast(out, Out.dtype.element_ty, PREC),
