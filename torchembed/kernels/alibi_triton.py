@@ -502,18 +502,21 @@ def _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows,
 
 @triton.jit(do_not_specialize=_DECODE_LENGTHS)
 def _decode_kernel(
-    Q, K, V, Out, Lse, Part, Bias, Rows, Keep,
+    Q, K, V, Out, Lse, Part, Count, Bias, Rows, Keep,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     sbb, sbh, sbn, srb, smb, smm, smn,
     H, GROUP, M, N, SPLITS, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SINGLE: tl.constexpr, STORE_LSE: tl.constexpr,
+    MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Grid ``(SPLITS, B * Hk)``; rows are the ``GROUP * M`` queries of one (batch, kv head): every kv head's keys are
     read once per split. The keys its rows keep, ``[min lo, max hi)`` (a static cache's filled part, a padded
     sequence's own tokens), are split into ``SPLITS`` equal parts on the device, one per program, so empty cache slots
     and padding are never read, whatever the length the launch was set up for. ``SINGLE``: one split, the result is
-    written directly; else the split's unnormalised ``(acc, m, l)`` go to ``Part`` for :func:`_combine_kernel`."""
+    written directly; else the split's unnormalised ``(acc, m, l)`` go to ``Part`` for :func:`_combine_kernel`, or,
+    with ``MERGE``, the last of a (batch, kv head)'s programs to finish (its ticket from ``Count``, ``B * Hk`` int32
+    zeros) merges them: one launch."""
     split = tl.program_id(0)
     bk = tl.program_id(1).to(tl.int64)
     Hk = H // GROUP
@@ -577,20 +580,38 @@ def _decode_kernel(
                                          HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
 
     if SINGLE:
-        seen = l_i > 0.0
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]
-        tl.store(Out + b * sob + h[:, None] * soh + i.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,
-                 _cast(out, Out.dtype.element_ty, PREC), mask=r_ok[:, None] & d_ok[None, :])
-        if STORE_LSE:
-            lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
-            tl.store(Lse + (b * H + h) * M + i, lse, mask=r_ok)
+        _store_rows(Out, Lse, acc, l_i[:, None], l_i, m_i, b * sob + h[:, None] * soh + i.to(tl.int64)[:, None] * som,
+                    (b * H + h) * M + i, offs_d[None, :], sod, r_ok[:, None] & d_ok[None, :], r_ok, STORE_LSE, PREC)
     else:
         # Part: (splits, B * Hk, BLOCK_R, BLOCK_D + 2) float32: acc, then m and l
-        # (the rows past GROUP * M are padding of the dot's tile: not written, the combine never reads them)
+        # (the rows past GROUP * M are padding of the dot's tile: not written, the merge never reads them)
         part = Part + ((split * tl.num_programs(1) + bk) * BLOCK_R + r.to(tl.int64)) * (BLOCK_D + 2)
         tl.store(part[:, None] + offs_d[None, :], acc, mask=r_ok[:, None])
         tl.store(part + BLOCK_D, m_i, mask=r_ok)
         tl.store(part + BLOCK_D + 1, l_i, mask=r_ok)
+        if MERGE:  # the ticket releases this program's part; the last one's acquires all the others'
+            if tl.atomic_add(Count + bk, 1, sem="acq_rel") == SPLITS - 1:
+                stride = tl.num_programs(1).to(tl.int64) * BLOCK_R * (BLOCK_D + 2)
+                for row in range(0, GROUP * M):
+                    acc_r, l_r, m_r = merge_parts(Part + (bk * BLOCK_R + row) * (BLOCK_D + 2), stride, offs_d, SPLITS,
+                                                  BLOCK_D, BLOCK_D, BLOCK_S)
+                    h_r, i_r = (hk * GROUP + row // M).to(tl.int64), (row % M).to(tl.int64)
+                    _store_rows(Out, Lse, acc_r, l_r, l_r, m_r, b * sob + h_r * soh + i_r * som,
+                                (b * H + h_r) * M + i_r, offs_d, sod, d_ok, True, STORE_LSE, PREC)
+
+
+@triton.jit
+def _store_rows(Out, Lse, acc, l_acc, l_i, m_i, out_at, lse_at, offs_d, sod, mask, lse_mask,
+                STORE_LSE: tl.constexpr, PREC: tl.constexpr):
+    """Writes normalised rows ``acc / l`` to ``Out`` (at ``out_at + offs_d * sod``; ``l_acc``: ``l`` shaped to
+    broadcast over ``acc``) and, with ``STORE_LSE``, their base-2 log-sum-exp ``m + log2(l)`` to ``Lse`` (at
+    ``lse_at``; +inf for a row that kept no key)."""
+    seen = l_i > 0.0
+    out = acc / tl.where(l_acc > 0.0, l_acc, 1.0)
+    tl.store(Out + out_at + offs_d * sod, _cast(out, Out.dtype.element_ty, PREC), mask=mask)
+    if STORE_LSE:
+        lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+        tl.store(Lse + lse_at, lse, mask=lse_mask)
 
 
 @triton.jit
@@ -637,14 +658,8 @@ def _combine_kernel(
     stride = tl.num_programs(0).to(tl.int64) * BLOCK_R * (BLOCK_D + 2)
     row = Part + (bk * BLOCK_R + r) * (BLOCK_D + 2)
     acc, l_i, m_i = merge_parts(row, stride, offs_d, SPLITS, BLOCK_D, BLOCK_C, BLOCK_S)
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)
-    tl.store(Out + b * sob + h * soh + i * som + offs_d * sod, _cast(out, Out.dtype.element_ty, PREC),
-             mask=offs_d < HEAD_DIM)
-    if STORE_LSE:
-        if chunk == 0:
-            lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
-            tl.store(Lse + (b * H + h) * M + i, lse)
+    _store_rows(Out, Lse, acc, l_i, l_i, m_i, b * sob + h * soh + i * som, (b * H + h) * M + i, offs_d, sod,
+                offs_d < HEAD_DIM, chunk == 0, STORE_LSE, PREC)
 
 
 # ----------------------------------------------------------------------------------------------
