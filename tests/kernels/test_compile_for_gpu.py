@@ -43,13 +43,14 @@ SCRIPT = textwrap.dedent('''
 
     for bias, mask in itertools.product((0, 1, 2), (0, 1)):
         compile_(A._decode_kernel, HEAD_DIM=128, BLOCK_R=16, BLOCK_N=64, BLOCK_D=128, BIAS=bias, MASK=mask, PREC=0,
-                 SINGLE=False, STORE_LSE=False, MERGE=bias == 2, BLOCK_S=64)
+                 SINGLE=False, STORE_LSE=False, MERGE=bias == 2, BLOCK_S=32, BLOCK_G=4,
+                 BLOCK_C=32)
         compile_(A._fwd_kernel, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, BIAS=bias, MASK=mask, PREC=0,
                  STORE_LSE=True, TMA=False, SKIP=bias < 2)
     compile_(A._decode_kernel, HEAD_DIM=96, BLOCK_R=32, BLOCK_N=32, BLOCK_D=128, BIAS=0, MASK=1, PREC=0, SINGLE=True,
-             STORE_LSE=True, MERGE=False, BLOCK_S=64)
+             STORE_LSE=True, MERGE=False, BLOCK_S=1, BLOCK_G=1, BLOCK_C=1)
     compile_(A._decode_kernel, HEAD_DIM=96, BLOCK_R=32, BLOCK_N=32, BLOCK_D=128, BIAS=1, MASK=1, PREC=0, SINGLE=False,
-             STORE_LSE=True, MERGE=True, BLOCK_S=16)
+             STORE_LSE=True, MERGE=True, BLOCK_S=16, BLOCK_G=32, BLOCK_C=8)
     compile_(A._fwd_kernel, "fp32", HEAD_DIM=64, BLOCK_M=64, BLOCK_N=32, BLOCK_D=64, BIAS=0, MASK=0, PREC=1,
              STORE_LSE=False, TMA=False, SKIP=False)
     compile_(A._combine_kernel, HEAD_DIM=128, BLOCK_R=16, BLOCK_D=128, BLOCK_C=32, BLOCK_S=64, STORE_LSE=True, PREC=0)

@@ -781,13 +781,15 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Ten
         splits = _decode_splits(q.device, programs, k_len, block_n, masked)
         single = splits == 1
         parts, features = settings().alibi.decode_combine
-        one_launch = settings().alibi.decode_one_launch and not single
+        rows_p2, splits_p2 = _pow2(group * q_len), _pow2(splits)  # (one launch: all parts of all rows at once)
+        one_launch = settings().alibi.decode_one_launch and not single and rows_p2 * splits_p2 <= 1024
         plan.part = 0 if single else splits * programs * block_r * (bd + 2)
         plan.tickets = programs if one_launch else 0
         plan.main = Launch(_device()._decode_kernel, (splits, programs, 1), (*strides, heads, group, q_len, k_len, splits, qk_scale),
                            {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_D": bd,
                             "BIAS": _bias_mode(bias, key_bias), "MASK": int(masked), "PREC": prec, "SINGLE": single,
-                            "STORE_LSE": need_lse, "MERGE": one_launch, "BLOCK_S": parts},
+                            "STORE_LSE": need_lse, "MERGE": one_launch, "BLOCK_S": splits_p2, "BLOCK_G": rows_p2,
+                            "BLOCK_C": min(bd, 4096 // (splits_p2 * rows_p2))},
                            num_warps=warps, num_stages=stages)
         if not (single or one_launch):
             chunk = min(bd, features)

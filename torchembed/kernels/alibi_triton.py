@@ -508,7 +508,7 @@ def _decode_kernel(
     H, GROUP, M, N, SPLITS, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SINGLE: tl.constexpr, STORE_LSE: tl.constexpr,
-    MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    MERGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Grid ``(SPLITS, B * Hk)``; rows are the ``GROUP * M`` queries of one (batch, kv head): every kv head's keys are
     read once per split. The keys its rows keep, ``[min lo, max hi)`` (a static cache's filled part, a padded
@@ -516,7 +516,7 @@ def _decode_kernel(
     and padding are never read, whatever the length the launch was set up for. ``SINGLE``: one split, the result is
     written directly; else the split's unnormalised ``(acc, m, l)`` go to ``Part`` for :func:`_combine_kernel`, or,
     with ``MERGE``, the last of a (batch, kv head)'s programs to finish (its ticket from ``Count``, ``B * Hk`` int32
-    zeros) merges them: one launch."""
+    zeros) merges them (:func:`_merge_rows`): one launch."""
     split = tl.program_id(0)
     bk = tl.program_id(1).to(tl.int64)
     Hk = H // GROUP
@@ -591,13 +591,32 @@ def _decode_kernel(
         tl.store(part + BLOCK_D + 1, l_i, mask=r_ok)
         if MERGE:  # the ticket releases this program's part; the last one's acquires all the others'
             if tl.atomic_add(Count + bk, 1, sem="acq_rel") == SPLITS - 1:
-                stride = tl.num_programs(1).to(tl.int64) * BLOCK_R * (BLOCK_D + 2)
-                for row in range(0, GROUP * M):
-                    acc_r, l_r, m_r = merge_parts(Part + (bk * BLOCK_R + row) * (BLOCK_D + 2), stride, offs_d, SPLITS,
-                                                  BLOCK_D, BLOCK_D, BLOCK_S)
-                    h_r, i_r = (hk * GROUP + row // M).to(tl.int64), (row % M).to(tl.int64)
-                    _store_rows(Out, Lse, acc_r, l_r, l_r, m_r, b * sob + h_r * soh + i_r * som,
-                                (b * H + h_r) * M + i_r, offs_d, sod, d_ok, True, STORE_LSE, PREC)
+                _merge_rows(Out, Lse, Part, bk, b, hk, sob, soh, som, sod, H, GROUP, M, SPLITS, HEAD_DIM, BLOCK_R,
+                            BLOCK_D, BLOCK_S, BLOCK_G, BLOCK_C, STORE_LSE, PREC)
+
+
+@triton.jit
+def _merge_rows(Out, Lse, Part, bk, b, hk, sob, soh, som, sod, H, GROUP, M, SPLITS, HEAD_DIM: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr,
+                BLOCK_C: tl.constexpr, STORE_LSE: tl.constexpr, PREC: tl.constexpr):
+    """Merges the ``SPLITS`` (at most ``BLOCK_S``) parts of all ``GROUP * M`` (at most ``BLOCK_G``) query rows of one
+    (batch, kv head) at once, ``BLOCK_C`` features per step, and writes the rows (their loads in flight together)."""
+    s, g = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP * M
+    ok = (s[:, None] < SPLITS) & g_ok[None, :]
+    at = Part + ((s[:, None].to(tl.int64) * tl.num_programs(1) + bk) * BLOCK_R + g[None, :]) * (BLOCK_D + 2)
+    m_s = tl.load(at + BLOCK_D, mask=ok, other=-1.0e30)  # (parts, rows)
+    l_s = tl.load(at + BLOCK_D + 1, mask=ok, other=0.0)
+    m_i = tl.max(m_s, 0)
+    beta = tl.math.exp2(m_s - m_i[None, :])
+    l_i = tl.sum(l_s * beta, 0)
+    h, i = (hk * GROUP + g // M).to(tl.int64), (g % M).to(tl.int64)
+    for c0 in tl.static_range(0, BLOCK_D, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        acc = tl.sum(tl.load(at[:, :, None] + c[None, None, :], mask=ok[:, :, None], other=0.0) * beta[:, :, None], 0)
+        _store_rows(Out, Lse, acc, l_i[:, None], l_i, m_i, b * sob + h[:, None] * soh + i[:, None] * som,
+                    (b * H + h) * M + i, c[None, :], sod, g_ok[:, None] & (c < HEAD_DIM)[None, :], g_ok, STORE_LSE,
+                    PREC)
 
 
 @triton.jit

@@ -85,7 +85,8 @@ class AlibiTuning:
     ``decode_combine``: ``(parts, features)``: the split decode's combine merges this many parts per step (their loads
     in flight together) for this many features per program (one program per query row and feature block; H100,
     batch 1: 1-2 % faster than 16 parts per step over all features, ``decode-ab-h100.md``). ``decode_one_launch``:
-    the last split program of each (batch, kv head) merges the parts instead (no combine launch; ``parts`` per step).
+    the last split program of each (batch, kv head) merges the parts instead (no combine launch; up to 1,024 parts
+    times query rows).
     ``skip``, ``skip_margin_bits``, ``skip_min_keys``: the skip of keys of negligible weight in long prefills (from
     this many keys; what is left out is under ``2**-(skip_margin_bits + log2 keys)`` of each row's mass)."""
 
