@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from torchembed.kernels import alibi as A
-from torchembed.kernels.alibi_triton import _decode_tile, merge_parts
+from torchembed.kernels.alibi_triton import _decode_tile, _merge_rows
 
 
 @triton.jit
@@ -68,13 +68,9 @@ def single_launch_decode(Q, K, V, Out, Part, Count, sqb, sqh, skb, skh, skn, svb
     tl.store(part + HEAD_DIM + 1, l_i, mask=r_ok)
     ticket = tl.atomic_add(Count + bk, 1, sem="acq_rel")  # (releases the stores above; the last one acquires all)
     if ticket == SPLITS - 1:
-        stride = tl.num_programs(1).to(tl.int64) * BLOCK_R * row
-        offs_d = tl.arange(0, HEAD_DIM)
-        for g in range(0, GROUP):  # each query row of this kv head: all parts at once, BLOCK_S per step
-            out, l_g, m_g = merge_parts(Part + (bk * BLOCK_R + g) * row, stride, offs_d, SPLITS, HEAD_DIM, HEAD_DIM,
-                                        BLOCK_S)
-            out = out / tl.where(l_g > 0.0, l_g, 1.0)
-            tl.store(Out + b * sob + (hk * GROUP + g).to(tl.int64) * soh + offs_d, out.to(Out.dtype.element_ty))
+        for g in range(0, GROUP):  # each query row of this kv head in turn: all parts, BLOCK_S per step
+            _merge_rows(Out, Out, Part, bk, b, hk, g, 0, tl.num_programs(1), sob, soh, 0, 1, Hk * GROUP, GROUP, 1,
+                        SPLITS, HEAD_DIM, BLOCK_R, HEAD_DIM, BLOCK_S, 1, HEAD_DIM, HEAD_DIM, False, PREC)
         tl.atomic_xchg(Count + bk, 0)
 
 

@@ -53,7 +53,8 @@ SCRIPT = textwrap.dedent('''
              STORE_LSE=True, MERGE=True, BLOCK_S=16, BLOCK_G=32, BLOCK_C=8)
     compile_(A._fwd_kernel, "fp32", HEAD_DIM=64, BLOCK_M=64, BLOCK_N=32, BLOCK_D=64, BIAS=0, MASK=0, PREC=1,
              STORE_LSE=False, TMA=False, SKIP=False)
-    compile_(A._combine_kernel, HEAD_DIM=128, BLOCK_R=16, BLOCK_D=128, BLOCK_C=32, BLOCK_S=64, STORE_LSE=True, PREC=0)
+    compile_(A._combine_kernel, HEAD_DIM=128, BLOCK_R=16, BLOCK_D=128, BLOCK_S=64, BLOCK_G=1, BLOCK_C=32, STORE_LSE=True,
+             PREC=0)
     for bias in (0, 1):
         compile_(A._bwd_delta_kernel, HEAD_DIM=64, BLOCK_M=64, BLOCK_D=64, BIAS=bias, MASK=1, SKIP=True)
         compile_(A._bwd_dkdv_kernel, HEAD_DIM=64, BLOCK_M=32, BLOCK_N=64, BLOCK_D=64, BIAS=bias, MASK=1, PREC=0,

@@ -781,22 +781,22 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Ten
         splits = _decode_splits(q.device, programs, k_len, block_n, masked)
         single = splits == 1
         parts, features = settings().alibi.decode_combine
-        rows_p2, splits_p2 = _pow2(group * q_len), _pow2(splits)  # (one launch: all parts of all rows at once)
-        one_launch = settings().alibi.decode_one_launch and not single and rows_p2 * splits_p2 <= 1024
+        rows_p2, parts_p2 = _pow2(group * q_len), min(parts, _pow2(splits))  # (one launch: all rows at once)
+        one_launch = settings().alibi.decode_one_launch and not single and rows_p2 * parts_p2 <= 1024
         plan.part = 0 if single else splits * programs * block_r * (bd + 2)
         plan.tickets = programs if one_launch else 0
         plan.main = Launch(_device()._decode_kernel, (splits, programs, 1), (*strides, heads, group, q_len, k_len, splits, qk_scale),
                            {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_D": bd,
                             "BIAS": _bias_mode(bias, key_bias), "MASK": int(masked), "PREC": prec, "SINGLE": single,
-                            "STORE_LSE": need_lse, "MERGE": one_launch, "BLOCK_S": splits_p2, "BLOCK_G": rows_p2,
-                            "BLOCK_C": min(bd, 4096 // (splits_p2 * rows_p2))},
+                            "STORE_LSE": need_lse, "MERGE": one_launch, "BLOCK_S": parts_p2, "BLOCK_G": rows_p2,
+                            "BLOCK_C": min(bd, 4096 // (parts_p2 * rows_p2))},
                            num_warps=warps, num_stages=stages)
-        if not (single or one_launch):
+        if not (single or one_launch):  # the combine: one program per query row and feature block
             chunk = min(bd, features)
             plan.combine = Launch(_device()._combine_kernel, (programs, group * q_len, bd // chunk),
                                   (*out4, heads, group, q_len, splits),
-                                  {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_D": bd, "BLOCK_C": chunk,
-                                   "BLOCK_S": parts, "STORE_LSE": need_lse, "PREC": prec},
+                                  {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_D": bd, "BLOCK_S": parts,
+                                   "BLOCK_G": 1, "BLOCK_C": chunk, "STORE_LSE": need_lse, "PREC": prec},
                                   num_warps=2, num_stages=1)
         return plan
     block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, masked)
