@@ -64,11 +64,12 @@ def _reader(c: dict, parts: int, block_n: int, warps: int, stages: int, second: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bandwidth", type=float, default=4244e9, help="copy bandwidth, bytes/s (H200: 4244e9)")
+    parser.add_argument("--bandwidth", type=float, default=None, help="copy bandwidth, bytes/s (default: measured)")
     parser.add_argument("--out", default=".")
     parser.add_argument("--name", default="decode-read-ceiling")
     args = parser.parse_args()
     dev = torch.device("cuda")
+    args.bandwidth = args.bandwidth or bench.copy_bandwidth(dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rows = []
 

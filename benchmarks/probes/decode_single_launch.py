@@ -1,13 +1,16 @@
 """A split-key decode in one launch, against torchembed's two (the split pass, then the combine): each program
 reads its share of the keys, stores its partial ``(acc, m, l)`` and takes a ticket from a per-(batch, kv head)
 counter; the program holding the last ticket merges that head's parts and writes the output, then zeroes the counter
-for the next call. Device time replayed from a CUDA graph, as fractions of the K/V read floor, at 16k / 64k / 128k
-keys: the cases of ``torchembed bench decode`` (batch 1 with grouped heads, a padded batch of 4, ALiBi) through the
-library with its combine launch and with ``AlibiTuning.decode_one_launch`` (the same merge by the last program), and
-this probe's kernel on the first case; the outputs are compared.
+for the next call. Device time replayed from a CUDA graph, GQA case of ``torchembed bench decode`` (batch 1, 32
+query / 8 kv heads, d 128, bf16), 16k / 64k / 128k keys, as fractions of the K/V read floor; the outputs of both
+are compared.
 
 The question it answers: how much of the gap to the floor at 16k is the second launch (the read ceiling probe,
-``decode_read_ceiling.py``, puts a second launch at about 1.4 us on the H200).
+``decode_read_ceiling.py``, puts a second launch at about 1.4 us on the H200). The answer on an H100
+(``benchmarks/results/decode-single-launch-h100.md``): none; one launch is slower at every length (34.8 against
+31.3 us at 16k, 101.5 against 96.3 at 64k), since the last program's merge runs after every other program has ended,
+where the combine's 128 programs merge in parallel. The library's own one-launch path (all query rows of a kv head
+merged at once, commit b48f6f2) was slower too, and was not kept.
 
     python benchmarks/probes/decode_single_launch.py [--bandwidth BYTES_PER_S] [--out DIR]
 """
@@ -24,7 +27,7 @@ import triton
 import triton.language as tl
 
 from torchembed.kernels import alibi as A
-from torchembed.kernels.alibi_triton import _decode_tile, _merge_rows
+from torchembed.kernels.alibi_triton import _decode_tile, merge_parts
 
 
 @triton.jit
@@ -68,9 +71,13 @@ def single_launch_decode(Q, K, V, Out, Part, Count, sqb, sqh, skb, skh, skn, svb
     tl.store(part + HEAD_DIM + 1, l_i, mask=r_ok)
     ticket = tl.atomic_add(Count + bk, 1, sem="acq_rel")  # (releases the stores above; the last one acquires all)
     if ticket == SPLITS - 1:
-        for g in range(0, GROUP):  # each query row of this kv head in turn: all parts, BLOCK_S per step
-            _merge_rows(Out, Out, Part, bk, b, hk, g, 0, tl.num_programs(1), sob, soh, 0, 1, Hk * GROUP, GROUP, 1,
-                        SPLITS, HEAD_DIM, BLOCK_R, HEAD_DIM, BLOCK_S, 1, HEAD_DIM, HEAD_DIM, False, PREC)
+        stride = tl.num_programs(1).to(tl.int64) * BLOCK_R * row
+        offs_d = tl.arange(0, HEAD_DIM)
+        for g in range(0, GROUP):  # each query row of this kv head: all parts at once, BLOCK_S per step
+            out, l_g, m_g = merge_parts(Part + (bk * BLOCK_R + g) * row, stride, offs_d, SPLITS, HEAD_DIM, HEAD_DIM,
+                                        BLOCK_S)
+            out = out / tl.where(l_g > 0.0, l_g, 1.0)
+            tl.store(Out + b * sob + (hk * GROUP + g).to(tl.int64) * soh + offs_d, out.to(Out.dtype.element_ty))
         tl.atomic_xchg(Count + bk, 0)
 
 
@@ -102,57 +109,49 @@ def single_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, splits: int
 
 
 def main() -> None:
-    from torchembed.kernels.settings import changed
     from torchembed.tools import bench
     from torchembed.tools.bench_decode import _case, _torchembed
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bandwidth", type=float, default=None, help="copy bandwidth, bytes/s (default: measured)")
-    parser.add_argument("--cases", nargs="+", default=["gqa", "gqa-padded", "alibi"])
     parser.add_argument("--out", default=".")
     parser.add_argument("--name", default="decode-single-launch")
     args = parser.parse_args()
     dev = torch.device("cuda")
     bandwidth = args.bandwidth or bench.copy_bandwidth(dev)
     rows = []
-    for case in args.cases:
-        for keys in (16384, 65536, 131072):
-            one = _case(case, keys, dev, torch.bfloat16, False)
-            copies = [one] + [_case(case, keys, dev, torch.bfloat16, False)
-                              for _ in range(min(11, int(200e6 // one["bytes"])))]
-            calls = max(10, len(copies)) // len(copies) * len(copies)
-            floor = one["bytes"] / bandwidth * 1e6
-            library = [_torchembed(c) for c in copies]
-            reference = library[0]().float()
-            variants = [("torchembed: split pass + combine", library, False),
-                        ("torchembed: one launch (decode_one_launch)", library, True)]
-            if case == "gqa":
-                plan = A.forward_plan(one["q"], one["k"], one["v"], None, None, None, one["dim"] ** -0.5, False, False)
-                splits = plan.main.grid[0]
-                variants += [(f"probe: one launch, {splits} parts, {w} warps, {s} stages"
-                              + (", counter zeroed per call" if z else ""),
-                              [single_launch(c["q"], c["k"], c["v"], splits, 64, w, s, z) for c in copies], False)
-                             for w, s, z in ((4, 3, False), (8, 3, False), (4, 3, True))]
-            for name, fns, one_launch in variants:
-                with changed(alibi={"decode_one_launch": one_launch}):
-                    error = (fns[0]().float() - reference).abs().max().item()
-                    us = bench.graph_time(bench.rotate(fns), dev, calls=calls) * 1e3
-                rows.append({"case": case, "keys": keys, "what": name, "us": us, "floor_us": floor,
-                             "of_floor": floor / us, "max_diff": error})
-                print(f"| {case} | {keys} | {name} | {us:.1f} | {floor:.1f} | {floor / us:.2f} | {error:.1e} |",
-                      flush=True)
+    for keys in (16384, 65536, 131072):
+        one = _case("gqa", keys, dev, torch.bfloat16, False)
+        copies = [one] + [_case("gqa", keys, dev, torch.bfloat16, False)
+                          for _ in range(min(11, int(200e6 // one["bytes"])))]
+        calls = max(10, len(copies)) // len(copies) * len(copies)
+        floor = one["bytes"] / bandwidth * 1e6
+        plan = A.forward_plan(one["q"], one["k"], one["v"], None, None, None, one["dim"] ** -0.5, False, False)
+        splits = plan.main.grid[0]
+        library = [_torchembed(c) for c in copies]
+        reference = library[0]().float()
+        for name, fns in (("torchembed (split pass + combine)", library),
+                          *((f"one launch, {splits} parts, {w} warps, {s} stages" + (", counter zeroed per call" if z
+                                                                                      else ""),
+                             [single_launch(c["q"], c["k"], c["v"], splits, 64, w, s, z) for c in copies])
+                            for w, s, z in ((4, 3, False), (4, 4, False), (8, 3, False), (4, 3, True)))):
+            error = (fns[0]().float() - reference).abs().max().item()
+            us = bench.graph_time(bench.rotate(fns), dev, calls=calls) * 1e3
+            rows.append({"keys": keys, "what": name, "us": us, "floor_us": floor, "of_floor": floor / us,
+                         "max_diff": error})
+            print(f"| {keys} | {name} | {us:.1f} | {floor:.1f} | {floor / us:.2f} | {error:.1e} |", flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "bandwidth": bandwidth}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = [f"# Decode in one launch ({meta['device']})", "", f"- date: {meta['date']}",
+    lines = [f"# Decode at batch 1 in one launch ({meta['device']})", "", f"- date: {meta['date']}",
              f"- versions: torch {meta['torch']}, triton {meta['triton']}",
-             f"- floor: K and V bytes (cases of `torchembed bench decode`, bf16) over {bandwidth / 1e9:.0f} GB/s", "",
+             f"- floor: K and V bytes (8 kv heads, d 128, bf16) over {bandwidth / 1e9:.0f} GB/s", "",
              "Device time replayed from a CUDA graph; max diff: largest difference from torchembed's output.", "",
-             "| case | keys | kernel | us | floor us | of floor | max diff |", "|---|---:|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['case']} | {r['keys']} | {r['what']} | {r['us']:.1f} | {r['floor_us']:.1f} | {r['of_floor']:.2f} | "
+             "| keys | kernel | us | floor us | of floor | max diff |", "|---:|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['keys']} | {r['what']} | {r['us']:.1f} | {r['floor_us']:.1f} | {r['of_floor']:.2f} | "
               f"{r['max_diff']:.1e} |" for r in rows]
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
 

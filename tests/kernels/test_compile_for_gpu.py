@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent('''
 
     HALF = {"Q", "K", "V", "Out", "DO", "DK", "DV", "DQ", "q_ptr", "k_ptr", "qo_ptr", "ko_ptr", "out_ptr"}
     F32 = {"Lse", "Part", "Bias", "Delta", "KNorm", "Reach", "Horizon", "kb_ptr", "cos_ptr", "sin_ptr", "inv_freq_ptr"}
-    OTHER = {"Rows": "*i32", "Count": "*i32", "Keep": "*u8", "keep_ptr": "*u8", "pos_ptr": "*i64"}
+    OTHER = {"Rows": "*i32", "Keep": "*u8", "keep_ptr": "*u8", "pos_ptr": "*i64"}
     FLOATS = {"qk_scale", "scale", "skip_log2", "MIN"}
 
     def kind(fn, name, half):
@@ -43,18 +43,14 @@ SCRIPT = textwrap.dedent('''
 
     for bias, mask in itertools.product((0, 1, 2), (0, 1)):
         compile_(A._decode_kernel, HEAD_DIM=128, BLOCK_R=16, BLOCK_N=64, BLOCK_D=128, BIAS=bias, MASK=mask, PREC=0,
-                 SINGLE=False, STORE_LSE=False, MERGE=bias == 2, BLOCK_S=32, BLOCK_G=4,
-                 BLOCK_C=32)
+                 SINGLE=False, STORE_LSE=False)
         compile_(A._fwd_kernel, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, BIAS=bias, MASK=mask, PREC=0,
                  STORE_LSE=True, TMA=False, SKIP=bias < 2)
     compile_(A._decode_kernel, HEAD_DIM=96, BLOCK_R=32, BLOCK_N=32, BLOCK_D=128, BIAS=0, MASK=1, PREC=0, SINGLE=True,
-             STORE_LSE=True, MERGE=False, BLOCK_S=1, BLOCK_G=1, BLOCK_C=1)
-    compile_(A._decode_kernel, HEAD_DIM=96, BLOCK_R=32, BLOCK_N=32, BLOCK_D=128, BIAS=1, MASK=1, PREC=0, SINGLE=False,
-             STORE_LSE=True, MERGE=True, BLOCK_S=16, BLOCK_G=32, BLOCK_C=8)
+             STORE_LSE=True)
     compile_(A._fwd_kernel, "fp32", HEAD_DIM=64, BLOCK_M=64, BLOCK_N=32, BLOCK_D=64, BIAS=0, MASK=0, PREC=1,
              STORE_LSE=False, TMA=False, SKIP=False)
-    compile_(A._combine_kernel, HEAD_DIM=128, BLOCK_R=16, BLOCK_D=128, BLOCK_S=64, BLOCK_G=1, BLOCK_C=32, STORE_LSE=True,
-             PREC=0)
+    compile_(A._combine_kernel, HEAD_DIM=128, BLOCK_R=16, BLOCK_D=128, BLOCK_C=32, BLOCK_S=64, STORE_LSE=True, PREC=0)
     for bias in (0, 1):
         compile_(A._bwd_delta_kernel, HEAD_DIM=64, BLOCK_M=64, BLOCK_D=64, BIAS=bias, MASK=1, SKIP=True)
         compile_(A._bwd_dkdv_kernel, HEAD_DIM=64, BLOCK_M=32, BLOCK_N=64, BLOCK_D=64, BIAS=bias, MASK=1, PREC=0,

@@ -721,8 +721,8 @@ class ForwardPlan:
     prefill kernel, or the split-key decode kernel and its combine) and the buffers each call allocates;
     ``backwards``: its :class:`BackwardPlan` by the output gradient's strides (kept by the caller)."""
 
-    __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "tickets", "main", "combine",
-                 "prefill", "norms", "backwards")
+    __slots__ = ("out_shape", "out_stride", "dtype", "device", "need_lse", "part", "main", "combine", "prefill",
+                 "norms", "backwards")
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Tensor | None,
                  keep: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -736,10 +736,11 @@ class ForwardPlan:
         bounds = None if self.norms is None else self.norms(k, bias)  # (norms: the skip's NormPlan, prefill only)
         if self.prefill:
             self.main((q, k, v, out, lse_t, bias, rows_t, keep_t, *(bounds or (bias, bias))))
-        else:  # (a single split: out in place of the workspace; ticket counters: made per call, zeroed)
+        elif self.combine is None and not self.part:
+            self.main((q, k, v, out, lse_t, bias, rows_t, keep_t))
+        else:
             part = torch.empty(self.part, dtype=torch.float32, device=self.device) if self.part else out
-            tickets = torch.zeros(self.tickets, dtype=torch.int32, device=self.device) if self.tickets else out
-            self.main((q, k, v, out, lse_t, part, tickets, bias, rows_t, keep_t))
+            self.main((q, k, v, out, lse_t, part, bias, rows_t, keep_t))
             if self.combine is not None:
                 self.combine((out, lse_t, part))
         return out, lse, bounds
@@ -772,7 +773,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Ten
     qk_scale = float(scale) * LOG2E
     plan = ForwardPlan()
     plan.out_shape, plan.out_stride, plan.dtype, plan.device = (batch, heads, q_len, head_dim), out_stride, q.dtype, q.device
-    plan.need_lse, plan.part, plan.tickets, plan.combine, plan.prefill, plan.norms = need_lse, 0, 0, None, False, None
+    plan.need_lse, plan.part, plan.combine, plan.prefill, plan.norms = need_lse, 0, None, False, None
     plan.backwards = {}
     if group * q_len <= DECODE_ROWS and (q_len < 16 or k_len >= 8 * q_len):
         block_r, block_n, warps, stages = config_for("decode", head_dim, q.dtype, masked)
@@ -780,23 +781,21 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Ten
         programs = batch * kv_heads
         splits = _decode_splits(q.device, programs, k_len, block_n, masked)
         single = splits == 1
-        parts, features = settings().alibi.decode_combine
-        rows_p2, parts_p2 = _pow2(group * q_len), min(parts, _pow2(splits))  # (one launch: all rows at once)
-        one_launch = settings().alibi.decode_one_launch and not single and rows_p2 * parts_p2 <= 1024
         plan.part = 0 if single else splits * programs * block_r * (bd + 2)
-        plan.tickets = programs if one_launch else 0
         plan.main = Launch(_device()._decode_kernel, (splits, programs, 1), (*strides, heads, group, q_len, k_len, splits, qk_scale),
                            {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_D": bd,
                             "BIAS": _bias_mode(bias, key_bias), "MASK": int(masked), "PREC": prec, "SINGLE": single,
-                            "STORE_LSE": need_lse, "MERGE": one_launch, "BLOCK_S": parts_p2, "BLOCK_G": rows_p2,
-                            "BLOCK_C": min(bd, 4096 // (parts_p2 * rows_p2))},
-                           num_warps=warps, num_stages=stages)
-        if not (single or one_launch):  # the combine: one program per query row and feature block
+                            "STORE_LSE": need_lse}, num_warps=warps, num_stages=stages)
+        if single:  # the decode kernel's signature has the workspace pointer: pass out in its place
+            main = plan.main
+            plan.main = lambda t, main=main: main((t[0], t[1], t[2], t[3], t[4], t[3], t[5], t[6], t[7]))
+        else:
+            parts, features = settings().alibi.decode_combine
             chunk = min(bd, features)
             plan.combine = Launch(_device()._combine_kernel, (programs, group * q_len, bd // chunk),
                                   (*out4, heads, group, q_len, splits),
-                                  {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_D": bd, "BLOCK_S": parts,
-                                   "BLOCK_G": 1, "BLOCK_C": chunk, "STORE_LSE": need_lse, "PREC": prec},
+                                  {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_D": bd, "BLOCK_C": chunk,
+                                   "BLOCK_S": parts, "STORE_LSE": need_lse, "PREC": prec},
                                   num_warps=2, num_stages=1)
         return plan
     block_m, block_n, warps, stages = config_for("fwd", head_dim, q.dtype, masked)

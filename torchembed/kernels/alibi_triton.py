@@ -502,21 +502,18 @@ def _decode_tile(acc, l_i, m_i, q, lo, hi, k_base, v_base, bias_rows, keep_rows,
 
 @triton.jit(do_not_specialize=_DECODE_LENGTHS)
 def _decode_kernel(
-    Q, K, V, Out, Lse, Part, Count, Bias, Rows, Keep,
+    Q, K, V, Out, Lse, Part, Bias, Rows, Keep,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     sbb, sbh, sbn, srb, smb, smm, smn,
     H, GROUP, M, N, SPLITS, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BIAS: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr, SINGLE: tl.constexpr, STORE_LSE: tl.constexpr,
-    MERGE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """Grid ``(SPLITS, B * Hk)``; rows are the ``GROUP * M`` queries of one (batch, kv head): every kv head's keys are
     read once per split. The keys its rows keep, ``[min lo, max hi)`` (a static cache's filled part, a padded
     sequence's own tokens), are split into ``SPLITS`` equal parts on the device, one per program, so empty cache slots
     and padding are never read, whatever the length the launch was set up for. ``SINGLE``: one split, the result is
-    written directly; else the split's unnormalised ``(acc, m, l)`` go to ``Part`` for :func:`_combine_kernel`, or,
-    with ``MERGE``, the last of a (batch, kv head)'s programs to finish (its ticket from ``Count``, ``B * Hk`` int32
-    zeros) merges them (:func:`_merge_rows`): one launch."""
+    written directly; else the split's unnormalised ``(acc, m, l)`` go to ``Part`` for :func:`_combine_kernel`."""
     split = tl.program_id(0)
     bk = tl.program_id(1).to(tl.int64)
     Hk = H // GROUP
@@ -580,83 +577,74 @@ def _decode_kernel(
                                          HEAD_DIM, BLOCK_N, BLOCK_D, BIAS, True, False, PREC)
 
     if SINGLE:
-        _store_rows(Out, Lse, acc, l_i[:, None], l_i, m_i, b * sob + h[:, None] * soh + i.to(tl.int64)[:, None] * som,
-                    (b * H + h) * M + i, offs_d[None, :], sod, r_ok[:, None] & d_ok[None, :], r_ok, STORE_LSE, PREC)
+        seen = l_i > 0.0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        tl.store(Out + b * sob + h[:, None] * soh + i.to(tl.int64)[:, None] * som + offs_d[None, :] * sod,
+                 _cast(out, Out.dtype.element_ty, PREC), mask=r_ok[:, None] & d_ok[None, :])
+        if STORE_LSE:
+            lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+            tl.store(Lse + (b * H + h) * M + i, lse, mask=r_ok)
     else:
         # Part: (splits, B * Hk, BLOCK_R, BLOCK_D + 2) float32: acc, then m and l
-        # (the rows past GROUP * M are padding of the dot's tile: not written, the merge never reads them)
+        # (the rows past GROUP * M are padding of the dot's tile: not written, the combine never reads them)
         part = Part + ((split * tl.num_programs(1) + bk) * BLOCK_R + r.to(tl.int64)) * (BLOCK_D + 2)
         tl.store(part[:, None] + offs_d[None, :], acc, mask=r_ok[:, None])
         tl.store(part + BLOCK_D, m_i, mask=r_ok)
         tl.store(part + BLOCK_D + 1, l_i, mask=r_ok)
-        if MERGE:  # the ticket releases this program's part; the last one's acquires all the others'
-            if tl.atomic_add(Count + bk, 1, sem="acq_rel") == SPLITS - 1:
-                _merge_rows(Out, Lse, Part, bk, b, hk, 0, 0, tl.num_programs(1), sob, soh, som, sod, H, GROUP, M,
-                            SPLITS, HEAD_DIM, BLOCK_R, BLOCK_D, BLOCK_S, BLOCK_G, BLOCK_C, BLOCK_D, STORE_LSE, PREC)
 
 
 @triton.jit
-def _merge_rows(Out, Lse, Part, bk, b, hk, g0, c0, programs, sob, soh, som, sod, H, GROUP, M, SPLITS,
-                HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, SPAN: tl.constexpr, STORE_LSE: tl.constexpr,
-                PREC: tl.constexpr):
-    """Merges the ``SPLITS`` partial ``(acc, m, l)`` of :func:`_decode_kernel` of ``BLOCK_G`` query rows (from row
-    ``g0`` of (batch, kv head) ``bk`` of ``programs``) over ``SPAN`` features from ``c0``, ``BLOCK_S`` parts and
-    ``BLOCK_C`` features per step (a (parts, rows, features) tile, its loads in flight together), and writes the
-    rows: log-sum-exp rescaling (Milakov & Gimelshein 2018)."""
-    g = g0 + tl.arange(0, BLOCK_G)
-    g_ok = g < GROUP * M
-    h, i = (hk * GROUP + g // M).to(tl.int64), (g % M).to(tl.int64)
-    for c_step in tl.static_range(0, SPAN, BLOCK_C):
-        c = c0 + c_step + tl.arange(0, BLOCK_C)
-        acc = tl.zeros([BLOCK_G, BLOCK_C], dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
-        for s0 in range(0, SPLITS, BLOCK_S):
-            s = s0 + tl.arange(0, BLOCK_S)
-            ok = (s < SPLITS)[:, None] & g_ok[None, :]
-            at = Part + ((s[:, None].to(tl.int64) * programs + bk) * BLOCK_R + g[None, :]) * (BLOCK_D + 2)
-            m_s = tl.load(at + BLOCK_D, mask=ok, other=-1.0e30)  # (parts, rows)
-            l_s = tl.load(at + BLOCK_D + 1, mask=ok, other=0.0)
-            a_s = tl.load(at[:, :, None] + c[None, None, :], mask=ok[:, :, None], other=0.0)
-            m_new = tl.maximum(m_i, tl.max(m_s, 0))
-            alpha = tl.math.exp2(m_i - m_new)
-            beta = tl.math.exp2(m_s - m_new[None, :])
-            acc = acc * alpha[:, None] + tl.sum(a_s * beta[:, :, None], 0)
-            l_i = l_i * alpha + tl.sum(l_s * beta, 0)
-            m_i = m_new
-        _store_rows(Out, Lse, acc, l_i[:, None], l_i, m_i, b * sob + h[:, None] * soh + i[:, None] * som,
-                    (b * H + h) * M + i, c[None, :], sod, g_ok[:, None] & (c < HEAD_DIM)[None, :], g_ok, STORE_LSE,
-                    PREC)
-
-
-@triton.jit
-def _store_rows(Out, Lse, acc, l_acc, l_i, m_i, out_at, lse_at, offs_d, sod, mask, lse_mask,
-                STORE_LSE: tl.constexpr, PREC: tl.constexpr):
-    """Writes normalised rows ``acc / l`` to ``Out`` (at ``out_at + offs_d * sod``; ``l_acc``: ``l`` shaped to
-    broadcast over ``acc``) and, with ``STORE_LSE``, their base-2 log-sum-exp ``m + log2(l)`` to ``Lse`` (at
-    ``lse_at``; +inf for a row that kept no key)."""
-    seen = l_i > 0.0
-    out = acc / tl.where(l_acc > 0.0, l_acc, 1.0)
-    tl.store(Out + out_at + offs_d * sod, _cast(out, Out.dtype.element_ty, PREC), mask=mask)
-    if STORE_LSE:
-        lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
-        tl.store(Lse + lse_at, lse, mask=lse_mask)
+def merge_parts(row, stride, offs_d, SPLITS, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merges one query row's ``SPLITS`` partial ``(acc, m, l)`` (``row``: its first part, ``BLOCK_D + 2`` float32;
+    the next part ``stride`` further) over the features ``offs_d`` (``BLOCK_C`` of them), ``BLOCK_S`` parts per
+    step: the unnormalised ``(acc, l, m)`` of all keys (log-sum-exp rescaling, Milakov & Gimelshein 2018)."""
+    offs_s = tl.arange(0, BLOCK_S)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    l_i = 0.0
+    m_i = -1.0e30
+    for s0 in range(0, SPLITS, BLOCK_S):
+        s_ok = s0 + offs_s < SPLITS
+        part = row + (s0 + offs_s).to(tl.int64) * stride
+        m_s = tl.load(part + BLOCK_D, mask=s_ok, other=-1.0e30)
+        l_s = tl.load(part + BLOCK_D + 1, mask=s_ok, other=0.0)
+        a_s = tl.load(part[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+        m_new = tl.maximum(m_i, tl.max(m_s, 0))
+        alpha = tl.math.exp2(m_i - m_new)
+        beta = tl.math.exp2(m_s - m_new)
+        acc = acc * alpha + tl.sum(a_s * beta[:, None], 0)
+        l_i = l_i * alpha + tl.sum(l_s * beta, 0)
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=("SPLITS",))
 def _combine_kernel(
     Out, Lse, Part, sob, soh, som, sod, H, GROUP, M, SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, STORE_LSE: tl.constexpr, PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Grid ``(B * Hk, GROUP * M / BLOCK_G, BLOCK_D / BLOCK_C)``: each program merges the parts of ``BLOCK_G`` query
-    rows over ``BLOCK_C`` features (:func:`_merge_rows`)."""
+    """Grid ``(B * Hk, GROUP * M, BLOCK_D // BLOCK_C)``: one program per query row and ``BLOCK_C`` features merges
+    that row's ``SPLITS`` partial ``(acc, m, l)`` of :func:`_decode_kernel` into ``Out``, ``BLOCK_S`` parts per step
+    (their loads in flight together; one step for the usual split counts)."""
     bk = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1)
+    chunk = tl.program_id(2)
     Hk = H // GROUP
-    _merge_rows(Out, Lse, Part, bk, bk // Hk, bk % Hk, tl.program_id(1) * BLOCK_G, tl.program_id(2) * BLOCK_C,
-                tl.num_programs(0), sob, soh, som, sod, H, GROUP, M, SPLITS, HEAD_DIM, BLOCK_R, BLOCK_D, BLOCK_S,
-                BLOCK_G, BLOCK_C, BLOCK_C, STORE_LSE, PREC)
+    b, hk = bk // Hk, bk % Hk
+    h = (hk * GROUP + r // M).to(tl.int64)
+    i = (r % M).to(tl.int64)
+    offs_d = chunk * BLOCK_C + tl.arange(0, BLOCK_C)
+    stride = tl.num_programs(0).to(tl.int64) * BLOCK_R * (BLOCK_D + 2)
+    row = Part + (bk * BLOCK_R + r) * (BLOCK_D + 2)
+    acc, l_i, m_i = merge_parts(row, stride, offs_d, SPLITS, BLOCK_D, BLOCK_C, BLOCK_S)
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)
+    tl.store(Out + b * sob + h * soh + i * som + offs_d * sod, _cast(out, Out.dtype.element_ty, PREC),
+             mask=offs_d < HEAD_DIM)
+    if STORE_LSE:
+        if chunk == 0:
+            lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("inf"))
+            tl.store(Lse + (b * H + h) * M + i, lse)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -84,9 +84,7 @@ class AlibiTuning:
     kept keys the host does not know, takes ``least``).
     ``decode_combine``: ``(parts, features)``: the split decode's combine merges this many parts per step (their loads
     in flight together) for this many features per program (one program per query row and feature block; H100,
-    batch 1: 1-2 % faster than 16 parts per step over all features, ``decode-ab-h100.md``). ``decode_one_launch``:
-    the last split program of each (batch, kv head) merges the parts instead (no combine launch; up to 1,024 parts
-    times query rows).
+    batch 1: 1-2 % faster than 16 parts per step over all features, ``decode-ab-h100.md``).
     ``skip``, ``skip_margin_bits``, ``skip_min_keys``: the skip of keys of negligible weight in long prefills (from
     this many keys; what is left out is under ``2**-(skip_margin_bits + log2 keys)`` of each row's mass)."""
 
@@ -95,7 +93,6 @@ class AlibiTuning:
     decode_programs_per_sm: tuple[int, int] = (1, 2)
     decode_split_keys: int = 512
     decode_combine: tuple[int, int] = (64, 32)
-    decode_one_launch: bool = False
     skip: bool = True
     skip_margin_bits: float = 32.0
     skip_min_keys: int = 2048
