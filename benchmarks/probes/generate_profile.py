@@ -23,22 +23,7 @@ import transformers
 from transformers import CompileConfig
 
 import torchembed
-from torchembed.tools.bench_long import make_config
-
-
-class StepClock(transformers.LogitsProcessor):
-    """Takes the host time at each step's logits processing (after the step's forward, which generate waits for):
-    the gaps between consecutive calls are the wall time of each decode step inside one ``generate``."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.times.append(time.perf_counter())
-        return scores
-
-    def gaps_ms(self) -> list[float]:
-        return [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:])]
+from torchembed.tools.bench_long import StepClock, make_config
 
 
 def _generate(model, ids, n: int, config: CompileConfig, clock: StepClock | None = None) -> None:

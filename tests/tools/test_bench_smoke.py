@@ -193,7 +193,7 @@ def test_long_smoke(tmp_path: Path) -> None:
     """Every model x variant x context has a finite prefill, decode and generate time, its floors and the
     memory columns; the markdown names the method."""
     pytest.importorskip("transformers")
-    data, md = _run("long", tmp_path, "--models", "mpt", "llama", "--contexts", "32", "--steps", "3", "--generate", "2")
+    data, md = _run("long", tmp_path, "--models", "mpt", "llama", "--contexts", "32", "--steps", "3", "--generate", "4")
     records = data["results"]
     assert data["copy_bandwidth_gbs"] > 0 and data["matmul_tflops"] > 0
     for model in ("mpt", "llama"):
@@ -203,7 +203,9 @@ def test_long_smoke(tmp_path: Path) -> None:
             for key in ("prefill_ms", "decode_ms", "prefill_floor_ms", "decode_floor_ms", "kv_gb", "weights_gb"):
                 assert _finite(rec[key]) and rec[key] > 0, (model, variant, key, rec[key])
             assert _finite(rec["generate_ms"])  # a difference of two timings: its sign is noise on a busy CPU
-    assert "generate ms/token" in md and "plain-loop steps" in md and "of floor" in md
+            assert _finite(rec["generate_steady_ms"]) and rec["generate_steady_ms"] > 0  # (a step's own wall time)
+    assert "generate ms/token" in md and "generate steady ms/token" in md and "plain-loop steps" in md
+    assert "of floor" in md
 
 
 def test_long_smoke_prints_its_table_once_without_nan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -94,14 +94,34 @@ def _decode_steps(base: nn.Module, cache: Any, vocab: int, steps: int, device: t
     return times
 
 
+class StepClock:
+    """A logits processor taking the host time at each step of ``generate`` (after the step's forward is issued;
+    ``generate`` waits for each step's token before the next): the gaps between consecutive calls are the wall time
+    of each decode step inside one call."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.perf_counter())
+        return scores
+
+    def gaps_ms(self) -> list[float]:
+        return [(b - a) * 1e3 for a, b in zip(self.times, self.times[1:])]
+
+
 def generate_ms(model: nn.Module, context: int, vocab: int, new_tokens: int, seed: int, device: torch.device,
-                compiled: bool = False, repeats: int = 3) -> float:
+                compiled: bool = False, repeats: int = 3) -> tuple[float, float | None]:
     """``generate``'s time per new token at ``context`` tokens of prompt: (generate(n) - generate(1)) / (n - 1),
     the medians of ``repeats`` interleaved pairs (a long prompt's prefill varies by tens of ms between calls, which
     one pair divided by a few tokens would count as decode time), greedy, with the attention mask a user passes,
-    after one warm-up call. ``compiled``: HF's fast path, a static cache and
-    ``torch.compile(fullgraph=True, mode="reduce-overhead")`` (CUDA graphs) of the decode step; the warm-up
+    after one warm-up call; and its steady time per token, the median gap between steps inside the ``generate(n)``
+    calls after their first two (what a long generation pays per token, without the first step's wait for the
+    prefill and, compiled, the recording of the CUDA graph each call). ``compiled``: HF's fast path, a static cache
+    and ``torch.compile(fullgraph=True, mode="reduce-overhead")`` (CUDA graphs) of the decode step; the warm-up
     generates ``n`` tokens first, so the static cache keeps its size (no recompile)."""
+    from transformers import LogitsProcessorList
+
     ids = torch.randint(3, vocab - 16, (1, context), generator=torch.Generator().manual_seed(seed)).to(device)
     kwargs: dict[str, Any] = dict(do_sample=False, pad_token_id=0, use_cache=True)
     if compiled:
@@ -111,15 +131,20 @@ def generate_ms(model: nn.Module, context: int, vocab: int, new_tokens: int, see
         config._compile_all_devices = device.type != "cuda"  # (--smoke: compiled on the CPU too)
         kwargs.update(cache_implementation="static", compile_config=config)
     times: dict[int, list[float]] = {1: [], new_tokens: []}
+    gaps: list[float] = []
     with torch.no_grad():
         for i, n in enumerate([new_tokens if compiled else 2] + [1, new_tokens] * repeats):  # (the first: a warm-up)
+            clock = StepClock()
             bench.sync(device)
             start = time.perf_counter()
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, **kwargs)
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           logits_processor=LogitsProcessorList([clock]), **kwargs)
             bench.sync(device)
             if i:
                 times[n].append(time.perf_counter() - start)
-    return (statistics.median(times[new_tokens]) - statistics.median(times[1])) / (new_tokens - 1) * 1e3
+                gaps += clock.gaps_ms()[2:]
+    per_token = (statistics.median(times[new_tokens]) - statistics.median(times[1])) / (new_tokens - 1) * 1e3
+    return per_token, statistics.median(gaps) if gaps else None  # (None: under 4 new tokens, no step after two)
 
 
 def measure_cell(base: nn.Module, config: Any, context: int, args: argparse.Namespace,
@@ -148,12 +173,13 @@ def measure_cell(base: nn.Module, config: Any, context: int, args: argparse.Name
             out = None
             if model is not None and args.generate:
                 bench.free_memory(device)
-                record["generate_ms"] = generate_ms(model, context, vocab, args.generate, args.seed, device,
-                                                    repeats=1 if args.smoke else 3)
+                record["generate_ms"], record["generate_steady_ms"] = generate_ms(
+                    model, context, vocab, args.generate, args.seed, device, repeats=1 if args.smoke else 3)
             if model is not None and args.compiled:
                 bench.free_memory(device)
-                record["compiled_ms"] = generate_ms(model, context, vocab, args.compiled, args.seed, device, compiled=True,
-                                                    repeats=1 if args.smoke else 3)
+                record["compiled_ms"], record["compiled_steady_ms"] = generate_ms(
+                    model, context, vocab, args.compiled, args.seed, device, compiled=True,
+                    repeats=1 if args.smoke else 3)
         except Exception as exc:  # noqa: BLE001 - OOM (or another failure) is a result
             if not bench.is_oom(exc):
                 raise
@@ -162,6 +188,7 @@ def measure_cell(base: nn.Module, config: Any, context: int, args: argparse.Name
             for name in ("generate", "compiled"):
                 if getattr(args, name):
                     record.setdefault(f"{name}_ms", "OOM")
+                    record.setdefault(f"{name}_steady_ms", "OOM")
         finally:
             out = ids = None
             if device.type == "cuda":
@@ -208,6 +235,8 @@ def run_model(name: str, args: argparse.Namespace, device: torch.device, bandwid
 
 
 def _cell(value: Any, floor: float, per_token: float) -> str:
+    if value is None:
+        return "-"
     if not isinstance(value, float):
         return str(value)
     return f"{value:.1f} ({per_token / value * 1e3:,.0f} tok/s; {floor / value:.2f} of floor)"
@@ -226,8 +255,9 @@ def _row(rec: dict[str, Any], extra: list[str]) -> list[str]:
 
 
 def markdown(records: list[dict[str, Any]], args: argparse.Namespace, bandwidth: float, rate: float) -> str:
-    extra = [name for name in ("generate", "compiled") if getattr(args, name)]
-    titles = {"generate": "generate ms/token", "compiled": "compiled generate ms/token"}
+    extra = [name for kind in ("generate", "compiled") if getattr(args, kind) for name in (kind, f"{kind}_steady")]
+    titles = {"generate": "generate ms/token", "generate_steady": "generate steady ms/token",
+              "compiled": "compiled generate ms/token", "compiled_steady": "compiled steady ms/token"}
     head = ["model", "variant", "context", "prefill ms", "prefill floor", "decode ms/step",
             *(titles[name] for name in extra), "decode floor", "peak GB / weights + KV"]
     out = [bench.md_table(head, [_row(r, extra) for r in records]), "",
@@ -235,7 +265,8 @@ def markdown(records: list[dict[str, Any]], args: argparse.Namespace, bandwidth:
            f"Prefill: one timed run after a 4,096-token warm-up; decode: the median of {args.steps} plain-loop steps "
            "(`model(next, past_key_values=cache)`, synchronised) after the first two"
            + ("; generate: (generate(N) - generate(1)) / (N - 1) with the task model and its mask, the medians of "
-              f"{1 if args.smoke else 3} interleaved pairs" if args.generate else "")
+              f"{1 if args.smoke else 3} interleaved pairs; steady: the median gap between steps inside those "
+              "generate(N) calls after their first two" if args.generate else "")
            + ("; compiled: the same with a static cache and torch.compile(fullgraph=True, mode=\"reduce-overhead\") "
               "(CUDA graphs), after a warm-up that compiles" if args.compiled else "")
            + ". Floors: prefill matmul FLOPs at "
