@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from torchembed.tools import bench
-from torchembed.tools.bench_decode import _case, _torchembed
+from torchembed.tools.bench_decode import _copies, _device_ms, _torchembed
 
 
 @triton.jit
@@ -78,28 +78,23 @@ def main() -> None:
         print(f"| {keys} | {what} | {us:.1f} | {floor:.1f} | {floor / us:.2f} |", flush=True)
 
     for keys in (16384, 65536, 131072):
-        one = _case("gqa", keys, dev, torch.bfloat16, False)
-        copies = [one] + [_case("gqa", keys, dev, torch.bfloat16, False)
-                          for _ in range(min(11, int(200e6 // one["bytes"])))]
-        calls = max(10, len(copies)) // len(copies) * len(copies)
+        copies = _copies("gqa", keys, dev, torch.bfloat16)
+        one = copies[0]
         floor = one["bytes"] / args.bandwidth * 1e6
         hk = one["kv_heads"]
         best = None
         for per_sm in (1, 2, 4):
             parts = max(1, per_sm * sms // hk)
             for block_n, warps, stages in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (32, 4, 4), (64, 8, 3)):
-                fns = [_reader(c, parts, block_n, warps, stages, False) for c in copies]
-                us = bench.graph_time(bench.rotate(fns), dev, calls=calls) * 1e3
+                us = _device_ms(lambda c: _reader(c, parts, block_n, warps, stages, False), copies, dev) * 1e3
                 record(keys, f"read, {parts} parts/head, tile {block_n}, {warps} warps, {stages} stages", us, floor)
                 if best is None or us < best[0]:
                     best = (us, parts, block_n, warps, stages)
         us, parts, block_n, warps, stages = best
-        fns = [_reader(c, parts, block_n, warps, stages, True) for c in copies]
         record(keys, f"best read + 1 launch ({parts} parts/head, tile {block_n})",
-               bench.graph_time(bench.rotate(fns), dev, calls=calls) * 1e3, floor)
+               _device_ms(lambda c: _reader(c, parts, block_n, warps, stages, True), copies, dev) * 1e3, floor)
         record(keys, "best read", us, floor)
-        fns = [_torchembed(c) for c in copies]
-        record(keys, "torchembed split-key decode", bench.graph_time(bench.rotate(fns), dev, calls=calls) * 1e3, floor)
+        record(keys, "torchembed split-key decode", _device_ms(_torchembed, copies, dev) * 1e3, floor)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "bandwidth": args.bandwidth}

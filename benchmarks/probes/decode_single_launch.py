@@ -110,7 +110,7 @@ def single_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, splits: int
 
 def main() -> None:
     from torchembed.tools import bench
-    from torchembed.tools.bench_decode import _case, _torchembed
+    from torchembed.tools.bench_decode import _copies, _device_ms, _torchembed
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bandwidth", type=float, default=None, help="copy bandwidth, bytes/s (default: measured)")
@@ -121,22 +121,19 @@ def main() -> None:
     bandwidth = args.bandwidth or bench.copy_bandwidth(dev)
     rows = []
     for keys in (16384, 65536, 131072):
-        one = _case("gqa", keys, dev, torch.bfloat16, False)
-        copies = [one] + [_case("gqa", keys, dev, torch.bfloat16, False)
-                          for _ in range(min(11, int(200e6 // one["bytes"])))]
-        calls = max(10, len(copies)) // len(copies) * len(copies)
+        copies = _copies("gqa", keys, dev, torch.bfloat16)
+        one = copies[0]
         floor = one["bytes"] / bandwidth * 1e6
         plan = A.forward_plan(one["q"], one["k"], one["v"], None, None, None, one["dim"] ** -0.5, False, False)
         splits = plan.main.grid[0]
-        library = [_torchembed(c) for c in copies]
-        reference = library[0]().float()
-        for name, fns in (("torchembed (split pass + combine)", library),
-                          *((f"one launch, {splits} parts, {w} warps, {s} stages" + (", counter zeroed per call" if z
-                                                                                      else ""),
-                             [single_launch(c["q"], c["k"], c["v"], splits, 64, w, s, z) for c in copies])
-                            for w, s, z in ((4, 3, False), (4, 4, False), (8, 3, False), (4, 3, True)))):
-            error = (fns[0]().float() - reference).abs().max().item()
-            us = bench.graph_time(bench.rotate(fns), dev, calls=calls) * 1e3
+        reference = _torchembed(one)().float()
+        for name, make in (("torchembed (split pass + combine)", _torchembed),
+                           *((f"one launch, {splits} parts, {w} warps, {s} stages" + (", counter zeroed per call" if z
+                                                                                       else ""),
+                              lambda c, w=w, s=s, z=z: single_launch(c["q"], c["k"], c["v"], splits, 64, w, s, z))
+                             for w, s, z in ((4, 3, False), (4, 4, False), (8, 3, False), (4, 3, True)))):
+            error = (make(one)().float() - reference).abs().max().item()
+            us = _device_ms(make, copies, dev) * 1e3
             rows.append({"keys": keys, "what": name, "us": us, "floor_us": floor, "of_floor": floor / us,
                          "max_diff": error})
             print(f"| {keys} | {name} | {us:.1f} | {floor:.1f} | {floor / us:.2f} | {error:.1e} |", flush=True)

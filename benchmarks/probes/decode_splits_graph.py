@@ -22,7 +22,7 @@ import transformers
 from torchembed.kernels import alibi as A
 from torchembed.kernels.settings import changed, settings
 from torchembed.tools import bench
-from torchembed.tools.bench_decode import _case, _torchembed
+from torchembed.tools.bench_decode import _copies, _device_ms, _torchembed
 
 # (decode programs per multiprocessor (least, most), keys per part, decode blocks or None: the tuned ones)
 GRID = [((1, 4), 1024, None), ((2, 4), 1024, None), ((2, 4), 512, None), ((3, 4), 512, None), ((4, 4), 512, None),
@@ -43,17 +43,15 @@ def main() -> None:
     rows = []
     for name in ("gqa", "alibi", "gqa-padded"):
         for keys in (16384, 65536, 131072):
-            one = _case(name, keys, dev, torch.bfloat16, False)
-            copies = [one] + [_case(name, keys, dev, torch.bfloat16, False)
-                              for _ in range(min(11, int(200e6 // one["bytes"])))]
+            copies = _copies(name, keys, dev, torch.bfloat16)
+            one = copies[0]
             floor = one["bytes"] / args.bandwidth * 1e6
             for per_sm, split_keys, blocks in grid if name == "gqa" else grid[:1]:
                 change = {"decode_programs_per_sm": per_sm, "decode_split_keys": split_keys}
                 if blocks:
                     change["blocks"] = {("decode", 128, False): blocks}
                 with changed(alibi=change):
-                    fns = [_torchembed(c) for c in copies]
-                    us = bench.graph_time(bench.rotate(fns), dev, calls=max(10, len(fns)) // len(fns) * len(fns)) * 1e3
+                    us = _device_ms(_torchembed, copies, dev) * 1e3
                     rows_t = None if one["mask"] is None else A.mask_rows(one["mask"])
                     plan = A.forward_plan(one["q"], one["k"], one["v"], one["bias"], rows_t, one["mask"],
                                           one["dim"] ** -0.5, one["bias"] is not None, False)

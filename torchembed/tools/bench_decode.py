@@ -98,6 +98,14 @@ def _sdpa_forms(c: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     return forms
 
 
+def _copies(name: str, keys: int, device: torch.device, dtype: torch.dtype, smoke: bool = False) -> list[dict[str, Any]]:
+    """The inputs of case ``name`` at ``keys`` keys, in as many fresh copies as it takes to exceed L2 twice (at
+    most 8): what :func:`_device_ms` rotates through."""
+    first = _case(name, keys, device, dtype, smoke)
+    return [first] + [_case(name, keys, device, dtype, smoke)
+                      for _ in range(bench.n_copies(first["bytes"], max_copies=8) - 1)]
+
+
 def _device_ms(make: Callable[[dict[str, Any]], Callable[[], Any]], copies: list[dict[str, Any]],
                device: torch.device) -> float:
     """Device time of one call (ms): calls over rotated input copies (more than L2 together) replayed from
@@ -183,9 +191,8 @@ def main(argv: Sequence[str]) -> int:
     from torchembed.kernels.settings import changed
 
     for name, keys in specs:
-        first = _case(name, keys, device, args.torch_dtype, args.smoke)
-        copies = [first] + [_case(name, keys + 0, device, args.torch_dtype, args.smoke)
-                            for _ in range(bench.n_copies(first["bytes"], max_copies=8) - 1)]
+        copies = _copies(name, keys, device, args.torch_dtype, args.smoke)
+        first = copies[0]
         floor = first["bytes"] / bandwidth * 1e3
         chosen = (sweep or {}).get("best", {}).get(f"{name}@{keys}")
         key = ("decode", block_d(first["dim"]), first["mask"] is not None)
