@@ -218,3 +218,21 @@ def test_long_smoke_prints_its_table_once_without_nan(tmp_path: Path, capsys: py
     for variant in ("upstream", "patched"):
         assert printed.count(f"mpt | {variant} | 32 |") == 1, printed
     assert "nan" not in printed.lower() and "nan" not in (tmp_path / "long-smoke.md").read_text().lower()
+
+
+
+def test_decode_sweep_configuration_reaches_the_kernel_launch() -> None:
+    """Each point of ``bench decode --sweep``'s grid changes what the decode launch is given: its blocks, and its
+    key split at exactly the programs per multiprocessor asked for (the CPU counts 16 multiprocessors)."""
+    from torchembed.kernels.alibi import _decode_splits
+    from torchembed.kernels.settings import changed, settings
+    from torchembed.tools import bench_decode
+
+    grid = bench_decode._grid(smoke=False)
+    assert len(grid) == len(set(grid)) and {stages for (_, _, _, stages), _ in grid} == {1, 2, 3, 4}
+    cpu = torch.device("cpu")
+    for per_sm in (1, 2, 4, 8):
+        with changed(alibi=bench_decode._tuning((16, 32, 2, 1), per_sm, 128, False)):
+            assert settings().alibi.blocks[("decode", 128, False)] == (16, 32, 2, 1)
+            # 8 programs (batch x kv heads) over 16384 keys in blocks of 64: per_sm x 16 programs in all
+            assert _decode_splits(cpu, 8, 16384, 64, False) == per_sm * 2

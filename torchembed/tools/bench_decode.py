@@ -138,23 +138,21 @@ def _time_sdpa(copies: list[dict[str, Any]], device: torch.device) -> dict[str, 
     return times
 
 
-def _grid(smoke: bool) -> list[tuple[tuple[int, int, int, int], int, int]]:
-    """(BLOCK_R, BLOCK_N, warps, stages) x (decode programs per multiprocessor, keys a part keeps at least): one
-    stage (no pipelining, latency hidden by more programs) to four, and up to eight programs per multiprocessor
-    (parts of 128 keys and more)."""
+def _grid(smoke: bool) -> list[tuple[tuple[int, int, int, int], int]]:
+    """(BLOCK_R, BLOCK_N, warps, stages) x decode programs per multiprocessor: one stage (no pipelining, latency
+    hidden by more programs) to four, two warps to eight, one program per multiprocessor to eight."""
     if smoke:
-        return [((16, 16, 4, 1), 1, 512), ((16, 32, 4, 1), 2, 32)]
+        return [((16, 16, 4, 1), 1), ((16, 32, 4, 1), 2)]
     blocks = [(16, n, w, s) for n, w, s in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4))]
-    splits = [(1, 512), (2, 512), (2, 256), (4, 256), (4, 128), (8, 128)]
-    return [(b, p, k) for b in blocks for p, k in splits]
+    return [(b, p) for b in blocks for p in (1, 2, 4, 8)]
 
 
-def _tuning(config: Sequence[int], per_sm: int, split_keys: int, dim: int, masked: bool) -> dict[str, Any]:
-    """The ``AlibiTuning`` change that runs the decode kernel under one launch configuration."""
+def _tuning(config: Sequence[int], per_sm: int, dim: int, masked: bool) -> dict[str, Any]:
+    """The ``AlibiTuning`` change that runs the decode kernel under one launch configuration: its blocks, and
+    ``per_sm`` programs per multiprocessor exactly (whatever the keys a part keeps)."""
     from torchembed.kernels.alibi import block_d
 
-    return {"blocks": {("decode", block_d(dim), masked): tuple(config)}, "decode_programs_per_sm": (per_sm, per_sm),
-            "decode_split_keys": split_keys}
+    return {"blocks": {("decode", block_d(dim), masked): tuple(config)}, "decode_programs_per_sm": (per_sm, per_sm)}
 
 
 def _sweep(cases: dict[tuple[str, int], dict[str, Any]], device: torch.device, smoke: bool) -> dict[str, Any]:
@@ -162,10 +160,10 @@ def _sweep(cases: dict[tuple[str, int], dict[str, Any]], device: torch.device, s
     from torchembed.kernels.settings import changed
 
     records, best = [], {}
-    for config, per_sm, split_keys in _grid(smoke):
+    for config, per_sm in _grid(smoke):
         for (name, keys), c in cases.items():
-            record = {"case": name, "keys": keys, "config": config, "per_sm": per_sm, "split_keys": split_keys}
-            with changed(alibi=_tuning(config, per_sm, split_keys, c["dim"], c["mask"] is not None)):
+            record = {"case": name, "keys": keys, "config": config, "per_sm": per_sm}
+            with changed(alibi=_tuning(config, per_sm, c["dim"], c["mask"] is not None)):
                 try:
                     record["ms"] = bench.do_bench(_torchembed(c), device)
                 except Exception as exc:  # a configuration that does not compile or fit: recorded
@@ -173,7 +171,7 @@ def _sweep(cases: dict[tuple[str, int], dict[str, Any]], device: torch.device, s
                     continue
             records.append(record)
             if (name, keys) not in best or record["ms"] < best[(name, keys)]["ms"]:
-                best[(name, keys)] = {k: record[k] for k in ("config", "per_sm", "split_keys", "ms")}
+                best[(name, keys)] = {k: record[k] for k in ("config", "per_sm", "ms")}
     return {"records": records, "best": {f"{n}@{k}": v for (n, k), v in best.items()}}
 
 
@@ -203,7 +201,7 @@ def main(argv: Sequence[str]) -> int:
         first = copies[0]
         floor = first["bytes"] / bandwidth * 1e3
         chosen = (sweep or {}).get("best", {}).get(f"{name}@{keys}")
-        tuning = (changed(alibi=_tuning(chosen["config"], chosen["per_sm"], chosen["split_keys"], first["dim"],
+        tuning = (changed(alibi=_tuning(chosen["config"], chosen["per_sm"], first["dim"],
                                         first["mask"] is not None)) if chosen else contextlib.nullcontext())
         with tuning:
             ours = _device_ms(_torchembed, copies, device)
