@@ -140,10 +140,10 @@ def _time_sdpa(copies: list[dict[str, Any]], device: torch.device) -> dict[str, 
 
 def _grid(smoke: bool) -> list[tuple[tuple[int, int, int, int], int]]:
     """(BLOCK_R, BLOCK_N, warps, stages) x decode programs per multiprocessor: one stage (no pipelining, latency
-    hidden by more programs) to four, two warps to eight, one program per multiprocessor to eight."""
+    hidden by more programs) to four, one warp to eight, one program per multiprocessor to eight."""
     if smoke:
         return [((16, 16, 4, 1), 1), ((16, 32, 4, 1), 2)]
-    blocks = [(16, n, w, s) for n, w, s in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3, 4))]
+    blocks = [(16, n, w, s) for n, w, s in itertools.product((32, 64, 128), (1, 2, 4, 8), (1, 2, 3, 4))]
     return [(b, p) for b in blocks for p in (1, 2, 4, 8)]
 
 
