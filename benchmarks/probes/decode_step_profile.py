@@ -11,7 +11,9 @@ under CUDA's sync debug mode (host synchronisations). ``compiled`` variants (``u
 ``--keys``, with the inputs ``generate`` makes for it, through ``torch.compile(fullgraph=True,
 mode="reduce-overhead")`` (CUDA graphs): the step as HF's compiled ``generate`` runs it, without
 ``generate``'s own per-token work. ``--device cpu`` runs the eager variants in float32 (no GPU columns);
-``--hidden`` shrinks the shape.
+``--hidden`` shrinks the shape. On the GPU the profiled step's kernels are also summed by kind (matmuls, the
+library's attention and rotation kernels, inductor's fused kernels, the rest), the matmuls beside their floor
+(every weight once over the measured bandwidth) and the attention beside its own (the KV cache once).
 
     python benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 [--out DIR]
 """
@@ -93,6 +95,35 @@ def _generate_inputs(model, cache, keys: int, dev) -> dict:
     return {k: v for k, v in inputs.items() if v is not None}
 
 
+# a GPU kernel's kind, by its name (the first pattern that matches; "other" when none does)
+KERNEL_KINDS = (
+    ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+    ("torchembed attention", ("_decode_kernel", "_combine_kernel", "_fwd_kernel")),
+    ("torchembed rotation", ("rope", "rotary")),
+    ("SDPA / flash", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    ("inductor fused (norms, activations, adds, cache writes)", ("triton_",)),
+    ("copies and fills", ("memcpy", "memset", "copy", "fill")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of GPU kernel ``name`` is (see ``KERNEL_KINDS``)."""
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def _kernels_by_kind(events) -> dict[str, dict[str, float]]:
+    """GPU time (ms) and kernel count of one step by kind (each kernel's own interval)."""
+    kinds: dict[str, dict[str, float]] = {}
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA or e.name.startswith(("##", "Torch-")):
+            continue
+        entry = kinds.setdefault(kernel_kind(e.name), {"ms": 0.0, "kernels": 0})
+        entry["ms"] += (e.time_range.end - e.time_range.start) / 1e3
+        entry["kernels"] += 1
+    return kinds
+
+
 def _owner(event) -> str | None:
     """Whose Python frame an event is: ``"torchembed"``, ``"transformers"``, or None (torch's own frames,
     operators, anything else)."""
@@ -166,6 +197,7 @@ def _measure(model, config, keys: int, steps: int, compiled: bool = False, dev: 
     gpu_us = _busy_us(prof.events())
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {"step_ms": statistics.median(times[5 if compiled else 2:]), "steps_ms": times, "gpu_ms": gpu_us / 1e3,
+            "kernels_by_kind": _kernels_by_kind(prof.events()) if cuda else {},
             "host_ms_by_owner": min(owners, key=lambda h: sum(h.values())),
             "host_syncs": sum("synchroniz" in str(message) for message, _ in caught),
             "sync_sites": sorted({f"{str(message).splitlines()[0][:80]} at {site}" for message, site in caught}),
@@ -211,6 +243,7 @@ def main() -> None:
     base = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).to(dev).eval()
     bandwidth = bench.copy_bandwidth(dev)
     floor = decode_floor_ms(base, 1, args.keys, bandwidth)
+    weights_floor = decode_floor_ms(base, 1, 0, bandwidth)  # every weight once, no cache
     rows = {}
     for variant in args.variants:
         model = torchembed.patch(copy.deepcopy(base)) if variant.startswith("patched") else base
@@ -246,6 +279,19 @@ def main() -> None:
             h = r["host_ms_by_owner"]
             lines.append(f"| {variant} | {h['torchembed']:.2f} | {h['transformers']:.2f} | {h['other']:.2f} "
                          f"| {h['torchembed'] / args.layers:.3f} |")
+    kind_floor = {"matmul": weights_floor, "torchembed attention": floor - weights_floor,
+                  "SDPA / flash": floor - weights_floor}
+    for variant, r in rows.items():
+        if r.get("oom") or not r.get("kernels_by_kind"):
+            continue
+        lines += ["", f"GPU time of one step by kernel kind, {variant} (each kernel's own interval; the matmuls' "
+                  "floor: every weight once, the attention's: the KV cache once, at the same bandwidth):", "",
+                  "| kind | kernels | ms | floor ms | x floor |", "|---|---:|---:|---:|---:|"]
+        for kind, k in sorted(r["kernels_by_kind"].items(), key=lambda item: -item[1]["ms"]):
+            f = kind_floor.get(kind)
+            ratio = "-" if f is None else f"{k['ms'] / f:.2f}x"
+            lines.append(f"| {kind} | {k['kernels']} | {k['ms']:.2f} | {'-' if f is None else f'{f:.2f}'} "
+                         f"| {ratio} |")
     for variant, r in rows.items():
         if r.get("oom"):
             continue
