@@ -236,3 +236,23 @@ def test_decode_sweep_configuration_reaches_the_kernel_launch() -> None:
             assert settings().alibi.blocks[("decode", 128, False)] == (16, 32, 2, 1)
             # 8 programs (batch x kv heads) over 16384 keys in blocks of 64: per_sm x 16 programs in all
             assert _decode_splits(cpu, 8, 16384, 64, False) == per_sm * 2
+
+
+def test_decode_sweep_table_ranks_each_case_fastest_first() -> None:
+    """The sweep's table lists each case's fastest configurations in order, leaving out those that failed."""
+    from torchembed.tools import bench_decode
+
+    gen = torch.Generator().manual_seed(0)
+    records = [{"case": case, "keys": 16384, "config": (16, n, 4, 3), "per_sm": p,
+                "ms": float(torch.rand((), generator=gen)) / 10}
+               for case in ("gqa", "alibi") for n in (32, 64, 128) for p in (1, 2)]
+    records.append({"case": "gqa", "keys": 16384, "config": (16, 256, 8, 4), "per_sm": 1, "error": "out of memory"})
+    best = {f"{c}@16384": min((r for r in records if r["case"] == c and "ms" in r), key=lambda r: r["ms"])
+            for c in ("gqa", "alibi")}
+    table = bench_decode.sweep_table({"records": records, "best": best}, top=3).splitlines()[2:]
+    assert len(table) == 6 and "256" not in "".join(table)
+    for i, case in enumerate(("gqa", "alibi")):
+        rows = [line.split("|") for line in table[3 * i: 3 * i + 3]]
+        times = [float(r[6]) for r in rows]
+        assert [r[1].strip() for r in rows] == [case] * 3 and times == sorted(times)
+        assert times[0] == pytest.approx(best[f"{case}@16384"]["ms"] * 1e3, abs=0.051)

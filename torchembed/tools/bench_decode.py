@@ -175,6 +175,19 @@ def _sweep(cases: dict[tuple[str, int], dict[str, Any]], device: torch.device, s
     return {"records": records, "best": {f"{n}@{k}": v for (n, k), v in best.items()}}
 
 
+def sweep_table(sweep: dict[str, Any], top: int = 5) -> str:
+    """The ``top`` fastest launch configurations of each case in a sweep, as markdown (``do_bench`` time: L2
+    flushed before each call, the launch included)."""
+    rows = []
+    for case in sweep["best"]:
+        name, keys = case.rsplit("@", 1)
+        timed = sorted((r for r in sweep["records"] if r["case"] == name and r["keys"] == int(keys) and "ms" in r),
+                       key=lambda r: r["ms"])
+        rows += [[name, keys, i + 1, "/".join(map(str, r["config"])), r["per_sm"], f"{r['ms'] * 1e3:.1f}"]
+                 for i, r in enumerate(timed[:top])]
+    return bench.md_table(["case", "keys", "rank", "BLOCK_R/BLOCK_N/warps/stages", "programs per SM", "us"], rows)
+
+
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="torchembed bench decode", description=__doc__.split("\n\n")[0])
     bench.add_common_args(parser)
@@ -231,6 +244,9 @@ def main(argv: Sequence[str]) -> int:
         "best over the ways transformers calls it; '-': the backend takes none of them. Eager call: wall time per "
         "call of torchembed's route in a loop of back-to-back calls (host included).",
         "", bench.md_table(headers, rows)])
+    if sweep:
+        md += ("\n\nThe sweep's fastest launch configurations per case (device time of one call, L2 flushed before "
+               "it, the launch included; the table above runs each case's first):\n\n" + sweep_table(sweep))
     print(md)
     bench.write_results(args, "decode-attention", "Decode attention against its floor", env,
                         {"results": records, "sweep": sweep}, md)
