@@ -17,6 +17,7 @@
 #   rerecord - why compiled static-cache generate re-records its CUDA graph (LLaMA, 4 layers, 16k; the reasons logged)
 #   decode-ab - torchembed bench decode on the tree in _baseline and on this one, in turn (carry _baseline)
 #   generate-profile - where compiled static-cache generate spends each token beyond the compiled step (LLaMA, 32 layers, 64k)
+#   kinds   - one compiled step of full-depth LLaMA-3.1-8B at 64k, patched and upstream, its GPU time by kernel kind
 #   depth-profile - full-depth MPT at 65k through the profile probe (a filled cache, no prefill)
 #   depth-again - the same through bench long (the cache of a 65k prefill)
 #   before-after - speed of this tree against the tree in _baseline (compare_commits_gpu.sh; carry _baseline)
@@ -96,6 +97,9 @@ for phase in "$@"; do
               --name "decode-ab-$case-$side" --out "$OUT" 2>&1 | grep "^| $case" | sed "s/^/$side /" )
         done
       done ;;
+    kinds)  # where the compiled step's GPU time goes beyond the attention: matmuls, inductor's kernels, the library's
+      ( cd benchmarks/probes && timeout 400 python3 decode_step_profile.py --model llama --keys 65536 --layers 32 \
+          --variants patched-compiled upstream-compiled --out "$OUT/kinds" 2>&1 | grep -E "^\||^GPU" ) ;;
     depth-profile)  # full-depth MPT at 65k: the profile's filled cache against bench long's prefilled one
       timeout 200 python3 benchmarks/probes/decode_step_profile.py --model mpt --keys 65536 --layers 32 \
         --variants patched --out "$OUT/full" 2>&1 | grep "^|" ;;
