@@ -98,8 +98,8 @@ for phase in "$@"; do
         done
       done ;;
     kinds)  # where the compiled step's GPU time goes beyond the attention: matmuls, inductor's kernels, the library's
-      ( cd benchmarks/probes && timeout 400 python3 decode_step_profile.py --model llama --keys 65536 --layers 32 \
-          --variants patched-compiled upstream-compiled --out "$OUT/kinds" 2>&1 | grep -E "^\||^GPU" ) ;;
+      timeout 400 python3 benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 32 \
+        --variants patched-compiled upstream-compiled --out "$OUT/kinds" 2>&1 | grep -E "^\||^GPU" ;;
     depth-profile)  # full-depth MPT at 65k: the profile's filled cache against bench long's prefilled one
       timeout 200 python3 benchmarks/probes/decode_step_profile.py --model mpt --keys 65536 --layers 32 \
         --variants patched --out "$OUT/full" 2>&1 | grep "^|" ;;
