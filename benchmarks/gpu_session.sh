@@ -5,7 +5,7 @@
 #   splits  - the split-key decode's whole call and its combine alone under key-split settings (decode_splits_graph.py)
 #   ceiling - a kernel that only reads the decode step's K and V, against the floor and the split-key decode
 #   single-launch - the split-key decode in one launch (last ticket merges) against the library's two (batch 1)
-#   sweep   - the split-key kernel's launch configurations at 16k keys (batch 1 and padded batch 4) against SDPA
+#   sweep   - the split-key kernel's launch configurations at 16k keys (batch 1, padded batch 4, static cache) against SDPA
 #             (torchembed bench decode --sweep)
 #   decode  - torchembed bench decode (decode attention against its floor and SDPA's backends)
 #   depth   - full-depth decode per step: MPT-7B-StoryWriter and BLOOM-7B1 shapes at 65k, LLaMA-3.1-8B at 128k
@@ -52,7 +52,7 @@ for phase in "$@"; do
     single-launch)
       timeout 250 python3 benchmarks/probes/decode_single_launch.py --out "$OUT" 2>&1 | grep "^|" ;;
     sweep)  # the split-key kernel's launch configurations at 16k (GQA), the best against SDPA's backends
-      timeout 420 python3 -m torchembed bench decode --sweep --cases gqa gqa-padded --keys 16384 \
+      timeout 420 python3 -m torchembed bench decode --sweep --cases gqa gqa-padded static --keys 16384 \
         --name decode-sweep-16k --out "$OUT" 2>&1 | grep "^| gqa" ;;
     decode)
       timeout 170 python3 -m torchembed bench decode --out "$OUT" 2>&1 | grep -v Warning | grep -v "return {" | tail -n 18 ;;
