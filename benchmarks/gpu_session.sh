@@ -52,8 +52,8 @@ for phase in "$@"; do
     single-launch)
       timeout 250 python3 benchmarks/probes/decode_single_launch.py --out "$OUT" 2>&1 | grep "^|" ;;
     sweep)  # the split-key kernel's launch configurations at 16k (GQA), the best against SDPA's backends
-      timeout 420 python3 -m torchembed bench decode --sweep --cases gqa gqa-padded static --keys 16384 \
-        --name decode-sweep-16k --out "$OUT" 2>&1 | grep "^| gqa" ;;
+      timeout 560 python3 -m torchembed bench decode --sweep --cases gqa gqa-padded static --keys 16384 \
+        --name decode-sweep-16k --out "$OUT" 2>&1 | grep -E "^\| (gqa|static)" ;;
     decode)
       timeout 170 python3 -m torchembed bench decode --out "$OUT" 2>&1 | grep -v Warning | grep -v "return {" | tail -n 18 ;;
     depth)
