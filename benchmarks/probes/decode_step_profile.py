@@ -95,12 +95,13 @@ def _generate_inputs(model, cache, keys: int, dev) -> dict:
     return {k: v for k, v in inputs.items() if v is not None}
 
 
-# a GPU kernel's kind, by its name (the first pattern that matches; "other" when none does)
+# a GPU kernel's kind, by its name (the first pattern that matches; "other" when none does; SDPA's before the
+# library's: a flash kernel's name also ends in "_fwd_kernel")
 KERNEL_KINDS = (
     ("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+    ("SDPA / flash", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("torchembed attention", ("_decode_kernel", "_combine_kernel", "_fwd_kernel")),
     ("torchembed rotation", ("rope", "rotary")),
-    ("SDPA / flash", ("flash", "fmha", "attention", "sdpa", "cudnn")),
     ("inductor fused (norms, activations, adds, cache writes)", ("triton_",)),
     ("copies and fills", ("memcpy", "memset", "copy", "fill")),
 )

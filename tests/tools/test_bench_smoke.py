@@ -220,7 +220,6 @@ def test_long_smoke_prints_its_table_once_without_nan(tmp_path: Path, capsys: py
     assert "nan" not in printed.lower() and "nan" not in (tmp_path / "long-smoke.md").read_text().lower()
 
 
-
 def test_decode_sweep_configuration_reaches_the_kernel_launch() -> None:
     """Each point of ``bench decode --sweep``'s grid changes what the decode launch is given: its blocks, and its
     key split at exactly the programs per multiprocessor asked for (the CPU counts 16 multiprocessors)."""
