@@ -5,7 +5,7 @@
 #   splits  - the split-key decode's whole call and its combine alone under key-split settings (decode_splits_graph.py)
 #   ceiling - a kernel that only reads the decode step's K and V, against the floor and the split-key decode
 #   single-launch - the split-key decode in one launch (last ticket merges) against the library's two (batch 1)
-#   sweep   - the split-key kernel's launch configurations at 16k keys (batch 1, padded batch 4, static cache) against SDPA
+#   sweep   - the split-key kernel's launch configurations at 16k keys (CASES: padded batch 4 and static cache, or batch 1) against SDPA
 #             (torchembed bench decode --sweep)
 #   decode  - torchembed bench decode (decode attention against its floor and SDPA's backends)
 #   depth   - full-depth decode per step: MPT-7B-StoryWriter and BLOOM-7B1 shapes at 65k, LLaMA-3.1-8B at 128k
@@ -51,8 +51,8 @@ for phase in "$@"; do
       timeout 200 python3 benchmarks/probes/decode_read_ceiling.py --out "$OUT" 2>&1 | grep "^|" ;;
     single-launch)
       timeout 250 python3 benchmarks/probes/decode_single_launch.py --out "$OUT" 2>&1 | grep "^|" ;;
-    sweep)  # the split-key kernel's launch configurations at 16k (GQA), the best against SDPA's backends
-      timeout 560 python3 -m torchembed bench decode --sweep --cases gqa gqa-padded static --keys 16384 \
+    sweep)  # the split-key kernel's launch configurations at 16k (CASES; all three outrun one call), against SDPA
+      timeout 560 python3 -m torchembed bench decode --sweep --cases ${CASES:-gqa-padded static} --keys 16384 \
         --name decode-sweep-16k --out "$OUT" 2>&1 | grep -E "^\| (gqa|static)" ;;
     decode)
       timeout 170 python3 -m torchembed bench decode --out "$OUT" 2>&1 | grep -v Warning | grep -v "return {" | tail -n 18 ;;
@@ -90,7 +90,7 @@ for phase in "$@"; do
       timeout 200 python3 benchmarks/probes/generate_profile.py --model llama --layers 4 --keys 16384 --tokens 9 \
         --variants patched upstream --why --out "$OUT/rerecord" 2>&1 | grep -E "^##|re-record|counters|cudaDevice|cuLaunch" ;;
     decode-ab)  # the split-key decode of _baseline's tree against this one's, each case on both before the next
-      for case in gqa alibi gqa-padded; do
+      for case in ${CASES:-gqa alibi gqa-padded static}; do
         for side in base new; do
           tree=$([ $side = base ] && echo _baseline || echo .)
           ( cd "$tree" && PYTHONPATH=$PWD timeout 100 python3 -m torchembed bench decode --cases "$case" \

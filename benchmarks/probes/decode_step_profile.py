@@ -119,9 +119,13 @@ def _kernels_by_kind(events) -> dict[str, dict[str, float]]:
     for e in events:
         if e.device_type != torch.autograd.DeviceType.CUDA or e.name.startswith(("##", "Torch-")):
             continue
-        entry = kinds.setdefault(kernel_kind(e.name), {"ms": 0.0, "kernels": 0})
-        entry["ms"] += (e.time_range.end - e.time_range.start) / 1e3
+        entry = kinds.setdefault(kernel_kind(e.name), {"ms": 0.0, "kernels": 0, "names": {}})
+        ms = (e.time_range.end - e.time_range.start) / 1e3
+        entry["ms"] += ms
         entry["kernels"] += 1
+        entry["names"][e.name] = entry["names"].get(e.name, 0.0) + ms
+    for entry in kinds.values():  # the three longest-running kernel names of each kind (ms in all)
+        entry["names"] = dict(sorted(entry["names"].items(), key=lambda item: -item[1])[:3])
     return kinds
 
 
@@ -287,12 +291,13 @@ def main() -> None:
             continue
         lines += ["", f"GPU time of one step by kernel kind, {variant} (each kernel's own interval; the matmuls' "
                   "floor: every weight once, the attention's: the KV cache once, at the same bandwidth):", "",
-                  "| kind | kernels | ms | floor ms | x floor |", "|---|---:|---:|---:|---:|"]
+                  "| kind | kernels | ms | floor ms | x floor | longest kernels (ms) |", "|---|---:|---:|---:|---:|---|"]
         for kind, k in sorted(r["kernels_by_kind"].items(), key=lambda item: -item[1]["ms"]):
             f = kind_floor.get(kind)
             ratio = "-" if f is None else f"{k['ms'] / f:.2f}x"
+            names = "; ".join(f"`{n[:60]}` {ms:.2f}" for n, ms in k.get("names", {}).items())
             lines.append(f"| {kind} | {k['kernels']} | {k['ms']:.2f} | {'-' if f is None else f'{f:.2f}'} "
-                         f"| {ratio} |")
+                         f"| {ratio} | {names} |")
     for variant, r in rows.items():
         if r.get("oom"):
             continue

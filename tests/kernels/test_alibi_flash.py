@@ -206,12 +206,12 @@ def test_decode_splits_the_keys(keys, heads, kv_heads):
 def test_decode_split_count_follows_the_tuning():
     """At least ``least`` programs per multiprocessor, more (up to ``most``) while each part keeps
     ``decode_split_keys`` keys, never a part under two key blocks; a masked call (a static cache's
-    filled part unknown on the host) takes the least; a bad tuning is refused."""
+    filled part unknown on the host) takes ``decode_masked_programs_per_sm``; a bad tuning is refused."""
     from torchembed.kernels.alibi import _decode_splits
     from torchembed.kernels.settings import AlibiTuning, changed
 
     cpu = torch.device("cpu")  # (16 multiprocessors are assumed off CUDA)
-    with changed(alibi={"decode_programs_per_sm": (1, 2), "decode_split_keys": 2048}):
+    with changed(alibi={"decode_programs_per_sm": (1, 2), "decode_masked_programs_per_sm": 3, "decode_split_keys": 2048}):
         assert _decode_splits(cpu, 8, 16384, 64, False) == 4  # 16384 / 2048 = 8 parts wanted; the most: 2 x 16 / 8
         assert _decode_splits(cpu, 8, 2048, 64, False) == 2  # the least: 16 / 8
         assert _decode_splits(cpu, 1, 16384, 64, False) == 16  # the least for one program
@@ -221,9 +221,12 @@ def test_decode_split_count_follows_the_tuning():
         assert _decode_splits(cpu, 64, 100, 64, False) == 1
         assert _decode_splits(cpu, 12, 65536, 64, False) == 2  # the most rounds down: 32 // 12 (no third wave of programs)
         assert _decode_splits(cpu, 24, 65536, 64, False) == 1  # already more than one program per multiprocessor
-        assert _decode_splits(cpu, 1, 65536, 64, True) == 16  # masked: the least
-        assert _decode_splits(cpu, 8, 16384, 64, True) == 2
+        assert _decode_splits(cpu, 2, 65536, 64, True) == 24  # masked: its own, 3 x 16 / 2
+        assert _decode_splits(cpu, 8, 16384, 64, True) == 6
+        assert _decode_splits(cpu, 1, 65536, 64, True) == 32  # 48 wanted; parts of the cache keep 2048 keys
+        assert _decode_splits(cpu, 8, 2000, 64, True) == 1  # a cache under 2048 keys: one part
     for bad in ({"decode_programs_per_sm": (2, 1)}, {"decode_programs_per_sm": (0, 1)}, {"decode_split_keys": 0},
+                {"decode_masked_programs_per_sm": 0},
                 {"decode_combine": (48, 32)}, {"decode_combine": (64, 0)}):
         with pytest.raises(ValueError, match="decode_"):
             AlibiTuning(**bad)
@@ -242,10 +245,15 @@ def test_decode_with_many_parts_matches_the_oracle(combine):
         _check(q, k, v, None)
 
 
-def test_decode_with_padding_and_a_few_queries():
+@pytest.mark.parametrize("split_keys", [512, 32])
+def test_decode_with_padding_and_a_few_queries(split_keys):
+    """A masked decode in one part, and in several (parts of 32 keys at least: a masked call's split)."""
+    from torchembed.kernels.settings import changed
+
     keep = _left_padded_keep(2, 3, 120, [0, 50])
     q, k, v = _inputs(2, 4, 2, 3, 120, 32, torch.bfloat16, seed=11)
-    _check(q, k, v, alibi_slopes(4, DEV), keep=keep)
+    with changed(alibi={"decode_split_keys": split_keys}):
+        _check(q, k, v, alibi_slopes(4, DEV), keep=keep)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -261,10 +269,14 @@ def test_plain_attention_without_a_bias(dtype):
     _check(q, k, v, None)
 
 
+@pytest.mark.parametrize("split_keys", [512, 32])
 @pytest.mark.parametrize("key_bias", [None, False, True])
-def test_decode_reads_only_the_keys_some_row_keeps(key_bias):
+def test_decode_reads_only_the_keys_some_row_keeps(key_bias, split_keys):
     """A static cache (300 slots, the first 100 filled, padding before 20 in one sequence) whose empty
-    slots and padding hold NaN: the decode kernel never reads them (its split follows the kept range)."""
+    slots and padding hold NaN: the decode kernel never reads them, in one part or in several (parts of 32 keys
+    at least, most of them over empty slots)."""
+    from torchembed.kernels.settings import changed
+
     b, h, hk, n, filled, d = 2, 4, 2, 300, 100, 32
     q, k, v = _inputs(b, h, hk, 1, n, d, torch.float32, seed=31, grad=False)
     keep = torch.zeros(b, 1, 1, n, dtype=torch.bool, device=DEV)
@@ -275,7 +287,8 @@ def test_decode_reads_only_the_keys_some_row_keeps(key_bias):
         t.masked_fill_(~keep[:, :, 0, :, None].expand_as(t), float("nan"))
     slopes = alibi_slopes(h, DEV)
     bias = None if key_bias is None else slopes if not key_bias else torch.randn(b, h, n, device=DEV)
-    out = alibi_flash(q, k, v, bias, scale=d**-0.5, key_bias=bool(key_bias), keep=keep)
+    with changed(alibi={"decode_split_keys": split_keys}):
+        out = alibi_flash(q, k, v, bias, scale=d**-0.5, key_bias=bool(key_bias), keep=keep)
     assert torch.isfinite(out).all()
     sub = keep[..., :filled]
     truth, _ = _oracle(q, k[:, :, :filled].nan_to_num(), v[:, :, :filled].nan_to_num(),
@@ -315,14 +328,13 @@ def test_unsupported_inputs_are_clear_errors():
 
 
 def test_custom_ops_pass_opcheck():
-    from torchembed.kernels.alibi import _flash_op, _mask_rows_op
+    from torchembed.kernels.alibi import _flash_op
 
     q, k, v = _inputs(1, 2, 1, 20, 20, 16, torch.float32, seed=3)
     keep = _left_padded_keep(1, 20, 20, [4])
     rows = mask_rows(keep)
     torch.library.opcheck(_flash_op, (q, k, v, alibi_slopes(2, DEV), None, None, 0.25, False))
     torch.library.opcheck(_flash_op, (q, k, v, alibi_slopes(2, DEV), rows, keep, 0.25, False))
-    torch.library.opcheck(_mask_rows_op, (keep,))
 
 
 def test_compiles_into_one_graph():

@@ -13,7 +13,7 @@ call, and a kernel module is imported only when its kernel launches.
   sin)``: HF's usual call through it, or None where the kernel does not take the call.
 * ALiBi (:mod:`~torchembed.kernels.alibi`, device code in ``alibi_triton``): the attention's one
   dispatch (``alibi_attention``), the fused attention kernel (``alibi_flash``, custom ops
-  ``torchembed::alibi_flash``, ``torchembed::alibi_flash_backward``, ``torchembed::alibi_mask_rows``) and the
+  ``torchembed::alibi_flash``, ``torchembed::alibi_flash_backward``; its mask summary ``mask_rows``) and the
   prefill bias in one write (``prefill_bias``, custom op ``torchembed::alibi_prefill_bias``).
 """
 

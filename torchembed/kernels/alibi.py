@@ -15,9 +15,10 @@ attention of ``ALiBiEmbedding.attention`` or a patched BLOOM, MPT or Falcon-ALiB
 * ``"reference"``: everything else (the CPU, ``fused=False``): the PyTorch reference.
 
 Eager calls launch the plan kept per call signature (a repeated call skips validation), with gradients through
-:class:`_AlibiFlash`; ``torch.compile`` runs the custom ops ``torchembed::alibi_flash``, ``alibi_flash_backward``,
-``alibi_mask_rows`` and ``alibi_prefill_bias`` (with fake implementations: ``fullgraph=True``, CUDA graphs, no host
-sync), which compute the same function by the reference where the kernel cannot run (CPU, no ``TRITON_INTERPRET=1``).
+:class:`_AlibiFlash`; ``torch.compile`` runs the custom ops ``torchembed::alibi_flash``, ``alibi_flash_backward`` and ``alibi_prefill_bias``
+(with fake implementations: ``fullgraph=True``, CUDA graphs, no host sync), which compute the same function by the
+reference where the kernel cannot run (CPU, no ``TRITON_INTERPRET=1``); there the mask summary is plain tensor ops,
+which the graph computes once for all layers.
 """
 
 from __future__ import annotations
@@ -283,10 +284,11 @@ def _out_like(q: Tensor) -> Tensor:
 def mask_rows(keep: Tensor) -> Tensor:
     """The kernel's summary of a bool ``keep (b or 1, 1, q, k)`` mask (True = attend): ``(b or 1, 3, q)`` int32, per
     query row its first kept key, one past its last (0, 0 for a row that keeps none) and whether it keeps every key in
-    between (0) or has holes (1). One pass over ``keep``; compute it once per mask and hand it to every layer."""
-    if torch.compiler.is_compiling():
-        return torch.ops.torchembed.alibi_mask_rows(keep)
-    return _mask_rows(keep)
+    between (0) or has holes (1). One pass over ``keep``; compute it once per mask and hand it to every layer (inside
+    ``torch.compile``: tensor ops, which the graph merges across layers, where a custom op's calls would each run)."""
+    if torch.compiler.is_compiling() or not kernel_can_run(keep):
+        return _mask_rows_reference(keep)
+    return _rows_launch(keep)
 
 
 def alibi_flash(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], *, scale: float, key_bias: bool = False,
@@ -438,20 +440,6 @@ def _mask_rows_reference(keep: Tensor) -> Tensor:
     lo = torch.where(empty, 0, first)
     hi = torch.where(empty, 0, last + 1)
     return torch.stack([lo, hi, (count != hi - lo).to(torch.int32)], 1).to(torch.int32)
-
-
-def _mask_rows(keep: Tensor) -> Tensor:
-    return _rows_launch(keep) if kernel_can_run(keep) else _mask_rows_reference(keep)
-
-
-@torch.library.custom_op("torchembed::alibi_mask_rows", mutates_args=())
-def _mask_rows_op(keep: Tensor) -> Tensor:
-    return _mask_rows(keep)
-
-
-@_mask_rows_op.register_fake
-def _mask_rows_fake(keep):
-    return keep.new_empty((keep.shape[0], 3, keep.shape[2]), dtype=torch.int32)
 
 
 @torch.library.custom_op("torchembed::alibi_flash", mutates_args=())
@@ -747,16 +735,19 @@ class ForwardPlan:
 
 
 def _decode_splits(device: torch.device, programs: int, k_len: int, block_n: int, masked: bool) -> int:
-    """How many parts the split-key decode cuts the keys into: at least ``least`` programs per multiprocessor
-    (``AlibiTuning.decode_programs_per_sm``), more while each part keeps ``decode_split_keys`` keys, never over
-    ``most`` per multiprocessor; each part two key blocks or more. A masked call takes the least: the keys it keeps (a
-    static cache's filled part) are known on the device only, and parts of a few hundred keys are slower."""
+    """How many parts the split-key decode cuts the keys into, each two key blocks or more: at least ``least``
+    programs per multiprocessor (``AlibiTuning.decode_programs_per_sm``), more while each part keeps
+    ``decode_split_keys`` keys, never over ``most`` per multiprocessor. A masked call, whose kept keys (a static
+    cache's filled part) are known on the device only: ``decode_masked_programs_per_sm``, while each part of the
+    cache keeps ``decode_split_keys`` keys."""
     tuning = settings().alibi
     least, most = tuning.decode_programs_per_sm
     sms = _sms(device) if device.type == "cuda" else 16  # (the interpreter: several splits at small shapes)
-    fewest = _cdiv(least * sms, programs)
-    more = 0 if masked else min(k_len // tuning.decode_split_keys, most * sms // programs)
-    return max(1, min(max(fewest, more), _cdiv(k_len, 2 * block_n)))
+    if masked:
+        parts = min(_cdiv(tuning.decode_masked_programs_per_sm * sms, programs), k_len // tuning.decode_split_keys)
+    else:
+        parts = max(_cdiv(least * sms, programs), min(k_len // tuning.decode_split_keys, most * sms // programs))
+    return max(1, min(parts, _cdiv(k_len, 2 * block_n)))
 
 
 def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Tensor | None, keep: Tensor | None,

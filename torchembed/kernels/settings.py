@@ -52,7 +52,7 @@ class RopeTuning:
 # at head dims 64 and 128 (benchmarks/results/alibi-kernel-tune.json; the forward's with keys and values read through
 # tensor descriptors; the masked backward takes the causal winners); 16 and 32 take 64's, 256 the largest tiles that
 # compile without spilling much (not timed). decode: torchembed bench decode --sweep
-# (benchmarks/results/decode-attention.md): the best on average over its cases.
+# (benchmarks/results/decode-attention.md): the best on average over its cases; masked at 128: decode-ab-masked-h100.md.
 _MEASURED_BLOCKS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
     **{("fwd", bd, m): (64, 64, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
     ("fwd", 128, False): (64, 64, 4, 3),
@@ -65,7 +65,8 @@ _MEASURED_BLOCKS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
     **{("dkdv", 128, m): (64, 64, 4, 2) for m in (False, True)},
     **{("dkdv", 256, m): (64, 32, 8, 2) for m in (False, True)},
     **{("decode", bd, m): (16, 128, 4, 3) for bd in (16, 32, 64) for m in (False, True)},
-    **{("decode", 128, m): (16, 64, 4, 3) for m in (False, True)},
+    ("decode", 128, False): (16, 64, 4, 3),
+    ("decode", 128, True): (16, 32, 1, 1),
     **{("decode", 256, m): (16, 32, 4, 2) for m in (False, True)},
 }
 
@@ -80,8 +81,12 @@ class AlibiTuning:
     programs per multiprocessor, and more, up to ``most``, while each part keeps ``decode_split_keys`` keys (H200,
     batch 1, grouped heads: at 16k keys two programs per multiprocessor are 9-12 % faster than one, at 64k and 128k
     two are 10-18 % faster than four, ``decode-splits-graph.md``; over 8 x 8k keys it was 3 % slower,
-    ``alibi-decode-splits.json``, so a grid that already fills the machine is not split more; a masked call, whose
-    kept keys the host does not know, takes ``least``).
+    ``alibi-decode-splits.json``, so a grid that already fills the machine is not split more).
+    ``decode_masked_programs_per_sm``: the same for a masked call, whose kept keys the host does not know: this many,
+    while each part of the cache keeps ``decode_split_keys`` keys (H100 and H200, bf16, d 128, one-warp 32-key
+    blocks: the padded batch 3-9 % faster than at one, ``decode-ab-masked-h100.md``; parts of fewer keys slowed the
+    1/8-filled static cache at 16k, 18.2 against 15.7 us, ``decode-sweep-16k-masked-h100.md``, and a single kv head's
+    combine, 1,024 parts of 64 keys at 64k: 14 us per call).
     ``decode_combine``: ``(parts, features)``: the split decode's combine merges this many parts per step (their loads
     in flight together) for this many features per program (one program per query row and feature block; H100,
     batch 1: 1-2 % faster than 16 parts per step over all features, ``decode-ab-h100.md``).
@@ -91,6 +96,7 @@ class AlibiTuning:
     blocks: Mapping[tuple[str, int, bool], tuple[int, int, int, int]] = field(
         default_factory=lambda: MappingProxyType(dict(_MEASURED_BLOCKS)))
     decode_programs_per_sm: tuple[int, int] = (1, 2)
+    decode_masked_programs_per_sm: int = 8
     decode_split_keys: int = 512
     decode_combine: tuple[int, int] = (64, 32)
     skip: bool = True
@@ -102,8 +108,9 @@ class AlibiTuning:
         if not 1 <= least <= most:
             raise ValueError(f"decode_programs_per_sm must be (least, most) with 1 <= least <= most, "
                              f"got {self.decode_programs_per_sm!r}")
-        if self.decode_split_keys < 1:
-            raise ValueError(f"decode_split_keys must be positive, got {self.decode_split_keys}")
+        if self.decode_masked_programs_per_sm < 1 or self.decode_split_keys < 1:
+            raise ValueError(f"decode_masked_programs_per_sm and decode_split_keys must be positive, got "
+                             f"{self.decode_masked_programs_per_sm}, {self.decode_split_keys}")
         parts, features = self.decode_combine
         if not all(n >= 1 and n & (n - 1) == 0 for n in (parts, features)):
             raise ValueError(f"decode_combine must be (parts, features), powers of two, got {self.decode_combine!r}")

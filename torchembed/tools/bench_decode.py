@@ -152,7 +152,8 @@ def _tuning(config: Sequence[int], per_sm: int, dim: int, masked: bool) -> dict[
     ``per_sm`` programs per multiprocessor exactly (whatever the keys a part keeps)."""
     from torchembed.kernels.alibi import block_d
 
-    return {"blocks": {("decode", block_d(dim), masked): tuple(config)}, "decode_programs_per_sm": (per_sm, per_sm)}
+    return {"blocks": {("decode", block_d(dim), masked): tuple(config)}, "decode_programs_per_sm": (per_sm, per_sm),
+            "decode_masked_programs_per_sm": per_sm}
 
 
 def _sweep(cases: dict[tuple[str, int], dict[str, Any]], device: torch.device, smoke: bool) -> dict[str, Any]:
