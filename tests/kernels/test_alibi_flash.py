@@ -206,7 +206,7 @@ def test_decode_splits_the_keys(keys, heads, kv_heads):
 def test_decode_split_count_follows_the_tuning():
     """At least ``least`` programs per multiprocessor, more (up to ``most``) while each part keeps
     ``decode_split_keys`` keys, never a part under two key blocks; a masked call (a static cache's
-    filled part unknown on the host) takes ``decode_masked_programs_per_sm``; a bad tuning is refused."""
+    filled part unknown on the host) goes up to ``decode_masked_programs_per_sm``; a bad tuning is refused."""
     from torchembed.kernels.alibi import _decode_splits
     from torchembed.kernels.settings import AlibiTuning, changed
 
@@ -223,8 +223,8 @@ def test_decode_split_count_follows_the_tuning():
         assert _decode_splits(cpu, 24, 65536, 64, False) == 1  # already more than one program per multiprocessor
         assert _decode_splits(cpu, 2, 65536, 64, True) == 24  # masked: its own, 3 x 16 / 2
         assert _decode_splits(cpu, 8, 16384, 64, True) == 6
-        assert _decode_splits(cpu, 1, 65536, 64, True) == 32  # 48 wanted; parts of the cache keep 2048 keys
-        assert _decode_splits(cpu, 8, 2000, 64, True) == 1  # a cache under 2048 keys: one part
+        assert _decode_splits(cpu, 1, 65536, 64, True) == 32  # up to 48 while parts of the cache keep 2048 keys
+        assert _decode_splits(cpu, 8, 2000, 64, True) == 2  # a cache under 2048 keys: the least
     for bad in ({"decode_programs_per_sm": (2, 1)}, {"decode_programs_per_sm": (0, 1)}, {"decode_split_keys": 0},
                 {"decode_masked_programs_per_sm": 0},
                 {"decode_combine": (48, 32)}, {"decode_combine": (64, 0)}):

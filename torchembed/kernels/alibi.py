@@ -738,15 +738,16 @@ def _decode_splits(device: torch.device, programs: int, k_len: int, block_n: int
     """How many parts the split-key decode cuts the keys into, each two key blocks or more: at least ``least``
     programs per multiprocessor (``AlibiTuning.decode_programs_per_sm``), more while each part keeps
     ``decode_split_keys`` keys, never over ``most`` per multiprocessor. A masked call, whose kept keys (a static
-    cache's filled part) are known on the device only: ``decode_masked_programs_per_sm``, while each part of the
-    cache keeps ``decode_split_keys`` keys."""
+    cache's filled part) are known on the device only, goes up to ``decode_masked_programs_per_sm`` instead."""
     tuning = settings().alibi
     least, most = tuning.decode_programs_per_sm
     sms = _sms(device) if device.type == "cuda" else 16  # (the interpreter: several splits at small shapes)
+    fewest = _cdiv(least * sms, programs)
     if masked:
-        parts = min(_cdiv(tuning.decode_masked_programs_per_sm * sms, programs), k_len // tuning.decode_split_keys)
+        parts = min(_cdiv(tuning.decode_masked_programs_per_sm * sms, programs),
+                    max(fewest, k_len // tuning.decode_split_keys))
     else:
-        parts = max(_cdiv(least * sms, programs), min(k_len // tuning.decode_split_keys, most * sms // programs))
+        parts = max(fewest, min(k_len // tuning.decode_split_keys, most * sms // programs))
     return max(1, min(parts, _cdiv(k_len, 2 * block_n)))
 
 

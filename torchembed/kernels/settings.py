@@ -82,11 +82,10 @@ class AlibiTuning:
     batch 1, grouped heads: at 16k keys two programs per multiprocessor are 9-12 % faster than one, at 64k and 128k
     two are 10-18 % faster than four, ``decode-splits-graph.md``; over 8 x 8k keys it was 3 % slower,
     ``alibi-decode-splits.json``, so a grid that already fills the machine is not split more).
-    ``decode_masked_programs_per_sm``: the same for a masked call, whose kept keys the host does not know: this many,
-    while each part of the cache keeps ``decode_split_keys`` keys (H100 and H200, bf16, d 128, one-warp 32-key
-    blocks: the padded batch 3-9 % faster than at one, ``decode-ab-masked-h100.md``; parts of fewer keys slowed the
-    1/8-filled static cache at 16k, 18.2 against 15.7 us, ``decode-sweep-16k-masked-h100.md``, and a single kv head's
-    combine, 1,024 parts of 64 keys at 64k: 14 us per call).
+    ``decode_masked_programs_per_sm``: ``most`` for a masked call, whose kept keys the host does not know (H100 and
+    H200, bf16, d 128, one-warp 32-key blocks: the padded batch 3-9 % faster than at one, ``decode-ab-masked-h100.md``;
+    parts of fewer than ``decode_split_keys`` keys slowed the 1/8-filled static cache at 16k, 18.2 against 15.7 us,
+    ``decode-sweep-16k-masked-h100.md``, and a single kv head's combine, 1,024 parts at 64k: 14 us per call).
     ``decode_combine``: ``(parts, features)``: the split decode's combine merges this many parts per step (their loads
     in flight together) for this many features per program (one program per query row and feature block; H100,
     batch 1: 1-2 % faster than 16 parts per step over all features, ``decode-ab-h100.md``).
