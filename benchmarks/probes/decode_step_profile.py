@@ -291,7 +291,8 @@ def main() -> None:
             continue
         lines += ["", f"GPU time of one step by kernel kind, {variant} (each kernel's own interval; the matmuls' "
                   "floor: every weight once, the attention's: the KV cache once, at the same bandwidth):", "",
-                  "| kind | kernels | ms | floor ms | x floor | longest kernels (ms) |", "|---|---:|---:|---:|---:|---|"]
+                  "| kind | kernels | ms | floor ms | x floor | longest kernels (ms) |",
+                  "|---|---:|---:|---:|---:|---|"]
         for kind, k in sorted(r["kernels_by_kind"].items(), key=lambda item: -item[1]["ms"]):
             f = kind_floor.get(kind)
             ratio = "-" if f is None else f"{k['ms'] / f:.2f}x"

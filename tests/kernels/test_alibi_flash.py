@@ -211,7 +211,8 @@ def test_decode_split_count_follows_the_tuning():
     from torchembed.kernels.settings import AlibiTuning, changed
 
     cpu = torch.device("cpu")  # (16 multiprocessors are assumed off CUDA)
-    with changed(alibi={"decode_programs_per_sm": (1, 2), "decode_masked_programs_per_sm": 3, "decode_split_keys": 2048}):
+    tuning = {"decode_programs_per_sm": (1, 2), "decode_masked_programs_per_sm": 3, "decode_split_keys": 2048}
+    with changed(alibi=tuning):
         assert _decode_splits(cpu, 8, 16384, 64, False) == 4  # 16384 / 2048 = 8 parts wanted; the most: 2 x 16 / 8
         assert _decode_splits(cpu, 8, 2048, 64, False) == 2  # the least: 16 / 8
         assert _decode_splits(cpu, 1, 16384, 64, False) == 16  # the least for one program

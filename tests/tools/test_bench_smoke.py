@@ -84,7 +84,8 @@ def test_e2e_smoke(tmp_path: Path) -> None:
                         # such a pair is left out, and with no pair left there is no paired figure)
                         pairs = [u / p for u, p in values if p > 0]
                         paired = rec["paired_speedup"]
-                        assert len(values) == 2 and (paired["values"] == pytest.approx(pairs) if pairs else paired is None)
+                        assert len(values) == 2
+                        assert paired["values"] == pytest.approx(pairs) if pairs else paired is None
     assert "prefill latency" in md and "eager decode" in md and "paired" in md
 
 

@@ -15,10 +15,10 @@ attention of ``ALiBiEmbedding.attention`` or a patched BLOOM, MPT or Falcon-ALiB
 * ``"reference"``: everything else (the CPU, ``fused=False``): the PyTorch reference.
 
 Eager calls launch the plan kept per call signature (a repeated call skips validation), with gradients through
-:class:`_AlibiFlash`; ``torch.compile`` runs the custom ops ``torchembed::alibi_flash``, ``alibi_flash_backward`` and ``alibi_prefill_bias``
-(with fake implementations: ``fullgraph=True``, CUDA graphs, no host sync), which compute the same function by the
-reference where the kernel cannot run (CPU, no ``TRITON_INTERPRET=1``); there the mask summary is plain tensor ops,
-which the graph computes once for all layers.
+:class:`_AlibiFlash`; ``torch.compile`` runs the custom ops ``torchembed::alibi_flash``, ``alibi_flash_backward``
+and ``alibi_prefill_bias`` (with fake implementations: ``fullgraph=True``, CUDA graphs, no host sync), which compute
+the same function by the reference where the kernel cannot run (CPU, no ``TRITON_INTERPRET=1``); there the mask
+summary is tensor ops, which inductor fuses into the kernels around it.
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def mask_rows(keep: Tensor) -> Tensor:
     """The kernel's summary of a bool ``keep (b or 1, 1, q, k)`` mask (True = attend): ``(b or 1, 3, q)`` int32, per
     query row its first kept key, one past its last (0, 0 for a row that keeps none) and whether it keeps every key in
     between (0) or has holes (1). One pass over ``keep``; compute it once per mask and hand it to every layer (inside
-    ``torch.compile``: tensor ops, which the graph merges across layers, where a custom op's calls would each run)."""
+    ``torch.compile``, where each layer computes it: tensor ops, which inductor fuses into the kernels around it)."""
     if torch.compiler.is_compiling() or not kernel_can_run(keep):
         return _mask_rows_reference(keep)
     return _rows_launch(keep)
