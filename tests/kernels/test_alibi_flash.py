@@ -427,14 +427,24 @@ def _padded_key_bias(slopes, pads, n):
     return slopes[None, :, None] * counted[:, None, :].float()
 
 
+# dtype x padding x key bias: every pair of their values once (four cases, not eight: each runs for seconds
+# under the interpreter, and no interaction of all three is special)
+_EVERY_PAIR = [(torch.float32, False, False), (torch.float32, True, True), (torch.bfloat16, False, True),
+               (torch.bfloat16, True, False)]
+
+
 @pytest.fixture
-def skipping():
+def skipping(monkeypatch):
     """The skip from the first key on (the shipped ``AlibiTuning.skip_min_keys`` keeps it for long
     prefills only), through ``settings.changed``: plans made before are forgotten so that the next call
-    makes its plan with it. Yields ``tuned(**alibi_changes)`` for more changes inside."""
+    makes its plan with it. Yields ``tuned(**alibi_changes)`` for more changes inside. The interpreter's
+    prefill tiles are 32 x 32 here (nearer the GPU's, larger than the 16 of the short cases): these inputs
+    are 256 keys long, and the interpreter's time grows with the count of tiles."""
     from torchembed.kernels import alibi as flash
     from torchembed.kernels.settings import changed
 
+    for kind in ("fwd", "dq", "dkdv"):
+        monkeypatch.setitem(flash._INTERPRET_CONFIG, kind, (32, 32, 4, 1))
     with changed(alibi={"skip": True, "skip_min_keys": 0}):  # (changed forgets the kept plans on entry and exit)
         assert not len(flash._PLANS)
         yield types.SimpleNamespace(tuned=lambda **more: changed(alibi=more))
@@ -453,9 +463,7 @@ def _far_keys_poisoned(v, first_row, margin):
     return poisoned
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("key_bias", [False, True])
+@pytest.mark.parametrize(("dtype", "padded", "key_bias"), _EVERY_PAIR)
 def test_negligible_keys_are_not_visited_and_the_result_is_exact(dtype, padded, key_bias, skipping):
     """Far keys are left out: with NaN in their values the late rows stay finite and equal the float64
     attention of the clean values (whose far weights are below 2**-32 of each row's mass); with the
@@ -518,9 +526,7 @@ def test_a_skip_bound_too_loose_is_caught_in_the_backward(margin, skipping):
     assert wrong == ([] if margin is None else ["q", "k", "v"])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("key_bias", [False, True])
+@pytest.mark.parametrize(("dtype", "padded", "key_bias"), _EVERY_PAIR)
 def test_skipping_backward_is_exact(dtype, padded, key_bias, skipping):
     """Gradients with the skip on equal the float64 attention's (dq leaves out far key tiles, dk/dv far
     query blocks), slopes and key bias (padded: right after 7 keys of padding), grouped kv heads."""

@@ -18,6 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 import torchembed  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("smollm2")  # one worker loads the checkpoint once for every test here
+
 TEXT = ("The quick brown fox jumps over the lazy dog. It was a bright cold day in April, and the clocks were "
         "striking thirteen. Paris is the capital and largest city of France, on the river Seine.")
 CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]

@@ -220,9 +220,11 @@ def host_loop(fn: Callable[[], Any], device: torch.device, *, calls: int = 200, 
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Collect, then keep Python's garbage collector off for the block (as ``timeit`` does): a
-    collection landing inside one timed run and not another is noise, not the code under test."""
-    gc.collect()
+    """Collect the young generations, then keep Python's garbage collector off for the block (as
+    ``timeit`` does): a collection landing inside one timed run and not another is noise, not the code
+    under test. The last block's garbage is young (made while the collector was off), so a full
+    collection (hundreds of ms over a large heap, e.g. inside a test session) would add only time."""
+    gc.collect(1)
     enabled = gc.isenabled()
     gc.disable()
     try:
