@@ -128,6 +128,32 @@ def test_interleave_alternates_the_order() -> None:
     assert calls == ["a", "b", "b", "a", "a", "b"] and out == {"a": [1.0] * 3, "b": [2.0] * 3}
 
 
+def test_gc_paused_collects_the_last_runs_cycles_and_keeps_the_collector_off() -> None:
+    """A cycle dropped just before the block is collected on entry (young garbage); inside, the collector
+    is off; after, it is on again (and stays off where it was off)."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    node = Node()
+    node.self = node
+    dead = weakref.ref(node)
+    del node
+    assert gc.isenabled()
+    with bench.gc_paused():
+        assert dead() is None and not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with bench.gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_paired_ratio() -> None:
     a, b = bench.stats([2.0, 9.0, 3.0]), bench.stats([1.0, 3.0, 6.0])
     assert bench.paired_ratio(a, b) == bench.stats([2.0, 3.0, 0.5])
