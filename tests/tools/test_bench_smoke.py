@@ -129,29 +129,29 @@ def test_interleave_alternates_the_order() -> None:
 
 
 def test_gc_paused_collects_the_last_runs_cycles_and_keeps_the_collector_off() -> None:
-    """A cycle dropped just before the block is collected on entry (young garbage); inside, the collector
-    is off; after, it is on again (and stays off where it was off)."""
+    """A cycle dropped before the block, with the collector off as it is in a timed run (so the cycle is
+    young), is collected on entry; inside, the collector is off; after, it is as it was before."""
     import gc
     import weakref
 
     class Node:
         pass
 
-    node = Node()
-    node.self = node
-    dead = weakref.ref(node)
-    del node
     assert gc.isenabled()
-    with bench.gc_paused():
-        assert dead() is None and not gc.isenabled()
-    assert gc.isenabled()
-    gc.disable()
+    gc.disable()  # (also keeps other threads' allocations from ageing the cycle before the block)
     try:
+        node = Node()
+        node.self = node
+        dead = weakref.ref(node)
+        del node
         with bench.gc_paused():
-            pass
+            assert dead() is None and not gc.isenabled()
         assert not gc.isenabled()
     finally:
         gc.enable()
+    with bench.gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
 
 
 def test_paired_ratio() -> None:
