@@ -427,12 +427,6 @@ def _padded_key_bias(slopes, pads, n):
     return slopes[None, :, None] * counted[:, None, :].float()
 
 
-# dtype x padding x key bias: every pair of their values once (four cases, not eight: each runs for seconds
-# under the interpreter, and no interaction of all three is special)
-_EVERY_PAIR = [(torch.float32, False, False), (torch.float32, True, True), (torch.bfloat16, False, True),
-               (torch.bfloat16, True, False)]
-
-
 @pytest.fixture
 def skipping(monkeypatch):
     """The skip from the first key on (the shipped ``AlibiTuning.skip_min_keys`` keeps it for long
@@ -463,7 +457,9 @@ def _far_keys_poisoned(v, first_row, margin):
     return poisoned
 
 
-@pytest.mark.parametrize(("dtype", "padded", "key_bias"), _EVERY_PAIR)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("key_bias", [False, True])
 def test_negligible_keys_are_not_visited_and_the_result_is_exact(dtype, padded, key_bias, skipping):
     """Far keys are left out: with NaN in their values the late rows stay finite and equal the float64
     attention of the clean values (whose far weights are below 2**-32 of each row's mass); with the
@@ -526,7 +522,9 @@ def test_a_skip_bound_too_loose_is_caught_in_the_backward(margin, skipping):
     assert wrong == ([] if margin is None else ["q", "k", "v"])
 
 
-@pytest.mark.parametrize(("dtype", "padded", "key_bias"), _EVERY_PAIR)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("key_bias", [False, True])
 def test_skipping_backward_is_exact(dtype, padded, key_bias, skipping):
     """Gradients with the skip on equal the float64 attention's (dq leaves out far key tiles, dk/dv far
     query blocks), slopes and key bias (padded: right after 7 keys of padding), grouped kv heads."""
