@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements behind the decode results, by phase (each fits one device call; results in $OUT):
+#   suite   - the whole test suite on the GPU (benchmarks/gpu_suite.py run): gpu-suite.md and .json in $OUT, to be
+#             copied to benchmarks/results/; COMMIT=$(git rev-parse HEAD) names the tree (the machine has no git)
 #   tests   - the CUDA tests of the decode route and the nothing-global suite
 #   kernel-tests - the split-key kernel's tests on CUDA
 #   splits  - the split-key decode's whole call and its combine alone under key-split settings (decode_splits_graph.py)
@@ -37,6 +39,12 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 export PYTHONUNBUFFERED=1
 for phase in "$@"; do
   case "$phase" in
+    suite)
+      timeout 570 python3 benchmarks/gpu_suite.py run --out "$OUT" --commit "${COMMIT:-}" --workers "${WORKERS:-12}" \
+        --timeout "${TEST_TIMEOUT:-240}" ${SUITE_ARGS:-} > "$OUT/suite.log" 2>&1
+      echo "suite: exit $?"
+      [ -f "$OUT/gpu-suite.json" ] || python3 benchmarks/gpu_suite.py markdown "$OUT/gpu-suite.jsonl" --commit "${COMMIT:-}"
+      cat "$OUT/gpu-suite.md" ;;
     tests)
       for file in tests/patches/test_decode_attention.py tests/patches/test_nothing_global.py; do
         timeout 280 python3 -m pytest -q -p no:cacheprovider "$file" --tb=short -k cuda 2>&1 | tail -n 15  # (a fresh machine: the threads test 108 s)

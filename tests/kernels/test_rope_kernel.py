@@ -849,15 +849,18 @@ def test_hot_path_keeps_one_launch_per_layout_and_matches(monkeypatch):
         "bf16 tables": (make_qk(2, 4, 2, 9, 64, torch.bfloat16), make_table(9, 32, (2,), torch.bfloat16), 4),
     }
     monkeypatch.setattr(launch, "_launcher_fails", False)
+    expected = {}
+    with changed(direct_launch=False):  # Triton's own launch; leaving the block forgets every kept launch
+        for name, ((q, k), (cos, sin), _) in cases.items():
+            expected[name] = tuple(t.clone() for t in rotary_fused(q, k, cos, sin))
+    assert _tables_keys() == 0
     for name, ((q, k), (cos, sin), entries) in cases.items():
-        with changed(direct_launch=False):
-            expected = tuple(t.clone() for t in rotary_fused(q, k, cos, sin))
         for call in range(3):  # the first call keeps the launch, the next ones use it
             # clone keeps dense strides; the misaligned view is cut again from a clone of its base
             q_in, k_in = (base_q.clone()[..., 1:], base_k.clone()[..., 1:]) if name == "misaligned" else (q.clone(), k.clone())
             got = rotary_fused(q_in, k_in, cos, sin, inplace=True)
             assert got[0] is q_in and got[1] is k_in
-            assert torch.equal(q_in, expected[0]) and torch.equal(k_in, expected[1]), (name, call)
+            assert torch.equal(q_in, expected[name][0]) and torch.equal(k_in, expected[name][1]), (name, call)
         assert launch.direct(), f"{name}: the direct launch failed and switched itself off"
         assert _tables_keys() == entries, name
 
