@@ -4,7 +4,8 @@
 * :class:`OverrideMethod` - a method of a class becomes a torchembed function, per instance;
 * :class:`ReplaceForward` - a class's ``forward`` becomes torchembed's, per instance;
 * :class:`ReplaceGlobals` - a class's ``forward`` runs with module-level names replaced
-  (:mod:`torchembed.patches.rebind`), per instance.
+  (:mod:`torchembed.patches.rebind`), per instance;
+* :class:`KeepGenerationCache` - ``generate`` keeps a KV cache where the checkpoint's config turned it off (MPT).
 
 Classes are matched by name along each module's MRO, so a subclass of a declared class (a user's, or a renamed upstream
 class that keeps the old one as a base) is patched as its base would be.
@@ -12,6 +13,7 @@ class that keeps the old one as a base) is patched as its base would be.
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +25,8 @@ from torchembed.patches.errors import StructureError
 from torchembed.patches.rebind import HelperNotFound, chain, global_names
 from torchembed.patches.registry import Family, PatchOptions
 
-__all__ = ["OverrideMethod", "ReplaceForward", "ReplaceGlobals", "modules_of", "qualname", "require_params"]
+__all__ = ["KeepGenerationCache", "OverrideMethod", "ReplaceForward", "ReplaceGlobals", "modules_of", "qualname",
+           "require_params"]
 
 
 def qualname(obj: Any) -> str:
@@ -139,3 +142,20 @@ class ReplaceGlobals:
         replacement = ", ".join(qualname(fn) for fn in used.values())
         component = Component(path, self.kind, f"{qualname(forward)} calling {', '.join(sorted(used))}", replacement)
         return [OverrideAttribute(component, module, "forward", method)]
+
+
+class KeepGenerationCache:
+    """``generate`` keeps a KV cache: where the model's generation config has ``use_cache=False`` (``MptConfig``'s
+    default, MPT-7B's config.json too), the patched instance gets a copy of it with ``use_cache=True``; otherwise every
+    generated token re-runs the whole prefix (at 65k tokens, seconds per token). Per instance: the copy is this
+    model's attribute, undone by ``unpatch``; a ``use_cache`` the caller passes to ``generate`` still wins."""
+
+    def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[OverrideAttribute]:
+        generation = getattr(model, "generation_config", None)
+        if generation is None or getattr(generation, "use_cache", True) is not False:
+            return []
+        kept = copy.deepcopy(generation)
+        kept.use_cache = True
+        component = Component("", "generation", "generation_config.use_cache=False (the prefix re-run per token)",
+                              "generation_config.use_cache=True (a KV cache; unpatch restores the config)")
+        return [OverrideAttribute(component, model, "generation_config", kept)]

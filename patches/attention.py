@@ -6,8 +6,9 @@ for every new key length, which a decode loop meets at every step (20-90 ms of h
 a padding mask HF repeats the key/value heads and SDPA falls back to slower kernels. A patched model's attention code
 sees :class:`AttentionFunctions` in place of transformers' ``ALL_ATTENTION_FUNCTIONS`` (the name is rebound in that
 instance's rebuilt forward only, with its rotation helper: :mod:`torchembed.patches.rebind`), whose ``"sdpa"`` entry is
-a :class:`DecodeAttention`: for each call it decides (:func:`decode_step`) whether the call is a decode step the kernel
-takes, and runs either the kernel (:func:`torchembed.kernels.alibi.fused_attention` without a bias: grouped key/value
+a :class:`DecodeAttention`: for each call the route decides
+(:func:`torchembed.kernels.route.decode_attention_on_kernel`) whether it is a decode step for the kernel, and runs
+either the kernel (:func:`torchembed.kernels.attention.fused_attention` without a bias: grouped key/value
 heads and HF's cache layout read in place, the mask summarised once per forward into per-row key ranges, so padding and
 a static cache's empty slots are never read) or upstream's SDPA function with the same arguments. Nothing process-wide
 changes (no backend flags): other models and other threads see upstream's functions.
@@ -21,37 +22,17 @@ from typing import Any, Callable
 
 from torch import Tensor
 
-from torchembed.kernels.alibi import DECODE_QUERIES, flash_unsupported, fused_attention, mask_rows
-from torchembed.kernels.launch import use_kernel
+from torchembed.kernels.attention import fused_attention, mask_rows
 from torchembed.kernels.per_forward import current, derive
+from torchembed.kernels.route import decode_attention_on_kernel
 
-__all__ = ["DECODE_QUERIES", "AttentionFunctions", "DecodeAttention", "decode_step"]
-
-# Keyword arguments of upstream's SDPA function that do not change what it computes (it ignores them, or the mask
-# already carries them); a call with any other non-None keyword goes to upstream.
-_IGNORED_KWARGS = frozenset({"position_ids", "cache_position", "output_attentions", "use_cache", "sliding_window",
-                             "layer_idx", "past_key_values", "past_key_value", "token_type_ids", "is_causal"})
-
-
-def decode_step(query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None, dropout: float,
-                kwargs: Mapping[str, Any]) -> bool:
-    """Whether an SDPA call of HF's attention convention (``query (b, h, q, d)``, ``key``/``value`` ``(b, hk, k, d)``,
-    a bool keep mask ``(b or 1, 1, q, k)`` or None) is a decode step the split-key kernel computes as upstream does: at
-    most :data:`DECODE_QUERIES` queries (one without a mask: upstream aligns a causal prefill's queries to the first
-    keys), no dropout, inputs the kernel takes (:func:`~torchembed.kernels.alibi.flash_unsupported`), and no keyword
-    that changes upstream's function (soft-capping, a position bias, a paged cache, ...)."""
-    if query.dim() != 4 or query.shape[2] > DECODE_QUERIES or dropout or value.shape[-1] != query.shape[-1]:
-        return False
-    if attention_mask is None and query.shape[2] != 1:
-        return False
-    if any(value is not None and name not in _IGNORED_KWARGS for name, value in kwargs.items()):
-        return False
-    return flash_unsupported(query, key, value, attention_mask) is None
+__all__ = ["AttentionFunctions", "DecodeAttention"]
 
 
 class DecodeAttention:
-    """The ``"sdpa"`` attention function of a patched model: decode steps (:func:`decode_step`) on the split-key kernel
-    where it runs (``fused``: the patch's choice; False: never), every other call to ``upstream`` (transformers'
+    """The ``"sdpa"`` attention function of a patched model: the calls
+    :func:`~torchembed.kernels.route.decode_attention_on_kernel` gives the kernel (decode steps; ``fused``: the
+    patch's, with its one meaning) on the split-key kernel, every other call to ``upstream`` (transformers'
     ``sdpa_attention_forward``) unchanged. Returns upstream's ``(output (b, q, h, d), None)``."""
 
     def __init__(self, upstream: Callable[..., Any], fused: bool | None) -> None:
@@ -60,8 +41,7 @@ class DecodeAttention:
 
     def __call__(self, module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                  dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Tensor, None]:
-        if self.fused is not False and use_kernel(None, query) \
-                and decode_step(query, key, value, attention_mask, dropout, kwargs):
+        if decode_attention_on_kernel(self.fused, query, key, value, attention_mask, dropout, kwargs):
             scale = query.shape[-1] ** -0.5 if scaling is None else scaling
             rows = None if attention_mask is None else derive(current(), attention_mask, "rows", mask_rows, attention_mask)
             out = fused_attention(query, key, value, None, scale=scale, keep=attention_mask, rows=rows)

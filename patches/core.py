@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 from torch import nn
 
 from torchembed import kernels
-from torchembed.kernels.launch import check_fused, why_not
+from torchembed.kernels.route import check_fused, refuse, use_kernel, why_not
 from torchembed.patches import families  # noqa: F401  (registers the adapters)
 from torchembed.patches.actions import Component
 from torchembed.patches.forward_scope import ForwardScopeHooks
-from torchembed.patches.errors import FusedUnavailableError, StructureError, UnsupportedModelError
+from torchembed.patches.errors import StructureError, UnsupportedModelError
 from torchembed.patches.registry import Family, PatchOptions, family_for, supported_families
 
 __all__ = ["patch", "unpatch", "is_patched", "patched", "find_positional_components", "PatchRecord"]
@@ -88,13 +88,13 @@ def _check_fused(model: nn.Module, family: Family, fused: bool | None) -> None:
     if not check_fused(fused, "fused"):
         return
     if family.encoding not in ("rope", "alibi"):
-        raise FusedUnavailableError(
-            f"fused=True: {family.name} uses {family.encoding} positions, which have no fused kernel; use fused=None"
-        )
+        raise refuse(f"a fused kernel for {family.name}", f"{family.name} uses {family.encoding} positions, which have "
+                     "no fused kernel")
     param = next(model.parameters(), None)
-    if not kernels.triton_available() or (param is not None and not kernels.kernel_can_run(param)):
-        raise FusedUnavailableError(f"fused=True: the fused kernel cannot run: {why_not(param)} (move the model with "
-                                    "model.to('cuda') first), or pass fused=None to use it only where it can run")
+    if param is None and not kernels.triton_available():
+        raise refuse("the fused kernel", why_not())
+    if param is not None:
+        use_kernel(True, param, "the fused kernel")  # (raises, naming the fix)
 
 
 def _plan(model: nn.Module, family: Family, fused: bool | None, cudnn_decode: bool = False) -> list[Any]:
@@ -144,13 +144,15 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True, cudnn_dec
 
     Args:
         model: a transformers model of a supported family (``torchembed list``).
-        fused: ``None`` uses the Triton kernel where it can run (CUDA tensors, Triton installed) and
-            the PyTorch path elsewhere; ``True`` requires the kernel; ``False`` never uses it.
+        fused: for every component the patch installs (the rotation, the ALiBi attention, a RoPE model's decode
+            steps' attention): ``None`` the Triton kernels where they run and take the call, PyTorch elsewhere;
+            ``True`` the kernel for every call the component computes, or ``FusedUnavailableError`` naming why;
+            ``False`` never (:mod:`torchembed.kernels.route`).
         strict: if False, an unsupported model (or one whose transformers code is not structured as
             torchembed expects) is returned untouched with a warning.
         cudnn_decode: leave a CUDA decode step's attention to what upstream calls (SDPA, which picks its
             backend, cuDNN on recent GPUs: a plan built for every new key length). By default a decode
-            step (at most :data:`~torchembed.patches.attention.DECODE_QUERIES` new tokens) runs
+            step (:func:`torchembed.kernels.route.decode_step`: at most 16 new tokens over a KV cache) runs
             torchembed's split-key decode kernel, decided per call for this model only
             (:mod:`torchembed.patches.attention`).
 
@@ -163,7 +165,8 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True, cudnn_dec
         UnsupportedModelError: unsupported architecture (and ``strict=True``).
         StructureError: the installed transformers differs from what the family's adapters rely
             on (and ``strict=True``); nothing was changed.
-        FusedUnavailableError: ``fused=True`` where the kernel cannot run.
+        FusedUnavailableError: ``fused=True`` where the kernel cannot run (at patch time: the model's device,
+            Triton, sectioned rotations; later, per call: an input the kernel does not take).
     """
     if is_patched(model):
         return model

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torchembed.kernels.launch import FusedUnavailableError  # one class for every fused=True
+from torchembed.kernels.route import FusedUnavailableError  # one class for every fused=True
 
 __all__ = ["PatchError", "UnsupportedModelError", "FusedUnavailableError", "StructureError", "transformers_version"]
 

@@ -2,8 +2,8 @@
 
 :class:`RotaryHelper` takes the place of one recognised helper (:mod:`torchembed.patches.recognition`): its calls are
 bound to upstream's signature (:mod:`torchembed.patches.binding`), the tables reduced to what the rotation reads, and
-the tensors handed to the kernel or to the one PyTorch rotation as :func:`torchembed.kernels.rope.use_rope_kernel`
-decides (:func:`torchembed.kernels.rotary_fused`, :func:`torchembed.functional.apply_rotary`).
+the tensors handed to the kernel or to the one PyTorch rotation as :func:`torchembed.kernels.route.use_rope_kernel`
+decides (asked once per call) (:func:`torchembed.kernels.rotary_fused`, :func:`torchembed.functional.apply_rotary`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ from torch import Tensor
 
 from torchembed import functional, kernels
 from torchembed.functional.rope import apply_rotary
-from torchembed.kernels.launch import FusedUnavailableError
 from torchembed.kernels.per_forward import current, derive
-from torchembed.kernels.rope import use_rope_kernel
+from torchembed.kernels.route import refuse, use_rope_kernel
 from torchembed.patches.binding import CallSignature
 from torchembed.patches.recognition import (
     UNSQUEEZE_DIM, Rotation, broadcast_table, deinterleave, merge_mrope, parameter_defaults, upstream_function,
@@ -34,7 +33,7 @@ class RotaryHelper:
     Called as upstream is (positional or keyword arguments, optional tensors left out); rotates in float32 and rounds
     once: with :func:`torchembed.kernels.rotary_fused` (q and k in one launch; at inference HF's usual
     ``helper(q, k, cos, sin)`` rotates in place: upstream binds its names to the returned tensors, which are they) where
-    :func:`~torchembed.kernels.rope.use_rope_kernel` says so, with :func:`torchembed.functional.apply_rotary` elsewhere
+    :func:`~torchembed.kernels.route.use_rope_kernel` says so, with :func:`torchembed.functional.apply_rotary` elsewhere
     (upstream's products and sum in float32, rounded once). Upstream's helper is never called.
 
     One instance per (rotation, upstream, fused) (:meth:`get`), so the rebound attention code is shared by every model
@@ -64,13 +63,16 @@ class RotaryHelper:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.rotation.usual and len(args) == 4 and not kwargs:
-            out = self._usual_call(*args)
+            kernel = use_rope_kernel(self.fused, args[0])  # (decided once for the call)
+            out = self._usual_call(*args, kernel)
             if out is not None:
                 return out
+            return self._serve(self._signature.bind(args, kwargs), kernel)
         return self._serve(self._signature.bind(args, kwargs))
 
-    def _serve(self, values: dict[str, Any]) -> Any:
-        """The rotation of one bound call, returned as upstream returns it."""
+    def _serve(self, values: dict[str, Any], kernel: bool | None = None) -> Any:
+        """The rotation of one bound call, returned as upstream returns it; ``kernel``: the call's decision, asked here
+        where the caller has not asked it."""
         rotation = self.rotation
         first, second = (values[name] for name in rotation.tables) if len(rotation.tables) == 2 else (values[rotation.tables[0]], None)
         if rotation.mrope:
@@ -86,6 +88,8 @@ class RotaryHelper:
             return self._rotate_sections(xs[0], first, second, values[rotation.sections].shape[-1],
                                          rotation.unsqueeze_default if u is None else u)
         given = [x for x in xs if x is not None]
+        if kernel is None:
+            kernel = bool(given) and use_rope_kernel(self.fused, given[0])
         rule = _unsqueezed_rule(u, c.dim()) if rotation.broadcast == "param" else rotation.rule_for(given[0], c) if given else ""
         at = -2 if rule == "hs" else -3  # the tokens' axis (tail, prefix)
         first = given[0].shape[at] if given else 0
@@ -93,13 +97,13 @@ class RotaryHelper:
             lead = first - c.shape[-2]
             parts = [x.split((lead, x.shape[at] - lead), dim=at) for x in given]
             rotated = iter(torch.cat((p, r), dim=at) for p, r in
-                           zip((p for p, _ in parts), self.rotate([r for _, r in parts], c, s, u, full)))
+                           zip((p for p, _ in parts), self.rotate([r for _, r in parts], c, s, u, full, kernel)))
         elif rotation.tail and len(given) > 1 and first < c.shape[-2]:  # the first tensor: the tables' last rows
             last = (lambda t: t[..., -first:, :]) if first else (lambda t: t[..., :0, :])
-            rotated = iter(self.rotate(given[:1], last(c), last(s), u, full and (last(full[0]), last(full[1])))
-                           + self.rotate(given[1:], c, s, u, full))
+            rotated = iter(self.rotate(given[:1], last(c), last(s), u, full and (last(full[0]), last(full[1])), kernel)
+                           + self.rotate(given[1:], c, s, u, full, kernel))
         else:
-            rotated = iter(self.rotate(given, c, s, u, full))
+            rotated = iter(self.rotate(given, c, s, u, full, kernel))
         out = tuple(None if x is None else next(rotated) for x in xs)
         return out[0] if rotation.single and len(given) == 1 else out
 
@@ -110,10 +114,8 @@ class RotaryHelper:
 
     def _rotate_sections(self, x: Tensor, first: Tensor, second: Tensor, sections: int, unsqueeze: int) -> Tensor:
         """Multidimensional RoPE: ``x (..., d)`` as ``sections`` equal feature sections, each rotated half-split by its
-        slice of the tables (PyTorch operations; the kernel takes one table per token)."""
-        if self.fused and use_rope_kernel(self.fused, x):
-            raise FusedUnavailableError(f"fused=True: {self.__name__} rotates per feature section, which the fused "
-                                        "kernel does not; patch with fused=None")
+        slice of the tables (PyTorch operations; the kernel takes one table per token, and a patch with ``fused=True``
+        refuses these helpers: ``families/rope.py``)."""
         width = 2 * (x.shape[-1] // (2 * sections)) if sections > 0 else 0
         if width == 0 or width * sections != x.shape[-1]:
             raise ValueError(f"{self.__name__}: {x.shape[-1]} features do not split into {sections} rotated sections")
@@ -144,10 +146,10 @@ class RotaryHelper:
         return (first, second) if self.rotation.tables[0] == "cos" else (second, first)
 
     def rotate(self, xs: list[Tensor], c: Tensor, s: Tensor, unsqueeze: int | None,
-               full: tuple[Tensor, Tensor] | None = None) -> list[Tensor]:
+               full: tuple[Tensor, Tensor] | None = None, kernel: bool = False) -> list[Tensor]:
         """``xs`` rotated by half tables ``c``/``s`` ``(..., s, r/2)`` (broadcast as the helper does, ``unsqueeze``:
         its unsqueeze_dim argument; ``full``: :meth:`_own_tables`): on the kernel (one launch for two tensors) where
-        the layout allows and the kernel runs, else in PyTorch.
+        ``kernel`` (the call's decision) and the layout allows, else in PyTorch.
 
         Raises:
             ValueError: a tensor narrower than the rotated features, or wider for a helper that rotates them all.
@@ -161,12 +163,12 @@ class RotaryHelper:
                 raise ValueError(f"{self.__name__}: a tensor of {width} features for tables of {rot} rotated features "
                                  f"(upstream {rotation.describe()})")
         if rotation.trailing:  # rotate the last rot features, the leading ones pass through
-            tails = self._rotate_leading([x[..., -rot:] for x in xs], c, s, unsqueeze, full)
+            tails = self._rotate_leading([x[..., -rot:] for x in xs], c, s, unsqueeze, full, kernel)
             return [torch.cat((x[..., :-rot], tail), dim=-1) for x, tail in zip(xs, tails)]
-        return self._rotate_leading(xs, c, s, unsqueeze, full)
+        return self._rotate_leading(xs, c, s, unsqueeze, full, kernel)
 
     def _rotate_leading(self, xs: list[Tensor], c: Tensor, s: Tensor, unsqueeze: int | None,
-                        full: tuple[Tensor, Tensor] | None) -> list[Tensor]:
+                        full: tuple[Tensor, Tensor] | None, kernel: bool) -> list[Tensor]:
         rotation = self.rotation
         rot = 2 * c.shape[-1]
         pairing = rotation.pairing
@@ -179,11 +181,10 @@ class RotaryHelper:
             c, s = _rows(c, xs[0], rule), _rows(s, xs[0], rule)
             full = None if full is None else (_rows(full[0], xs[0], rule), _rows(full[1], xs[0], rule))
         kernel_rule = _kernel_rule(rule, unsqueeze, c, xs[0])
-        views = self._kernel_views(xs, c, kernel_rule) if use_rope_kernel(self.fused, xs[0]) else None
+        views = self._kernel_views(xs, c, kernel_rule) if kernel else None
         if views is None and self.fused:
-            raise FusedUnavailableError(f"fused=True: {self.__name__} was called with tensors of shapes "
-                                        f"{[tuple(x.shape) for x in xs]} and tables {tuple(c.shape)}, a layout the fused "
-                                        "kernel does not take; patch with fused=None")
+            raise refuse(f"the fused RoPE kernel ({self.__name__})", f"it was called with tensors of shapes "
+                         f"{[tuple(x.shape) for x in xs]} and tables {tuple(c.shape)}, a layout it does not take")
         if views is not None:
             bhsd, tables_view = views
             halves = full is not None and not interleaved  # the helper's own rows: a pair's second feature its entries
@@ -236,14 +237,14 @@ class RotaryHelper:
             return None
         return bhsd, (lambda t: t if t.dim() == 3 else t[None])
 
-    def _usual_call(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor] | None:
+    def _usual_call(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, kernel: bool) -> tuple[Tensor, Tensor] | None:
         """HF's usual call, with less Python around it: on the kernel at inference in place (one cache lookup and one
         launch per layer), else :func:`torchembed.functional.apply_rotary` with upstream's own tables. None: the general
         way (also a call the kernel does not take, which :func:`~torchembed.kernels.rope.rotary_fused_usual` tells
         before any launch)."""
         if q.shape[-1] != cos.shape[-1]:
             return None
-        if use_rope_kernel(self.fused, q):
+        if kernel:
             return kernels.rotary_fused_usual(q, k, cos, sin)
         cb, sb = self._prepared((cos, sin), self.rotation.broadcast, 1, q.dtype)
         return functional.apply_rotary(q, cb, sb, full=True), functional.apply_rotary(k, cb, sb, full=True)

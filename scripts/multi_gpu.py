@@ -339,11 +339,13 @@ def tp_rank(argv: list[str]) -> None:
     def logits() -> torch.Tensor:
         return model(**inputs).logits.float().cpu()
 
+    from torchembed.kernels import route
     from torchembed.patches import attention as decode_route
 
     route_calls = []  # the patched model's decode steps that took torchembed's split-key kernel, on this rank
     if args.cpu:  # the kernel's PyTorch implementation stands in for the GPU: the route is taken on CPU tensors
-        decode_route.use_kernel = lambda fused, t, what="": True
+        on_gpu = route.kernel_can_run
+        route.kernel_can_run = lambda t: (t.dim() == 4 and t.is_floating_point()) or on_gpu(t)
     kernel = decode_route.fused_attention
     decode_route.fused_attention = lambda *a, **kw: route_calls.append(a[0].shape[1]) or kernel(*a, **kw)
     flags = _process_flags()

@@ -34,7 +34,7 @@ def main() -> None:
     from triton.testing import do_bench
 
     from torchembed.functional.alibi import alibi_slopes
-    from torchembed.kernels import alibi as K
+    from torchembed.kernels import attention_plan as K
     from torchembed.positional import ALiBiEmbedding
 
     dev = torch.device("cuda")

@@ -44,7 +44,7 @@ def main() -> None:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from torchembed.functional.alibi import alibi_slopes
-    from torchembed.kernels.alibi import alibi_flash
+    from torchembed.kernels.attention import alibi_flash
 
     flex = torch.compile(flex_attention, dynamic=False)
     records = []

@@ -57,9 +57,9 @@ _SMOKE_DECODE = {64: [(1, 2, 2, 1, 64, 64)], 128: [(1, 2, 2, 1, 64, 128)]}
 
 
 def _kernels():
-    from torchembed.kernels import alibi
+    from torchembed.kernels import attention_plan
 
-    return alibi
+    return attention_plan
 
 
 # The block shapes chosen so far, in force for the rest of the run: each a ``settings.changed(alibi=...)``
@@ -140,7 +140,7 @@ def _bench(fn) -> float:
 
 
 def _launch_forward(q, k, v, bias, keep, key_bias, need_lse=False):
-    from torchembed.kernels.alibi import _forward, mask_rows
+    from torchembed.kernels.attention import _forward, mask_rows
 
     rows = None if keep is None else mask_rows(keep)
     return _forward(q, k, v, bias, rows, keep, q.shape[-1] ** -0.5, key_bias, need_lse)
@@ -201,7 +201,7 @@ def _run_job(job: tuple) -> str:
 
 
 def _run_check_job(case: tuple) -> str:
-    from torchembed.kernels.alibi import alibi_flash
+    from torchembed.kernels.attention import alibi_flash
 
     name, b, h, hk, m, n, d, dtype, masked, key_bias, layout = case
     try:
@@ -283,7 +283,7 @@ CHECK_CASES = [  # (name, batch, heads, kv, q_len, k_len, dim, dtype, masked, ke
 
 
 def check(args) -> bool:
-    from torchembed.kernels.alibi import alibi_flash, mask_rows
+    from torchembed.kernels.attention import alibi_flash, mask_rows
 
     device = _device()
     small = args.smoke
@@ -321,7 +321,7 @@ def check(args) -> bool:
 
 
 def _check_graph_and_compile(device) -> bool:
-    from torchembed.kernels.alibi import alibi_flash
+    from torchembed.kernels.attention import alibi_flash
 
     ok = True
     q, k, v, bias, _ = _case(2, 8, 8, 1, 2048, 64, torch.bfloat16, device)
@@ -360,9 +360,9 @@ def _check_graph_and_compile(device) -> bool:
 
 
 def _time_backward(q, k, v, bias, keep, key_bias, reps=True):
-    from torchembed.kernels.alibi import mask_rows
+    from torchembed.kernels.attention import mask_rows
 
-    from torchembed.kernels.alibi import _backward_kernel, _forward
+    from torchembed.kernels.attention import _backward_kernel, _forward
 
     rows = None if keep is None else mask_rows(keep)
     scale = q.shape[-1] ** -0.5
@@ -378,7 +378,7 @@ def _time_backward(q, k, v, bias, keep, key_bias, reps=True):
 
 
 def sweep(args) -> dict:
-    from torchembed.kernels.alibi import clear_plans
+    from torchembed.kernels.attention_plan import clear_plans
 
     K = _kernels()
     device = _device()
@@ -455,7 +455,7 @@ def sweep(args) -> dict:
 
 
 def apply(chosen: dict) -> None:
-    from torchembed.kernels.alibi import clear_plans
+    from torchembed.kernels.attention_plan import clear_plans
 
     clear_plans()
     blocks = {}

@@ -48,7 +48,7 @@ def _norms(K, k, parts, block_k):
     """The key-norm kernel with ``parts`` programs per (batch, kv head) and ``block_k`` keys per load."""
     b, hk, n, d = k.shape
     out = torch.empty(b, hk, parts, device=k.device, dtype=torch.float32)
-    K._key_norm_kernel[(parts, b * hk)](k, out, hk, n, -(-n // parts), *K._strides4(k), HEAD_DIM=d, BLOCK_K=block_k,
+    K._device()._key_norm_kernel[(parts, b * hk)](k, out, hk, n, -(-n // parts), *K._strides4(k), HEAD_DIM=d, BLOCK_K=block_k,
                                          BLOCK_D=K.block_d(d), PARTS=parts, num_warps=4)
     return out
 
@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--backward", action="store_true")
     args = ap.parse_args()
     from torchembed.functional.alibi import alibi_slopes
-    from torchembed.kernels import alibi as K
+    from torchembed.kernels import attention_plan as K
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)

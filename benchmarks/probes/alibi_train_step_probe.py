@@ -36,7 +36,7 @@ def _parse(text: str) -> tuple[int, int, int, int]:
 
 def _impls(heads: int, dim: int, device: torch.device):
     from torchembed.functional.alibi import alibi_slopes
-    from torchembed.kernels.alibi import alibi_flash
+    from torchembed.kernels.attention import alibi_flash
     from torchembed.positional import ALiBiEmbedding
 
     slopes = alibi_slopes(heads, device)

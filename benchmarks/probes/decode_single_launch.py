@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from torchembed.kernels import alibi as A
-from torchembed.kernels.alibi_triton import _decode_tile, merge_parts
+from torchembed.kernels import attention_plan as A
+from torchembed.kernels.attention_triton import _decode_tile, merge_parts
 
 
 @triton.jit

@@ -19,7 +19,8 @@ import torch
 import triton
 import transformers
 
-from torchembed.kernels import alibi as A
+from torchembed.kernels import attention_plan as A
+from torchembed.kernels.attention import mask_rows
 from torchembed.kernels.settings import changed, settings
 from torchembed.tools import bench
 from torchembed.tools.bench_decode import _copies, _device_ms, _torchembed
@@ -52,7 +53,7 @@ def main() -> None:
                     change["blocks"] = {("decode", 128, False): blocks}
                 with changed(alibi=change):
                     us = _device_ms(_torchembed, copies, dev) * 1e3
-                    rows_t = None if one["mask"] is None else A.mask_rows(one["mask"])
+                    rows_t = None if one["mask"] is None else mask_rows(one["mask"])
                     plan = A.forward_plan(one["q"], one["k"], one["v"], one["bias"], rows_t, one["mask"],
                                           one["dim"] ** -0.5, one["bias"] is not None, False)
                     splits = plan.main.grid[0] if hasattr(plan.main, "grid") else 1

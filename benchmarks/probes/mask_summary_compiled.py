@@ -14,7 +14,7 @@ sys.path[0] = os.getcwd()  # (the tree being measured, not this file's)
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from torchembed.kernels.alibi import fused_attention, mask_rows  # noqa: E402
+from torchembed.kernels.attention import fused_attention, mask_rows  # noqa: E402
 
 KEYS, LAYERS = 65536, 32
 

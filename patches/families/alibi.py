@@ -20,11 +20,11 @@ and non-positive, so the values that matter most for a causal row are the smalle
 
 All three also get torchembed's attention (``BloomAttention``/``MptAttention``/``FalconAttention`` forward, per
 instance). Upstream's eager attention materialises the scores in the model dtype, a float32 softmax and the
-probabilities; torchembed's runs ALiBi inside one fused Triton kernel (:func:`torchembed.kernels.alibi.alibi_flash`:
+probabilities; torchembed's runs ALiBi inside one fused Triton kernel (:func:`torchembed.kernels.attention.alibi_flash`:
 the bias computed in the kernel, any padding mask summarised per row once per forward, multi-query and grouped kv heads
 read in place, forward and backward, split-key decode steps; nothing quadratic materialised) and, where that measured
 faster (small prefills) or ``cudnn_decode=True`` asks for it (decode steps), SDPA with a row-centred bias built once
-per forward (:func:`torchembed.kernels.alibi.attention_path` decides, :func:`torchembed.kernels.alibi.alibi_attention`).
+per forward (:func:`torchembed.kernels.route.alibi_path` decides, :func:`torchembed.kernels.alibi.alibi_attention`).
 The patch's ``fused``: ``False`` builds the bias with PyTorch operations only, ``True`` takes the kernel for every
 call. ``output_attentions=True`` and BLOOM's ``slow_but_exact`` tensor-parallel emulation fall back to upstream's
 forward. On a model split over devices (accelerate ``device_map``), the layers of each device share one copy of the
@@ -45,7 +45,8 @@ from torchembed.functional.alibi import alibi_key_bias, alibi_slopes
 from torchembed.kernels.alibi import alibi_attention, causal_keep
 from torchembed.kernels.per_forward import current, derive
 from torchembed.patches.actions import AddForwardPreHook, Component
-from torchembed.patches.adapters import OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of, qualname, require_params
+from torchembed.patches.adapters import (KeepGenerationCache, OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of,
+                                        qualname, require_params)
 from torchembed.patches.devices import ShareDeviceCopies
 from torchembed.patches.errors import StructureError
 from torchembed.patches import kv_cache
@@ -529,8 +530,10 @@ register(Family(
         ReplaceAlibiForward("MptAttention", mpt_attention_forward, _ATTENTION_NEEDS["mpt"], CACHE_KEYWORDS),
         RequestAttentionWeights("MptBlock"),
         ShareDeviceCopies(),
+        KeepGenerationCache(),
     ),
-    description="build_mpt_alibi_tensor -> torchembed ALiBi; attention -> fused ALiBi attention",
+    description=("build_mpt_alibi_tensor -> torchembed ALiBi; attention -> fused ALiBi attention; generate keeps a KV "
+                 "cache (MptConfig turns it off)"),
 ))
 register(Family(
     model_type="falcon", encoding="alibi", variant="alibi", applies=_falcon_alibi,

@@ -29,10 +29,11 @@ from typing import Any
 
 from torch import nn
 
+from torchembed.kernels.route import refuse
 from torchembed.patches.actions import Component, InstanceMethod, OverrideAttribute
 from torchembed.patches.attention import AttentionFunctions
 from torchembed.patches.adapters import qualname
-from torchembed.patches.errors import FusedUnavailableError, StructureError, UnsupportedModelError
+from torchembed.patches.errors import StructureError, UnsupportedModelError
 from torchembed.patches.rebind import attribute_names, chain, find_globals, global_names
 from torchembed.patches.registry import Family, PatchOptions, register, set_fallback
 from torchembed.patches.recognition import Rotation, explain, is_rotation_name, recognize, upstream_function
@@ -186,8 +187,8 @@ class ReplaceRotationHelpers:
         if options.fused:
             sectioned = sorted({name for _, _, r in found.attentions for name, (_, rot) in r.recognized.items() if rot.sections})
             if sectioned:
-                raise FusedUnavailableError(f"fused=True: {', '.join(sectioned)} rotates per feature section "
-                                            "(multidimensional RoPE), which the fused kernel does not; use fused=None")
+                raise refuse("the fused RoPE kernel", f"{', '.join(sectioned)} rotates per feature section "
+                             "(multidimensional RoPE), which the kernel does not")
         actions = []
         for path, module, rotations in found.attentions:
             replacements = {name: RotaryHelper.get(rotation, helper, options.fused)

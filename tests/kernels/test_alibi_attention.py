@@ -10,9 +10,10 @@ import torch
 import torchembed
 from torchembed.functional.alibi import alibi_key_bias, alibi_slopes
 from torchembed.kernels import alibi as module
+from torchembed.kernels import attention_plan, route
 from torchembed.kernels.alibi import alibi_attention, prefill_path
 from torchembed.kernels.per_forward import PerForward
-from torchembed.kernels.launch import FusedUnavailableError
+from torchembed.kernels.route import FusedUnavailableError
 
 pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -193,9 +194,9 @@ def test_gradients_keep_the_materialised_bias_longer(monkeypatch, alibi_policy):
     q, k, v, key_bias, keep = _case(1, 2, 16, 16, 16, torch.float32, pad=0)
     alibi_policy(dense_max_elements=0)
     alibi_policy(dense_grad_max_elements=2 * 16 * 16)
-    assert module.attention_path(q, k, v, keep, fused=None, dropout_p=0.0, layer=True) != "dense"
+    assert route.alibi_path(q, k, v, keep, fused=None, dropout_p=0.0, layer=True) != "dense"
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    assert module.attention_path(*leaves, keep, fused=None, dropout_p=0.0, layer=True) == "dense"
+    assert route.alibi_path(*leaves, keep, fused=None, dropout_p=0.0, layer=True) == "dense"
     kernel = _count(monkeypatch, module, "fused_attention")
     grad = torch.randn_like(q)
     alibi_attention(*leaves, key_bias, keep, scale=0.25, cache=PerForward(), layer=True).backward(grad)
@@ -230,8 +231,8 @@ def test_prefill_path_forces_one_path(monkeypatch, path, alibi_policy):
 def _kernel_launches(monkeypatch):
     """Count the fused kernel's forward launches."""
     calls = []
-    original = module.ForwardPlan.__call__
-    monkeypatch.setattr(module.ForwardPlan, "__call__", lambda *a: calls.append(1) or original(*a))
+    original = attention_plan.ForwardPlan.__call__
+    monkeypatch.setattr(attention_plan.ForwardPlan, "__call__", lambda *a: calls.append(1) or original(*a))
     return calls
 
 

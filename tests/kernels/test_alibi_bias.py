@@ -5,6 +5,7 @@ import torch
 
 from torchembed.functional.alibi import alibi_key_bias, alibi_prefill_bias, alibi_slopes
 from torchembed.kernels import alibi as alibi_bias
+from torchembed.kernels import route
 from torchembed.kernels.alibi import prefill_bias
 
 pytest.importorskip("triton")
@@ -104,7 +105,7 @@ def test_custom_op_registration():
 
 
 def test_batch_times_heads_beyond_the_grid_takes_the_reference(monkeypatch):
-    monkeypatch.setattr(alibi_bias, "_MAX_PROGRAMS_Z", 3)
+    monkeypatch.setattr(route, "_MAX_PROGRAMS", 3)
     key_bias, keep = _case(2, 2, 4, 4, 0)
     launched = []
     monkeypatch.setattr(alibi_bias, "_write_bias", lambda *a: launched.append(1))
@@ -120,14 +121,14 @@ def test_launches_are_kept_and_repeated_directly_on_cuda(monkeypatch):
     from torchembed.kernels.settings import settings
 
     calls = []
-    original = triton_module._prefill_bias_kernel
+    original = triton_module.prefill_bias_kernel
 
     class Counting:
         def __getitem__(self, grid):
             calls.append(grid)
             return original[grid]
 
-    monkeypatch.setattr(triton_module, "_prefill_bias_kernel", Counting())
+    monkeypatch.setattr(triton_module, "prefill_bias_kernel", Counting())
     launches = alibi_bias._BIAS_LAUNCHES
     launches.clear()  # (kept launches hold the kernel they were set up with)
     try:

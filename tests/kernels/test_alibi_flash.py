@@ -14,7 +14,8 @@ import torch
 
 from tests.helpers import TOL
 from torchembed.functional.alibi import alibi_slopes
-from torchembed.kernels.alibi import alibi_flash, flash_unsupported, mask_rows
+from torchembed.kernels.attention import alibi_flash, mask_rows
+from torchembed.kernels.route import flash_unsupported
 
 pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -146,8 +147,8 @@ def test_tensor_descriptor_loads_compute_the_same(case, monkeypatch):
     pointer loads."""
     import dataclasses
 
-    from torchembed.kernels import alibi as flash
-    from torchembed.kernels import alibi as kernels
+    from torchembed.kernels import attention_plan as flash
+    from torchembed.kernels import attention_plan as kernels
 
     monkeypatch.setattr(kernels, "_tma_device", lambda device: True)
     shipped = kernels.settings()
@@ -207,7 +208,7 @@ def test_decode_split_count_follows_the_tuning():
     """At least ``least`` programs per multiprocessor, more (up to ``most``) while each part keeps
     ``decode_split_keys`` keys, never a part under two key blocks; a masked call (a static cache's
     filled part unknown on the host) goes up to ``decode_masked_programs_per_sm``; a bad tuning is refused."""
-    from torchembed.kernels.alibi import _decode_splits
+    from torchembed.kernels.attention_plan import _decode_splits
     from torchembed.kernels.settings import AlibiTuning, changed
 
     cpu = torch.device("cpu")  # (16 multiprocessors are assumed off CUDA)
@@ -329,7 +330,7 @@ def test_unsupported_inputs_are_clear_errors():
 
 
 def test_custom_ops_pass_opcheck():
-    from torchembed.kernels.alibi import _flash_op
+    from torchembed.kernels.attention import _flash_op
 
     q, k, v = _inputs(1, 2, 1, 20, 20, 16, torch.float32, seed=3)
     keep = _left_padded_keep(1, 20, 20, [4])
@@ -363,7 +364,7 @@ def test_compiles_into_one_graph():
 def test_eager_calls_skip_the_custom_op_dispatch(monkeypatch):
     """Eager calls launch the kernel directly (inference) or through an autograd.Function (training):
     the custom op's Python dispatch costs more host time than a small attention takes."""
-    import torchembed.kernels.alibi as module
+    import torchembed.kernels.attention as module
 
     calls = []
     original = module._flash_op
@@ -380,7 +381,7 @@ def test_eager_calls_skip_the_custom_op_dispatch(monkeypatch):
 def test_training_calls_reuse_the_forward_plan_and_its_backward_plan(monkeypatch):
     """A training call like one before takes the kept forward plan and the backward plan kept on it (none
     is made again), and still computes the oracle's gradients."""
-    from torchembed.kernels import alibi as module
+    from torchembed.kernels import attention_plan as module
 
     module.clear_plans()
     q, k, v = _inputs(2, 4, 2, 24, 40, 16, torch.float32, seed=1)
@@ -434,7 +435,7 @@ def skipping(monkeypatch):
     makes its plan with it. Yields ``tuned(**alibi_changes)`` for more changes inside. The interpreter's
     prefill tiles are 32 x 32 here (nearer the GPU's, larger than the 16 of the short cases): these inputs
     are 256 keys long, and the interpreter's time grows with the count of tiles."""
-    from torchembed.kernels import alibi as flash
+    from torchembed.kernels import attention_plan as flash
     from torchembed.kernels.settings import changed
 
     for kind in ("fwd", "dq", "dkdv"):
@@ -570,8 +571,8 @@ def test_key_norms_by_slice(k_len):
     """The largest key norm per (batch, kv head), as slices the kernels take the maximum of, on strided
     keys, fewer keys than slices included; a NaN key makes its slice inf (so the skip keeps every key
     and NaN reaches the output as without it)."""
-    from torchembed.kernels.alibi import key_norms
-    from torchembed.kernels.alibi_triton import NORM_PARTS
+    from torchembed.kernels.attention_plan import key_norms
+    from torchembed.kernels.attention_triton import NORM_PARTS
 
     _, k, _ = _inputs(2, 2, 3, 5, k_len, 24, torch.bfloat16, seed=25, grad=False)
     got = key_norms(k)
@@ -654,9 +655,9 @@ def test_a_far_key_of_high_bias_is_visited(skipping, monkeypatch):
     truth.backward(grad.double())
     for got, leaf in zip((q, k, v), leaves):
         torch.testing.assert_close(got.grad.double(), leaf.grad, rtol=1e-4, atol=1e-4 * leaf.grad.abs().max().item())
-    from torchembed.kernels import alibi
+    from torchembed.kernels import attention_plan
 
-    monkeypatch.setattr(alibi, "running_max", lambda key_bias: key_bias.contiguous())
+    monkeypatch.setattr(attention_plan, "running_max", lambda key_bias: key_bias.contiguous())
     with skipping.tuned(), torch.no_grad(), pytest.raises(AssertionError):  # (plans made afresh)
         _close(alibi_flash(q, k, v, bias, scale=d**-0.5, key_bias=True), truth.detach(), torch.float32)
 
@@ -707,7 +708,7 @@ def test_a_nan_key_bias_far_back_is_not_skipped(skipping):
 
 def test_running_max_of_the_key_bias():
     """The skip's bound in key-bias mode: a running maximum along the keys, NaN as +inf, -inf kept."""
-    from torchembed.kernels.alibi import running_max
+    from torchembed.kernels.attention_plan import running_max
 
     bias = torch.tensor([[[0.0, -1.0, 2.0, float("-inf"), 1.0], [float("-inf"), float("nan"), 0.0, -5.0, 1.0]]])
     want = torch.tensor([[[0.0, 0.0, 2.0, 2.0, 2.0], [float("-inf"), float("inf"), float("inf"), float("inf"), float("inf")]]])
@@ -725,7 +726,7 @@ def _compiled_variants(kernel) -> int:
 def test_decode_compiles_once_across_context_lengths():
     """A decode loop (one query over a growing cache, slopes and a key bias with a padding mask) compiles
     the split-key kernel once per configuration, not whenever the key count changes its divisibility."""
-    from torchembed.kernels import alibi_triton as K
+    from torchembed.kernels import attention_triton as K
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 1, 64, generator=gen).to(DEV, torch.bfloat16)

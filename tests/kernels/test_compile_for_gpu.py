@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from torchembed.kernels import alibi_triton as A, rope_triton as R
+    from torchembed.kernels import alibi_triton as B, attention_triton as A, rope_triton as R
 
     HALF = {"Q", "K", "V", "Out", "DO", "DK", "DV", "DQ", "q_ptr", "k_ptr", "qo_ptr", "ko_ptr", "out_ptr"}
     F32 = {"Lse", "Part", "Bias", "Delta", "KNorm", "Reach", "Horizon", "kb_ptr", "cos_ptr", "sin_ptr", "inv_freq_ptr"}
@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent('''
     FLOATS = {"qk_scale", "scale", "skip_log2", "MIN"}
 
     def kind(fn, name, half):
-        if fn is A._prefill_bias_kernel and name in ("Q", "K"):
+        if fn is B.prefill_bias_kernel and name in ("Q", "K"):
             return "i32"
         if name in HALF:
             return "*" + half
@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent('''
                  SKIP=True)
     compile_(A._rows_kernel, BLOCK_Q=16, BLOCK_K=512)
     compile_(A._key_norm_kernel, HEAD_DIM=128, BLOCK_K=64, BLOCK_D=128, PARTS=A.NORM_PARTS)
-    compile_(A._prefill_bias_kernel, BLOCK_Q=16, BLOCK_K=256, EMULATE_RTNE=False)
+    compile_(B.prefill_bias_kernel, BLOCK_Q=16, BLOCK_K=256, EMULATE_RTNE=False)
     for half, pos_mode, halves in (("bf16", 0, 1), ("fp16", 1, 0), ("bf16", 2, 0)):
         compile_(R.rope_kernel, half, HALF=64, D=128, BLOCK_D=64, BLOCK_P=1, BLOCK_S=4, HPP=4, POS_MODE=pos_mode,
                  USE_INV_FREQ=pos_mode == 1, INTERLEAVED=False, CONJUGATE=False, HALVES=halves, HAS_PASS=False,

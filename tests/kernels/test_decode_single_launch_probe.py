@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from torchembed.kernels.alibi import fused_attention  # noqa: E402
+from torchembed.kernels.attention import fused_attention  # noqa: E402
 
 PROBE = Path(__file__).resolve().parents[2] / "benchmarks" / "probes" / "decode_single_launch.py"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -73,12 +73,12 @@ def test_patched_alibi_attention_matches_upstream(name, padded, monkeypatch, ali
     Falcon's upstream is its sdpa attention (``from_config``'s default), the function the patched
     model computes.
     """
-    from torchembed.kernels import alibi
+    from torchembed.kernels import attention_plan
 
     alibi_policy(dense_max_elements=0)
     launched = []
-    original = alibi.ForwardPlan.__call__
-    monkeypatch.setattr(alibi.ForwardPlan, "__call__", lambda *a: launched.append(1) or original(*a))
+    original = attention_plan.ForwardPlan.__call__
+    monkeypatch.setattr(attention_plan.ForwardPlan, "__call__", lambda *a: launched.append(1) or original(*a))
     upstream = _tiny(name)
     assert upstream.config.model_type != "falcon" or upstream.config._attn_implementation == "sdpa"
     patched = torchembed.patch(copy.deepcopy(upstream))

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 
 from torchembed.functional.alibi import alibi_slopes  # noqa: E402
 from torchembed.kernels import interpret_mode, launch, rotary_fused  # noqa: E402
-from torchembed.kernels.alibi import alibi_flash  # noqa: E402
+from torchembed.kernels.attention import alibi_flash  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and not interpret_mode():

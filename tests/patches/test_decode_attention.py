@@ -13,6 +13,7 @@ import torch
 import transformers
 
 import torchembed
+from torchembed.kernels import route
 from torchembed.patches import attention
 
 
@@ -25,9 +26,8 @@ def _llama(**overrides):
 
 
 @pytest.fixture
-def route_on_cpu(monkeypatch):
+def route_on_cpu(kernel_route_on_cpu):
     """The decode route on CPU tensors (the kernel's PyTorch implementation)."""
-    monkeypatch.setattr(attention, "use_kernel", lambda fused, t, what="": True)
 
 
 @pytest.fixture
@@ -116,23 +116,30 @@ def test_fused_false_never_takes_the_kernel(gpu_route):
     assert not gpu_route
 
 
-def test_decode_step_names_what_the_kernel_computes_as_upstream():
+def test_the_route_gives_the_kernel_the_decode_steps_it_computes_as_upstream(route_on_cpu):
+    """``decode_attention_on_kernel`` (fused=None): decode steps (``decode_step``) that the kernel computes as
+    upstream's SDPA does; everything else stays upstream's."""
     q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 30, 16)
     keep = torch.ones(2, 1, 1, 30, dtype=torch.bool)
-    assert attention.decode_step(q, k, k, None, 0.0, {})
-    assert attention.decode_step(q, k, k, keep, 0.0, {"position_ids": None, "cache_position": torch.zeros(1)})
-    assert attention.decode_step(q.expand(2, 4, 3, 16), k, k, keep.expand(2, 1, 3, 30), 0.0, {})  # a few queries
-    assert not attention.decode_step(q.expand(2, 4, 3, 16), k, k, None, 0.0, {})  # (upstream: causal from the start)
-    assert not attention.decode_step(q.expand(2, 4, 17, 16), k, k, keep.expand(2, 1, 17, 30), 0.0, {})  # a prefill
-    assert not attention.decode_step(q, k, k, keep, 0.1, {})  # dropout
-    assert not attention.decode_step(q, k, k, keep.float(), 0.0, {})  # an additive mask
-    assert not attention.decode_step(q, k, k, keep[..., :29], 0.0, {})
-    assert not attention.decode_step(q, k, k, keep, 0.0, {"softcap": 50.0})  # changes upstream's function
-    assert not attention.decode_step(q, k, k, keep, 0.0, {"position_bias": torch.zeros(1)})
-    assert attention.decode_step(q, k, k, keep, 0.0, {"softcap": None})
-    assert not attention.decode_step(q, k[..., :8], k, keep, 0.0, {})  # head dims differ
-    assert not attention.decode_step(q.double(), k.double(), k.double(), keep, 0.0, {})
-    assert not attention.decode_step(q, torch.randn(2, 3, 30, 16), torch.randn(2, 3, 30, 16), keep, 0.0, {})
+
+    def on(*args):
+        return route.decode_attention_on_kernel(None, *args)
+
+    assert on(q, k, k, None, 0.0, {})
+    assert on(q, k, k, keep, 0.0, {"position_ids": None, "cache_position": torch.zeros(1)})
+    assert on(q.expand(2, 4, 3, 16), k, k, keep.expand(2, 1, 3, 30), 0.0, {})  # a few queries
+    assert not on(q.expand(2, 4, 3, 16), k, k, None, 0.0, {})  # (upstream: causal from the start)
+    assert not on(q.expand(2, 4, 17, 16), k, k, keep.expand(2, 1, 17, 30), 0.0, {})  # a prefill
+    assert not on(q, k, k, keep, 0.1, {})  # dropout
+    assert not on(q, k, k, keep.float(), 0.0, {})  # an additive mask
+    assert not on(q, k, k, keep[..., :29], 0.0, {})
+    assert not on(q, k, k, keep, 0.0, {"softcap": 50.0})  # changes upstream's function
+    assert not on(q, k, k, keep, 0.0, {"position_bias": torch.zeros(1)})
+    assert on(q, k, k, keep, 0.0, {"softcap": None})
+    assert not on(q, k[..., :8], k, keep, 0.0, {})  # head dims differ
+    assert not on(q.double(), k.double(), k.double(), keep, 0.0, {})
+    assert not on(q, torch.randn(2, 3, 30, 16), torch.randn(2, 3, 30, 16), keep, 0.0, {})
+    assert not route.decode_attention_on_kernel(False, q, k, k, keep, 0.0, {})
 
 
 def test_the_table_reads_as_upstreams_and_pickles():

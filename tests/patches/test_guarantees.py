@@ -227,7 +227,7 @@ def test_a_fresh_process_compiles_a_patched_model_with_fullgraph_first(name):
 @pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi"])
 def test_alibi_masks_derived_once_per_forward(name, padded, cudnn_decode, load, decode_masks_built, monkeypatch,
-                                              alibi_policy):
+                                              alibi_policy, kernel_route_on_cpu):
     """A patched ALiBi model derives its per-forward tensors once for all layers (host time), not
     once per layer: the fused kernel's row summary of the mask (prefill and decode steps; the kernel
     stubbed on CPU), or with ``cudnn_decode`` the decode step's SDPA mask — with a padded batch (a mask
@@ -235,7 +235,6 @@ def test_alibi_masks_derived_once_per_forward(name, padded, cudnn_decode, load, 
     import torchembed.kernels.alibi as kernel
 
     alibi_policy(dense_max_elements=0)  # the kernel at any size
-    monkeypatch.setattr(kernel, "use_kernel", lambda fused, t, what="": True)
     monkeypatch.setattr(kernel, "fused_attention", lambda q, *a, **kw: torch.zeros_like(q))  # (the kernel: not under test)
     summaries = []
     monkeypatch.setattr(kernel, "mask_rows", lambda keep: summaries.append(1) or keep)
@@ -266,13 +265,13 @@ def test_alibi_masks_derived_once_per_forward(name, padded, cudnn_decode, load, 
 
 @pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi"])
-def test_small_alibi_prefill_materialises_its_bias_once_per_forward(name, padded, load, monkeypatch, alibi_policy):
+def test_small_alibi_prefill_materialises_its_bias_once_per_forward(name, padded, load, monkeypatch, alibi_policy,
+                                                                    kernel_route_on_cpu):
     """The materialised-bias path (small training steps; forced here, on CPU, at inference): SDPA with
     the bias made once per forward for all layers, padded or not, and upstream's logits."""
     import torchembed.kernels.alibi as kernel
 
     alibi_policy(dense_devices=("cpu",))
-    monkeypatch.setattr(kernel, "use_kernel", lambda fused, t, what="": True)
     monkeypatch.setattr(kernel, "fused_attention", lambda *a, **kw: pytest.fail("the fused kernel taken"))
     built = []
     original = kernel.prefill_bias

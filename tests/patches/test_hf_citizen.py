@@ -371,3 +371,29 @@ def test_trainer_checkpoint_and_resume(name, load, tmp_path):
     resumed = train("patched", resume=True)  # steps 3 and 4 again, from the saved optimizer state
     assert len(resumed) == 4  # the checkpoint's history, then the two steps run again
     torch.testing.assert_close(resumed, patched, rtol=1e-4, atol=1e-5)
+
+
+def test_a_patched_mpt_generates_with_its_kv_cache_and_unpatch_restores_the_config(load):
+    """``MptConfig`` (MPT-7B's config.json too) turns the cache off, so upstream's plain ``generate`` re-runs the whole
+    prefix for every token. A patched MPT's plain ``generate`` keeps a KV cache (that instance's generation config,
+    listed among the patch's components), with upstream's tokens under ``use_cache=True`` (float32); another
+    instance keeps its own config, and ``unpatch`` restores the original object."""
+    upstream = load("mpt")
+    assert upstream.generation_config.use_cache is False
+    original = upstream.generation_config
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    assert any(c.kind == "generation" for c in torchembed.find_positional_components(patched))
+    cached = []
+    forward = patched.transformer.forward
+    patched.transformer.forward = lambda *a, **kw: cached.append(kw.get("past_key_values") is not None) or forward(*a, **kw)
+    ids = torch.randint(1, upstream.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = upstream.generate(ids, max_new_tokens=5, do_sample=False, use_cache=True, pad_token_id=0)
+        got = patched.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    del patched.transformer.forward
+    assert torch.equal(want, got)
+    assert cached[1:] and all(cached[1:]), cached  # every step after the prefill reads the cache
+    assert upstream.generation_config is original and original.use_cache is False
+    kept = patched.generation_config
+    torchembed.unpatch(patched)
+    assert patched.generation_config is not kept and patched.generation_config.use_cache is False

@@ -32,13 +32,8 @@ NEW_TOKENS = 4
 
 
 @pytest.fixture
-def gpu_route(monkeypatch):
+def gpu_route(kernel_route_on_cpu):
     """Decode steps take the kernel route on CPU tensors too (the kernel's PyTorch implementation runs)."""
-    from torchembed.kernels import alibi
-    from torchembed.patches import attention
-
-    monkeypatch.setattr(attention, "use_kernel", lambda fused, t, what="": True)
-    monkeypatch.setattr(alibi, "use_kernel", lambda fused, t, what="": True)
 
 
 def _inputs(model, batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -252,7 +252,7 @@ def test_long_smoke_prints_its_table_once_without_nan(tmp_path: Path, capsys: py
 def test_decode_sweep_configuration_reaches_the_kernel_launch() -> None:
     """Each point of ``bench decode --sweep``'s grid changes what the decode launch is given: its blocks, and its
     key split at exactly the programs per multiprocessor asked for (the CPU counts 16 multiprocessors)."""
-    from torchembed.kernels.alibi import _decode_splits
+    from torchembed.kernels.attention_plan import _decode_splits
     from torchembed.kernels.settings import changed, settings
     from torchembed.tools import bench_decode
 

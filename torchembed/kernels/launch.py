@@ -1,15 +1,9 @@
-"""Where the library's Triton kernels run, the one meaning of ``fused``, and how they are launched.
+"""Where the library's Triton kernels can run, and how they are launched.
 
-Every API that can use a kernel takes ``fused: bool | None`` and decides with :func:`use_kernel`:
-
-* ``None`` (auto): the kernel where it can run (CUDA tensors, Triton importable; CPU tensors under
-  ``TRITON_INTERPRET=1``), PyTorch ops elsewhere -- quietly;
-* ``True``: the kernel, or :class:`FusedUnavailableError` saying what is missing;
-* ``False``: PyTorch ops only.
-
-``TORCHEMBED_DISABLE_TRITON=1`` makes every kernel unavailable (``fused=None`` then runs PyTorch ops, ``fused=True``
-raises). That variable and ``TRITON_INTERPRET`` are read on every call (well under a microsecond), so a switch takes
-effect at once. Triton is imported on the first question only.
+:func:`kernel_can_run` is the device question (Triton importable, a CUDA tensor; a CPU tensor under
+``TRITON_INTERPRET=1``; ``TORCHEMBED_DISABLE_TRITON=1`` makes every kernel unavailable). Those two variables are read
+on every call (well under a microsecond), so a switch takes effect at once; Triton is imported on the first question
+only. What ``fused`` means, and every kernel-or-PyTorch decision, is :mod:`torchembed.kernels.route`'s.
 
 Launching: ``kernel[grid](...)`` re-derives the specialisation of every argument on each call (dtypes, 16-byte
 alignment of pointers, ints equal to 1 or divisible by 16): tens of microseconds of host time on a slow host, more
@@ -33,15 +27,11 @@ from torch import Tensor
 
 from torchembed.kernels.settings import keep_launches_in, settings
 
-__all__ = ["FusedUnavailableError", "Launch", "Launches", "check_fused", "direct", "entry_of", "interpret_mode",
-           "kernel_can_run", "triton_available", "triton_disabled", "use_kernel", "why_not"]
+__all__ = ["Launch", "Launches", "direct", "entry_of", "interpret_mode", "kernel_can_run", "triton_available",
+           "triton_disabled"]
 
 
 # --- Where the kernels run ----------------------------------------------------------------------
-
-
-class FusedUnavailableError(RuntimeError):
-    """``fused=True`` was asked for where the Triton kernel cannot run."""
 
 
 def _env_flag(name: str, value: str = "1") -> Callable[[], bool]:
@@ -95,41 +85,6 @@ def kernel_can_run(t: Tensor) -> bool:
     if triton_disabled() or not (_TRITON_OK or triton_available()):
         return False
     return t.is_cuda or (_interpreting() and t.device.type == "cpu")
-
-
-def check_fused(fused: Any, where: str = "fused") -> Optional[bool]:
-    """``fused`` if it is None, True or False; else a TypeError naming ``where``."""
-    if fused is None or fused is True or fused is False:
-        return fused
-    raise TypeError(f"{where} must be None (the kernel where it can run), True (require it) or False (never), "
-                    f"got {fused!r}")
-
-
-def why_not(t: Optional[Tensor] = None) -> str:
-    """What keeps the kernel from running (on ``t``), as the fix to make."""
-    if triton_disabled():
-        return "TORCHEMBED_DISABLE_TRITON=1 switches the Triton kernels off (unset it)"
-    if not triton_available():
-        return "it needs Triton: pip install triton"
-    if t is not None and not kernel_can_run(t):
-        return f"it runs on CUDA tensors (these are on {t.device}): move them with .to('cuda')"
-    return "it cannot run here"
-
-
-def use_kernel(fused: Optional[bool], t: Tensor, what: str = "the fused kernel") -> bool:
-    """Whether to run the kernel on ``t`` for this ``fused`` (see the module docstring).
-
-    Raises:
-        FusedUnavailableError: ``fused=True`` where the kernel cannot run, naming the fix.
-    """
-    if fused is False:
-        return False
-    if kernel_can_run(t):
-        return True
-    if fused:
-        raise FusedUnavailableError(f"fused=True: {what} cannot run: {why_not(t)}; or pass fused=None "
-                                    "(the kernel where it can run, PyTorch elsewhere)")
-    return False
 
 
 # --- Launching ----------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ Routes: eager without gradients -> :func:`_rotate`; eager with autograd -> :clas
 custom ops ``torchembed::rotary`` (out of place, same autograd) and ``torchembed::rotary_`` (in place, no autograd),
 whose arguments are :class:`RopeArgs` in order. Where the kernel cannot run
 (:func:`~torchembed.kernels.launch.kernel_can_run`) the same float32 math runs in PyTorch
-(:func:`torchembed.functional.apply_rotary`). :func:`use_rope_kernel` decides whether a caller takes the kernel.
+(:func:`torchembed.functional.apply_rotary`). Whether a caller takes the kernel is
+:func:`torchembed.kernels.route.use_rope_kernel`'s answer.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ from torch import Tensor
 
 from torchembed import functional
 from torchembed.kernels import launch
-from torchembed.kernels.launch import kernel_can_run, triton_disabled, use_kernel
+from torchembed.kernels.launch import kernel_can_run, triton_disabled
 from torchembed.kernels.settings import settings
 
-__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "rotary_fused_usual", "use_rope_kernel"]
+__all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "rotary_fused_usual"]
 
 
 class RopeArgs(NamedTuple):
@@ -339,7 +340,7 @@ def _run(a: RopeArgs, qo: Tensor, ko: Tensor) -> None:
     """Rotate ``a.q``/``a.k`` into ``qo``/``ko`` (which may be they); all have a unit last stride.
     Where the kernel cannot run: :func:`torchembed.functional.apply_rotary`, the same float32 math."""
     q, k = a.q, a.k
-    if kernel_can_run(q):
+    if kernel_can_run(q):  # (the custom ops' body defends itself: rotary_fused is public, the reference runs elsewhere)
         # positions as the caller gave them: a tensor, None for per-token tables, else the int offset
         given = a.positions if a.positions is not None else None if a.cos is not None and a.cos.dim() == 3 else a.offset
         key = _key(q, k, a.cos, a.sin, a.inv_freq, given, a.scale, a.interleaved, qo is q, a.conjugate, a.halves)
@@ -441,24 +442,7 @@ class _Rotary(torch.autograd.Function):
 _rotary_op.register_autograd(_Rotary.backward, setup_context=_Rotary.setup_context)
 
 
-# --- The decision and the entry point ---------------------------------------------------------
-
-
-def use_rope_kernel(fused: Optional[bool], x: Tensor) -> bool:
-    """Whether to rotate ``x`` on the kernel (:func:`rotary_fused`) or with PyTorch operations
-    (:func:`torchembed.functional.apply_rotary`): the one place that decides, for every caller.
-
-    ``fused`` means what it means everywhere (:func:`~torchembed.kernels.launch.use_kernel`), except that while
-    ``torch.compile`` traces, ``fused=None`` takes the PyTorch operations, which inductor fuses with the neighbouring
-    norms and projections (an opaque custom op prevents that; the compiled decode step measured slower on the kernel,
-    ``benchmarks/results/e2e-compiled-step.md``). ``fused=True`` keeps the kernel under compile.
-
-    Raises:
-        FusedUnavailableError: ``fused=True`` where the kernel cannot run, naming the fix.
-    """
-    if fused is None and torch.compiler.is_compiling():
-        return False
-    return use_kernel(fused, x, "the fused RoPE kernel")
+# --- The entry points ---------------------------------------------------------------------------
 
 
 def _kept_launch(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate,
@@ -467,7 +451,7 @@ def _kept_launch(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplac
     validation; None where no launch is kept for it."""
     key = _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate, halves)
     kept = None if key is None else LAUNCHES.get(key)
-    if kept is None or triton_disabled():
+    if kept is None or triton_disabled():  # (a launch kept before TORCHEMBED_DISABLE_TRITON=1 was set is not used)
         return None
     qo, ko = (q, k) if inplace else (_empty_like(q), _empty_like(k))
     pos, offset = (None, positions) if type(positions) is int else (positions, 0)

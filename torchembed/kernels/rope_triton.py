@@ -31,6 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from torchembed.kernels.triton_common import round_f32_to_bf16_rtne
+
 __all__ = ["COMPUTE_DTYPES", "rope_kernel"]
 
 COMPUTE_DTYPES = {"fp32": tl.float32, "fp64": tl.float64}  # the CDT meta-parameter
@@ -154,15 +156,6 @@ def _rotate_heads(
         x1, x2 = _load_pairs(x_ptr, x_row, s_mask, HALF, BLOCK_D, INTERLEAVED, CDT)
         _store_rotated(x_ptr, o_ptr, x_row, o_row, x1, x2, c, sn, c2, s2, s_mask,
                        HALF, D, BLOCK_D, BLOCK_P, INTERLEAVED, HAS_PASS, EMULATE_RTNE)
-
-
-@triton.jit
-def round_f32_to_bf16_rtne(y):
-    # Round-to-nearest-even onto the bf16 grid, staying in float32 (the later .to(bf16) is then exact). Only used
-    # under TRITON_INTERPRET, whose fp32->bf16 cast truncates; the GPU cast already rounds to nearest even.
-    bits = y.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

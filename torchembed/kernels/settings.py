@@ -117,7 +117,7 @@ class AlibiTuning:
 
 @dataclass(frozen=True)
 class AlibiPolicy:
-    """What :func:`torchembed.kernels.alibi.attention_path` decides with.
+    """What :func:`torchembed.kernels.route.alibi_path` decides with.
 
     ``prefill``: ``"auto"`` (the materialised bias up to the bounds below, else the kernel), ``"kernel"`` (the kernel
     at every size) or ``"dense"`` (the materialised bias at every size). ``dense_max_elements``: bias elements

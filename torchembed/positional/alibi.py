@@ -84,7 +84,7 @@ class ALiBiEmbedding(nn.Module):
         """Attention with this ALiBi bias fused in: ``softmax(q k^T * scale + bias) v``.
 
         Causal attention runs in one fused Triton kernel that computes the bias from the slopes
-        (:func:`torchembed.kernels.alibi.alibi_flash`; no ``(b, h, q, k)`` tensor of any kind) where it can run: CUDA
+        (:func:`torchembed.kernels.attention.alibi_flash`; no ``(b, h, q, k)`` tensor of any kind) where it can run: CUDA
         tensors, float16/bfloat16/float32, head dim <= 256, no dropout. From 2048 keys it leaves out the keys whose
         weight is provably under ``2**-(32 + log2 keys)`` of their row's largest (the bias falls with distance;
         ``TORCHEMBED_ALIBI_SKIP=0`` visits every key). Elsewhere, and for non-causal attention, SDPA with the bias
@@ -98,7 +98,7 @@ class ALiBiEmbedding(nn.Module):
             scale: default ``d ** -0.5``.
             dropout_p: in ``[0, 1]``.
             fused: None: the fused kernel where it runs, PyTorch elsewhere; True: the kernel or
-                :class:`~torchembed.kernels.launch.FusedUnavailableError`; False: PyTorch only.
+                :class:`~torchembed.kernels.route.FusedUnavailableError`; False: PyTorch only.
 
         Returns:
             ``(b, h, seq_q, d)`` (``v``'s last dim). ``seq_q = 0`` gives an empty ``(b, h, 0, d)`` result (also with
@@ -117,7 +117,7 @@ class ALiBiEmbedding(nn.Module):
             out = alibi.attention(q, k, v)      # == softmax(alibi(q @ k^T / sqrt(d)) + causal mask) @ v
         """
         from torchembed.kernels.alibi import alibi_attention, causal_keep, masked_sdpa, repeat_kv
-        from torchembed.kernels.launch import FusedUnavailableError, check_fused
+        from torchembed.kernels.route import check_fused, refuse
 
         fused = check_fused(fused)
         checked = None
@@ -155,8 +155,8 @@ class ALiBiEmbedding(nn.Module):
             # the bias slope * (j - i), computed from the slopes in the kernel (up to a per-row constant)
             return alibi_attention(q, k, v, None, keep, scale=scale, dropout_p=dropout_p, fused=fused, slopes=slopes)
         if fused:
-            raise FusedUnavailableError("fused=True: the fused ALiBi attention kernel is causal; causal=False runs "
-                                        "SDPA with the materialised bias: pass fused=None")
+            raise refuse("the fused ALiBi attention kernel", "it is causal, and causal=False runs SDPA with the "
+                         "materialised bias")
         bias = self.bias(seq_q, seq_k).to(q.device)[None]  # (1, h, q, k), exact near the diagonal
         if keep is not None:
             bias = bias.masked_fill(~keep, torch.finfo(q.dtype).min)

@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torchembed import kernels
 from torchembed.functional.rope import (apply_rotary_qk, check_base, check_nonnegative, is_position_dtype, rope_cos_sin,
                                         rope_inv_freq, rope_positions)
-from torchembed.kernels.launch import FusedUnavailableError, check_fused, triton_available
-from torchembed.kernels.rope import use_rope_kernel
+from torchembed.kernels.launch import triton_available
+from torchembed.kernels.route import check_fused, refuse, use_rope_kernel
 
 __all__ = ["RotaryEmbedding"]
 
@@ -89,8 +89,7 @@ class RotaryEmbedding(nn.Module):
                           DeprecationWarning, stacklevel=2)
         check_fused(fused, "RotaryEmbedding fused")
         if fused and not triton_available():
-            raise FusedUnavailableError("RotaryEmbedding(fused=True) needs Triton: pip install triton "
-                                        "(or pass fused=None for the kernel where it can run)")
+            raise refuse("RotaryEmbedding(fused=True)'s kernel", "it needs Triton: pip install triton")
         if not isinstance(interleaved, bool):
             raise TypeError(f"interleaved must be a bool, got {interleaved!r}")
         self.dim, self.rotary_dim, self.base = dim, rotary_dim, base
@@ -141,13 +140,17 @@ class RotaryEmbedding(nn.Module):
             ValueError: shapes, devices or positions that do not fit (see the class docstring), each naming what was
                 expected and what was given.
         """
-        if self.fused is not False and self._kernel_first(q, seq_dim, offset, position_ids) and use_rope_kernel(self.fused, q):
-            # (b, h, s, d) on the kernel: rotary_fused checks the shapes (once per layout; later calls reuse its kept
-            # launch). A ValueError from it falls back to the module's own checks below, which name it in its terms.
-            try:
-                return self._fused(q, k, offset, position_ids, self._buffers["inv_freq"])
-            except ValueError:
-                pass
+        kernel = None  # kernel or PyTorch: asked once per call, where first needed
+        if self.fused is not False and self._kernel_first(q, seq_dim, offset, position_ids):
+            kernel = use_rope_kernel(self.fused, q)
+            if kernel:
+                # (b, h, s, d) on the kernel: rotary_fused checks the shapes (once per layout; later calls reuse its
+                # kept launch). A ValueError from it falls back to the module's own checks below, which name it in
+                # its terms.
+                try:
+                    return self._fused(q, k, offset, position_ids, self._buffers["inv_freq"])
+                except ValueError:
+                    pass
         inv_freq = self.inv_freq
         seq_len = self._check(q, k, seq_dim, inv_freq)
         nd = q.dim()
@@ -155,7 +158,9 @@ class RotaryEmbedding(nn.Module):
         if moved:
             q, k = q.movedim(seq_dim, -2), k.movedim(seq_dim, -2)
         offset, position_ids = self._positions(q, k, seq_len, offset, position_ids)
-        if self.fused is not False and use_rope_kernel(self.fused, q):
+        if kernel is None:
+            kernel = self.fused is not False and use_rope_kernel(self.fused, q)
+        if kernel:
             q_out, k_out = self._fused(q, k, offset, position_ids, inv_freq)
         else:
             q_out, k_out = self._reference(q, k, offset, position_ids)

@@ -1,6 +1,6 @@
 """``torchembed bench decode``: one decode step's attention over a long KV cache, against its floor.
 
-What a patched model's decode step runs (the split-key kernel, :func:`torchembed.kernels.alibi.fused_attention`)
+What a patched model's decode step runs (the split-key kernel, :func:`torchembed.kernels.attention.fused_attention`)
 against SDPA's backends called the ways transformers calls them (flash, memory-efficient, cuDNN once its
 plan for the length exists, math; grouped heads read natively, packed into the query length as
 transformers 5.2x does for one query with a mask, or repeated), in one run. Cases (bf16, head dim 128):
@@ -68,7 +68,8 @@ def _case(name: str, keys: int, device: torch.device, dtype: torch.dtype, smoke:
 
 
 def _torchembed(c: dict[str, Any]) -> Callable[[], Any]:
-    from torchembed.kernels.alibi import flash_unsupported, fused_attention, mask_rows
+    from torchembed.kernels.route import flash_unsupported
+    from torchembed.kernels.attention import fused_attention, mask_rows
 
     q, k, v, mask, bias = c["q"], c["k"], c["v"], c["mask"], c["bias"]
     assert flash_unsupported(q, k, v, mask) is None
@@ -150,7 +151,7 @@ def _grid(smoke: bool) -> list[tuple[tuple[int, int, int, int], int]]:
 def _tuning(config: Sequence[int], per_sm: int, dim: int, masked: bool) -> dict[str, Any]:
     """The ``AlibiTuning`` change that runs the decode kernel under one launch configuration: its blocks, and
     ``per_sm`` programs per multiprocessor exactly (whatever the keys a part keeps)."""
-    from torchembed.kernels.alibi import block_d
+    from torchembed.kernels.attention_plan import block_d
 
     return {"blocks": {("decode", block_d(dim), masked): tuple(config)}, "decode_programs_per_sm": (per_sm, per_sm),
             "decode_masked_programs_per_sm": per_sm}
