@@ -284,3 +284,30 @@ def test_decode_sweep_table_ranks_each_case_fastest_first() -> None:
         times = [float(r[6]) for r in rows]
         assert [r[1].strip() for r in rows] == [case] * 3 and times == sorted(times)
         assert times[0] == pytest.approx(best[f"{case}@16384"]["ms"] * 1e3, abs=0.051)
+
+
+def test_generate_is_timed_as_a_user_calls_it():
+    """``bench e2e``'s eager decode and ``bench long``'s generate columns call ``generate`` plainly: no ``use_cache``
+    (the model's generation config decides: MPT's turns the cache off upstream, a patched MPT keeps it), no compile
+    or cache flags; the compiled columns ask for their static cache themselves."""
+    import torch
+
+    from torchembed.tools import bench, bench_long
+
+    class Recorder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def generate(self, ids, **kwargs):
+            self.calls.append(kwargs)
+            for processor in kwargs.get("logits_processor") or ():
+                processor(ids, None)
+
+    model = Recorder()
+    bench.generate_timed(model, torch.ones(1, 4, dtype=torch.long), 3)
+    bench_long.generate_ms(model, 8, 32, 4, 0, torch.device("cpu"), repeats=1)
+    assert model.calls and all("use_cache" not in kw and "cache_implementation" not in kw for kw in model.calls)
+    model.calls.clear()
+    bench_long.generate_ms(model, 8, 32, 4, 0, torch.device("cpu"), compiled=True, repeats=1)
+    assert all(kw["use_cache"] is True and kw["cache_implementation"] == "static" for kw in model.calls)

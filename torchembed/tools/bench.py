@@ -392,7 +392,8 @@ class TokenClock:
 
 
 def generate_timed(model: nn.Module, ids: torch.Tensor, new_tokens: int, **kwargs: Any) -> dict[str, float]:
-    """Greedy ``generate`` as a user calls it, timed whole. Returns ms: ``total`` (``new_tokens``
+    """Greedy ``generate`` as a user calls it (no cache flag: the model's generation config decides, e.g. MPT's turns
+    the cache off upstream and a patched MPT keeps it), timed whole. Returns ms: ``total`` (``new_tokens``
     tokens), ``prefill`` (one token: the prompt's forward and the first token) and ``per_token`` =
     (total - prefill) / (new_tokens - 1), the time of one decode step.
 
@@ -409,8 +410,7 @@ def generate_timed(model: nn.Module, ids: torch.Tensor, new_tokens: int, **kwarg
     def total(tokens: int) -> float:
         sync(device)
         start = time.perf_counter()
-        model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                       **{"use_cache": True, **kwargs})  # (MPT's configs say no cache: every step would redo the prefix)
+        model.generate(ids, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, **kwargs)
         sync(device)
         return (time.perf_counter() - start) * 1e3
 

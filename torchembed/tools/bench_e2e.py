@@ -131,7 +131,7 @@ def build_variants(name: str, args: argparse.Namespace, device: torch.device,
 def _compile_kwargs(fullgraph: bool) -> dict[str, Any]:
     from transformers import CompileConfig
 
-    return {"cache_implementation": "static", "disable_compile": False,
+    return {"cache_implementation": "static", "disable_compile": False, "use_cache": True,
             "compile_config": CompileConfig(fullgraph=fullgraph, mode="reduce-overhead")}
 
 

@@ -39,7 +39,7 @@ def make_config(name: str, layers: int, context: int, smoke: bool) -> Any:
     hidden, heads, ffn = (64, 4, 128) if smoke else (4096, 32, 14336)
     if name == "mpt":
         return transformers.MptConfig(d_model=hidden, n_heads=heads, n_layers=layers, expansion_ratio=4,
-                                      vocab_size=512 if smoke else 50432, max_seq_len=context + 64, use_cache=True,
+                                      vocab_size=512 if smoke else 50432, max_seq_len=context + 64,
                                       attn_config={"alibi": True, "alibi_bias_max": 8})
     if name == "bloom":
         return transformers.BloomConfig(hidden_size=hidden, n_head=heads, n_layer=layers,
@@ -113,6 +113,8 @@ class StepClock:
 def generate_ms(model: nn.Module, context: int, vocab: int, new_tokens: int, seed: int, device: torch.device,
                 compiled: bool = False, repeats: int = 3) -> tuple[float, float | None]:
     """``generate``'s time per new token at ``context`` tokens of prompt: (generate(n) - generate(1)) / (n - 1),
+    called plainly (``generate(ids, attention_mask=..., max_new_tokens=n)``: the model's generation config decides the
+    cache; MPT's config turns it off upstream),
     the medians of ``repeats`` interleaved pairs (a long prompt's prefill varies by tens of ms between calls, which
     one pair divided by a few tokens would count as decode time), greedy, with the attention mask a user passes,
     after one warm-up call; and its steady time per token, the median gap between steps inside the ``generate(n)``
@@ -123,13 +125,13 @@ def generate_ms(model: nn.Module, context: int, vocab: int, new_tokens: int, see
     from transformers import LogitsProcessorList
 
     ids = torch.randint(3, vocab - 16, (1, context), generator=torch.Generator().manual_seed(seed)).to(device)
-    kwargs: dict[str, Any] = dict(do_sample=False, pad_token_id=0, use_cache=True)
+    kwargs: dict[str, Any] = {}  # plain generate, as the transformers docs show it (greedy by default)
     if compiled:
         from transformers import CompileConfig
 
         config = CompileConfig(fullgraph=True, mode="reduce-overhead")
         config._compile_all_devices = device.type != "cuda"  # (--smoke: compiled on the CPU too)
-        kwargs.update(cache_implementation="static", compile_config=config)
+        kwargs.update(cache_implementation="static", compile_config=config, use_cache=True)
     times: dict[int, list[float]] = {1: [], new_tokens: []}
     gaps: list[float] = []
     with torch.no_grad():
@@ -256,7 +258,7 @@ def _row(rec: dict[str, Any], extra: list[str]) -> list[str]:
 
 def markdown(records: list[dict[str, Any]], args: argparse.Namespace, bandwidth: float, rate: float) -> str:
     extra = [name for kind in ("generate", "compiled") if getattr(args, kind) for name in (kind, f"{kind}_steady")]
-    titles = {"generate": "generate ms/token", "generate_steady": "generate steady ms/token",
+    titles = {"generate": "plain generate ms/token", "generate_steady": "plain generate steady ms/token",
               "compiled": "compiled generate ms/token", "compiled_steady": "compiled steady ms/token"}
     head = ["model", "variant", "context", "prefill ms", "prefill floor", "decode ms/step",
             *(titles[name] for name in extra), "decode floor", "peak GB / weights + KV"]
@@ -264,7 +266,8 @@ def markdown(records: list[dict[str, Any]], args: argparse.Namespace, bandwidth:
            f"{args.layers} layers of each shape, batch 1, {args.dtype}, random weights; base model (no LM head). "
            f"Prefill: one timed run after a 4,096-token warm-up; decode: the median of {args.steps} plain-loop steps "
            "(`model(next, past_key_values=cache)`, synchronised) after the first two"
-           + ("; generate: (generate(N) - generate(1)) / (N - 1) with the task model and its mask, the medians of "
+           + ("; generate: plain `generate(ids, attention_mask=mask, max_new_tokens=N)` (no cache or compile flags: MPT's "
+              "config turns the cache off upstream, a patched MPT keeps it), (generate(N) - generate(1)) / (N - 1), the medians of "
               f"{1 if args.smoke else 3} interleaved pairs; steady: the median gap between steps inside those "
               "generate(N) calls after their first two" if args.generate else "")
            + ("; compiled: the same with a static cache and torch.compile(fullgraph=True, mode=\"reduce-overhead\") "
