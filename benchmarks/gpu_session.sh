@@ -40,7 +40,7 @@ export PYTHONUNBUFFERED=1
 for phase in "$@"; do
   case "$phase" in
     suite)
-      timeout 570 python3 benchmarks/gpu_suite.py run --out "$OUT" --commit "${COMMIT:-}" --workers "${WORKERS:-12}" \
+      timeout "${LIMIT:-570}" python3 benchmarks/gpu_suite.py run --out "$OUT" --commit "${COMMIT:-}" --workers "${WORKERS:-12}" \
         --timeout "${TEST_TIMEOUT:-240}" ${SUITE_ARGS:-} > "$OUT/suite.log" 2>&1
       echo "suite: exit $?"
       [ -f "$OUT/gpu-suite.json" ] || python3 benchmarks/gpu_suite.py markdown "$OUT/gpu-suite.jsonl" --commit "${COMMIT:-}"
@@ -116,7 +116,8 @@ for phase in "$@"; do
         --steps 8 --name long-depth-mpt-again --out "$OUT" 2>&1 | grep "^| mpt" ;;
     before-after)  # this tree against another commit's tree in _baseline (carried), side by side:
       # git archive 0244682 | tar -x -C _baseline   (the tree before the nothing-global and walkable-house work)
-      BASE=_baseline RESULTS="$OUT/before-after" SECONDS_EACH=30 timeout 590 bash benchmarks/probes/compare_commits_gpu.sh ;;
+      BASE=_baseline RESULTS="$OUT/before-after" SECONDS_EACH=${SECONDS_EACH:-30} timeout "${LIMIT:-590}" \
+        bash benchmarks/probes/compare_commits_gpu.sh 2>&1 | tee "$OUT/before-after.log" ;;
     profile)
       timeout 190 python3 benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 \
         --variants upstream patched upstream-compiled patched-compiled --out "$OUT" 2>&1 | grep "^|"

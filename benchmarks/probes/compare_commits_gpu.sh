@@ -2,7 +2,8 @@
 # Speed of this checkout against another commit's tree, side by side on one GPU.
 # BASE is a folder with a checkout of the other commit. Measured, each on both sides before the next (a run cut
 # short still holds whole pairs): RoPE device time (README shapes), host time per decode call of each public RoPE
-# route, the ALiBi layer table (one attention layer, forward), e2e decode of LLaMA. SECONDS_EACH caps each benchmark.
+# route, the ALiBi layer table (one attention layer, forward), the decode attention at 16k/64k/128k keys (batch 1
+# grouped heads, the padded batch, BLOOM's ALiBi), e2e decode of LLaMA. SECONDS_EACH caps each benchmark.
 #   BASE=_baseline RESULTS=$OUT bash benchmarks/probes/compare_commits_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -28,3 +29,4 @@ on_both 60 16 benchmarks/host_overhead.py --calls 1000 --repeats 5
 on_both $((EACH + 40)) 16 -m torchembed bench alibi --kernel --out @OUT@ --passes forward --max-seconds "$EACH"
 on_both $((EACH + 40)) 8 -m torchembed bench e2e --out @OUT@ --models llama --variants upstream patched --phases decode \
   --batch-sizes 1 --prompt-lens 512 --repeats 3 --max-seconds "$EACH"
+on_both 90 12 -m torchembed bench decode --out @OUT@ --cases gqa gqa-padded alibi
