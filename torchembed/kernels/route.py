@@ -1,23 +1,14 @@
 """Which implementation runs: every kernel-or-PyTorch decision of the library, and the one meaning of ``fused``.
 
-Every API that can use a kernel takes ``fused: bool | None``, and it means the same for every component -- a
-rotation (``RotaryEmbedding``, a patched model's rotation helper), an ALiBi attention (``ALiBiEmbedding.attention``,
-a patched BLOOM/MPT/Falcon layer), a patched RoPE model's decode-step attention:
+``fused`` means the same for every component (a rotation, an ALiBi attention, a patched RoPE model's decode-step
+attention): ``None`` the kernel wherever it runs (CUDA tensors and Triton; CPU tensors under ``TRITON_INTERPRET=1``)
+and takes the call, PyTorch elsewhere, quietly (under ``torch.compile`` the rotation and the mask summary take PyTorch
+operations, which inductor fuses); ``True`` the kernel for every call the component computes, or
+:class:`FusedUnavailableError` naming why and the fix (a RoPE model's attention is replaced for decode steps only:
+its prefill stays upstream's); ``False`` PyTorch only. ``patch(model, cudnn_decode=True)`` is the one switch beside
+it: one-query decode steps go to SDPA, whatever ``fused`` says.
 
-* ``None`` (auto): the kernel wherever it can run (CUDA tensors and Triton; CPU tensors under ``TRITON_INTERPRET=1``)
-  and takes the call, PyTorch elsewhere -- quietly. Under ``torch.compile`` the rotation and the mask summary take
-  PyTorch operations, which inductor fuses with their neighbours;
-* ``True``: the kernel for every call the component computes, or :class:`FusedUnavailableError` naming why not
-  (device, Triton, an input the kernel does not take) and the fix. A RoPE model's attention is replaced for decode
-  steps only: its prefill calls stay upstream's under any ``fused``;
-* ``False``: PyTorch operations only.
-
-``patch(model, cudnn_decode=True)`` is the one switch beside it: decode steps' attention goes to SDPA (upstream's for
-RoPE models, SDPA with the ALiBi decode mask for ALiBi models), whatever ``fused`` says.
-
-A decode step has one definition, :func:`decode_step`, asked by the ALiBi route, the RoPE decode route and the
-attention kernel's plan. The functions here decide; the entries they route to (:mod:`~torchembed.kernels.rope`,
-:mod:`~torchembed.kernels.attention`, :mod:`~torchembed.kernels.alibi`) trust the answer.
+A decode step has one definition, :func:`decode_step`. The entries routed to trust the answers given here.
 """
 
 from __future__ import annotations
@@ -52,7 +43,7 @@ class FusedUnavailableError(RuntimeError):
 
 
 def refuse(what: str, why: str) -> FusedUnavailableError:
-    """The one form of every refusal: ``fused=True: {what} cannot run here: {why}; pass fused=None ...``."""
+    """Every refusal, in one form (``what`` cannot run here, ``why``; or ``fused=None``)."""
     return FusedUnavailableError(f"fused=True: {what} cannot run here: {why}; or pass fused=None (the kernel where it "
                                  "runs, PyTorch elsewhere)")
 
@@ -77,7 +68,7 @@ def why_not(t: Optional[Tensor] = None) -> str:
 
 
 def use_kernel(fused: Optional[bool], t: Tensor, what: str = "the fused kernel") -> bool:
-    """Whether a kernel runs on ``t`` for this ``fused`` (the module docstring), the device being the only question.
+    """Whether a kernel runs on ``t`` for this ``fused``, the device being the only question.
 
     Raises:
         FusedUnavailableError: ``fused=True`` where the kernel cannot run, naming the fix.
@@ -105,9 +96,8 @@ def decode_step(q_len: int, k_len: int) -> bool:
 
 def use_rope_kernel(fused: Optional[bool], x: Tensor) -> bool:
     """Whether to rotate ``x`` on the kernel (:func:`~torchembed.kernels.rope.rotary_fused`) or with PyTorch operations
-    (:func:`torchembed.functional.apply_rotary`). While ``torch.compile`` traces, ``fused=None`` takes the PyTorch
-    operations, which inductor fuses with the neighbouring norms and projections (an opaque custom op prevents that;
-    the compiled decode step measured slower on the kernel); ``fused=True`` keeps the kernel there.
+    (:func:`torchembed.functional.apply_rotary`). While ``torch.compile`` traces, ``fused=None`` takes PyTorch
+    operations, which inductor fuses with the neighbouring norms and projections (an opaque op measured slower).
 
     Raises:
         FusedUnavailableError: ``fused=True`` where the kernel cannot run, naming the fix.
@@ -155,15 +145,13 @@ def flash_unsupported(q: Tensor, k: Tensor, v: Tensor, keep: Optional[Tensor] = 
 
 
 def mask_summary_on_kernel(keep: Tensor) -> bool:
-    """Whether a keep mask is summarised by its kernel: where it runs, outside ``torch.compile`` (inside, tensor ops,
-    which inductor fuses into the kernels around them)."""
+    """Whether a keep mask is summarised by its kernel: where it runs, outside ``torch.compile`` (there tensor ops)."""
     return not torch.compiler.is_compiling() and kernel_can_run(keep)
 
 
 def bias_on_kernel(key_bias: Tensor, keep: Tensor, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> bool:
     """Whether an ALiBi prefill's SDPA mask of ``shape (b, h, q, k)`` is written by its kernel (where it runs and takes
-    the inputs: a bool ``keep`` on the bias's device, a float bias, a result dtype it writes, ``b * h`` programs
-    along one grid axis); else by PyTorch operations."""
+    the inputs); else by PyTorch operations."""
     return (dtype in ATTENTION_DTYPES and keep.dtype == torch.bool and keep.device == key_bias.device
             and key_bias.is_floating_point() and shape[0] * shape[1] <= _MAX_PROGRAMS and kernel_can_run(key_bias))
 
