@@ -268,3 +268,35 @@ def test_tables_whose_halves_differ_on_the_kernel(monkeypatch):
     for name, want in truth.items():
         ours, upstream_error = (got[name] - want).abs().max().item(), (theirs[name] - want).abs().max().item()
         assert ours <= 2 * upstream_error + floor, f"{name}: error {ours:.3g} vs upstream's {upstream_error:.3g}"
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_steps_on_the_kernel_match_upstream_within_bf16(padded, monkeypatch):
+    """A patched model's generate() (every decode step on the split-key kernel: CUDA, or the CPU through Triton's
+    interpreter) against upstream (SDPA), bf16, grouped kv heads, head dim 128, a left-padded row: scores within bf16
+    rounding of their scale."""
+    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=256,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    upstream = transformers.LlamaForCausalLM(config).to(DEV, torch.bfloat16).eval()
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    ids = torch.randint(0, 256, (2, 300 if DEV == "cuda" else 80), device=DEV)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :40] = 0
+    launches = []
+    from torchembed.patches import attention
+
+    original = attention.fused_attention
+    monkeypatch.setattr(attention, "fused_attention", lambda *a, **kw: launches.append(1) or original(*a, **kw))
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+                  output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        want, got = upstream.generate(ids, **kwargs), patched.generate(ids, **kwargs)
+    assert len(launches) == 3 * config.num_hidden_layers  # every decode step of every layer
+    wanted, gotten = torch.stack(want.scores).float(), torch.stack(got.scores).float()
+    finite = torch.isfinite(wanted)  # min_new_tokens sets the end-of-sequence score to -inf, in both
+    assert torch.equal(finite, torch.isfinite(gotten))
+    scale = wanted[finite].abs().max()
+    assert (wanted[finite] - gotten[finite]).abs().max() <= 2**-6 * scale
