@@ -117,7 +117,8 @@ for phase in "$@"; do
     before-after)  # this tree against another commit's tree in _baseline (carried), side by side:
       # git archive 0244682 | tar -x -C _baseline   (the tree before the nothing-global and walkable-house work)
       BASE=_baseline RESULTS="$OUT/before-after" SECONDS_EACH=${SECONDS_EACH:-30} timeout "${LIMIT:-590}" \
-        bash benchmarks/probes/compare_commits_gpu.sh 2>&1 | tee "$OUT/before-after.log" ;;
+        bash benchmarks/probes/compare_commits_gpu.sh 2>&1 | tee "$OUT/before-after.log"
+      tar -C "$OUT" -czf "$OUT/before-after.tgz" before-after && rm -rf "$OUT/before-after" ;;  # (few files come back)
     profile)
       timeout 190 python3 benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 \
         --variants upstream patched upstream-compiled patched-compiled --out "$OUT" 2>&1 | grep "^|"
