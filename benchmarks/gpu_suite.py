@@ -180,22 +180,23 @@ def markdown(record: dict, cpu: dict | None = None) -> str:
 # --- status ---------------------------------------------------------------------------------------
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+def _git(*args: str, root: Path = ROOT) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True).stdout.strip()
 
 
-def status(record: Path = RECORD) -> tuple[bool, str]:
-    """(current?, the line to print)."""
-    core = _git("log", "-1", "--format=%H", "--", *CORE)
+def status(root: Path = ROOT) -> tuple[bool, str]:
+    """(current?, the line to print) for the record ``benchmarks/results/gpu-suite.md`` under ``root``."""
+    record = root / RECORD.relative_to(ROOT)
+    core = _git("log", "-1", "--format=%H", "--", *CORE, root=root)
     if not core:
         return False, "GPU suite: unknown (no git history here)"
     if not record.exists():
-        return False, f"GPU suite: stale: never recorded ({record.relative_to(ROOT)} is missing); core last changed in {core[:9]}"
+        return False, f"GPU suite: stale: never recorded ({record.relative_to(root)} is missing); core last changed in {core[:9]}"
     match = re.search(r"^- commit: ([0-9a-f]{7,40})", record.read_text(), re.M)
-    tested = _git("rev-parse", "-q", "--verify", f"{match.group(1)}^{{commit}}") if match else ""
+    tested = _git("rev-parse", "-q", "--verify", f"{match.group(1)}^{{commit}}", root=root) if match else ""
     if not tested:
         return False, f"GPU suite: stale: {record.name} names no commit of this history; core last changed in {core[:9]}"
-    current = subprocess.run(["git", "merge-base", "--is-ancestor", core, tested], cwd=ROOT).returncode == 0
+    current = subprocess.run(["git", "merge-base", "--is-ancestor", core, tested], cwd=root).returncode == 0
     state = "current" if current else "stale"
     return current, (f"GPU suite: {state}: {record.name} tested {tested[:9]}; the core (kernels, functional, positional, "
                      f"patches) last changed in {core[:9]}" + ("" if current else ": run `bash benchmarks/gpu_session.sh suite` on a GPU"))
