@@ -108,14 +108,15 @@ def test_output_attentions_as_upstream(name, load):
 @pytest.mark.parametrize("name", CAUSAL)
 def test_generate_dict_outputs_beam_search_and_assisted_decoding(name, load):
     """Dict outputs with attentions, beam search and assisted decoding give upstream's tokens and
-    scores; what upstream refuses (MPT has no cache for assisted decoding) patched refuses alike.
-    Falcon-ALiBi is compared with upstream's sdpa function without weights (upstream's eager path,
-    taken for weights, adds the bias twice)."""
+    scores; what upstream refuses patched refuses alike. MPT is compared with upstream asked for its cache
+    (``use_cache=True``, what a patched MPT's generation config says; upstream's own config refuses assisted
+    decoding for want of a cache). Falcon-ALiBi is compared with upstream's sdpa function without weights
+    (upstream's eager path, taken for weights, adds the bias twice)."""
     upstream, patched = _pair(load, name)
     ids = _ids(upstream, batch=1, length=6)
     common = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
     for kwargs in (dict(output_attentions=True), dict(num_beams=3), dict(assistant_model=copy.deepcopy(upstream))):
-        reference = dict(kwargs)
+        reference = dict(kwargs, use_cache=True) if name == "mpt" else dict(kwargs)
         if name == "falcon-alibi":
             reference.pop("output_attentions", None)
         try:
