@@ -402,7 +402,7 @@ def test_help_imports_neither_torch_nor_transformers() -> None:
 def test_the_readme_says_how_to_put_torchembed_on_path() -> None:
     """The scripts install into .venv, which they do not activate: the README says so before the commands."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    quick_start = readme.split("## Quick start", 1)[1].split("## The API", 1)[0]
-    command_line = readme.split("### Command line", 1)[1].split("```bash", 1)[0]
+    quick_start = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    command_line = readme.split("## Command line", 1)[1].split("```bash", 1)[0]
     for section in (quick_start, command_line):
         assert "source .venv/bin/activate" in section and ".venv/bin/torchembed" in section

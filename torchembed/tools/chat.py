@@ -78,13 +78,13 @@ class ChatResult:
         return "\n".join(lines)
 
 
-def rotation_note(device: str | torch.device, fused: bool | None) -> str:
-    """Where the patched model does not run torchembed's Triton kernel: which path it runs, and what to expect of the
-    speedup there; empty where the kernel runs."""
+def rotation_note(weight: torch.Tensor, fused: bool | None) -> str:
+    """Where the patched model (of which ``weight`` is a parameter) does not run torchembed's Triton kernel: which
+    path it runs, and what to expect of the speedup there; empty where the kernel runs."""
     from torchembed import kernels
 
-    device = torch.device(device)
-    if fused is not False and kernels.kernel_can_run(torch.empty(0, device=device)):
+    device = weight.device
+    if fused is not False and kernels.kernel_can_run(weight):
         return ""
     if device.type != "cuda":
         why = f"on the {device.type.upper()} torchembed rotates with PyTorch operations (its fused Triton kernel runs on CUDA GPUs)"
@@ -179,5 +179,5 @@ def chat(prompt: str, model: str | os.PathLike[str] | None = None, *, gguf_file:
     models = {"upstream": torchembed.unpatch(copy.deepcopy(patched))} if compare else {}
     models["torchembed"] = patched
     return ChatResult(model=name, prompt=prompt, answers=_answers(models, tokenizer, inputs, max_new_tokens, repeats),
-                      note=rotation_note(device, fused) if compare else "")
+                      note=rotation_note(next(patched.parameters()), fused) if compare else "")
 
