@@ -23,7 +23,7 @@ from torchembed.tools.options import Parser, count
 BENCHMARKS = {
     "rope": "fused RoPE kernel vs PyTorch, torch.compile, Liger and HF eager; forward, backward, decode",
     "alibi": "fused ALiBi attention in BLOOM, MPT, Falcon-ALiBi: prefill and decode, patched vs upstream",
-    "e2e": "end-to-end prefill and decode of ~1B LLaMA, Mistral, Falcon configs, patched vs upstream",
+    "e2e": "end-to-end prefill and decode of ~1B LLaMA, Mistral, Falcon, Qwen3, Gemma 3, Phi-3 configs, patched vs upstream",
     "train": "one bf16 training step (forward, backward, AdamW), patched vs upstream",
     "long": "long context (16k-128k): prefill and decode of 7-8B shapes, patched vs upstream, with floors",
     "decode": "one decode step's attention over a long KV cache: the split-key kernel vs SDPA's backends, with floors",
