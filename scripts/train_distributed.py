@@ -1,8 +1,9 @@
 """Train a tiny (patched) HF model for a few steps, single-process or data-parallel.
 
-    python scripts/train_distributed.py --model llama --patch before --out run1.safetensors
+    OUT=$(mktemp -d)
+    python scripts/train_distributed.py --model llama --patch before --out $OUT/single
     python -m torch.distributed.run --nproc_per_node=2 scripts/train_distributed.py \\
-        --model llama --patch before --out run2.safetensors
+        --model llama --patch before --out $OUT/ddp
 
 Built for checking that torchembed-patched models train identically under DDP/FSDP
 (``accelerate.Accelerator().prepare(model, optimizer)``; gloo on CPU, nccl on CUDA):
@@ -26,9 +27,10 @@ each step's wall time (``step_ms``, device synchronised, the first ``--warmup`` 
 one unit per decoder layer); where accelerate does not run FSDP (CPU/gloo, or one process) it
 says why and exits 3 (accelerate would otherwise fall back to DDP without a word).
 ``--cpu`` keeps a CUDA machine on CPU/gloo (what the tests use).
-``--out FILE``: rank 0 writes the final full state dict to FILE (safetensors when FILE ends in
-``.safetensors``, else ``torch.save``) and the per-step global losses (plus the run's settings)
-to FILE with the suffix ``.json``.
+``--out DIR``: rank 0 writes the final full state dict to ``DIR/params.safetensors`` and the per-step
+global losses (plus the run's settings) to ``DIR/params.json``, and says where; ``--out FILE`` (a name
+with a suffix) writes FILE (safetensors when it ends in ``.safetensors``, else ``torch.save``) and FILE
+with the suffix ``.json``. Without ``--out`` nothing is written.
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fsdp", action="store_true", help="accelerate's FSDP plugin (FSDP2) instead of DDP")
     parser.add_argument("--grad-checkpointing", action="store_true", help="HF gradient checkpointing (non-reentrant)")
     parser.add_argument("--cpu", action="store_true", help="CPU and gloo even where CUDA is available")
-    parser.add_argument("--out", type=Path, default=None, help="final parameters (rank 0); losses go to FILE.json")
+    parser.add_argument("--out", type=Path, default=None, metavar="DIR|FILE",
+                        help="rank 0 writes DIR/params.safetensors and DIR/params.json (losses); or FILE and FILE.json")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.global_batch < 1 or args.seq_len < 2 or not args.lr > 0:
         raise ValueError("--steps and --global-batch must be >= 1, --seq-len >= 2, --lr > 0")
@@ -90,7 +93,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.model not in SIZES[args.size]:
         raise ValueError(f"--size {args.size} offers {', '.join(SIZES[args.size])}, not {args.model!r}")
     if args.out is not None and args.out.suffix == ".json":
-        raise ValueError("--out names the parameter file (e.g. run.safetensors); the losses go next to it as .json")
+        raise ValueError("--out names a folder or the parameter file (e.g. run.safetensors); the losses go next to "
+                         "the parameters as .json")
+    if args.out is not None and (args.out.is_dir() or not args.out.suffix):  # a folder: both files inside it
+        args.out = args.out / "params.safetensors"
     return args
 
 
@@ -247,6 +253,7 @@ def main(argv: list[str]) -> int:
                   "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
                   if accelerator.device.type == "cuda" else []}
         save(args.out, state, record)
+        accelerator.print(f"wrote {args.out} and {args.out.with_suffix('.json').name}", flush=True)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     _KEEP_UNTIL_EXIT.extend((accelerator, model, optimizer))  # the DDP model holds its Reducer and process group

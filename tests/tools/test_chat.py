@@ -58,3 +58,27 @@ def test_report_names_a_difference_and_unrepeatable_runs():
 def test_repeats_must_be_positive():
     with pytest.raises(ValueError, match="repeats must be a positive int"):
         chat.chat("hi", "./no/such/model", repeats=0)
+
+
+def test_a_run_without_the_kernel_says_what_the_speedup_means(monkeypatch):
+    """On a CPU both sides run PyTorch operations: the report says so, and where the GPU numbers are."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from torchembed import kernels
+
+    cpu, cuda = torch.empty(0), SimpleNamespace(device=torch.device("cuda"))  # (no CUDA tensor on a CPU machine)
+    monkeypatch.setattr(kernels, "kernel_can_run", lambda t: False)
+    note = chat.rotation_note(cpu, None)
+    assert "on the CPU torchembed rotates with PyTorch operations" in note and "CUDA GPUs" in note
+    assert "docs/benchmarks.md" in note and (Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md").is_file()
+    assert "--fused off" in chat.rotation_note(cuda, False)
+    assert "without Triton" in chat.rotation_note(cuda, None)
+    monkeypatch.setattr(kernels, "kernel_can_run", lambda t: True)
+    assert chat.rotation_note(cpu, None) == ""  # (TRITON_INTERPRET=1: the kernel runs, interpreted)
+    assert chat.rotation_note(cpu, False) != ""
+    a = chat.ChatAnswer("upstream", "x", [1, 2], 10.0, 5.0, 3)
+    b = chat.ChatAnswer("torchembed", "x", [1, 2], 10.0, 5.0, 3)
+    assert str(chat.ChatResult("m", "p", [a, b], note="here")).splitlines()[-2:] == [
+        "identical: yes (2 tokens); speedup (time per token upstream / torchembed, above 1: torchembed faster): 1.00x "
+        "(medians of 3 alternating runs each)", "note: here"]

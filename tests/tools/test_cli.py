@@ -297,6 +297,45 @@ def test_compare_takes_a_tiny_model_by_name(capsys, offline, tmp_path: Path) -> 
     rows = __import__("json").loads(out)
     assert {row["model"] for row in rows} == {"llama"} and all(row["ok"] for row in rows), rows
     assert list((tmp_path / "tiny").glob("llama-seed0-*"))  # built in the cache, as the embedded default
+    # stderr is no terminal here: progress comes as lines (the last one always)
+    assert [line.split(" (")[0] for line in err.splitlines()] == ["compare: 1/1"], err
+    assert err.rstrip().endswith("elapsed) llama float32 sdpa ok"), err
+
+
+def test_list_all_counts_add_up_to_what_it_announced(capsys, monkeypatch, tmp_path: Path) -> None:
+    """The announced number of model types with rotary code is the sum of the states the last line counts,
+    those whose tiny model uses no rotation included."""
+    import re
+
+    from torchembed.tools import zoo
+
+    statuses = [zoo.ModelTypeStatus("llama", "patched", "rope; 4 x rope-apply"),
+                zoo.ModelTypeStatus("wav2vec2-conformer", "refused", "an attribute"),
+                zoo.ModelTypeStatus("qwen2_vl_vision", "part of", "a sub-config"),
+                zoo.ModelTypeStatus("opt", "no rotary component", "its tiny model uses none of x (default config)")]
+    monkeypatch.setattr(zoo, "rotary_model_types", lambda: tuple(s.model_type for s in statuses))
+    monkeypatch.setattr(zoo, "survey", lambda types=None, progress=False: statuses)
+    monkeypatch.setattr(zoo, "survey_cache_file", lambda: str(tmp_path / "not-yet.json"))
+    code, out, err = run(capsys, "list", "--all")
+    assert code == 0
+    announced = int(re.search(r"checking the (\d+) model types whose modeling code has a rotary", err)[1])
+    assert "on a 2-core CPU" in err
+    last = out.strip().splitlines()[-1]
+    counted = [int(n) for n in re.findall(r"(\d+) (?:patched|refused|partly patched|without a tiny model|sub-configs)", last)]
+    unused = int(re.search(r"\((\d+) of them have rotary code their default model does not use\)", last)[1])
+    assert announced == sum(counted) + unused == 4, (err, last)
+
+
+def test_list_all_reports_progress_in_a_log(capsys, monkeypatch, tmp_path: Path) -> None:
+    from torchembed.tools import zoo
+
+    monkeypatch.setenv("TORCHEMBED_CACHE", str(tmp_path))
+    monkeypatch.setattr(zoo, "rotary_model_types", lambda: ("llama",))
+    code, _, err = run(capsys, "list", "--all")
+    assert code == 0
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("torchembed list --all: checking the 1 model types") and "under a minute" in lines[0]
+    assert lines[1].startswith("checking model types: 1/1 (") and lines[1].endswith(" llama"), err
 
 
 @pytest.mark.parametrize("name", ["nope.gguf", "./nope.gguf", "models/nope.Q4_0.gguf"])
@@ -363,7 +402,7 @@ def test_help_imports_neither_torch_nor_transformers() -> None:
 def test_the_readme_says_how_to_put_torchembed_on_path() -> None:
     """The scripts install into .venv, which they do not activate: the README says so before the commands."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    quick_start = readme.split("## Quick start", 1)[1].split("## The API", 1)[0]
-    command_line = readme.split("### Command line", 1)[1].split("```bash", 1)[0]
+    quick_start = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    command_line = readme.split("## Command line", 1)[1].split("```bash", 1)[0]
     for section in (quick_start, command_line):
         assert "source .venv/bin/activate" in section and ".venv/bin/torchembed" in section

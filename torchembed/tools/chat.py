@@ -50,6 +50,7 @@ class ChatResult:
     model: str
     prompt: str
     answers: list[ChatAnswer] = field(default_factory=list)
+    note: str = ""  # what the speedup means here (printed last)
 
     @property
     def identical(self) -> bool:
@@ -72,7 +73,27 @@ class ChatResult:
                              f"{last.label}, above 1: {last.label} faster): {first.ms_per_token / last.ms_per_token:.2f}x{runs}")
             else:
                 lines.append(f"identical: NO, {last.label}'s answer differs from {first.label}'s")
+        if self.note:
+            lines.append(f"note: {self.note}")
         return "\n".join(lines)
+
+
+def rotation_note(weight: torch.Tensor, fused: bool | None) -> str:
+    """Where the patched model (of which ``weight`` is a parameter) does not run torchembed's Triton kernel: which
+    path it runs, and what to expect of the speedup there; empty where the kernel runs."""
+    from torchembed import kernels
+
+    device = weight.device
+    if fused is not False and kernels.kernel_can_run(weight):
+        return ""
+    if device.type != "cuda":
+        why = f"on the {device.type.upper()} torchembed rotates with PyTorch operations (its fused Triton kernel runs on CUDA GPUs)"
+    elif fused is False:
+        why = "with --fused off torchembed rotates with PyTorch operations"
+    else:
+        why = "without Triton (pip install triton) torchembed rotates with PyTorch operations"
+    return (f"{why}, as upstream does, so the two times per token are expected level, within this machine's noise; "
+            "the kernel's speedups on GPUs: docs/benchmarks.md")
 
 
 def load_chat_model(model: str | os.PathLike[str] | None = None, *, gguf_file: str | None = None,
@@ -157,5 +178,6 @@ def chat(prompt: str, model: str | os.PathLike[str] | None = None, *, gguf_file:
     inputs = {k: v.to(device) for k, v in inputs.items()}
     models = {"upstream": torchembed.unpatch(copy.deepcopy(patched))} if compare else {}
     models["torchembed"] = patched
-    return ChatResult(model=name, prompt=prompt, answers=_answers(models, tokenizer, inputs, max_new_tokens, repeats))
+    return ChatResult(model=name, prompt=prompt, answers=_answers(models, tokenizer, inputs, max_new_tokens, repeats),
+                      note=rotation_note(next(patched.parameters()), fused) if compare else "")
 

@@ -324,7 +324,7 @@ def compare(
         dtypes: any of float32, bfloat16, float16.
         attn_implementations: default: every one the model supports among eager and sdpa.
         fused: passed to :func:`torchembed.patch`.
-        progress: show a progress bar (rich) while models load and run.
+        progress: progress on stderr while models load and run (a bar on a terminal, else a line every 10 s).
         gguf_file: the GGUF file inside each checkpoint folder (or hub repo) to load, as in
             ``from_pretrained(path, gguf_file=...)``; a model given as a path to a ``.gguf`` file
             needs none. transformers dequantises it to float (the ``gguf`` package is needed) once,
@@ -355,9 +355,12 @@ def compare(
         raise ValueError("gguf_file names a file inside a checkpoint folder: pass that folder as models")
     with contextlib.ExitStack() as scratch:  # dequantised GGUF checkpoints live as long as the comparison
         if models is None:
-            sources: list[tuple[str, str | _Checkpoint | nn.Module]] = [
-                (n, str(build_checkpoint(n, cache_dir))) for n in default_models(every_model_type)
-            ]
+            names = default_models(every_model_type, progress=progress)
+            sources: list[tuple[str, str | _Checkpoint | nn.Module]] = []
+            with _progress(progress, len(names), "compare: tiny checkpoints") as advance:
+                for n in names:
+                    sources.append((n, str(build_checkpoint(n, cache_dir))))
+                    advance(n)
         else:
             items = [models] if isinstance(models, (str, os.PathLike, nn.Module)) else list(models)
             sources = [_source(m, gguf_file, scratch, cache_dir) for m in items]
@@ -457,15 +460,16 @@ def _compare_sources(
 ) -> CompareReport:
     report = CompareReport()
     tasks = []
-    for name, source in sources:
-        probe = _load(source, torch.float32, "eager", torch.device("cpu")) if not isinstance(source, nn.Module) else source
-        impls = list(attn_implementations) if attn_implementations else _attn_implementations(probe)
-        inputs = _inputs(probe, batch_size, seq_len, decode_steps, seed, device)
-        tasks += [(name, source, d, impl, inputs) for d in dtypes for impl in impls]
+    with _progress(progress and len(sources) > 1, len(sources), "compare: loading") as advance:
+        for name, source in sources:
+            probe = _load(source, torch.float32, "eager", torch.device("cpu")) if not isinstance(source, nn.Module) else source
+            impls = list(attn_implementations) if attn_implementations else _attn_implementations(probe)
+            inputs = _inputs(probe, batch_size, seq_len, decode_steps, seed, device)
+            tasks += [(name, source, d, impl, inputs) for d in dtypes for impl in impls]
+            advance(name)
     eager_refs: dict[str, dict[str, Tensor]] = {}
-    with _progress(progress, len(tasks)) as advance:
+    with _progress(progress, len(tasks), "compare") as advance:
         for name, source, dtype_name, impl, inputs in tasks:
-            advance(f"{name} {dtype_name} {impl}")
             try:
                 row = _compare_one(name, source, dtype_name, impl, inputs, device, fused, eager_refs.setdefault(name, {}))
             except Exception as exc:
@@ -473,19 +477,21 @@ def _compare_sources(
                     exc.add_note(f"while comparing {name} ({dtype_name}, {impl} attention)")
                 raise
             report.rows.append(row)
+            advance(f"{name} {dtype_name} {impl} {'ok' if row.ok else 'MISMATCH'}")
     return report
 
 
-def default_models(every_model_type: bool = False) -> list[str]:
+def default_models(every_model_type: bool = False, *, progress: bool = False) -> list[str]:
     """The embedded default: the tiny models of the seven families and their variants, then a sample
-    of the RoPE model types found by structure (all supported ones with ``every_model_type``)."""
+    of the RoPE model types found by structure; with ``every_model_type``, every patched model type that
+    has a causal-LM class instead of the sample (``progress``: of the survey, where it is not cached)."""
     from torchembed.tools.checkpoints import SAMPLED_MODEL_TYPES, TINY_MODELS
     from torchembed.tools.zoo import survey, text_model_types
 
     names = list(TINY_MODELS)
     available = set(text_model_types())
     if every_model_type:  # the causal LMs among them: compare's inputs are padded token ids
-        extra = [s.model_type for s in survey() if s.supported and s.model_type in available]
+        extra = [s.model_type for s in survey(progress=progress) if s.supported and s.model_type in available]
     else:
         extra = [t for t in SAMPLED_MODEL_TYPES if t in available]
     return names + [t for t in extra if t not in names]
@@ -497,24 +503,7 @@ def _name(model: Any) -> str:
     return Path(str(model)).name or str(model)
 
 
-class _progress:
-    def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled, self.total, self.bar = enabled, total, None
+def _progress(enabled: bool, total: int, what: str) -> Any:
+    from torchembed.tools.progress import progress
 
-    def __enter__(self):
-        if not self.enabled:
-            return lambda label: None
-        from rich.progress import Progress
-
-        self.bar = Progress(transient=True)
-        self.bar.start()
-        task = self.bar.add_task("comparing", total=self.total)
-
-        def advance(label: str) -> None:
-            self.bar.update(task, advance=1, description=label)
-
-        return advance
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+    return progress(total, what, enabled)

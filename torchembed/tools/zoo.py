@@ -1074,7 +1074,7 @@ def survey(types: list[str] | None = None, *, progress: bool = False) -> list[Mo
 
     Results are kept in a file per transformers and torch release and per torchembed source
     (:func:`survey_cache_file`): a second survey reads them instead of building ~450 models again.
-    ``progress``: a progress bar on stderr (rich) while models are checked.
+    ``progress``: progress on stderr while models are checked (a bar on a terminal, else a line every 10 s).
     """
     import json
 
@@ -1149,17 +1149,8 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
         os.replace(tmp, path)
 
 
-@contextlib.contextmanager
-def _progress_bar(total: int, what: str, enabled: bool) -> Iterator[Any]:
-    """``advance(label)`` for each of ``total`` steps; a rich progress bar on stderr when enabled."""
-    if not enabled:
-        yield lambda label: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def _progress_bar(total: int, what: str, enabled: bool) -> Any:
+    """``advance(label)`` for each of ``total`` steps: a rich bar on a terminal, progress lines in a log."""
+    from torchembed.tools.progress import progress
 
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[label]}"))
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(what, total=total, label="")
-        yield lambda label: bar.update(task, advance=1, label=label)
+    return progress(total, what, enabled)
