@@ -24,8 +24,8 @@ from torch import nn
 import torchembed
 from torchembed import kernels
 from torchembed.tools.zoo import count_calls
-from torchembed.patches.recognition import recognize
-from torchembed.patches.rotation import RotaryHelper
+from torchembed.patches.rope.recognition import recognize
+from torchembed.patches.rope.helper import RotaryHelper
 from tests.helpers import counting_calls, upstream_rotation_helpers
 
 transformers = pytest.importorskip("transformers")
@@ -218,7 +218,7 @@ def test_keyword_calls_and_a_left_out_key_are_served_never_handed_back():
 
 
 def test_helpers_whose_inputs_cannot_be_modelled_are_not_recognised_and_say_why():
-    from torchembed.patches.recognition import explain
+    from torchembed.patches.rope.recognition import explain
 
     def needs_grid(q, k, cos, sin, grid, unsqueeze_dim=1):
         return q, k

@@ -17,7 +17,7 @@ import torchembed
 from torchembed import functional, kernels
 
 transformers = pytest.importorskip("transformers")
-from torchembed.patches.rotation import RotaryHelper  # noqa: E402
+from torchembed.patches.rope.helper import RotaryHelper  # noqa: E402
 from torchembed.tools.zoo import (  # noqa: E402
     count_calls, matches, outputs_of, rotary_model_types, rotation_code, status_of, zoo_case,
 )

@@ -18,7 +18,7 @@ every known way of rotating and keeps the one whose result matches a float64 rot
   (``(x_{2i}, x_{2i+1})`` written in half-split order, DeepSeek-V3); by ``-θ`` where a helper rotates the other way;
   ``partial``: only the leading (or trailing) ``r`` features of a wider input.
 
-What is found (:class:`Rotation`) is what the replacement (:class:`~torchembed.patches.rotation.RotaryHelper`) does.
+What is found (:class:`Rotation`) is what the replacement (:class:`~torchembed.patches.rope.helper.RotaryHelper`) does.
 """
 
 from __future__ import annotations

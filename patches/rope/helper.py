@@ -1,6 +1,6 @@
 """torchembed's replacement for an upstream rotation helper: the same call, the one rotation.
 
-:class:`RotaryHelper` takes the place of one recognised helper (:mod:`torchembed.patches.recognition`): its calls are
+:class:`RotaryHelper` takes the place of one recognised helper (:mod:`torchembed.patches.rope.recognition`): its calls are
 bound to upstream's signature (:mod:`torchembed.patches.binding`), the tables reduced to what the rotation reads, and
 the tensors handed to the kernel or to the one PyTorch rotation as :func:`torchembed.kernels.route.use_rope_kernel`
 decides (asked once per call) (:func:`torchembed.kernels.rotary_fused`, :func:`torchembed.functional.apply_rotary`).
@@ -20,7 +20,7 @@ from torchembed.functional.rope import apply_rotary
 from torchembed.kernels.per_forward import current, derive
 from torchembed.kernels.route import refuse, use_rope_kernel
 from torchembed.patches.binding import CallSignature
-from torchembed.patches.recognition import (
+from torchembed.patches.rope.recognition import (
     UNSQUEEZE_DIM, Rotation, broadcast_table, deinterleave, merge_mrope, parameter_defaults, upstream_function,
 )
 
@@ -115,7 +115,7 @@ class RotaryHelper:
     def _rotate_sections(self, x: Tensor, first: Tensor, second: Tensor, sections: int, unsqueeze: int) -> Tensor:
         """Multidimensional RoPE: ``x (..., d)`` as ``sections`` equal feature sections, each rotated half-split by its
         slice of the tables (PyTorch operations; the kernel takes one table per token, and a patch with ``fused=True``
-        refuses these helpers: ``families/rope.py``)."""
+        refuses these helpers: ``rope/families.py``)."""
         width = 2 * (x.shape[-1] // (2 * sections)) if sections > 0 else 0
         if width == 0 or width * sections != x.shape[-1]:
             raise ValueError(f"{self.__name__}: {x.shape[-1]} features do not split into {sections} rotated sections")
