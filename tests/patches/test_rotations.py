@@ -24,7 +24,7 @@ from torch import nn
 import torchembed
 from torchembed import kernels
 from torchembed.tools.zoo import count_calls
-from torchembed.patches.rope.recognition import recognize
+from torchembed.patches.rope.recognition import TableSource, recognize
 from torchembed.patches.rope.helper import RotaryHelper
 from tests.helpers import counting_calls, upstream_rotation_helpers
 
@@ -156,7 +156,7 @@ def test_a_small_rotation_error_fails_the_check(name, monkeypatch):
 
     def sin_off_by_1e4(self, *args, **kwargs):
         bound = inspect.signature(self.upstream).bind(*args, **kwargs)
-        name = "sin" if "sin" in bound.arguments else self.rotation.tables[0]
+        name = "sin" if "sin" in bound.arguments else self.rotation.call.tables[0]
         table = bound.arguments[name]
         bound.arguments[name] = (torch.complex(table.real, table.imag * (1 + 1e-4)) if table.is_complex()
                                  else table * (1 + 1e-4))
@@ -187,7 +187,7 @@ def _partial_helper_with_optional_k(q, k=None, cos=None, sin=None, unsqueeze_dim
 def test_keyword_calls_and_a_left_out_key_are_served_never_handed_back():
     upstream = _partial_helper_with_optional_k
     rotation = recognize(upstream)
-    assert rotation is not None and rotation.single and rotation.partial
+    assert rotation is not None and rotation.call.single and rotation.math.partial
     helper = RotaryHelper.get(rotation, upstream, None)
     g = torch.Generator().manual_seed(0)
     theta = torch.rand(2, 5, 4, generator=g) * 6 - 3
@@ -257,7 +257,7 @@ def test_tokens_that_differ_from_the_tables_rows_are_served_as_upstream_does(hel
     """Leading tokens passed through (DINOv3) and queries at the tables' last rows (a drafter): found by
     probing, computed as upstream does, never by upstream's helper."""
     rotation = recognize(helper)
-    assert rotation is not None and (rotation.prefix, rotation.tail) == (helper is _prefixed, helper is _drafter)
+    assert rotation is not None and (rotation.shape.prefix, rotation.shape.tail) == (helper is _prefixed, helper is _drafter)
     mine = RotaryHelper.get(rotation, helper, None)
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(2, 3, q_tokens, 16, generator=gen), torch.randn(2, 3, k_tokens, 16, generator=gen)
@@ -350,7 +350,7 @@ def _multidimensional(x, cos, sin, position_ids, unsqueeze_dim=2):
 @pytest.mark.parametrize("sections", [1, 2, 3])
 def test_multidimensional_rope_rotates_each_feature_section(sections):
     rotation = recognize(_multidimensional)
-    assert rotation is not None and rotation.sections == "position_ids"
+    assert rotation is not None and rotation.source == TableSource("sections", "position_ids")
     helper = RotaryHelper.get(rotation, _multidimensional, None)
     g = torch.Generator().manual_seed(sections)
     theta = torch.rand(2, 7, sections, 4, generator=g) * 6 - 3
@@ -373,7 +373,7 @@ def _indexed(q, k, cos, sin, position_ids, unsqueeze_dim=1):
 
 def test_tables_indexed_by_position_ids():
     rotation = recognize(_indexed)
-    assert rotation is not None and rotation.indexed == "position_ids"
+    assert rotation is not None and rotation.source == TableSource("indexed", "position_ids")
     helper = RotaryHelper.get(rotation, _indexed, None)
     g = torch.Generator().manual_seed(0)
     theta = torch.rand(40, 8, generator=g) * 6 - 3
