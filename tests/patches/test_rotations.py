@@ -434,3 +434,32 @@ def test_the_cpu_path_dispatches_fewer_operations_than_upstream(dtype, tokens, m
     tol = {} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_a_call_derives_its_tables_once_per_forward():
+    """Beyond HF's usual call too (here tables gathered by position ids): what a call's tensors are rotated with is
+    derived once per forward for the calls alike (every layer gets the same tables), so a later layer's call gathers
+    no rows; without an open forward each call derives its own (so the count can fail). Upstream's results."""
+    from torchembed.kernels import per_forward
+
+    helper = RotaryHelper.get(recognize(_indexed), _indexed, None)
+    g = torch.Generator().manual_seed(1)
+    theta = torch.rand(40, 8, generator=g) * 6 - 3
+    cos, sin = torch.cat((theta, theta), -1).cos(), torch.cat((theta, theta), -1).sin()
+    q, k = torch.randn(2, 4, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)
+    ids = torch.randint(0, 40, (2, 5), generator=g)
+    owner = object()  # a patched model's forward: open while its layers run
+    per_forward.open_forward(owner)
+    try:
+        with torch.no_grad():
+            helper(q, k, cos, sin, ids)  # the forward's first layer: the rows gathered and kept
+            with _OpLog() as later:
+                got = helper(q, k, cos, sin, ids)
+    finally:
+        per_forward.close_forward(owner)
+    with torch.no_grad(), _OpLog() as alone:
+        helper(q, k, cos, sin, ids)
+    assert alone.ops.count("index") == 2, alone.ops
+    assert "index" not in later.ops, later.ops
+    for g_, w in zip(got, _indexed(q, k, cos, sin, ids)):
+        torch.testing.assert_close(g_, w, rtol=1e-6, atol=1e-6)
