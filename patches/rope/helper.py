@@ -116,11 +116,11 @@ class RotaryHelper:
         u = values.get(UNSQUEEZE_DIM, shape.unsqueeze_default) if shape.broadcast == "param" else None
         if kernel is None:
             kernel = bool(given) and source.kind != "sections" and use_rope_kernel(self.fused, given[0])
-        scope = current()
-        tag = None if scope is None else (  # all that the plan reads besides the tables (and the ids that index them)
-            id(self), kernel, u, tuple(how) if source.kind == "mrope" else how.shape[-1] if source.kind == "sections"
-            else None, tuple((x.shape, x.dtype) for x in given))
-        sources = (*tables, how) if source.kind == "indexed" else tables
+        sources = (*tables, how) if source.kind == "indexed" else tables  # (the ids that index the tables too)
+        scope, tag = current(), None
+        if scope is not None:  # all that the plan reads besides its sources (a traced graph derives it afresh)
+            extra = tuple(how) if source.kind == "mrope" else how.shape[-1] if source.kind == "sections" else None
+            tag = (id(self), kernel, u, extra, tuple((x.shape, x.dtype) for x in given))
         plan = derive(scope, sources, tag, self._plan, tables, how, given, u, kernel)
         return self._rotate(plan, xs, given)
 
