@@ -40,8 +40,8 @@ if not os.environ.get("PYTHONPATH"):  # this checkout's package unless told othe
 
 from torchembed import RotaryEmbedding, kernels
 from torchembed.kernels import rope_triton
-from torchembed.patches.recognition import recognize
-from torchembed.patches.rotation import RotaryHelper
+from torchembed.patches.rope.recognition import recognize
+from torchembed.patches.rope.helper import RotaryHelper
 
 
 class _NoLaunch:

@@ -6,7 +6,8 @@
     torchembed.find_positional_components(model)   # dry run
 
 One registry keyed by ``config.model_type`` (:mod:`torchembed.patches.registry`); per family a
-few declarative adapters (:mod:`torchembed.patches.families`).
+few declarative adapters, in one folder per encoding (:mod:`torchembed.patches.rope`,
+:mod:`torchembed.patches.alibi`, :mod:`torchembed.patches.learned`); the machinery they share at the top level.
 """
 
 from torchembed.patches.actions import Component

@@ -17,7 +17,10 @@ from torch import nn
 
 from torchembed import kernels
 from torchembed.kernels.route import check_fused, refuse, use_kernel, why_not
-from torchembed.patches import families  # noqa: F401  (registers the adapters)
+# the families register on import, in this order (the RoPE families also install the registry's fallback)
+import torchembed.patches.alibi.families  # noqa: F401
+import torchembed.patches.learned.families  # noqa: F401
+import torchembed.patches.rope.families  # noqa: F401
 from torchembed.patches.actions import Component
 from torchembed.patches.forward_scope import ForwardScopeHooks
 from torchembed.patches.errors import StructureError, UnsupportedModelError
@@ -154,7 +157,7 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True, cudnn_dec
             backend, cuDNN on recent GPUs: a plan built for every new key length). By default a decode
             step (:func:`torchembed.kernels.route.decode_step`: at most 16 new tokens over a KV cache) runs
             torchembed's split-key decode kernel, decided per call for this model only
-            (:mod:`torchembed.patches.attention`).
+            (:mod:`torchembed.patches.rope.decode_attention`).
 
     Returns:
         The same model object. Patching a patched model is a no-op. A patched model inside

@@ -7,7 +7,7 @@ their filled part and a step writes its tokens into the room (:func:`append_in_p
 layer's tensors were replaced (beam search reorders them, a crop), the filled part moves to new buffers once. What the
 cache holds, and what every reader sees, is upstream's.
 
-ALiBi layers update their cache themselves (:mod:`torchembed.patches.families.alibi`); a patched RoPE attention's
+ALiBi layers update their cache themselves (:mod:`torchembed.patches.alibi.families`); a patched RoPE attention's
 upstream forward calls ``past_key_values.update`` on :class:`GrowInPlace`, a per-call view of the caller's
 ``DynamicCache``. Only a ``DynamicCache`` of plain ``DynamicLayer`` layers (no sliding window, quantisation or
 offloading) grows in place, never inside a graph that ``torch.compile`` traces.

@@ -5,7 +5,7 @@ ALiBi depending on ``config.alibi``), and the adapters that find and replace its
 components. Adding a model is one ``register(Family(...))`` call with existing or new adapters.
 
 A ``model_type`` with no registered family falls back to the discovered-RoPE family of that
-type (:func:`set_fallback`, installed by :mod:`torchembed.patches.families.rope`): its adapter
+type (:func:`set_fallback`, installed by :mod:`torchembed.patches.rope.families`): its adapter
 finds rotating attention modules by structure, or answers ``UnsupportedModelError`` with the
 reason.
 """

@@ -340,7 +340,7 @@ def tp_rank(argv: list[str]) -> None:
         return model(**inputs).logits.float().cpu()
 
     from torchembed.kernels import route
-    from torchembed.patches import attention as decode_route
+    from torchembed.patches.rope import decode_attention as decode_route
 
     route_calls = []  # the patched model's decode steps that took torchembed's split-key kernel, on this rank
     if args.cpu:  # the kernel's PyTorch implementation stands in for the GPU: the route is taken on CPU tensors

@@ -82,6 +82,6 @@ def counting_calls(functions) -> Iterator[collections.Counter]:
 
 def upstream_rotation_helpers(model) -> set:
     """The upstream rotation helpers the attentions of (unpatched) ``model`` call."""
-    from torchembed.patches.families.rope import discover
+    from torchembed.patches.rope.families import discover
 
     return {helper for _, _, rotations in discover(model).attentions for helper, _ in rotations.recognized.values()}

@@ -334,7 +334,7 @@ def test_patched_models_honour_fused(name, fused, monkeypatch, alibi_policy):
 
 
 def test_the_bound_forward_pickles_and_copies():
-    from torchembed.patches.families.alibi import AlibiForward, AlibiOptions, bloom_attention_forward
+    from torchembed.patches.alibi.families import AlibiForward, AlibiOptions, bloom_attention_forward
 
     bound = AlibiForward(bloom_attention_forward, AlibiOptions(False, sdpa_decode=True))
     bound.options.constants.get(("slopes",), lambda: torch.ones(2))
@@ -347,7 +347,7 @@ def test_the_bound_forward_pickles_and_copies():
 def test_instance_constants_are_bounded_and_per_model():
     """What a patched model derives from its config is kept on that model, at most ``LIMIT`` tensors (the
     oldest dropped), and a copy of the model starts with none."""
-    from torchembed.patches.families.alibi import InstanceConstants
+    from torchembed.patches.alibi.families import InstanceConstants
 
     constants, made = InstanceConstants(), []
     for i in range(InstanceConstants.LIMIT + 3):

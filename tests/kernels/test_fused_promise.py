@@ -34,7 +34,7 @@ def _alibi():
 
 
 def _decode_attention():
-    from torchembed.patches.attention import DecodeAttention
+    from torchembed.patches.rope.decode_attention import DecodeAttention
 
     q = torch.randn(2, 4, 1, 16, device=DEV)
     k, v = torch.randn(2, 2, 30, 16, device=DEV), torch.randn(2, 2, 30, 16, device=DEV)
@@ -85,7 +85,7 @@ def test_a_decode_step_the_kernel_cannot_compute_raises_under_true_and_goes_upst
     """The decode attention's ``True`` is the same promise as the others': every decode step on the kernel, or the
     error naming why (a keyword that changes upstream's function here); ``None`` leaves that call to upstream. A
     prefill is not the kernel's call under any ``fused``: upstream's, without an error."""
-    from torchembed.patches.attention import DecodeAttention
+    from torchembed.patches.rope.decode_attention import DecodeAttention
 
     seen = []
 

@@ -14,7 +14,7 @@ import transformers
 
 import torchembed
 from torchembed.kernels import route
-from torchembed.patches import attention
+from torchembed.patches.rope import decode_attention as attention
 
 
 def _llama(**overrides):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import torchembed
-from torchembed.patches.families.alibi import falcon_key_bias
+from torchembed.patches.alibi.families import falcon_key_bias
 from torchembed.tools.compare import FP32_REL_TOL
 from tests.helpers import assert_no_new_graph_breaks, graph_breaks
 
@@ -163,7 +163,7 @@ def test_components_and_bit_exact_unpatch(name, load):
     kinds = [c.kind for c in components]
     assert kinds.count("alibi-attention") == model.config.num_hidden_layers
     replaced = [c.replacement for c in components if c.kind == "alibi"]
-    assert replaced == ["torchembed.patches.families.alibi.falcon_no_model_bias"]  # nothing folded into the mask
+    assert replaced == ["torchembed.patches.alibi.families.falcon_no_model_bias"]  # nothing folded into the mask
     assert not torchembed.is_patched(model)
     torchembed.patch(model)
     assert torchembed.is_patched(model) and torchembed.find_positional_components(model) == components

@@ -359,7 +359,7 @@ def test_patched_as_built_by_from_pretrained(name, checkpoint, load, monkeypatch
     a meta default device and, with ``dtype``, a bfloat16 default dtype: the patch (its probing of
     upstream's helpers included) does not depend on either, and the loaded model computes as
     upstream's."""
-    from torchembed.patches import recognition
+    from torchembed.patches.rope import recognition
 
     monkeypatch.setattr(recognition, "_RECOGNIZED", {})  # probe upstream's helpers anew, here
     post_init = transformers.PreTrainedModel.post_init

@@ -191,7 +191,7 @@ def test_the_forward_state_is_per_thread_and_closes(load, gpu_route, monkeypatch
         seen.setdefault(threading.get_ident(), []).append(scope)
         return scope
 
-    monkeypatch.setattr("torchembed.patches.families.alibi.current", spy)
+    monkeypatch.setattr("torchembed.patches.alibi.families.current", spy)
     start = threading.Barrier(4)
 
     def one_forward():

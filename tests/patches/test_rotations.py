@@ -24,8 +24,8 @@ from torch import nn
 import torchembed
 from torchembed import kernels
 from torchembed.tools.zoo import count_calls
-from torchembed.patches.recognition import recognize
-from torchembed.patches.rotation import RotaryHelper
+from torchembed.patches.rope.recognition import TableSource, recognize
+from torchembed.patches.rope.helper import RotaryHelper
 from tests.helpers import counting_calls, upstream_rotation_helpers
 
 transformers = pytest.importorskip("transformers")
@@ -156,7 +156,7 @@ def test_a_small_rotation_error_fails_the_check(name, monkeypatch):
 
     def sin_off_by_1e4(self, *args, **kwargs):
         bound = inspect.signature(self.upstream).bind(*args, **kwargs)
-        name = "sin" if "sin" in bound.arguments else self.rotation.tables[0]
+        name = "sin" if "sin" in bound.arguments else self.rotation.call.tables[0]
         table = bound.arguments[name]
         bound.arguments[name] = (torch.complex(table.real, table.imag * (1 + 1e-4)) if table.is_complex()
                                  else table * (1 + 1e-4))
@@ -187,7 +187,7 @@ def _partial_helper_with_optional_k(q, k=None, cos=None, sin=None, unsqueeze_dim
 def test_keyword_calls_and_a_left_out_key_are_served_never_handed_back():
     upstream = _partial_helper_with_optional_k
     rotation = recognize(upstream)
-    assert rotation is not None and rotation.single and rotation.partial
+    assert rotation is not None and rotation.call.single and rotation.math.partial
     helper = RotaryHelper.get(rotation, upstream, None)
     g = torch.Generator().manual_seed(0)
     theta = torch.rand(2, 5, 4, generator=g) * 6 - 3
@@ -218,7 +218,7 @@ def test_keyword_calls_and_a_left_out_key_are_served_never_handed_back():
 
 
 def test_helpers_whose_inputs_cannot_be_modelled_are_not_recognised_and_say_why():
-    from torchembed.patches.recognition import explain
+    from torchembed.patches.rope.recognition import explain
 
     def needs_grid(q, k, cos, sin, grid, unsqueeze_dim=1):
         return q, k
@@ -257,7 +257,7 @@ def test_tokens_that_differ_from_the_tables_rows_are_served_as_upstream_does(hel
     """Leading tokens passed through (DINOv3) and queries at the tables' last rows (a drafter): found by
     probing, computed as upstream does, never by upstream's helper."""
     rotation = recognize(helper)
-    assert rotation is not None and (rotation.prefix, rotation.tail) == (helper is _prefixed, helper is _drafter)
+    assert rotation is not None and (rotation.shape.prefix, rotation.shape.tail) == (helper is _prefixed, helper is _drafter)
     mine = RotaryHelper.get(rotation, helper, None)
     gen = torch.Generator().manual_seed(3)
     q, k = torch.randn(2, 3, q_tokens, 16, generator=gen), torch.randn(2, 3, k_tokens, 16, generator=gen)
@@ -350,7 +350,7 @@ def _multidimensional(x, cos, sin, position_ids, unsqueeze_dim=2):
 @pytest.mark.parametrize("sections", [1, 2, 3])
 def test_multidimensional_rope_rotates_each_feature_section(sections):
     rotation = recognize(_multidimensional)
-    assert rotation is not None and rotation.sections == "position_ids"
+    assert rotation is not None and rotation.source == TableSource("sections", "position_ids")
     helper = RotaryHelper.get(rotation, _multidimensional, None)
     g = torch.Generator().manual_seed(sections)
     theta = torch.rand(2, 7, sections, 4, generator=g) * 6 - 3
@@ -373,7 +373,7 @@ def _indexed(q, k, cos, sin, position_ids, unsqueeze_dim=1):
 
 def test_tables_indexed_by_position_ids():
     rotation = recognize(_indexed)
-    assert rotation is not None and rotation.indexed == "position_ids"
+    assert rotation is not None and rotation.source == TableSource("indexed", "position_ids")
     helper = RotaryHelper.get(rotation, _indexed, None)
     g = torch.Generator().manual_seed(0)
     theta = torch.rand(40, 8, generator=g) * 6 - 3
@@ -434,3 +434,32 @@ def test_the_cpu_path_dispatches_fewer_operations_than_upstream(dtype, tokens, m
     tol = {} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_a_call_derives_its_tables_once_per_forward():
+    """Beyond HF's usual call too (here tables gathered by position ids): what a call's tensors are rotated with is
+    derived once per forward for the calls alike (every layer gets the same tables), so a later layer's call gathers
+    no rows; without an open forward each call derives its own (so the count can fail). Upstream's results."""
+    from torchembed.kernels import per_forward
+
+    helper = RotaryHelper.get(recognize(_indexed), _indexed, None)
+    g = torch.Generator().manual_seed(1)
+    theta = torch.rand(40, 8, generator=g) * 6 - 3
+    cos, sin = torch.cat((theta, theta), -1).cos(), torch.cat((theta, theta), -1).sin()
+    q, k = torch.randn(2, 4, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)
+    ids = torch.randint(0, 40, (2, 5), generator=g)
+    owner = object()  # a patched model's forward: open while its layers run
+    per_forward.open_forward(owner)
+    try:
+        with torch.no_grad():
+            helper(q, k, cos, sin, ids)  # the forward's first layer: the rows gathered and kept
+            with _OpLog() as later:
+                got = helper(q, k, cos, sin, ids)
+    finally:
+        per_forward.close_forward(owner)
+    with torch.no_grad(), _OpLog() as alone:
+        helper(q, k, cos, sin, ids)
+    assert alone.ops.count("index") == 2, alone.ops
+    assert "index" not in later.ops, later.ops
+    for g_, w in zip(got, _indexed(q, k, cos, sin, ids)):
+        torch.testing.assert_close(g_, w, rtol=1e-6, atol=1e-6)

@@ -18,7 +18,7 @@ from torch import nn
 
 import torchembed
 from torchembed.patches import StructureError, UnsupportedModelError
-from torchembed.patches.rotation import RotaryHelper
+from torchembed.patches.rope.helper import RotaryHelper
 
 HELPERS = '''
 import functools

@@ -17,7 +17,7 @@ import torchembed
 from torchembed import functional, kernels
 
 transformers = pytest.importorskip("transformers")
-from torchembed.patches.rotation import RotaryHelper  # noqa: E402
+from torchembed.patches.rope.helper import RotaryHelper  # noqa: E402
 from torchembed.tools.zoo import (  # noqa: E402
     count_calls, matches, outputs_of, rotary_model_types, rotation_code, status_of, zoo_case,
 )
@@ -130,7 +130,7 @@ def test_patched_model_type_matches_upstream(model_type, monkeypatch, request):
     def counted(self, *a, **k):
         before = len(launches)
         out = call(self, *a, **k)
-        calls.append((self.__name__, bool(self.rotation.sections), len(launches) - before))
+        calls.append((self.__name__, self.rotation.source.kind == "sections", len(launches) - before))
         return out
 
     monkeypatch.setattr(RotaryHelper, "__call__", counted)

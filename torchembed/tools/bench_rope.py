@@ -139,8 +139,8 @@ def build(provider: str, t: Tables, device: torch.device) -> tuple[Fn, str]:
     if provider == "torchembed-hf":
         # What a patched LLaMA computes per layer: upstream's (B, S, D) tables through torchembed's
         # replacement of apply_rotary_pos_emb (in place without grad).
-        from torchembed.patches.recognition import recognize
-        from torchembed.patches.rotation import RotaryHelper
+        from torchembed.patches.rope.recognition import recognize
+        from torchembed.patches.rope.helper import RotaryHelper
 
         upstream = _hf_apply()
         fn, cos, sin = RotaryHelper.get(recognize(upstream), upstream, None), t.cos_full, t.sin_full

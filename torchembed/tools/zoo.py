@@ -212,7 +212,7 @@ def composites_of(model_type: str) -> tuple[str, ...]:
 def rotary_modules(model: nn.Module) -> list[str]:
     """Paths of the modules of ``model`` that are rotary: a class named for it (``...Rotary...``,
     ``...RoPE...``) or a forward that calls a rope-named module-level function."""
-    from torchembed.patches.families.rope import class_rotations
+    from torchembed.patches.rope.families import class_rotations
 
     found = []
     for path, module in model.named_modules():
@@ -228,7 +228,7 @@ def rotation_code(model: nn.Module) -> dict[Any, str]:
     of ``model`` calls (upstream's rotation helpers, recognised or not), each function of its
     decorator chain included."""
     from torchembed.patches.rebind import chain, find_globals
-    from torchembed.patches.recognition import is_rotation_name, upstream_function
+    from torchembed.patches.rope.recognition import is_rotation_name, upstream_function
 
     def candidate(name: str, value: Any) -> bool:
         return is_rotation_name(name) and callable(value) and not isinstance(value, type)
@@ -1033,7 +1033,7 @@ def status_of(model_type: str) -> ModelTypeStatus:
         message = str(err)
         return ModelTypeStatus(model_type, "refused", message.split("): ", 1)[-1] if "cannot patch" in message else message)
     from torchembed.patches.core import patch
-    from torchembed.patches.families.rope import discover
+    from torchembed.patches.rope.families import discover
 
     codes = rotation_code(model)
     try:

@@ -2,10 +2,10 @@
 
 Discovery is by structure, not by class names. For each module of the model, the forward its class provides is
 followed through its decorators (:mod:`torchembed.patches.rebind`); each module-level callable it loads whose name
-speaks of rotary/rope is probed once (:func:`torchembed.patches.recognition.recognize`). A module whose forward calls at
-least one recognised helper is a rotating attention: its forward is rebuilt, for that instance only, with each helper
-replaced by a :class:`~torchembed.patches.rotation.RotaryHelper` (the fused Triton kernel where it can run, the float32
-reference elsewhere) and installed as an instance method.
+speaks of rotary/rope is probed once (:func:`torchembed.patches.rope.recognition.recognize`). A module whose forward
+calls at least one recognised helper is a rotating attention: its forward is rebuilt, for that instance only, with each
+helper replaced by a :class:`~torchembed.patches.rope.helper.RotaryHelper` (the fused Triton kernel where it can run,
+the float32 reference elsewhere) and installed as an instance method.
 
 The model's rotary module stays as it is: it builds upstream's ``cos``/``sin`` tables from its own ``inv_freq`` for
 every rope type (default, linear, dynamic, yarn, longrope, llama3, per-layer types ...), and torchembed rotates with
@@ -31,13 +31,13 @@ from torch import nn
 
 from torchembed.kernels.route import refuse
 from torchembed.patches.actions import Component, InstanceMethod, OverrideAttribute
-from torchembed.patches.attention import AttentionFunctions
+from torchembed.patches.rope.decode_attention import AttentionFunctions
 from torchembed.patches.adapters import qualname
 from torchembed.patches.errors import StructureError, UnsupportedModelError
 from torchembed.patches.rebind import attribute_names, chain, find_globals, global_names
 from torchembed.patches.registry import Family, PatchOptions, register, set_fallback
-from torchembed.patches.recognition import Rotation, explain, is_rotation_name, recognize, upstream_function
-from torchembed.patches.rotation import RotaryHelper
+from torchembed.patches.rope.recognition import Rotation, explain, is_rotation_name, recognize, upstream_function
+from torchembed.patches.rope.helper import RotaryHelper
 
 __all__ = ["ClassRotations", "RopeExpectation", "ReplaceRotationHelpers", "RopeDiscovery", "discover", "class_rotations", "discovered_family"]
 
@@ -185,7 +185,8 @@ class ReplaceRotationHelpers:
         found = discover(model)
         self._check(found, model, config, family)
         if options.fused:
-            sectioned = sorted({name for _, _, r in found.attentions for name, (_, rot) in r.recognized.items() if rot.sections})
+            sectioned = sorted({name for _, _, r in found.attentions for name, (_, rot) in r.recognized.items()
+                                if rot.source.kind == "sections"})
             if sectioned:
                 raise refuse("the fused RoPE kernel", f"{', '.join(sectioned)} rotates per feature section "
                              "(multidimensional RoPE), which the kernel does not")

@@ -18,7 +18,9 @@ every known way of rotating and keeps the one whose result matches a float64 rot
   (``(x_{2i}, x_{2i+1})`` written in half-split order, DeepSeek-V3); by ``-θ`` where a helper rotates the other way;
   ``partial``: only the leading (or trailing) ``r`` features of a wider input.
 
-What is found (:class:`Rotation`) is what the replacement (:class:`~torchembed.patches.rotation.RotaryHelper`) does.
+What is found (:class:`Rotation`: how the helper is called, :class:`Call`; what it computes, :class:`Math`; how its
+tables broadcast, :class:`Shape`; where they come from, :class:`TableSource`) is what the replacement
+(:class:`~torchembed.patches.rope.helper.RotaryHelper`) does.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from torch import Tensor
 
 from torchembed.functional.rope import apply_rotary
 
-__all__ = ["Rotation", "UNSQUEEZE_DIM", "broadcast_table", "deinterleave", "explain", "recognize", "is_rotation_name",
-           "merge_mrope", "reference_rotate", "parameter_defaults", "upstream_function"]
+__all__ = ["Call", "Math", "Rotation", "Shape", "TableSource", "UNSQUEEZE_DIM", "broadcast_table", "deinterleave",
+           "explain", "recognize", "is_rotation_name", "merge_mrope", "reference_rotate", "upstream_function"]
 
 LAYOUTS = ("cat", "repeat", "half")
 PAIRINGS = ("half", "interleaved", "deinterleave")
@@ -71,70 +73,115 @@ def is_rotation_name(name: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Rotation:
-    """How an upstream helper rotates, as found by :func:`recognize`."""
+class Call:
+    """How the helper is called, read from its signature once."""
 
-    params: tuple[str, ...]  # the helper's positional-or-keyword parameters
+    params: tuple[str, ...]  # its positional-or-keyword parameters
     rotated: tuple[str, ...]  # the tensors it rotates, in order
     tables: tuple[str, ...]  # ("cos", "sin") or ("sin", "cos") in parameter order, or (freqs name,)
+    # its parameters' defaults, by name: what a call that leaves one out gets (not compared: a property of the one
+    # helper they were read from, whose rotation depends on them only through the fields that are)
+    defaults: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+    keywords: bool = False  # it takes **kwargs (never given by the attentions: a call with any is refused)
+    single: bool = False  # returns a bare tensor when one tensor is rotated (else a tuple, None for left-out ones)
+
+
+@dataclass(frozen=True)
+class Math:
+    """What the rotation computes: the tables' layout and the features' pairing."""
+
     layout: str  # one of LAYOUTS, or "complex"
     pairing: str  # one of PAIRINGS
-    broadcast: str  # "hs" | "sh" | "param"
     partial: bool = False  # rotates the leading r features of a wider input, the rest pass through
     conjugate: bool = False  # rotates by -theta
     trailing: bool = False  # with partial: the last r features rotate, the leading ones pass (DeepSeek-V4)
-    single: bool = False  # returns a bare tensor when one tensor is rotated (else a tuple, None for left-out ones)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How the tables broadcast against the rotated tensors."""
+
+    broadcast: str  # "hs" | "sh" | "param"
     unsqueeze_default: int = 1  # with broadcast "param"
-    sections: str = ""  # the parameter whose last dim counts the feature sections (multidimensional RoPE)
-    mrope: str = ""  # the parameter of M-RoPE sections: tables (3, ..., w), one axis per section (transformers 4.x)
-    indexed: str = ""  # the parameter of position ids that index (T, w) tables (older transformers)
-    tail: bool = False  # a first tensor with fewer tokens than the tables takes their last rows (a drafter's
-    # queries over keys that carry the target model's context: Muse Glimmer's assistant)
-    prefix: bool = False  # tensors with more tokens than the tables: the leading ones pass (DINOv3's cls and registers)
-    keywords: bool = False  # the helper takes **kwargs (never given by the attentions: a call with any is refused)
     # (rule, rank of x, rank of the tables) of every probe the helper passed: a helper that inserts the
     # heads axis at a fixed place broadcasts (s, w) tables against (s, h, d) as "sh", (b, s, w) as "hs"
     patterns: tuple[tuple[str, int, int], ...] = ()
-    # HF's usual call ``helper(q, k, cos, sin)`` (cat tables, half-split pairing, tokens second to last): the
-    # replacement's shortest path (in place on the kernel). Set when made (a plain attribute, read in compiled graphs)
-    usual: bool = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        usual = (len(self.rotated) == 2 and self.params[2:4] == ("cos", "sin") and self.layout == "cat"
-                 and self.pairing == "half" and not self.conjugate and not self.trailing
-                 and self.broadcast in ("hs", "param") and self.unsqueeze_default == 1 and not self.mrope
-                 and not self.indexed and not self.tail and not self.prefix)
-        object.__setattr__(self, "usual", usual)
+    tail: bool = False  # a first tensor with fewer tokens than the tables takes their last rows (a drafter's
+    # queries over keys that carry the target model's context: Muse Glimmer's assistant)
+    prefix: bool = False  # tensors with more tokens than the tables: the leading ones pass (DINOv3's cls and registers)
 
     def rule_for(self, x: Tensor, table: Tensor) -> str:
         """The broadcast rule of a call with these ranks (the first probed rule where none fits)."""
         ranks = (x.dim(), table.dim())
         return next((rule for rule, *probed in self.patterns if tuple(probed) == ranks), self.broadcast)
 
+
+SOURCES = ("tables", "sections", "mrope", "indexed")
+
+
+@dataclass(frozen=True)
+class TableSource:
+    """Where a call's rows of the tables come from: ``"tables"``, the table arguments as they are; ``"mrope"``, M-RoPE
+    tables ``(3, ..., w)`` merged by the sections that ``param`` gives (transformers 4.x); ``"indexed"``, ``(T, w)``
+    tables of every position, gathered by the ids that ``param`` gives (older transformers); ``"sections"``, the
+    features split into ``param.shape[-1]`` equal sections, each rotated by its slice of the tables (multidimensional
+    RoPE)."""
+
+    kind: str = "tables"  # one of SOURCES
+    param: str = ""  # the parameter that says how (none for "tables")
+
+    def __post_init__(self) -> None:
+        if self.kind not in SOURCES or (self.kind == "tables") == bool(self.param):
+            raise ValueError(f"a table source {self.kind!r} with parameter {self.param!r}")
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """How an upstream helper rotates, as found by :func:`recognize`: how it is called, what it computes, how its
+    tables broadcast and where they come from."""
+
+    call: Call
+    math: Math
+    shape: Shape
+    source: TableSource = TableSource()
+    # HF's usual call ``helper(q, k, cos, sin)`` (cat tables, half-split pairing, tokens second to last): the
+    # replacement's shortest path (in place on the kernel). Set when made (a plain attribute, read in compiled graphs)
+    usual: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        call, math, shape = self.call, self.math, self.shape
+        usual = (len(call.rotated) == 2 and call.params[2:4] == ("cos", "sin") and math.layout == "cat"
+                 and math.pairing == "half" and not math.conjugate and not math.trailing
+                 and shape.broadcast in ("hs", "param") and shape.unsqueeze_default == 1 and not shape.tail
+                 and not shape.prefix and self.source.kind == "tables")
+        object.__setattr__(self, "usual", usual)
+
     def half_tables(self, first: Tensor, second: Tensor | None) -> tuple[Tensor, Tensor]:
         """The helper's tables (``cos, sin`` or ``freqs``) -> cos and sin of the ``r/2`` angles."""
-        if self.layout == "complex":
+        layout = self.math.layout
+        if layout == "complex":
             pairs = torch.view_as_real(first)
             return pairs[..., 0], pairs[..., 1]
-        cos, sin = (first, second) if self.tables[0] == "cos" else (second, first)
-        if self.layout == "cat":
+        cos, sin = (first, second) if self.call.tables[0] == "cos" else (second, first)
+        if layout == "cat":
             half = cos.shape[-1] // 2
             return cos[..., :half], sin[..., :half]
-        if self.layout == "repeat":
+        if layout == "repeat":
             return cos[..., ::2], sin[..., ::2]
         return cos, sin
 
     def describe(self) -> str:
-        if self.sections:
-            return f"{self.layout} tables, {self.pairing} pairing per feature section ({self.sections}.shape[-1] sections)"
-        part = (", partial (trailing features)" if self.trailing else ", partial") if self.partial else ""
-        part += f", M-RoPE sections merged from ({self.mrope})" if self.mrope else ""
-        part += f", tables indexed by {self.indexed}" if self.indexed else ""
-        part += ", queries at the tables' last rows" if self.tail else ""
-        part += ", leading tokens passed through" if self.prefix else ""
-        sign = ", by -theta" if self.conjugate else ""
-        layout = "complex frequencies" if self.layout == "complex" else f"{self.layout} tables"
-        return f"{layout}, {self.pairing} pairing{part}{sign}"
+        math, shape, source = self.math, self.shape, self.source
+        if source.kind == "sections":
+            return f"{math.layout} tables, {math.pairing} pairing per feature section ({source.param}.shape[-1] sections)"
+        part = (", partial (trailing features)" if math.trailing else ", partial") if math.partial else ""
+        part += f", M-RoPE sections merged from ({source.param})" if source.kind == "mrope" else ""
+        part += f", tables indexed by {source.param}" if source.kind == "indexed" else ""
+        part += ", queries at the tables' last rows" if shape.tail else ""
+        part += ", leading tokens passed through" if shape.prefix else ""
+        sign = ", by -theta" if math.conjugate else ""
+        layout = "complex frequencies" if math.layout == "complex" else f"{math.layout} tables"
+        return f"{layout}, {math.pairing} pairing{part}{sign}"
 
 
 # -- recognition ---------------------------------------------------------------------------------
@@ -352,9 +399,15 @@ def _probe_plain(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
                     for kind in ("tail", "prefix"))
     if not param:  # the ranks these calls broadcast by
         patterns += tuple(p for p in (tail, prefix) if p is not None and p not in patterns)
-    return Rotation(roles.names, roles.rotated, roles.tables, layout, pairing, rule, partial, conjugate, trailing,
-                    single, int(defaults.get(UNSQUEEZE_DIM, 1)), patterns=patterns, tail=tail is not None,
-                    prefix=prefix is not None, keywords=roles.keywords), ""
+    return Rotation(Call(roles.names, roles.rotated, roles.tables, roles.defaults, roles.keywords, single),
+                    Math(layout, pairing, partial, conjugate, trailing),
+                    Shape(rule, int(defaults.get(UNSQUEEZE_DIM, 1)), patterns, tail is not None, prefix is not None)), ""
+
+
+def _from(rotation: Rotation, roles: _Parameters, source: TableSource) -> Rotation:
+    """``rotation``, found on a wrapper that fed the helper its tables' source, as the helper's own: its parameters,
+    and the tables from ``source``."""
+    return replace(rotation, call=replace(rotation.call, params=roles.names), source=source)
 
 
 def merge_mrope(table: Tensor, sections: Any) -> Tensor:
@@ -379,20 +432,20 @@ def _probe_mrope(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
     if rotation is None:
         return None, why
     theta = torch.rand(3, 2, 5, 4, generator=gen, dtype=torch.float64) * 6.0 - 3.0  # three position axes
-    cos, sin = _tables(theta, rotation.layout)
+    cos, sin = _tables(theta, rotation.math.layout)
     q, k = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(2))
     try:
         with torch.no_grad():
             got = helper(q, k, cos, sin, list(sections))
     except Exception:
         return None, f"it takes {_MROPE} in a way torchembed does not model"
-    if rotation.layout != "cat":
+    if rotation.math.layout != "cat":
         return None, f"its {_MROPE} tables are not laid out cat(freqs, freqs)"
     full = torch.cat((theta, theta), dim=-1)
     c, s = (merge_mrope(t, sections)[..., :4].unsqueeze(1) for t in (full.cos(), full.sin()))
-    if not _close(_outputs(got, 2) or (), [reference_rotate(x.double(), c, s, rotation.pairing) for x in (q, k)]):
+    if not _close(_outputs(got, 2) or (), [reference_rotate(x.double(), c, s, rotation.math.pairing) for x in (q, k)]):
         return None, f"its {_MROPE} does not select one position axis per feature section"
-    return replace(rotation, params=roles.names, mrope=_MROPE), ""
+    return _from(rotation, roles, TableSource("mrope", _MROPE)), ""
 
 
 def _probe_indexed(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple[Rotation | None, str]:
@@ -407,10 +460,10 @@ def _probe_indexed(helper: Any, roles: _Parameters, gen: torch.Generator) -> tup
 
     plain = replace(roles, extras=tuple(n for n in roles.extras if n != _POSITION_IDS), keywords=False)
     rotation, why = _probe_plain(on_gathered, plain, gen)
-    if rotation is None or rotation.broadcast != "param":
+    if rotation is None or rotation.shape.broadcast != "param":
         return None, why or f"it takes {_POSITION_IDS} in a way torchembed does not model"
     theta = torch.rand(9, 4, generator=gen, dtype=torch.float64) * 6.0 - 3.0  # a table of 9 positions
-    tables = _tables(theta, rotation.layout)
+    tables = _tables(theta, rotation.math.layout)
     ids = torch.randint(0, 9, (2, 5), generator=gen)
     xs = [torch.randn(2, 3, 5, 8, generator=gen) for _ in roles.rotated]
     try:
@@ -419,10 +472,10 @@ def _probe_indexed(helper: Any, roles: _Parameters, gen: torch.Generator) -> tup
     except Exception:
         return None, f"it takes {_POSITION_IDS} in a way torchembed does not model"
     c, s = (t[ids].unsqueeze(1) for t in (theta.cos(), theta.sin()))
-    if not _close(_outputs(got, len(xs)) or (), [reference_rotate(x.double(), c, s, rotation.pairing, rotation.conjugate)
-                                                 for x in xs]):
+    math = rotation.math
+    if not _close(_outputs(got, len(xs)) or (), [reference_rotate(x.double(), c, s, math.pairing, math.conjugate) for x in xs]):
         return None, f"its result depends on {_POSITION_IDS} otherwise than by indexing the tables"
-    return replace(rotation, params=roles.names, indexed=_POSITION_IDS), ""
+    return _from(rotation, roles, TableSource("indexed", _POSITION_IDS)), ""
 
 
 def _probe_sections(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple[Rotation | None, str]:
@@ -449,9 +502,9 @@ def _probe_sections(helper: Any, roles: _Parameters, gen: torch.Generator) -> tu
     want = apply_rotary(x.double().unflatten(-1, (sections, width)), c, s).flatten(-2)
     if not (isinstance(got, Tensor) and _close((got,), [want])):
         return None, "it computes none of the rotations torchembed knows"
-    return Rotation(roles.names, roles.rotated, roles.tables, "cat", "half", "param" if UNSQUEEZE_DIM in roles.extras
-                    else ("hs" if unsqueeze == 1 else "sh"), single=True, unsqueeze_default=unsqueeze,
-                    sections=_POSITION_IDS), ""
+    broadcast = "param" if UNSQUEEZE_DIM in roles.extras else ("hs" if unsqueeze == 1 else "sh")
+    return Rotation(Call(roles.names, roles.rotated, roles.tables, roles.defaults, single=True), Math("cat", "half"),
+                    Shape(broadcast, unsqueeze), TableSource("sections", _POSITION_IDS)), ""
 
 
 def _single(helper: Any, roles: _Parameters, layout: str, half: int, probe: tuple, gen: torch.Generator) -> bool:
@@ -529,9 +582,3 @@ def _ignores_positions(helper: Any, roles: _Parameters, layout: str, half: int, 
         return False
     plain, moved = (o if isinstance(o, tuple) else (o,) for o in (plain, moved))
     return all(torch.equal(a, b) for a, b in zip(plain, moved) if isinstance(a, Tensor))
-
-
-def parameter_defaults(helper: Any) -> dict[str, Any]:
-    """The default values of ``helper``'s parameters, by name."""
-    return dict(_roles(helper).defaults)
-
