@@ -286,7 +286,7 @@ def test_decode_steps_on_the_kernel_match_upstream_within_bf16(padded, monkeypat
     if padded:
         mask[0, :40] = 0
     launches = []
-    from torchembed.patches import attention
+    from torchembed.patches.rope import decode_attention as attention
 
     original = attention.fused_attention
     monkeypatch.setattr(attention, "fused_attention", lambda *a, **kw: launches.append(1) or original(*a, **kw))
