@@ -157,5 +157,6 @@ class KeepGenerationCache:
         kept = copy.deepcopy(generation)
         kept.use_cache = True
         component = Component("", "generation", "generation_config.use_cache=False (the prefix re-run per token)",
-                              "generation_config.use_cache=True (a KV cache; unpatch restores the config)")
+                              "torchembed KeepGenerationCache: generation_config.use_cache=True (a KV cache; unpatch "
+                              "restores the config)")
         return [OverrideAttribute(component, model, "generation_config", kept)]
