@@ -105,6 +105,11 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     env = _environment()
     started = time.time()
     os.chdir(ROOT)
+    # One intra-op thread per test process, as scripts/test.sh runs them: the suite's many small CPU models under
+    # N workers with every core's worth of threads each oversubscribe the host (on a 16-core GPU machine with 14
+    # workers the model-zoo tests took 60-180 s each instead of a few, and the suite outran its call).
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
     code = pytest.main(command, plugins=[recorder])
     recorder.file.close()
     record = {"commit": args.commit, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -62,3 +62,29 @@ def test_the_status_is_current_while_the_tested_commit_holds_the_newest_core_cha
     assert not current and "stale" in line and changed[:9] in line
     record.write_text("- commit: 0000000\n")
     assert "names no commit of this history" in gpu_suite.status(tmp_path)[1]
+
+
+def test_the_run_gives_each_test_process_one_thread(monkeypatch, tmp_path):
+    """Workers inherit one intra-op thread each (as scripts/test.sh sets): many workers with every core's threads
+    oversubscribe the host (the model-zoo tests ran 60-180 s each on a 16-core GPU machine, and the run outran its
+    call); a value the caller set is kept."""
+    import argparse
+
+    import pytest
+
+    seen = {}
+
+    def main(args, plugins=()):
+        seen.update(omp=gpu_suite.os.environ.get("OMP_NUM_THREADS"), args=args)
+        return 0
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(pytest, "main", main)
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(out=str(tmp_path / "out"), commit="abc1234", workers=3, timeout=60, cpu_record=None)
+    assert gpu_suite.run(args, ["tests/functional"]) == 0
+    assert seen["omp"] == "1" and seen["args"][-1] == "tests/functional" and "-n" in seen["args"]
+    assert (tmp_path / "out" / "gpu-suite.md").exists()
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    gpu_suite.run(args, ["tests/functional"])
+    assert seen["omp"] == "4"
