@@ -398,3 +398,35 @@ def test_a_patched_mpt_generates_with_its_kv_cache_and_unpatch_restores_the_conf
     kept = patched.generation_config
     torchembed.unpatch(patched)
     assert patched.generation_config is not kept and patched.generation_config.use_cache is False
+
+
+def test_continuous_batching_generate_batch_gives_upstreams_tokens():
+    """transformers' continuous batching (``generate_batch``: paged cache, requests of different lengths scheduled
+    together) on a patched LLaMA: upstream's greedy tokens (float32), the rotation torchembed's (upstream's helper
+    never called)."""
+    from transformers import GenerationConfig
+    from transformers.models.llama import modeling_llama
+
+    from tests.helpers import counting_calls
+
+    if not hasattr(transformers.LlamaForCausalLM, "generate_batch"):
+        pytest.skip(f"transformers {transformers.__version__} has no generate_batch")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=96,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    upstream = transformers.LlamaForCausalLM(config).eval()
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    gen = torch.Generator().manual_seed(1)
+    requests = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (7, 12, 5)]
+    settings = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+    def tokens(model):
+        out = model.generate_batch(inputs=requests, generation_config=settings)
+        return [out[key].generated_tokens for key in sorted(out)]
+
+    want = tokens(upstream)
+    with counting_calls([modeling_llama.apply_rotary_pos_emb]) as calls:
+        got = tokens(patched)
+    assert got == want and len(got) == 3 and all(len(t) == 6 for t in got)
+    assert not calls, calls
