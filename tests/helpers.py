@@ -6,6 +6,7 @@ import collections
 import contextlib
 import inspect
 import sys
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -64,7 +65,8 @@ def assert_no_new_graph_breaks(patched: collections.Counter, upstream: collectio
 @contextlib.contextmanager
 def counting_calls(functions) -> Iterator[collections.Counter]:
     """Counts the calls of ``functions`` (their code, whatever route reaches them: a module global, a
-    reference kept elsewhere, a fallback) while the block runs, keyed by function name."""
+    reference kept elsewhere, a fallback) while the block runs, in this thread and in threads started in the block,
+    keyed by function name."""
     codes = {inspect.unwrap(f).__code__: f.__qualname__ for f in functions}
     counts: collections.Counter = collections.Counter()
     previous = sys.getprofile()
@@ -73,11 +75,14 @@ def counting_calls(functions) -> Iterator[collections.Counter]:
         if event == "call" and frame.f_code in codes:
             counts[codes[frame.f_code]] += 1
 
+    previous_threads = threading.getprofile()
     sys.setprofile(profile)
+    threading.setprofile(profile)  # threads started inside the block too (continuous batching runs the model in one)
     try:
         yield counts
     finally:
         sys.setprofile(previous)
+        threading.setprofile(previous_threads)
 
 
 def upstream_rotation_helpers(model) -> set:
