@@ -22,9 +22,9 @@ from torch import Tensor
 from torchembed.kernels.launch import kernel_can_run, triton_available, triton_disabled
 from torchembed.kernels.settings import AlibiPolicy, settings
 
-__all__ = ["ATTENTION_DTYPES", "DECODE_QUERIES", "MAX_HEAD_DIM", "FusedUnavailableError", "alibi_path", "bias_on_kernel", "check_fused",
-           "decode_attention_on_kernel", "decode_step", "flash_unsupported", "mask_summary_on_kernel", "refuse",
-           "use_kernel", "use_rope_kernel", "why_not"]
+__all__ = ["ATTENTION_DTYPES", "DECODE_QUERIES", "MAX_HEAD_DIM", "FusedUnavailableError", "alibi_path", "bias_on_kernel",
+           "check_fused", "decode_attention_on_kernel", "decode_step", "flash_unsupported", "mask_summary_on_kernel",
+           "refuse", "use_kernel", "use_rope_kernel", "why_not"]
 
 DECODE_QUERIES = 16  # a decode step: at most this many new queries (speculative decoding included) over a KV cache
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
