@@ -430,3 +430,13 @@ def test_continuous_batching_generate_batch_gives_upstreams_tokens():
         got = tokens(patched)
     assert got == want and len(got) == 3 and all(len(t) == 6 for t in got)
     assert not calls, calls
+
+
+def test_compare_says_when_the_patch_keeps_generates_cache(checkpoint):
+    """``torchembed compare`` notes MPT's kept KV cache (and no other family's)."""
+    from torchembed.tools.compare import compare
+
+    report = compare([str(checkpoint("mpt")), str(checkpoint("llama"))], dtypes=("float32",),
+                     attn_implementations=("eager",), seq_len=8)
+    notes = {row.family: row.note for row in report.rows}
+    assert "KV cache" in notes["mpt"] and "KV cache" not in notes["llama"], notes

@@ -257,7 +257,7 @@ def _compare_one(
     name: str, source: str | nn.Module, dtype_name: str, impl: str, inputs: dict[str, Any], device: torch.device,
     fused: bool | None, eager_reference: dict[str, Tensor],
 ) -> CompareRow:
-    from torchembed.patches.core import patch
+    from torchembed.patches.core import find_positional_components, patch
     from torchembed.patches.registry import family_for
 
     dtype = _DTYPES[dtype_name]
@@ -286,6 +286,8 @@ def _compare_one(
     note = f"compared with upstream {ref_impl}" if ref_impl != impl else truth_note
     if spread is not None and spread / scale > (FP32_REL_TOL if dtype == torch.float32 else 5e-2):
         note = f"upstream {impl} differs from upstream eager by {spread:.2e}"
+    if any(c.kind == "generation" for c in find_positional_components(patched)):  # (MPT: KeepGenerationCache)
+        note = "; ".join(filter(None, (note, "generate keeps its KV cache (config: off)")))
     return CompareRow(
         model=name, family=family.name if family else "?", dtype=dtype_name, attn=impl, max_abs=max_abs,
         rel=max_abs / scale, upstream_err=err_up.max().item(), patched_err=err_pt.max().item(),
