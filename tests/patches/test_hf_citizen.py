@@ -426,6 +426,8 @@ def test_continuous_batching_generate_batch_gives_upstreams_tokens():
         return [out[key].generated_tokens for key in sorted(out)]
 
     want = tokens(upstream)
+    if not want:  # (4.57's continuous batching generates nothing on a CPU: no request comes back)
+        pytest.skip(f"transformers {transformers.__version__}'s generate_batch returns no request here")
     with counting_calls([modeling_llama.apply_rotary_pos_emb]) as calls:
         got = tokens(patched)
     assert got == want and len(got) == 3 and all(len(t) == 6 for t in got)
