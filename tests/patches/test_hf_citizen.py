@@ -384,16 +384,16 @@ def test_a_patched_mpt_generates_with_its_kv_cache_and_unpatch_restores_the_conf
     original = upstream.generation_config
     patched = torchembed.patch(copy.deepcopy(upstream))
     assert any(c.kind == "generation" for c in torchembed.find_positional_components(patched))
-    cached = []
+    fed = []  # the tokens each forward is fed: the new token alone once a cache holds the rest
     forward = patched.transformer.forward
-    patched.transformer.forward = lambda *a, **kw: cached.append(kw.get("past_key_values") is not None) or forward(*a, **kw)
+    patched.transformer.forward = lambda *a, **kw: fed.append((a[0] if a else kw["input_ids"]).shape[-1]) or forward(*a, **kw)
     ids = torch.randint(1, upstream.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = upstream.generate(ids, max_new_tokens=5, do_sample=False, use_cache=True, pad_token_id=0)
         got = patched.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
     del patched.transformer.forward
     assert torch.equal(want, got)
-    assert cached[1:] and all(cached[1:]), cached  # every step after the prefill reads the cache
+    assert fed == [12, 1, 1, 1, 1], fed  # every step after the prefill reads the cache (else 12, 13, 14, ...)
     assert upstream.generation_config is original and original.use_cache is False
     kept = patched.generation_config
     torchembed.unpatch(patched)
@@ -405,9 +405,8 @@ def test_continuous_batching_generate_batch_gives_upstreams_tokens():
     together) on a patched LLaMA: upstream's greedy tokens (float32), the rotation torchembed's (upstream's helper
     never called)."""
     from transformers import GenerationConfig
-    from transformers.models.llama import modeling_llama
 
-    from tests.helpers import counting_calls
+    from tests.helpers import counting_calls, upstream_rotation_helpers
 
     if not hasattr(transformers.LlamaForCausalLM, "generate_batch"):
         pytest.skip(f"transformers {transformers.__version__} has no generate_batch")
@@ -428,7 +427,7 @@ def test_continuous_batching_generate_batch_gives_upstreams_tokens():
     want = tokens(upstream)
     if not want:  # (4.57's continuous batching generates nothing on a CPU: no request comes back)
         pytest.skip(f"transformers {transformers.__version__}'s generate_batch returns no request here")
-    with counting_calls([modeling_llama.apply_rotary_pos_emb]) as calls:
+    with counting_calls(upstream_rotation_helpers(upstream)) as calls:
         got = tokens(patched)
     assert got == want and len(got) == 3 and all(len(t) == 6 for t in got)
     assert not calls, calls
