@@ -179,11 +179,12 @@ def prefill_bias(key_bias: Tensor, keep: Tensor | None, dtype: torch.dtype) -> T
         CPU under ``TRITON_INTERPRET=1``; float16/bfloat16/float32 results), else the PyTorch reference, with equal
         results. No gradient (ALiBi learns nothing).
     """
-    if keep is None or not bias_on_kernel(key_bias, keep, dtype, _shape(key_bias, keep)):
+    if keep is None or not bias_on_kernel(key_bias, keep, dtype):
         return alibi_prefill_bias(key_bias, keep, dtype)
+    shape = _shape(key_bias, keep)  # (ValueError naming the shapes that do not fit)
     if torch.compiler.is_compiling():
         return torch.ops.torchembed.alibi_prefill_bias(key_bias, keep, dtype)
-    return _write_bias(key_bias, keep, torch.empty(_shape(key_bias, keep), dtype=dtype, device=key_bias.device))
+    return _write_bias(key_bias, keep, torch.empty(shape, dtype=dtype, device=key_bias.device))
 
 
 _BIAS_LAUNCHES = Launches(1024)  # prefill lengths are many: cleared when full

@@ -149,11 +149,15 @@ def mask_summary_on_kernel(keep: Tensor) -> bool:
     return not torch.compiler.is_compiling() and kernel_can_run(keep)
 
 
-def bias_on_kernel(key_bias: Tensor, keep: Tensor, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> bool:
-    """Whether an ALiBi prefill's SDPA mask of ``shape (b, h, q, k)`` is written by its kernel (where it runs and takes
-    the inputs); else by PyTorch operations."""
-    return (dtype in ATTENTION_DTYPES and keep.dtype == torch.bool and keep.device == key_bias.device
-            and key_bias.is_floating_point() and shape[0] * shape[1] <= _MAX_PROGRAMS and kernel_can_run(key_bias))
+def bias_on_kernel(key_bias: Tensor, keep: Tensor, dtype: torch.dtype) -> bool:
+    """Whether an ALiBi prefill's SDPA mask (``key_bias (b or 1, h, k)``, ``keep (b or 1, 1, q, k)``) is written by its
+    kernel (where it runs and takes the inputs; the entry then checks the shapes); else by PyTorch operations."""
+    if not (kernel_can_run(key_bias) and dtype in ATTENTION_DTYPES and keep.dtype == torch.bool
+            and keep.device == key_bias.device and key_bias.is_floating_point()):
+        return False
+    if key_bias.dim() != 3 or keep.dim() != 4:
+        return True  # (shapes it does not take: the entry's check names them)
+    return max(key_bias.shape[0], keep.shape[0]) * key_bias.shape[1] <= _MAX_PROGRAMS
 
 
 def alibi_path(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, *, fused: bool | None, dropout_p: float,
