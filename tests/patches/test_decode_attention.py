@@ -140,6 +140,8 @@ def test_the_route_gives_the_kernel_the_decode_steps_it_computes_as_upstream(rou
     assert not on(q.double(), k.double(), k.double(), keep, 0.0, {})
     assert not on(q, torch.randn(2, 3, 30, 16), torch.randn(2, 3, 30, 16), keep, 0.0, {})
     assert not route.decode_attention_on_kernel(False, q, k, k, keep, 0.0, {})
+    # a static cache's prompt (several queries, no mask: the first keys) is a prefill, upstream's under fused=True too
+    assert not route.decode_attention_on_kernel(True, q.expand(2, 4, 3, 16), k, k, None, 0.0, {})
 
 
 def test_the_table_reads_as_upstreams_and_pickles():

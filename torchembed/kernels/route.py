@@ -227,7 +227,8 @@ def decode_attention_on_kernel(fused: bool | None, query: Tensor, key: Tensor, v
                                attention_mask: Tensor | None, dropout: float, kwargs: Mapping[str, Any]) -> bool:
     """Whether a patched RoPE model's SDPA call (HF's convention: ``query (b, h, q, d)``, ``key``/``value``
     ``(b, hk, k, d)``, a bool keep mask ``(b or 1, 1, q, k)`` or None) runs on the attention kernel without a bias; else
-    upstream's SDPA function runs it. Only decode steps (:func:`decode_step`) are the kernel's: ``fused=None`` takes
+    upstream's SDPA function runs it. Only decode steps (:func:`decode_step`; several queries without a mask are a
+    prefill: upstream aligns them to the first keys) are the kernel's: ``fused=None`` takes
     those the kernel runs and computes as upstream does, ``fused=True`` every one (else :class:`FusedUnavailableError`),
     ``False`` none.
 
@@ -236,6 +237,8 @@ def decode_attention_on_kernel(fused: bool | None, query: Tensor, key: Tensor, v
     """
     if fused is False or query.dim() != 4 or not decode_step(query.shape[2], key.shape[-2]):
         return False
+    if attention_mask is None and query.shape[2] != 1:
+        return False  # a prefill: without a mask upstream aligns the queries to the first keys (a static cache's prompt)
     why = None if kernel_can_run(query) else why_not(query)
     if why is None:
         why = _decode_unsupported(query, key, value, attention_mask, dropout, kwargs)
@@ -249,8 +252,6 @@ def _decode_unsupported(query: Tensor, key: Tensor, value: Tensor, attention_mas
     """Why the kernel does not compute this decode step as upstream's SDPA does, or None."""
     if dropout:
         return "it has no dropout (dropout > 0)"
-    if attention_mask is None and query.shape[2] != 1:
-        return "several queries without a mask (upstream aligns them to the first keys)"
     if value.shape[-1] != query.shape[-1]:
         return f"it takes values of the queries' head dim {query.shape[-1]}, got {value.shape[-1]}"
     changing = sorted(name for name, given in kwargs.items() if given is not None and name not in _IGNORED_KWARGS)
