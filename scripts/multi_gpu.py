@@ -262,8 +262,7 @@ def tensor_parallel(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         torch.cuda.empty_cache()
 
     env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1" if args.smoke else "4"}
-    if not args.smoke:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(args.gpus)))
+    env["CUDA_VISIBLE_DEVICES"] = "" if args.smoke else ",".join(map(str, range(args.gpus)))  # (hide_gpus says why)
     prompt, new_tokens = (16, 4) if args.smoke else (512, 64)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.gpus}", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", __file__, "--tp-rank", "--checkpoint", str(path), "--inputs",
@@ -414,6 +413,8 @@ def launch(out: Path, procs: int, script_args: list[str], args: argparse.Namespa
     env = {**os.environ, **NO_MULTICAST, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1" if args.smoke else "4"}
     for key in [k for k in env if k.startswith(("ACCELERATE_", "TORCHELASTIC_"))] + ["RANK", "WORLD_SIZE", "LOCAL_RANK"]:
         env.pop(key, None)
+    if args.smoke:  # gloo on the CPU: no process sees a GPU (hide_gpus says why)
+        env["CUDA_VISIBLE_DEVICES"] = ""
     if procs == 1:
         if not args.smoke:
             env["CUDA_VISIBLE_DEVICES"] = "0"

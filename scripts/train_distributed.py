@@ -44,6 +44,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__" and "--cpu" in sys.argv[1:]:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything below reaches the CUDA driver (hide_gpus says why)
+
 import torch
 from torch import nn
 

@@ -64,6 +64,8 @@ def train(out: Path, procs: int, *options: str) -> Run:
            "--lr", str(LR), "--seed", str(SEED), "--out", str(out), *options]
     env = {k: v for k, v in os.environ.items() if not _LAUNCH_ENV.match(k)}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if "--cpu" in options:  # gloo on the CPU: no process sees a GPU (torchembed.tools.launch.hide_gpus says why)
+        env["CUDA_VISIBLE_DEVICES"] = ""
     run = run_launcher(cmd, timeout_s=TIMEOUT_S, env=env, cwd=out.parent)
     if run.timed_out:
         pytest.fail(f"timed out after {TIMEOUT_S} s: {' '.join(cmd)}\n{run.output[-4000:]}")

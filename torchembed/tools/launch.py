@@ -37,7 +37,10 @@ def hide_gpus() -> None:
     """Make this process see no GPU (a worker's ``--cpu``). With GPUs visible, a CPU/gloo run still
     meets CUDA: accelerate's ``wait_for_everyone`` passes ``device_ids=[LOCAL_RANK]`` to the barrier
     and transformers' tensor parallelism picks ``cuda:LOCAL_RANK``, which fails on a machine with
-    fewer GPUs than processes. Call it before anything initialises CUDA."""
+    fewer GPUs than processes. Call it before anything initialises CUDA; the driver reads the variable at its first
+    use, which ``torch.cuda.is_available()`` or a Triton import may already have made without ``torch.cuda``
+    counting as initialised, so a launcher of CPU workers also sets ``CUDA_VISIBLE_DEVICES=""`` in their
+    environment."""
     import torch
 
     if torch.cuda.is_initialized():
