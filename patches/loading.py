@@ -134,6 +134,10 @@ def _check_folder(folder: Path, shown: str, kwargs: dict[str, Any]) -> None:
         if not (where / gguf_file).is_file():
             found = f"GGUF files there: {', '.join(ggufs)}" if ggufs else "it has no .gguf file"
             raise CheckpointNotFoundError(f"no GGUF file {gguf_file!r} in {shown} ({found})")
+        with open(where / gguf_file, "rb") as f:  # (transformers' own error would be a traceback)
+            if f.read(4) != b"GGUF":
+                raise CheckpointNotFoundError(f"{where / gguf_file} is not a GGUF file (it does not start with the "
+                                              "GGUF magic bytes)")
         return
     if kwargs.get("config") is not None or (where / "config.json").is_file() or (where / "adapter_config.json").is_file():
         return
@@ -161,7 +165,7 @@ def resolve_checkpoint(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -
     reached gets ``local_files_only=True`` (transformers would otherwise retry for half a minute).
 
     Raises:
-        CheckpointNotFoundError: a missing local folder or file, a folder that is not a checkpoint,
+        CheckpointNotFoundError: a missing local folder or file, a folder or file that is not a checkpoint,
             or a hub id that is not cached while the hub is offline (``HF_HUB_OFFLINE=1``) or
             ``local_files_only=True``.
         HubUnreachableError: a hub id that is not cached and the hub does not answer.

@@ -370,7 +370,12 @@ def test_chat_missing_gguf_file_in_the_model_folder(capsys, tmp_path: Path, offl
 
 
 @pytest.mark.parametrize("command", ["compare", "chat"])
-def test_a_file_that_is_not_gguf(capsys, tmp_path: Path, offline, command) -> None:
+def test_a_file_that_is_not_gguf(capsys, tmp_path: Path, offline, command, monkeypatch) -> None:
+    """Said whether or not the gguf package is installed (installing it would not help)."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
     (tmp_path / "junk.gguf").write_bytes(b"not a GGUF file")
     argv = [str(tmp_path / "junk.gguf")] if command == "compare" else ["--model", str(tmp_path / "junk.gguf"), "hi"]
     code, _, err = run(capsys, command, *argv)

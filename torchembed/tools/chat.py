@@ -110,15 +110,13 @@ def load_chat_model(model: str | os.PathLike[str] | None = None, *, gguf_file: s
     import torchembed
     from torchembed.patches.loading import resolve_checkpoint
 
-    from torchembed.tools.checkpoints import check_gguf_file, smollm2_gguf
+    from torchembed.tools.checkpoints import smollm2_gguf
 
     if model is None:
         if gguf_file:
             raise ValueError(f"gguf_file={gguf_file!r} names a file inside the folder given as model; pass that folder")
         model, gguf_file = smollm2_gguf()
     path, hub = resolve_checkpoint(model, **({"gguf_file": gguf_file} if gguf_file else {}))
-    if hub.get("gguf_file") and os.path.isdir(path):
-        check_gguf_file(os.path.join(path, hub["gguf_file"]))
     name = hub.get("gguf_file") or os.path.basename(os.path.normpath(path))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, **hub)
     patched = torchembed.from_pretrained(path, fused=fused, dtype=_DTYPES[dtype], **hub).eval()

