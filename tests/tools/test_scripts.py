@@ -51,14 +51,15 @@ def test_an_xdist_worker_freezes_what_is_left_after_its_session() -> None:
 
     controller = types.SimpleNamespace(config=types.SimpleNamespace())
     worker = types.SimpleNamespace(config=types.SimpleNamespace(workerinput={"workerid": "gw0"}))
-    assert gc.get_freeze_count() == 0
+    before = gc.get_freeze_count()  # (not always 0: a library the worker imported may have frozen objects already)
     try:
         xdist_quiet_exit.pytest_sessionfinish(controller)
-        assert gc.get_freeze_count() == 0
+        assert gc.get_freeze_count() == before
         xdist_quiet_exit.pytest_sessionfinish(worker)
-        assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > before
     finally:
-        gc.unfreeze()
+        if before == 0:
+            gc.unfreeze()
 
 
 def test_test_sh_loads_the_plugin() -> None:
