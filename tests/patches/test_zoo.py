@@ -158,8 +158,12 @@ def test_patched_model_type_matches_upstream(model_type, monkeypatch, request):
             gen_ref = upstream.generate(**prompt, **kwargs)
             gen_out = patched.generate(**prompt, **kwargs)
         assert torch.equal(gen_out.sequences, gen_ref.sequences)
-        for a, b in zip(gen_out.logits, gen_ref.logits):
-            assert matches(a, b)
+        for step, (a, b) in enumerate(zip(gen_out.logits, gen_ref.logits)):
+            if not matches(a, b):  # allowed only within upstream's own spread (on CUDA some are not reproducible)
+                with torch.no_grad():
+                    spread = (upstream.generate(**prompt, **kwargs).logits[step] - b).abs().max().item()
+                off = (a - b).abs().max().item()
+                assert 0 < spread and off <= 2 * spread, f"generate step {step}: max abs {off:.3g}, upstream's own {spread:.3g}"
 
     torchembed.unpatch(patched)
     restored = outputs_of(patched, inputs)
