@@ -24,8 +24,9 @@
 #   depth-again - the same through bench long (the cache of a 65k prefill)
 #   before-after - speed of this tree against the tree in _baseline (compare_commits_gpu.sh; carry _baseline)
 #   profile - where one decode step's time goes (8 layers, 64k keys): eager and compiled, upstream and patched
-#   plain   - what a user's plain call costs: ALiBi prefills of one 128-2048-token sequence (upstream against patched),
-#             the eager decode step by kind (LLaMA, 8 layers, 64k) and plain generate() per token (LLaMA and MPT, 8 layers, 16k)
+#   plain   - what a user's plain call costs: ALiBi prefills of one 128-2048-token sequence, upstream against patched,
+#             profiled (alibi_prefill_profile.py); plain generate() per token (LLaMA and MPT, 8 layers, 16k); the eager
+#             decode step by kind (LLaMA, 8 layers, 64k)
 #   growth  - one decode step over a long DynamicCache, patched (grows in place) against upstream (torch.cat)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -128,13 +129,11 @@ for phase in "$@"; do
         --variants upstream patched patched-compiled --out "$OUT" 2>&1 | grep "^|"
       timeout 150 python3 benchmarks/probes/decode_step_profile.py --model mpt --keys 65536 --layers 8 --out "$OUT" 2>&1 | grep "^|" ;;
     plain)
-      timeout 220 python3 -m torchembed bench alibi --models falcon bloom mpt --phases prefill --batch-sizes 1 \
-        --seq-lens 128 512 1024 2048 --repeats 5 --max-seconds 200 --name alibi-prefill-short --out "$OUT" 2>&1 \
-        | grep -E "^\| (falcon|bloom|mpt)"
-      timeout 190 python3 benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 \
-        --variants upstream patched --out "$OUT" 2>&1 | grep -E "^\||^GPU"
+      timeout 150 python3 benchmarks/probes/alibi_prefill_profile.py --out "$OUT" 2>&1 | grep -E "^\||^- |^##"
       timeout 150 python3 -m torchembed bench long --models llama mpt --contexts 16384 --layers 8 --steps 6 \
-        --generate 32 --max-seconds 140 --name long-plain-generate --out "$OUT" 2>&1 | grep -E "^\| (llama|mpt)" ;;
+        --generate 32 --max-seconds 140 --name long-plain-generate --out "$OUT" 2>&1 | grep -E "^\| (llama|mpt)"
+      timeout 190 python3 benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 \
+        --variants upstream patched --out "$OUT" 2>&1 | grep -E "^\||^GPU" ;;
     growth)
       for model in llama bloom; do
         timeout 120 python3 benchmarks/probes/cache_growth.py --model "$model" --keys 16384 65536 --layers 8 \
