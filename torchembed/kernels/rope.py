@@ -123,11 +123,8 @@ def _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conju
     facts Triton specialises on. None for calls never kept (tensor subclasses, flags that are not bools, a scale that
     is not a Python number, a negative int offset or one past the end of a cache table, tensor positions indexing a
     CPU table: range-checked on every call)."""
-    if type(q) is not Tensor or type(k) is not Tensor or q.dim() != 4:
-        return None
-    if type(interleaved) is not bool or type(inplace) is not bool or type(conjugate) is not bool:
-        return None
-    if type(scale) is not float and type(scale) is not int:
+    if (type(q) is not Tensor or type(k) is not Tensor or q.dim() != 4 or type(interleaved) is not bool
+            or type(inplace) is not bool or type(conjugate) is not bool or type(scale) not in (float, int)):
         return None
     if positions is None:
         pos = None
@@ -153,19 +150,13 @@ def _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conju
             interleaved, inplace, conjugate, halves)
 
 
-_triton = None  # rope_triton, imported with Triton on the first launch
-
-
 def _setup(a: RopeArgs, qo: Tensor, ko: Tensor) -> launch.Launch:
     """The launch that rotates ``a`` into ``qo``/``ko`` (which may be ``a.q``/``a.k``)."""
-    global _triton
-    if _triton is None:
-        from torchembed.kernels import rope_triton
+    from torchembed.kernels import rope_triton  # (and Triton: on the first launch only)
 
-        _triton = rope_triton
     q, k, cos, positions = a.q, a.k, a.cos, a.positions
     grid, meta, nqg, warps = _config(a, qo is q)
-    meta["CDT"] = _triton.COMPUTE_DTYPES[meta["CDT"]]  # float32 math (float64 for float64 inputs)
+    meta["CDT"] = rope_triton.COMPUTE_DTYPES[meta["CDT"]]  # float32 math (float64 for float64 inputs)
     if cos is None:
         sc_b = sc_s = 0
     elif cos.dim() == 3:  # per-token (Bc, S, R/2), Bc in {1, B}
@@ -180,7 +171,7 @@ def _setup(a: RopeArgs, qo: Tensor, ko: Tensor) -> launch.Launch:
     sq, sk, sqo, sko = q.stride(), k.stride(), qo.stride(), ko.stride()
     fixed = (q.shape[2], nqg, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
              sc_b, sc_s, sp_b, sp_s)
-    return launch.Launch(_triton.rope_kernel, grid, fixed, meta, num_warps=warps)
+    return launch.Launch(rope_triton.rope_kernel, grid, fixed, meta, num_warps=warps)
 
 
 def _tensors(q, k, qo, ko, cos, sin, inv_freq, positions) -> tuple:
@@ -531,20 +522,18 @@ def rotary_fused(
 
 def _call(a: RopeArgs, inplace: bool, compiling: bool, recorded: bool) -> Tuple[Tensor, Tensor]:
     """Checked arguments on their route: the eager launch, the custom op under compile, autograd where recorded."""
-    q, k = a.q, a.k
-    if not recorded:
+    if inplace and not recorded:
         if compiling:
-            if inplace:
-                torch.ops.torchembed.rotary_(*a)
-                return q, k
-            return torch.ops.torchembed.rotary(*a)
-        if inplace:
+            torch.ops.torchembed.rotary_(*a)
+        else:
             _rotate_(a)
-            return q, k
-        return _rotate(a)
-    qo, ko = (torch.ops.torchembed.rotary if compiling else _Rotary.apply)(*a)
+        return a.q, a.k
+    if compiling:
+        qo, ko = torch.ops.torchembed.rotary(*a)
+    else:
+        qo, ko = _Rotary.apply(*a) if recorded else _rotate(a)
     if inplace:  # a mutating op has no autograd formula: out of place, then copy_ (which autograd tracks)
-        q.copy_(qo)
-        k.copy_(ko)
-        return q, k
+        a.q.copy_(qo)
+        a.k.copy_(ko)
+        return a.q, a.k
     return qo, ko
