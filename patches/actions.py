@@ -30,13 +30,7 @@ class _Missing:
         return "MISSING"
 
     def __reduce__(self) -> str:
-        return "MISSING"  # pickled as a reference to this module's global
-
-    def __copy__(self) -> "_Missing":
-        return self
-
-    def __deepcopy__(self, memo: dict) -> "_Missing":
-        return self
+        return "MISSING"  # pickled as a reference to this module's global (and copied as itself)
 
 
 MISSING = _Missing()

@@ -101,7 +101,7 @@ def replace_globals(fn: Any, replacements: Mapping[str, Any]) -> types.FunctionT
             via_attribute = tuple(f.__qualname__ for f in functions if name in attribute_names(f))
             where = f"; it is reached through an attribute in {', '.join(via_attribute)}" if via_attribute else ""
             raise HelperNotFound(
-                f"{_describe(fn)} does not call {name!r} as a module-level name{where}", via_attribute
+                f"{fn.__module__}.{fn.__qualname__} does not call {name!r} as a module-level name{where}", via_attribute
             )
     key = (fn, tuple(sorted((name, id(value)) for name, value in replacements.items())))
     hit = _CACHE.get(key)
@@ -141,10 +141,6 @@ def _cell_contents(cell: types.CellType) -> Any:
         return None
 
 
-def _describe(fn: Any) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
 def _rebuild(fn: types.FunctionType, replacements: dict[str, Any], memo: dict[int, types.FunctionType | None]) -> tuple[types.FunctionType, bool]:
     """Clone ``fn`` if it or a function in its closure loads a replaced global; (fn, False) if not."""
     if id(fn) in memo:
@@ -175,7 +171,6 @@ def _rebuild(fn: types.FunctionType, replacements: dict[str, Any], memo: dict[in
     wrapped = fn.__dict__.get("__wrapped__")
     if wrapped is not None:
         clone.__wrapped__ = rebuilt.get(id(wrapped), wrapped)
-    clone.__torchembed_original__ = fn
     memo[id(fn)] = clone
     return clone, True
 
