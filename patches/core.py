@@ -63,18 +63,13 @@ def _base(model: nn.Module) -> nn.Module:
     return model
 
 
-def _config_of(model: nn.Module) -> Any:
+def _family_of(model: nn.Module) -> Family:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "model_type"):
         raise UnsupportedModelError(
             f"{type(model).__name__} has no HF `config.model_type`; torchembed.patch expects a "
             "transformers PreTrainedModel (e.g. from AutoModelForCausalLM.from_pretrained)"
         )
-    return config
-
-
-def _family_of(model: nn.Module) -> Family:
-    config = _config_of(model)
     family = family_for(config)
     if family is None:
         names = sorted({f.model_type for f in supported_families()})

@@ -155,9 +155,8 @@ class RotaryHelper:
             shapes = [(*x[:at], x[at] - lead, *x[at:][1:]) for x in shapes]
             parts = [(everyone, c, s, full)]
         elif shape.tail and len(given) > 1 and first_tokens < c.shape[-2]:  # the first tensor: the tables' last rows
-            lead = 0
-            last = (lambda t: t[..., -first_tokens:, :]) if first_tokens else (lambda t: t[..., :0, :])
-            parts = [((0,), last(c), last(s), full and (last(full[0]), last(full[1]))), (everyone[1:], c, s, full)]
+            lead, last = 0, (..., slice(c.shape[-2] - first_tokens, None), slice(None))  # the tables' last rows
+            parts = [((0,), c[last], s[last], full and (full[0][last], full[1][last])), (everyone[1:], c, s, full)]
         else:
             lead, parts = 0, [(everyone, c, s, full)]
         groups = tuple(self._group(members, [shapes[i] for i in members], given[members[0]], c, s, full, u, kernel)
@@ -233,7 +232,7 @@ class RotaryHelper:
                                                halves=group.full)
                     outs += out if pair else out[:1]
                     i += 2 if pair else 1
-                outs = [_back(x, group.kernel)(o) for x, o in zip(ts, outs)]
+                outs = [_from_bhsd(o, x, group.kernel) for x, o in zip(ts, outs)]
             else:
                 outs = [apply_rotary(x, group.cos, group.sin, interleaved=interleaved, conjugate=math.conjugate,
                                      full=group.full) for x in ts]
@@ -329,14 +328,13 @@ def _to_bhsd(x: Tensor, rule: str) -> Tensor:
     return x.transpose(-3, -2) if x.dim() == 4 else x.transpose(0, 1)[None]
 
 
-def _back(x: Tensor, rule: str) -> Callable[[Tensor], Tensor]:
-    """The inverse of :func:`_to_bhsd` for ``x``."""
-    nd = x.dim()
+def _from_bhsd(o: Tensor, x: Tensor, rule: str) -> Tensor:
+    """The kernel's output ``o`` for :func:`_to_bhsd` of ``x``, in ``x``'s layout (the inverse view)."""
     if rule == "flat":
-        return lambda o: o[:, 0]
+        return o[:, 0]
     if rule == "hs":
-        return (lambda o: o) if nd == 4 else (lambda o: o[0])
-    return (lambda o: o.transpose(-3, -2)) if nd == 4 else (lambda o: o[0].transpose(0, 1))
+        return o if x.dim() == 4 else o[0]
+    return o.transpose(-3, -2) if x.dim() == 4 else o[0].transpose(0, 1)
 
 
 def _pairable(q: Tensor, k: Tensor) -> bool:

@@ -62,7 +62,6 @@ def kept_plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse) -> "ForwardP
     return plan
 
 
-
 def kept_backward_plan(grad, q, k, v, out, bias, rows, keep, scale, key_bias, plan=None) -> "BackwardPlan":
     """The :class:`BackwardPlan` of a call: kept by the forward's ``plan`` under the output gradient's strides, else
     in the table of plans under the whole signature."""
@@ -123,11 +122,6 @@ def _strides4(t: Tensor) -> tuple[int, int, int, int]:
     """Strides of a ``(B, heads, S, D)`` tensor, 0 along a batch of 1."""
     s = t.stride()
     return (0 if t.shape[0] == 1 else s[0], s[1], s[2], s[3])
-
-
-def _out_strides(batch: int, heads: int, q_len: int, dim: int) -> tuple[int, int, int, int]:
-    """``(B, H, M, D)`` strides over ``(B, M, H, D)`` memory (the output's layout)."""
-    return (q_len * heads * dim, dim, heads * dim, 1)
 
 
 def _shapes(q: Tensor, k: Tensor, rows: Tensor | None) -> tuple:
@@ -314,7 +308,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Ten
     ``(H,)``, a key bias ``(B or 1, H, N)`` (``key_bias``), float32, or None. ``rows``/``keep``: the mask summary and
     the mask, or None (causal, queries last). Inputs checked by the caller."""
     batch, heads, q_len, head_dim, kv_heads, k_len, group, bd, prec, masked = _shapes(q, k, rows)
-    out_stride = _out_strides(batch, heads, q_len, head_dim)
+    out_stride = (q_len * heads * head_dim, head_dim, heads * head_dim, 1)  # (B, H, M, D) over (B, M, H, D) memory
     out4 = (0 if batch == 1 else out_stride[0], *out_stride[1:])
     strides = (*_strides4(q), *_strides4(k), *_strides4(v), *out4, *_bias_strides(bias, key_bias),
                *_mask_strides(rows, keep))
