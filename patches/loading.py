@@ -1,10 +1,9 @@
 """``from_pretrained``: load an HF checkpoint with transformers, then patch it.
 
-Before transformers is asked, :func:`resolve_checkpoint` checks that the checkpoint can be had:
-a missing local folder, a folder without ``config.json`` (a GGUF file without ``gguf_file=``), or
-a hub id that is neither cached nor reachable each raise :class:`CheckpointNotFoundError` with
-one line saying what to do, instead of transformers' "Repo id must be in the form ..." or half a
-minute of retries against an unreachable hub.
+Before transformers is asked, :func:`resolve_checkpoint` checks that the checkpoint can be had: a missing local folder,
+a folder without ``config.json`` (a GGUF file without ``gguf_file=``), or a hub id that is neither cached nor reachable
+each raise :class:`CheckpointNotFoundError` with one line saying what to do, instead of transformers' "Repo id must be
+in the form ..." or half a minute of retries against an unreachable hub.
 """
 
 from __future__ import annotations
@@ -162,8 +161,7 @@ def resolve_checkpoint(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -
 
     Raises:
         CheckpointNotFoundError: a missing local folder or file, a folder that is not a checkpoint,
-            or a hub id that is not cached while the hub is offline (``HF_HUB_OFFLINE=1``) or
-            ``local_files_only=True``.
+            or a hub id that is not cached while the hub is offline (``HF_HUB_OFFLINE=1``) or ``local_files_only=True``.
         HubUnreachableError: a hub id that is not cached and the hub does not answer.
         MissingDependencyError: ``gguf_file`` without the ``gguf`` package.
     """

@@ -1,18 +1,16 @@
 """Run upstream's code with some module-level helpers replaced, for one function object.
 
-HF attention code calls helpers such as ``apply_rotary_pos_emb`` as globals of its modeling
-module, and every release may wrap the calling method in decorators (``deprecate_kwarg``,
-``can_return_tuple``, ...) whose own globals belong to another module. Rebinding the module
-global would change every model of that family in the process; copying only the inner function
-would drop what the decorators do (a keyword renamed by ``deprecate_kwarg`` would then fall into
+HF attention code calls helpers such as ``apply_rotary_pos_emb`` as globals of its modeling module, and every release
+may wrap the calling method in decorators (``deprecate_kwarg``, ``can_return_tuple``, ...) whose own globals belong to
+another module. Rebinding the module global would change every model of that family in the process; copying only the
+inner function would drop what the decorators do (a keyword renamed by ``deprecate_kwarg`` would then fall into
 ``**kwargs`` and be silently ignored).
 
-:func:`replace_globals` therefore walks the *wrapper chain*: the function and every function held
-in its closure cells, recursively (``functools.wraps`` wrappers, wrappers without ``__wrapped__``,
-stacked decorators alike). Each function of the chain that loads one of the names as a global is
-cloned with a namespace in which only those names differ; each function whose closure holds a
-cloned function is cloned around it. The clones share code, defaults and the untouched closure
-cells with the originals, so upstream behaviour (keyword renames, output handling) is kept.
+:func:`replace_globals` therefore walks the *wrapper chain*: the function and every function held in its closure cells,
+recursively (``functools.wraps`` wrappers, wrappers without ``__wrapped__``, stacked decorators alike). Each function of
+the chain that loads one of the names as a global is cloned with a namespace in which only those names differ; each
+function whose closure holds a cloned function is cloned around it. The clones share code, defaults and the untouched
+closure cells with the originals, so upstream behaviour (keyword renames, output handling) is kept.
 
 A namespace is a snapshot of the function's module dict taken when the clone is made, held by a
 module registered in ``sys.modules`` under its own name (``torch.compile`` resolves a function's

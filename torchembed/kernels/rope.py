@@ -1,9 +1,8 @@
-"""``rotary_fused``: the one entry into the fused RoPE kernel (host side).
+"""``rotary_fused``: the one entry into the fused RoPE kernel (host side), Su et al., "RoFormer", arXiv:2104.09864.
 
-Rotary embedding: Su et al., "RoFormer", arXiv:2104.09864. The Triton code is :mod:`torchembed.kernels.rope_triton`
-(imported on the first launch); this module owns validation, the launch configuration and cache, the PyTorch
-fallback, the custom ops and the autograd. Every caller (the public function, its backward, ``RotaryEmbedding``, the
-patched HF attention) calls :func:`rotary_fused`.
+Validation, the launch configuration and cache, the PyTorch fallback, the custom ops and the autograd; every caller
+(``RotaryEmbedding``, the patched HF attention, the backward) goes through :func:`rotary_fused`. Device code:
+:mod:`torchembed.kernels.rope_triton`, imported on the first launch.
 
 Positions, one meaning per form (``B`` batch, ``S`` tokens, ``R`` rotated features):
 
@@ -18,15 +17,14 @@ int ``o``              ``o + s``                                  cache ``(T, R/
 =====================  ========================================  ===========================
 
 A call is keyed by what its tensors are, never their values (:func:`_key`). The first call of a key is validated and
-launched through Triton; the launch is kept (:data:`LAUNCHES`) and a later call of the same key repeats it with its
-own pointers, offset and scale, skipping validation and Triton's per-call binding: a decode step costs little more
-than the launch itself. ``settings().rope`` (:class:`~torchembed.kernels.settings.RopeTuning`) configures launches.
+launched through Triton and the launch kept (:data:`LAUNCHES`): a later call of the key repeats it with its own
+pointers, offset and scale, without validation or Triton's per-call binding (a decode step costs little more than the
+launch itself).
 
 Routes: eager without gradients -> :func:`_rotate`; eager with autograd -> :class:`_Rotary`; ``torch.compile`` -> the
 custom ops ``torchembed::rotary`` (out of place, same autograd) and ``torchembed::rotary_`` (in place, no autograd),
-whose arguments are :class:`RopeArgs` in order. Where the kernel cannot run
-(:func:`~torchembed.kernels.launch.kernel_can_run`) the same float32 math runs in PyTorch
-(:func:`torchembed.functional.apply_rotary`). Whether a caller takes the kernel is
+whose arguments are :class:`RopeArgs` in order. Where the kernel cannot run, the same float32 math runs in PyTorch
+(:func:`torchembed.functional.apply_rotary`); whether a caller takes the kernel is
 :func:`torchembed.kernels.route.use_rope_kernel`'s answer.
 """
 
