@@ -30,9 +30,7 @@ DECODE_ROWS = 64  # the split-key kernel takes calls of at most this many querie
 LOG2E = 1.4426950408889634
 
 
-# ------------------------------------------------------------------------------------------------
-# Kept plans
-# ------------------------------------------------------------------------------------------------
+# --- Kept plans ---------------------------------------------------------------------------------
 
 # Plans (:class:`ForwardPlan` / :class:`BackwardPlan`) by call signature: everything the launches were derived from,
 # so a hit needs no validation. Cleared when full (many prefill lengths).
@@ -79,9 +77,7 @@ def kept_backward_plan(grad, q, k, v, out, bias, rows, keep, scale, key_bias, pl
     return backward
 
 
-# ------------------------------------------------------------------------------------------------
-# Block shapes, launches
-# ------------------------------------------------------------------------------------------------
+# --- Block shapes, launches ---------------------------------------------------------------------
 
 
 _FP32_CONFIG = {"fwd": (64, 32, 4, 2), "dq": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "decode": (16, 32, 4, 2)}
@@ -274,9 +270,7 @@ class ForwardPlan:
         bounds = None if self.norms is None else self.norms(k, bias)  # (norms: the skip's NormPlan, prefill only)
         if self.prefill:
             self.main((q, k, v, out, lse_t, bias, rows_t, keep_t, *(bounds or (bias, bias))))
-        elif self.combine is None and not self.part:
-            self.main((q, k, v, out, lse_t, bias, rows_t, keep_t))
-        else:
+        else:  # (a single split has no workspace: out stands in for its pointer)
             part = torch.empty(self.part, dtype=torch.float32, device=self.device) if self.part else out
             self.main((q, k, v, out, lse_t, part, bias, rows_t, keep_t))
             if self.combine is not None:
@@ -328,10 +322,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Ten
                            {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_D": bd,
                             "BIAS": _bias_mode(bias, key_bias), "MASK": int(masked), "PREC": prec, "SINGLE": single,
                             "STORE_LSE": need_lse}, num_warps=warps, num_stages=stages)
-        if single:  # the decode kernel's signature has the workspace pointer: pass out in its place
-            main = plan.main
-            plan.main = lambda t, main=main: main((t[0], t[1], t[2], t[3], t[4], t[3], t[5], t[6], t[7]))
-        else:
+        if not single:
             parts, features = settings().alibi.decode_combine
             chunk = min(bd, features)
             plan.combine = Launch(_device()._combine_kernel, (programs, group * q_len, bd // chunk),
