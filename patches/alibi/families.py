@@ -477,9 +477,7 @@ class AlibiForward:
 
 
 class ReplaceAlibiForward(ReplaceForward):
-    """:class:`ReplaceForward` whose forwards (every layer of one model) share one :class:`AlibiOptions`: the patch's
-    ``fused`` (False keeps the attention to PyTorch operations, True requires the fused kernel) and ``cudnn_decode``,
-    and the model's constants."""
+    """:class:`ReplaceForward` whose forwards (every layer of one model) share one :class:`AlibiOptions`."""
 
     def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[Any]:
         shared = AlibiOptions(options.fused, options.cudnn_decode)

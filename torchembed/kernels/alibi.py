@@ -126,9 +126,7 @@ def repeat_kv(x: Tensor, heads: int) -> Tensor:
     return x[:, :, None].expand(batch, kv, heads // kv, length, dim).reshape(batch, heads, length, dim)
 
 
-# ------------------------------------------------------------------------------------------------
-# The prefill bias in one write
-# ------------------------------------------------------------------------------------------------
+# --- The prefill bias in one write --------------------------------------------------------------
 
 
 def _shape(key_bias: Tensor, keep: Tensor) -> tuple[int, int, int, int]:

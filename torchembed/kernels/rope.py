@@ -44,15 +44,10 @@ __all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "rotary_fus
 
 
 class RopeArgs(NamedTuple):
-    """The arguments of one rotation, validated (the custom ops' schema, in order).
-
-    ``q (B, Hq, S, D)``, ``k (B, Hk, S, D)``; ``cos``/``sin`` tables or ``inv_freq (R/2,)``; ``positions`` a tensor
-    (see the module docstring) or None, with ``offset`` the int offset (0 for tensor positions and per-token tables);
-    ``scale`` multiplies cos and sin; ``interleaved`` pairs features ``(2j, 2j + 1)`` instead of ``(j, j + R/2)``;
-    ``conjugate`` rotates by ``-theta``; ``halves`` (half-split pairing, tables): 1 where the tables are full-width
-    rows of ``R`` entries, the first ``R/2`` for each pair's first feature and the last ``R/2`` for its second, 2 the
-    same with the two halves' sines exchanged (the backward of 1), else 0 (rows of ``R/2`` entries).
-    """
+    """The arguments of one rotation, validated (the custom ops' schema, in order): :func:`rotary_fused`'s, with
+    ``positions`` a tensor (the module docstring's forms) or None and ``offset`` the int offset (0 for tensor positions
+    and per-token tables); ``halves`` 1 for full-width tables (``rotary_fused(halves=True)``), 2 the same with the two
+    halves' sines exchanged (the backward of 1), else 0 (rows of ``R/2`` entries)."""
 
     q: Tensor
     k: Tensor
