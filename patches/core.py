@@ -112,12 +112,6 @@ def _plan(model: nn.Module, family: Family, fused: bool | None, cudnn_decode: bo
     return actions
 
 
-def _first_sentence(err: Exception) -> str:
-    text = str(err)
-    cut = text.find(". torchembed left the model unpatched")
-    return text if cut < 0 else text[:cut]
-
-
 def find_positional_components(model: nn.Module) -> list[Component]:
     """Dry run: what ``patch`` would swap (module path, kind, upstream, replacement). Changes nothing.
 
@@ -198,7 +192,8 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True, cudnn_dec
 def _unpatched(wrapper: M, err: Exception, strict: bool) -> M:
     if strict:
         raise err
-    warnings.warn(f"torchembed.patch(strict=False): {_first_sentence(err)}; the model is left unpatched.", stacklevel=3)
+    what = str(err).partition(". torchembed left the model unpatched")[0]  # (StructureError's advice: not here)
+    warnings.warn(f"torchembed.patch(strict=False): {what}; the model is left unpatched.", stacklevel=3)
     return wrapper
 
 

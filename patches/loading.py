@@ -218,8 +218,7 @@ def load_config(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -> tuple
     the hub keywords (``gguf_file`` included) go to both, config attributes are consumed here."""
     import transformers
 
-    kwargs = dict(hf_kwargs)
-    original = dict(kwargs)
+    kwargs = dict(hf_kwargs)  # (hf_kwargs itself stays as given)
     for key in ("dtype", "torch_dtype"):
         if kwargs.get(key) == "auto":  # meaningless for a config
             kwargs.pop(key)
@@ -227,8 +226,8 @@ def load_config(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -> tuple
     hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
     config, unused = transformers.AutoConfig.from_pretrained(name_or_path, return_unused_kwargs=True, **hub, **kwargs)
     for key in ("dtype", "torch_dtype", "quantization_config"):  # the model honours these over the config's
-        if original.get(key) is not None:
-            unused[key] = original[key]
+        if hf_kwargs.get(key) is not None:
+            unused[key] = hf_kwargs[key]
     return config, {**unused, **hub}
 
 

@@ -150,15 +150,13 @@ class RotaryHelper:
         rule = _unsqueezed_rule(u, c.dim()) if shape.broadcast == "param" else shape.rule_for(given[0], c)
         at = -2 if rule == "hs" else -3  # the tokens' axis (tail, prefix)
         shapes, first_tokens, everyone = [x.shape for x in given], given[0].shape[at], tuple(range(len(given)))
+        lead, parts = 0, [(everyone, c, s, full)]
         if shape.prefix and first_tokens > c.shape[-2]:  # the leading tokens pass through
             lead = first_tokens - c.shape[-2]
             shapes = [(*x[:at], x[at] - lead, *x[at:][1:]) for x in shapes]
-            parts = [(everyone, c, s, full)]
         elif shape.tail and len(given) > 1 and first_tokens < c.shape[-2]:  # the first tensor: the tables' last rows
-            lead, last = 0, (..., slice(c.shape[-2] - first_tokens, None), slice(None))  # the tables' last rows
+            last = (..., slice(c.shape[-2] - first_tokens, None), slice(None))
             parts = [((0,), c[last], s[last], full and (full[0][last], full[1][last])), (everyone[1:], c, s, full)]
-        else:
-            lead, parts = 0, [(everyone, c, s, full)]
         groups = tuple(self._group(members, [shapes[i] for i in members], given[members[0]], c, s, full, u, kernel)
                        for members, c, s, full in parts)
         return _Plan(groups, 2 * c.shape[-1], lead, at)

@@ -390,24 +390,22 @@ def _probe_plain(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
     rule = "param" if param else probe[0]
     wide = _match(helper, roles, layout, 4 * half, half, gen, {UNSQUEEZE_DIM: 1} if param else None,
                   only=(_PROBES[0] if param else probe, (pairing, conjugate)))
-    partial = bool(wide)
-    trailing = partial and all(m[2] for m in wide)
+    trailing = bool(wide) and all(m[2] for m in wide)
     single = _single(helper, roles, layout, half, probe, gen)
-    ignored = tuple(n for n in roles.extras if n == _POSITION_IDS)
-    if ignored and not _ignores_positions(helper, roles, layout, half, gen):
+    if _POSITION_IDS in roles.extras and not _ignores_positions(helper, roles, layout, half, gen):
         return None, f"its result depends on {_POSITION_IDS}, which torchembed's rotation does not take"
     unknown = [n for n in roles.extras if n not in (UNSQUEEZE_DIM, _POSITION_IDS)]
     if unknown:
         return None, f"it takes {', '.join(unknown)}, which torchembed's rotation does not model"
-    defaults = dict(roles.defaults)
     patterns = () if param else tuple(dict.fromkeys((p[0], len(p[1]) + 1, len(p[2]) + 1) for _, (p, _, _) in found))
     tail, prefix = (_uneven(helper, roles, layout, half, probe, (pairing, conjugate), param, gen, kind)
                     for kind in ("tail", "prefix"))
     if not param:  # the ranks these calls broadcast by
         patterns += tuple(p for p in (tail, prefix) if p is not None and p not in patterns)
     return Rotation(Call(roles.names, roles.rotated, roles.tables, roles.defaults, roles.keywords, single),
-                    Math(layout, pairing, partial, conjugate, trailing),
-                    Shape(rule, int(defaults.get(UNSQUEEZE_DIM, 1)), patterns, tail is not None, prefix is not None)), ""
+                    Math(layout, pairing, bool(wide), conjugate, trailing),
+                    Shape(rule, int(dict(roles.defaults).get(UNSQUEEZE_DIM, 1)), patterns, tail is not None,
+                          prefix is not None)), ""
 
 
 def _from(rotation: Rotation, roles: _Parameters, source: TableSource) -> Rotation:
@@ -484,8 +482,7 @@ def _probe_sections(helper: Any, roles: _Parameters, gen: torch.Generator) -> tu
     """Multidimensional RoPE (Gemma 4's vision tower): ``helper(x, cos, sin, position_ids, ...)`` splits the features
     into ``position_ids.shape[-1]`` equal sections and rotates each half-split by its own slice of the (per-section
     ``cat``) tables."""
-    defaults = dict(roles.defaults)
-    unsqueeze = int(defaults.get(UNSQUEEZE_DIM, 1))
+    unsqueeze = int(dict(roles.defaults).get(UNSQUEEZE_DIM, 1))
     extras = [n for n in roles.extras if n not in (UNSQUEEZE_DIM, _POSITION_IDS)]
     if extras or len(roles.rotated) != 1 or unsqueeze not in (1, 2):
         return None, f"it takes {_POSITION_IDS} ({', '.join(roles.names)}) in a way torchembed does not model"

@@ -171,8 +171,7 @@ def _mask_rows_reference(keep: Tensor) -> Tensor:
 @torch.library.custom_op("torchembed::alibi_flash", mutates_args=())
 def _flash_op(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], rows: Optional[Tensor], keep: Optional[Tensor],
               scale: float, key_bias: bool) -> tuple[Tensor, Tensor]:
-    out, lse, _ = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
-    return out, lse
+    return _forward(q, k, v, bias, rows, keep, scale, key_bias, True)[:2]  # (out, lse)
 
 
 @_flash_op.register_fake

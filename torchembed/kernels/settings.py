@@ -147,17 +147,12 @@ class KernelSettings:
     tma: bool = True  # ALiBi prefill reads keys and values through tensor descriptors on Hopper and later
 
 
-def _from_environment() -> KernelSettings:
-    env = os.environ
-    return KernelSettings(
-        alibi=AlibiTuning(skip=env.get("TORCHEMBED_ALIBI_SKIP", "1") == "1"),
-        policy=AlibiPolicy(prefill=env.get("TORCHEMBED_ALIBI_PREFILL", "auto")),
-        direct_launch=env.get("TORCHEMBED_DIRECT_LAUNCH", "1") == "1",
-        tma=env.get("TORCHEMBED_ALIBI_TMA", "1") == "1",
-    )
-
-
-_settings: KernelSettings = _from_environment()
+_settings: KernelSettings = KernelSettings(  # from the environment, once
+    alibi=AlibiTuning(skip=os.environ.get("TORCHEMBED_ALIBI_SKIP", "1") == "1"),
+    policy=AlibiPolicy(prefill=os.environ.get("TORCHEMBED_ALIBI_PREFILL", "auto")),
+    direct_launch=os.environ.get("TORCHEMBED_DIRECT_LAUNCH", "1") == "1",
+    tma=os.environ.get("TORCHEMBED_ALIBI_TMA", "1") == "1",
+)
 
 
 def settings() -> KernelSettings:

@@ -106,11 +106,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cached", cos, persistent=False)  # (t, r/2) float32
         self.register_buffer("sin_cached", sin, persistent=False)
 
-    def _ensure_cache(self, length: int) -> None:
-        if length > self.cos_cached.shape[0]:
-            # Grow geometrically so a decode loop past max_seq_len rebuilds the table rarely.
-            self._build_cache(max(length, 2 * self.cos_cached.shape[0]))
-
     def forward(
         self,
         q: Tensor,
@@ -273,7 +268,8 @@ class RotaryEmbedding(nn.Module):
                    position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         seq_len = q.shape[-2]
         if position_ids is None and not isinstance(offset, Tensor):
-            self._ensure_cache(offset + seq_len)
+            if offset + seq_len > self.cos_cached.shape[0]:  # grown geometrically: a decode loop rebuilds it rarely
+                self._build_cache(max(offset + seq_len, 2 * self.cos_cached.shape[0]))
             cos = self.cos_cached[offset : offset + seq_len]
             sin = self.sin_cached[offset : offset + seq_len]
         else:
