@@ -192,7 +192,7 @@ def _write_bias(key_bias: Tensor, keep: Tensor, out: Tensor) -> Tensor:
     key = (key_bias.dtype, out.dtype, out.device, batch, ints)
     kept = _BIAS_LAUNCHES.get(key)
     if kept is None:
-        from torchembed.kernels import alibi_triton  # (and Triton: on the first launch only)
+        from torchembed.kernels import alibi_triton  # (imports Triton)
 
         block_q, block_k = _BIAS_BLOCKS
         emulate = interpret_mode() and out.dtype == torch.bfloat16  # the interpreter's cast truncates
