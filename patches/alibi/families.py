@@ -191,10 +191,11 @@ def _cache_of(arguments: dict[str, Any]) -> Any:
 
 def _cache_update(arguments: dict[str, Any], k: Tensor, v: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
     """``k``, ``v`` as they are without a KV cache among the ``arguments``; else ``cache.update`` as each release calls
-    it (4.x passes ``cache_position`` for static caches) with ``k``, ``v`` made contiguous: they are strided views of the fused query-key-value projection (BLOOM's heads interleave q, k and
-    v), and a strided new key sends each decode step's concatenation of the whole cache down CUDA's slow copy path
-    (BLOOM-7B1 shape at 65k tokens on an H200: 1.7 ms per layer and tensor; ``benchmarks/results/long-context.md``).
-    A long ``DynamicCache`` layer grows in place instead (:mod:`torchembed.patches.kv_cache`)."""
+    it (4.x passes ``cache_position`` for static caches) with ``k``, ``v`` made contiguous: they are strided views of
+    the fused query-key-value projection (BLOOM's heads interleave q, k and v), and a strided new key sends each decode
+    step's concatenation of the whole cache down CUDA's slow copy path (BLOOM-7B1 shape at 65k tokens on an H200:
+    1.7 ms per layer and tensor; ``benchmarks/results/long-context.md``). A long ``DynamicCache`` layer grows in place
+    instead (:mod:`torchembed.patches.kv_cache`)."""
     cache = _cache_of(arguments)
     if cache is None:
         return k, v
