@@ -18,9 +18,8 @@ every known way of rotating and keeps the one whose result matches a float64 rot
   (``(x_{2i}, x_{2i+1})`` written in half-split order, DeepSeek-V3); by ``-θ`` where a helper rotates the other way;
   ``partial``: only the leading (or trailing) ``r`` features of a wider input.
 
-What is found (:class:`Rotation`: how the helper is called, :class:`Call`; what it computes, :class:`Math`; how its
-tables broadcast, :class:`Shape`; where they come from, :class:`TableSource`) is what the replacement
-(:class:`~torchembed.patches.rope.helper.RotaryHelper`) does.
+What is found, a :class:`Rotation`, is what the replacement (:class:`~torchembed.patches.rope.helper.RotaryHelper`)
+does.
 """
 
 from __future__ import annotations
