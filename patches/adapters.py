@@ -1,14 +1,8 @@
-"""Declarative adapters shared by the families: each states what it expects of upstream and checks it in ``plan``
-(before anything changes), raising :class:`StructureError` naming what differs.
-
-* :class:`OverrideMethod` - a method of a class becomes a torchembed function, per instance;
-* :class:`ReplaceForward` - a class's ``forward`` becomes torchembed's, per instance;
-* :class:`ReplaceGlobals` - a class's ``forward`` runs with module-level names replaced
-  (:mod:`torchembed.patches.rebind`), per instance;
-* :class:`KeepGenerationCache` - ``generate`` keeps a KV cache where the checkpoint's config turned it off (MPT).
-
-Classes are matched by name along each module's MRO, so a subclass of a declared class (a user's, or a renamed upstream
-class that keeps the old one as a base) is patched as its base would be.
+"""Declarative adapters shared by the families (:class:`OverrideMethod`, :class:`ReplaceForward`,
+:class:`ReplaceGlobals`, :class:`KeepGenerationCache`): each states what it expects of upstream and checks it in
+``plan`` (before anything changes), raising :class:`StructureError` naming what differs. Classes are matched by name
+along each module's MRO, so a subclass of a declared class (a user's, or a renamed upstream class that keeps the old one
+as a base) is patched as its base would be.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """``from_pretrained``: load an HF checkpoint with transformers, then patch it.
 
-Before transformers is asked, :func:`resolve_checkpoint` checks that the checkpoint can be had: a missing local folder,
-a folder without ``config.json`` (a GGUF file without ``gguf_file=``), or a hub id that is neither cached nor reachable
-each raise :class:`CheckpointNotFoundError` with one line saying what to do, instead of transformers' "Repo id must be
-in the form ..." or half a minute of retries against an unreachable hub.
+Before transformers is asked, :func:`resolve_checkpoint` checks that the checkpoint can be had, with one line saying
+what to do instead of transformers' "Repo id must be in the form ..." or half a minute of retries against an
+unreachable hub.
 """
 
 from __future__ import annotations

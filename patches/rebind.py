@@ -87,9 +87,8 @@ def replace_globals(fn: Any, replacements: Mapping[str, Any]) -> types.FunctionT
 
     Raises:
         TypeError: ``fn`` is not a Python function (nothing to clone).
-        HelperNotFound: a name is loaded as a global by no function of the chain (upstream changed:
-            patching would silently do nothing); ``attribute_uses`` names functions that reach it
-            through an attribute instead.
+        HelperNotFound: a name is loaded as a global by no function of the chain (upstream changed: patching would
+            silently do nothing); ``attribute_uses`` names functions that reach it through an attribute instead.
     """
     if not isinstance(fn, types.FunctionType):
         raise TypeError(f"{fn!r} is a {type(fn).__name__}, not a Python function; its code cannot be rebound")

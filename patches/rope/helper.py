@@ -1,12 +1,11 @@
 """torchembed's replacement for an upstream rotation helper: the same call, the one rotation.
 
-:class:`RotaryHelper` takes the place of one recognised helper (:mod:`torchembed.patches.rope.recognition`). A call does
-its own work first: it is bound to upstream's signature with the defaults recognition read
-(:mod:`torchembed.patches.binding`), its tables are taken where the rotation's table source says, the route is asked
-once whether it runs on the kernel (:func:`torchembed.kernels.route.use_rope_kernel`), and what its tensors are rotated
-with is derived from the tables in one per-forward memo (:func:`torchembed.kernels.per_forward.derive`: every layer of
-a forward gets the same tables). Then it goes down once: to the kernel (:func:`torchembed.kernels.rotary_fused`) or to
-the one PyTorch rotation (:func:`torchembed.functional.apply_rotary`).
+A :class:`RotaryHelper` call is bound to upstream's signature with the defaults recognition read
+(:mod:`torchembed.patches.binding`), takes its tables where the rotation's table source says, asks the route once
+whether it runs on the kernel (:func:`torchembed.kernels.route.use_rope_kernel`) and derives what its tensors are
+rotated with once per forward (:func:`torchembed.kernels.per_forward.derive`: every layer gets the same tables). Then it
+goes down once: to the kernel (:func:`torchembed.kernels.rotary_fused`) or to
+:func:`torchembed.functional.apply_rotary`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""ALiBi attention (host side): the entry that runs the route's answer, the masks SDPA takes, the prefill bias in one
-write (custom op ``torchembed::alibi_prefill_bias``).
-
-Press et al., "Train Short, Test Long", arXiv:2108.12409. :func:`alibi_attention` asks
-:func:`torchembed.kernels.route.alibi_path` once per call and runs its answer: the fused attention kernel
-(:func:`torchembed.kernels.attention.fused_attention`), SDPA with the decode mask or the materialised prefill bias
-(each built once per forward), or the PyTorch reference (:func:`torchembed.functional.alibi.alibi_attention_reference`).
-The prefill bias's device code: :mod:`torchembed.kernels.alibi_triton`.
+"""ALiBi attention (host side), Press et al., "Train Short, Test Long", arXiv:2108.12409: :func:`alibi_attention`
+runs :func:`torchembed.kernels.route.alibi_path`'s answer (the fused attention kernel, SDPA with the decode mask or the
+materialised prefill bias, or the PyTorch reference); the masks SDPA takes; the prefill bias in one write (custom op
+``torchembed::alibi_prefill_bias``; device code :mod:`torchembed.kernels.alibi_triton`).
 """
 
 from __future__ import annotations

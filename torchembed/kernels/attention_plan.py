@@ -1,11 +1,8 @@
 """The attention kernel's plans: block shapes, launches, the split-key decode's split, the skip of negligible keys,
-tensor descriptors (TMA); kept per call signature.
-
-Dao, "FlashAttention-2", arXiv:2307.08691 (the tiling); the split-key decode ("flash decoding") cuts the keys into
-parts, one program each, then combines their partial softmaxes. A :class:`ForwardPlan` or :class:`BackwardPlan` is made
-once per call signature (:func:`kept_plan`) and launched with each call's tensors. Device code:
-:mod:`torchembed.kernels.attention_triton` (imported with Triton on the first launch); the entries that use the plans:
-:mod:`torchembed.kernels.attention`.
+tensor descriptors (TMA). Dao, "FlashAttention-2", arXiv:2307.08691 (the tiling); the split-key decode ("flash
+decoding") cuts the keys into parts, one program each, then combines their partial softmaxes. A plan is made once per
+call signature (:func:`kept_plan`) and launched with each call's tensors; device code:
+:mod:`torchembed.kernels.attention_triton`, imported with Triton on the first launch.
 """
 
 from __future__ import annotations
