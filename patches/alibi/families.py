@@ -168,7 +168,8 @@ class OverrideBuilder(OverrideMethod):
         return actions
 
 
-# Keyed by the upstream forward functions (a handful per process, alive as long as their classes).
+# Keyed by the upstream forward functions (a handful per process, alive as long as their classes). A dict, not
+# functools.cache: torch.compile traces through a cached function (and warns), while it reads the dict.
 _POSITIONAL_NAMES: dict[Any, tuple[str, ...]] = {}
 
 

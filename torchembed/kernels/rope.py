@@ -113,9 +113,8 @@ def _tensor_key(t: Tensor) -> tuple:
 def _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate, halves) -> Optional[tuple]:
     """The launch-cache key of a call with these arguments (``positions`` as given to :func:`rotary_fused`), built
     here only: shapes, strides, dtypes, devices, position form and flags, never values; an int offset enters as the
-    facts Triton specialises on. None for calls never kept (tensor subclasses, flags that are not bools, a scale that
-    is not a Python number, a negative int offset or one past the end of a cache table, tensor positions indexing a
-    CPU table: range-checked on every call)."""
+    facts Triton specialises on. None for the calls below, never kept (tensor positions indexing a CPU table, say, are
+    range-checked on every call)."""
     if (type(q) is not Tensor or type(k) is not Tensor or q.dim() != 4 or type(interleaved) is not bool
             or type(inplace) is not bool or type(conjugate) is not bool or type(scale) not in (float, int)):
         return None
