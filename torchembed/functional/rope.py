@@ -157,15 +157,9 @@ _REQUIRED_KEYS = {
 }
 
 
-def rope_inv_freq(
-    dim: int,
-    base: float = 10000.0,
-    rope_parameters: Mapping[str, Any] | None = None,
-    *,
-    max_position_embeddings: int = 2048,
-    seq_len: int | None = None,
-    device: torch.device | str | None = None,
-) -> tuple[Tensor, float]:
+def rope_inv_freq(dim: int, base: float = 10000.0, rope_parameters: Mapping[str, Any] | None = None, *,
+                  max_position_embeddings: int = 2048, seq_len: int | None = None,
+                  device: torch.device | str | None = None) -> tuple[Tensor, float]:
     """Inverse frequencies ``theta_i = base^(-2i/r)`` of one rope type, and its attention scaling.
 
     Args:

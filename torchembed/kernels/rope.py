@@ -457,20 +457,10 @@ def rotary_fused_usual(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Option
     return None if isinstance(a, str) else _call(a, inplace, compiling, recorded)
 
 
-def rotary_fused(
-    q: Tensor,
-    k: Tensor,
-    cos: Optional[Tensor] = None,
-    sin: Optional[Tensor] = None,
-    *,
-    inv_freq: Optional[Tensor] = None,
-    scale: float = 1.0,
-    positions: Union[None, int, Tensor] = None,
-    interleaved: bool = False,
-    inplace: bool = False,
-    conjugate: bool = False,
-    halves: bool = False,
-) -> Tuple[Tensor, Tensor]:
+def rotary_fused(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, *,
+                 inv_freq: Optional[Tensor] = None, scale: float = 1.0, positions: Union[None, int, Tensor] = None,
+                 interleaved: bool = False, inplace: bool = False, conjugate: bool = False,
+                 halves: bool = False) -> Tuple[Tensor, Tensor]:
     """Rotate q and k by their positions' angles with one fused kernel launch.
 
     Args:

@@ -58,19 +58,9 @@ class RotaryEmbedding(nn.Module):
             (at the call).
     """
 
-    def __init__(
-        self,
-        dim: int,
-        max_seq_len: int = 2048,
-        base: int = 10000,
-        fused: bool | None = False,
-        device: torch.device | str | None = None,
-        *,
-        rotary_dim: int | None = None,
-        interleaved: bool = False,
-        rope_parameters: Mapping[str, Any] | None = None,
-        use_fused: Any = _UNSET,
-    ) -> None:
+    def __init__(self, dim: int, max_seq_len: int = 2048, base: int = 10000, fused: bool | None = False,
+                 device: torch.device | str | None = None, *, rotary_dim: int | None = None, interleaved: bool = False,
+                 rope_parameters: Mapping[str, Any] | None = None, use_fused: Any = _UNSET) -> None:
         super().__init__()
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0 or dim % 2:
             raise ValueError(f"RotaryEmbedding dim must be a positive even int, got {dim!r}")
@@ -106,15 +96,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cached", cos, persistent=False)  # (t, r/2) float32
         self.register_buffer("sin_cached", sin, persistent=False)
 
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        seq_dim: int = -2,
-        *,
-        offset: int | Tensor = 0,
-        position_ids: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, seq_dim: int = -2, *, offset: int | Tensor = 0,
+                position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Rotate ``q`` and ``k``.
 
         Args:
