@@ -16,19 +16,6 @@ from torchembed.patches.errors import FusedUnavailableError, PatchError, Structu
 from torchembed.patches.loading import from_pretrained
 from torchembed.patches.registry import Family, register, supported_families
 
-__all__ = [
-    "Component",
-    "Family",
-    "FusedUnavailableError",
-    "PatchError",
-    "StructureError",
-    "UnsupportedModelError",
-    "find_positional_components",
-    "from_pretrained",
-    "is_patched",
-    "patch",
-    "patched",
-    "register",
-    "supported_families",
-    "unpatch",
-]
+__all__ = ["Component", "Family", "FusedUnavailableError", "PatchError", "StructureError", "UnsupportedModelError",
+           "find_positional_components", "from_pretrained", "is_patched", "patch", "patched", "register",
+           "supported_families", "unpatch"]

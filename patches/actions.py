@@ -30,13 +30,7 @@ class _Missing:
         return "MISSING"
 
     def __reduce__(self) -> str:
-        return "MISSING"  # pickled as a reference to this module's global
-
-    def __copy__(self) -> "_Missing":
-        return self
-
-    def __deepcopy__(self, memo: dict) -> "_Missing":
-        return self
+        return "MISSING"  # pickled as a reference to this module's global (and copied as itself)
 
 
 MISSING = _Missing()
@@ -59,11 +53,10 @@ class InstanceMethod:
     """A method installed on one module instance: ``function`` bound to ``module``, with the
     module-level names in ``replacements`` swapped inside it (see :mod:`torchembed.patches.rebind`).
 
-    Behaves as a bound method (``__self__``, ``__func__``, ``__wrapped__``, the upstream signature)
-    and, unlike a bound method of a cloned function, can be deep-copied and pickled: it is rebuilt
-    from ``(module, function, replacements, grow_cache)``, each importable or picklable. ``grow_cache``:
-    an attention forward whose ``DynamicCache`` (passed by keyword) grows in place for each call
-    (:func:`torchembed.patches.kv_cache.grow_in_place`).
+    Behaves as a bound method (``__self__``, ``__func__``, ``__wrapped__``, the upstream signature) and, unlike a bound
+    method of a cloned function, can be deep-copied and pickled: it is rebuilt from ``(module, function, replacements,
+    grow_cache)``, each importable or picklable. ``grow_cache``: an attention forward whose ``DynamicCache`` (passed by
+    keyword) grows in place for each call (:func:`torchembed.patches.kv_cache.grow_in_place`).
     """
 
     __slots__ = ("__self__", "__func__", "function", "replacements", "grow_cache")
@@ -122,10 +115,9 @@ def replicate_rebinding(module: nn.Module) -> nn.Module:
 class SwapModule:
     """Replace the child ``name`` of ``parent`` by ``new``.
 
-    An accelerate hook on the module taken out (``device_map`` placement, CPU or disk offload: the
-    hook moves inputs and loads offloaded weights on each call) is given, as a copy, to the module
-    put in, both ways: a model dispatched before the patch keeps working patched, and one
-    dispatched while patched keeps working after ``unpatch``.
+    An accelerate hook on the module taken out (``device_map`` placement, CPU or disk offload: the hook moves inputs and
+    loads offloaded weights on each call) is given, as a copy, to the module put in, both ways: a model dispatched
+    before the patch keeps working patched, and one dispatched while patched keeps working after ``unpatch``.
     """
 
     component: Component
@@ -165,9 +157,8 @@ def _carry_accelerate_hook(source: nn.Module, target: nn.Module) -> None:
 class OverrideAttribute:
     """Set an instance attribute (e.g. an :class:`InstanceMethod`) on ``obj``; undo restores or deletes it.
 
-    A ``forward`` wrapped by accelerate's hooks (``_hf_hook``/``_old_forward``) is overridden
-    beneath the hook, so device placement keeps working; one that accelerate wrapped after the
-    patch is found there on undo.
+    A ``forward`` wrapped by accelerate's hooks (``_hf_hook``/``_old_forward``) is overridden beneath the hook, so
+    device placement keeps working; one that accelerate wrapped after the patch is found there on undo.
 
     An :class:`InstanceMethod` value also gives the module a ``_replicate_for_data_parallel`` that
     rebinds it to each replica (``nn.DataParallel`` copies a module's ``__dict__``, so a replica

@@ -1,14 +1,8 @@
-"""Declarative adapters shared by the families: each states what it expects of upstream and checks it in ``plan``
-(before anything changes), raising :class:`StructureError` naming what differs.
-
-* :class:`OverrideMethod` - a method of a class becomes a torchembed function, per instance;
-* :class:`ReplaceForward` - a class's ``forward`` becomes torchembed's, per instance;
-* :class:`ReplaceGlobals` - a class's ``forward`` runs with module-level names replaced
-  (:mod:`torchembed.patches.rebind`), per instance;
-* :class:`KeepGenerationCache` - ``generate`` keeps a KV cache where the checkpoint's config turned it off (MPT).
-
-Classes are matched by name along each module's MRO, so a subclass of a declared class (a user's, or a renamed upstream
-class that keeps the old one as a base) is patched as its base would be.
+"""Declarative adapters shared by the families (:class:`OverrideMethod`, :class:`ReplaceForward`,
+:class:`ReplaceGlobals`, :class:`KeepGenerationCache`): each states what it expects of upstream and checks it in
+``plan`` (before anything changes), raising :class:`StructureError` naming what differs. Classes are matched by name
+along each module's MRO, so a subclass of a declared class (a user's, or a renamed upstream class that keeps the old one
+as a base) is patched as its base would be.
 """
 
 from __future__ import annotations
@@ -120,28 +114,24 @@ class ReplaceGlobals:
     def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[OverrideAttribute]:
         actions = []
         for path, module in _require_modules(family, model, self.class_name):
-            actions += self.plan_one(path, module, family)
+            forward = type(module).forward
+            loaded = {name for f in chain(forward) for name in global_names(f) if name in f.__globals__}
+            used = {**self.required, **{name: fn for name, fn in self.optional.items() if name in loaded}}
+            if not used:  # no optional name called, none required: nothing to do for this module
+                continue
+            where = f"{type(module).__qualname__}.forward"
+            try:
+                method = InstanceMethod(module, forward, used)
+            except HelperNotFound as err:
+                raise StructureError(family.name, where, f"calls to the module-level {', '.join(self.required)}",
+                                     str(err)) from None
+            except TypeError as err:
+                raise StructureError(family.name, where, "a Python function (to rebuild with replaced helpers)",
+                                     str(err)) from None
+            component = Component(path, self.kind, f"{qualname(forward)} calling {', '.join(sorted(used))}",
+                                  ", ".join(qualname(fn) for fn in used.values()))
+            actions.append(OverrideAttribute(component, module, "forward", method))
         return actions
-
-    def plan_one(self, path: str, module: nn.Module, family: Family) -> list[OverrideAttribute]:
-        """The action for one module (none when no optional name is called and none is required)."""
-        forward = type(module).forward
-        loaded = {name for f in chain(forward) for name in global_names(f) if name in f.__globals__}
-        used = {**self.required, **{name: fn for name, fn in self.optional.items() if name in loaded}}
-        if not used:
-            return []
-        where = f"{type(module).__qualname__}.forward"
-        try:
-            method = InstanceMethod(module, forward, used)
-        except HelperNotFound as err:
-            raise StructureError(family.name, where, f"calls to the module-level {', '.join(self.required)}",
-                                 str(err)) from None
-        except TypeError as err:
-            raise StructureError(family.name, where, "a Python function (to rebuild with replaced helpers)",
-                                 str(err)) from None
-        replacement = ", ".join(qualname(fn) for fn in used.values())
-        component = Component(path, self.kind, f"{qualname(forward)} calling {', '.join(sorted(used))}", replacement)
-        return [OverrideAttribute(component, module, "forward", method)]
 
 
 class KeepGenerationCache:

@@ -63,18 +63,13 @@ def _base(model: nn.Module) -> nn.Module:
     return model
 
 
-def _config_of(model: nn.Module) -> Any:
+def _family_of(model: nn.Module) -> Family:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "model_type"):
         raise UnsupportedModelError(
             f"{type(model).__name__} has no HF `config.model_type`; torchembed.patch expects a "
             "transformers PreTrainedModel (e.g. from AutoModelForCausalLM.from_pretrained)"
         )
-    return config
-
-
-def _family_of(model: nn.Module) -> Family:
-    config = _config_of(model)
     family = family_for(config)
     if family is None:
         names = sorted({f.model_type for f in supported_families()})
@@ -115,12 +110,6 @@ def _plan(model: nn.Module, family: Family, fused: bool | None, cudnn_decode: bo
                           "torchembed.patches.forward_scope.ForwardScopeHooks")
     actions.append(ForwardScopeHooks(component, base))
     return actions
-
-
-def _first_sentence(err: Exception) -> str:
-    text = str(err)
-    cut = text.find(". torchembed left the model unpatched")
-    return text if cut < 0 else text[:cut]
 
 
 def find_positional_components(model: nn.Module) -> list[Component]:
@@ -203,7 +192,8 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True, cudnn_dec
 def _unpatched(wrapper: M, err: Exception, strict: bool) -> M:
     if strict:
         raise err
-    warnings.warn(f"torchembed.patch(strict=False): {_first_sentence(err)}; the model is left unpatched.", stacklevel=3)
+    what = str(err).partition(". torchembed left the model unpatched")[0]  # (StructureError's advice: not here)
+    warnings.warn(f"torchembed.patch(strict=False): {what}; the model is left unpatched.", stacklevel=3)
     return wrapper
 
 

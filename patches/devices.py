@@ -1,17 +1,13 @@
 """Layers of a model split over devices share one copy of the mask and bias per device.
 
-accelerate's ``device_map`` dispatch gives every layer an ``AlignDevicesHook`` that moves all of
-the layer's arguments to the layer's device on every call. With a model split over GPUs, each
-layer past the first device therefore receives a fresh copy of the attention mask and the ALiBi
-bias, and torchembed's ALiBi attention, which derives its masks (the fused kernel's row summary, the
-decode mask) once per mask *tensor*, would derive them once per layer there. The forward
-pre-hook below runs before accelerate's hook and moves just those keyword arguments itself,
-through a per-model cache keyed by (source tensor, its version, device): every layer on a device
-receives the same copy, accelerate finds it already in place, and the derived masks are built
-once per device and forward. Only arguments that torchembed's attention reads and nothing writes
-are shared (a layer that changed a shared argument in place would change it for the next ones);
-the rest keep accelerate's per-layer copies. A copy lives as long as its source tensor; an
-in-place change of the source (a new version) makes a new copy.
+accelerate's ``device_map`` dispatch gives every layer an ``AlignDevicesHook`` that moves the layer's arguments to its
+device on every call: each layer past the first device receives a fresh copy of the attention mask and the ALiBi bias,
+and torchembed's ALiBi attention, which derives its masks (the kernel's row summary, the decode mask) once per mask
+*tensor*, would derive them once per layer. The pre-hook below runs before accelerate's and moves those keyword
+arguments itself, through a per-model cache keyed by (source tensor, its version, device), so the derived masks are
+built once per device and forward. Only arguments that torchembed's attention reads and nothing writes are shared (a
+layer changing one in place would change it for the next ones). A copy lives as long as its source tensor; an in-place
+change of the source (a new version) makes a new copy.
 """
 
 from __future__ import annotations
@@ -40,9 +36,8 @@ SHARED_KWARGS = ("attention_mask", "alibi", "position_bias")  # read-only inputs
 
 
 class DeviceCopies:
-    """Forward pre-hook (``with_kwargs=True``): the keyword arguments named in ``SHARED_KWARGS``
-    that are tensors not on the module's execution device are moved there once per (tensor,
-    version, device) and shared by all layers."""
+    """Forward pre-hook (``with_kwargs=True``): the keyword arguments named in ``SHARED_KWARGS`` that are tensors not on
+    the module's execution device are moved there once per (tensor, version, device) and shared by all layers."""
 
     def __init__(self) -> None:
         self._copies: dict[tuple[int, int, torch.device], tuple[weakref.ref, Tensor]] = {}

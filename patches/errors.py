@@ -15,7 +15,6 @@ class UnsupportedModelError(PatchError, ValueError):
     """The model's architecture has no adapter (pass ``strict=False`` to leave it unpatched)."""
 
 
-
 class StructureError(PatchError):
     """The installed transformers does not have the structure an adapter relies on.
 

@@ -1,12 +1,9 @@
 """A patched model's forward keeps what it derives once for its layers, for that forward only.
 
-Two hooks on the patched model's base model (what the task model, ``generate`` and a hand-written decode
-loop all call): a forward pre-hook opens a :class:`~torchembed.kernels.per_forward.PerForward` for the
-thread, a forward hook that runs also when the forward raises closes it. Layers find it with
-:func:`torchembed.kernels.per_forward.current`. Nothing process-wide changes; the hooks hold no reference
-to the model (``nn.DataParallel`` replicas share them) and are not a positional component
-(``find_positional_components`` does not list them). Inside a graph that ``torch.compile`` traces they
-do nothing.
+Two hooks on the patched model's base model (what the task model, ``generate`` and a hand-written decode loop all call)
+open a :class:`~torchembed.kernels.per_forward.PerForward` for the thread and close it, also when the forward raises.
+They hold no reference to the model (``nn.DataParallel`` replicas share them), are not a positional component
+(``find_positional_components`` does not list them) and do nothing inside a graph that ``torch.compile`` traces.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """``from_pretrained``: load an HF checkpoint with transformers, then patch it.
 
-Before transformers is asked, :func:`resolve_checkpoint` checks that the checkpoint can be had:
-a missing local folder, a folder without ``config.json`` (a GGUF file without ``gguf_file=``), or
-a hub id that is neither cached nor reachable each raise :class:`CheckpointNotFoundError` with
-one line saying what to do, instead of transformers' "Repo id must be in the form ..." or half a
-minute of retries against an unreachable hub.
+Before transformers is asked, :func:`resolve_checkpoint` checks that the checkpoint can be had, with one line saying
+what to do instead of transformers' "Repo id must be in the form ..." or half a minute of retries against an
+unreachable hub.
 """
 
 from __future__ import annotations
@@ -166,8 +164,7 @@ def resolve_checkpoint(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -
 
     Raises:
         CheckpointNotFoundError: a missing local folder or file, a folder or file that is not a checkpoint,
-            or a hub id that is not cached while the hub is offline (``HF_HUB_OFFLINE=1``) or
-            ``local_files_only=True``.
+            or a hub id that is not cached while the hub is offline (``HF_HUB_OFFLINE=1``) or ``local_files_only=True``.
         HubUnreachableError: a hub id that is not cached and the hub does not answer.
         MissingDependencyError: ``gguf_file`` without the ``gguf`` package.
     """
@@ -224,8 +221,7 @@ def load_config(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -> tuple
     the hub keywords (``gguf_file`` included) go to both, config attributes are consumed here."""
     import transformers
 
-    kwargs = dict(hf_kwargs)
-    original = dict(kwargs)
+    kwargs = dict(hf_kwargs)  # (hf_kwargs itself stays as given)
     for key in ("dtype", "torch_dtype"):
         if kwargs.get(key) == "auto":  # meaningless for a config
             kwargs.pop(key)
@@ -233,8 +229,8 @@ def load_config(name_or_path: str | os.PathLike[str], **hf_kwargs: Any) -> tuple
     hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
     config, unused = transformers.AutoConfig.from_pretrained(name_or_path, return_unused_kwargs=True, **hub, **kwargs)
     for key in ("dtype", "torch_dtype", "quantization_config"):  # the model honours these over the config's
-        if original.get(key) is not None:
-            unused[key] = original[key]
+        if hf_kwargs.get(key) is not None:
+            unused[key] = hf_kwargs[key]
     return config, {**unused, **hub}
 
 

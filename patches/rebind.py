@@ -1,18 +1,16 @@
 """Run upstream's code with some module-level helpers replaced, for one function object.
 
-HF attention code calls helpers such as ``apply_rotary_pos_emb`` as globals of its modeling
-module, and every release may wrap the calling method in decorators (``deprecate_kwarg``,
-``can_return_tuple``, ...) whose own globals belong to another module. Rebinding the module
-global would change every model of that family in the process; copying only the inner function
-would drop what the decorators do (a keyword renamed by ``deprecate_kwarg`` would then fall into
+HF attention code calls helpers such as ``apply_rotary_pos_emb`` as globals of its modeling module, and every release
+may wrap the calling method in decorators (``deprecate_kwarg``, ``can_return_tuple``, ...) whose own globals belong to
+another module. Rebinding the module global would change every model of that family in the process; copying only the
+inner function would drop what the decorators do (a keyword renamed by ``deprecate_kwarg`` would then fall into
 ``**kwargs`` and be silently ignored).
 
-:func:`replace_globals` therefore walks the *wrapper chain*: the function and every function held
-in its closure cells, recursively (``functools.wraps`` wrappers, wrappers without ``__wrapped__``,
-stacked decorators alike). Each function of the chain that loads one of the names as a global is
-cloned with a namespace in which only those names differ; each function whose closure holds a
-cloned function is cloned around it. The clones share code, defaults and the untouched closure
-cells with the originals, so upstream behaviour (keyword renames, output handling) is kept.
+:func:`replace_globals` therefore walks the *wrapper chain*: the function and every function held in its closure cells,
+recursively (``functools.wraps`` wrappers, wrappers without ``__wrapped__``, stacked decorators alike). Each function of
+the chain that loads one of the names as a global is cloned with a namespace in which only those names differ; each
+function whose closure holds a cloned function is cloned around it. The clones share code, defaults and the untouched
+closure cells with the originals, so upstream behaviour (keyword renames, output handling) is kept.
 
 A namespace is a snapshot of the function's module dict taken when the clone is made, held by a
 module registered in ``sys.modules`` under its own name (``torch.compile`` resolves a function's
@@ -89,9 +87,8 @@ def replace_globals(fn: Any, replacements: Mapping[str, Any]) -> types.FunctionT
 
     Raises:
         TypeError: ``fn`` is not a Python function (nothing to clone).
-        HelperNotFound: a name is loaded as a global by no function of the chain (upstream changed:
-            patching would silently do nothing); ``attribute_uses`` names functions that reach it
-            through an attribute instead.
+        HelperNotFound: a name is loaded as a global by no function of the chain (upstream changed: patching would
+            silently do nothing); ``attribute_uses`` names functions that reach it through an attribute instead.
     """
     if not isinstance(fn, types.FunctionType):
         raise TypeError(f"{fn!r} is a {type(fn).__name__}, not a Python function; its code cannot be rebound")
@@ -101,7 +98,7 @@ def replace_globals(fn: Any, replacements: Mapping[str, Any]) -> types.FunctionT
             via_attribute = tuple(f.__qualname__ for f in functions if name in attribute_names(f))
             where = f"; it is reached through an attribute in {', '.join(via_attribute)}" if via_attribute else ""
             raise HelperNotFound(
-                f"{_describe(fn)} does not call {name!r} as a module-level name{where}", via_attribute
+                f"{fn.__module__}.{fn.__qualname__} does not call {name!r} as a module-level name{where}", via_attribute
             )
     key = (fn, tuple(sorted((name, id(value)) for name, value in replacements.items())))
     hit = _CACHE.get(key)
@@ -141,10 +138,6 @@ def _cell_contents(cell: types.CellType) -> Any:
         return None
 
 
-def _describe(fn: Any) -> str:
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
 def _rebuild(fn: types.FunctionType, replacements: dict[str, Any], memo: dict[int, types.FunctionType | None]) -> tuple[types.FunctionType, bool]:
     """Clone ``fn`` if it or a function in its closure loads a replaced global; (fn, False) if not."""
     if id(fn) in memo:
@@ -175,7 +168,6 @@ def _rebuild(fn: types.FunctionType, replacements: dict[str, Any], memo: dict[in
     wrapped = fn.__dict__.get("__wrapped__")
     if wrapped is not None:
         clone.__wrapped__ = rebuilt.get(id(wrapped), wrapped)
-    clone.__torchembed_original__ = fn
     memo[id(fn)] = clone
     return clone, True
 

@@ -1,13 +1,10 @@
 """One registry of model families, keyed by ``config.model_type``.
 
-A family is declarative: which encoding it uses, when it applies to a config (Falcon is rotary or
-ALiBi depending on ``config.alibi``), and the adapters that find and replace its positional
-components. Adding a model is one ``register(Family(...))`` call with existing or new adapters.
-
-A ``model_type`` with no registered family falls back to the discovered-RoPE family of that
-type (:func:`set_fallback`, installed by :mod:`torchembed.patches.rope.families`): its adapter
-finds rotating attention modules by structure, or answers ``UnsupportedModelError`` with the
-reason.
+A family is declarative: which encoding it uses, when it applies to a config (Falcon is rotary or ALiBi depending on
+``config.alibi``), and the adapters that find and replace its positional components; adding a model is one
+``register(Family(...))`` call. A ``model_type`` with no registered family falls back to the discovered-RoPE family of
+that type (:func:`set_fallback`, installed by :mod:`torchembed.patches.rope.families`), whose adapter finds rotating
+attention modules by structure or answers ``UnsupportedModelError`` with the reason.
 """
 
 from __future__ import annotations

@@ -1,35 +1,28 @@
 """ALiBi families (BLOOM, MPT, Falcon with ``alibi=True``): torchembed's slopes, bias and attention.
 
 Upstream builds the bias in key-only form (``slope * position_of_key``), which differs from the paper's
-``-slope * |i - j|`` by a per-row constant that softmax ignores. torchembed's builders keep that form but compute it
-in float32 from :func:`torchembed.functional.alibi_slopes` (the slopes of ``ALiBiEmbedding``), zero at the newest key
-and non-positive, so the values that matter most for a causal row are the smallest and round least in low precision.
+``-slope * |i - j|`` by a per-row constant that softmax ignores. torchembed's builders keep that form, computed in
+float32 from :func:`torchembed.functional.alibi_slopes` (the slopes of ``ALiBiEmbedding``), zero at the newest key and
+non-positive, so the values that matter most for a causal row are the smallest and round least in low precision.
 
-* BLOOM: ``BloomModel.build_alibi_tensor`` (instance method) and, where transformers builds the bias inline without a
-  mask, the slopes it uses (``_get_alibi_slopes``, rebound for the instance).
-* MPT: ``MptModel.build_mpt_alibi_tensor`` (instance method).
+* BLOOM: ``BloomModel.build_alibi_tensor`` and, where transformers builds the bias inline without a mask, the slopes it
+  uses (``_get_alibi_slopes``), per instance.
+* MPT: ``MptModel.build_mpt_alibi_tensor``, per instance.
 * Falcon: releases hand the bias to the attention differently (4.57-5.24: an ``alibi`` argument beside a mask with
-  the bias folded in; 5.25: only the folded ``(b, h, q, k)`` mask). ``build_alibi_tensor`` as ``FalconModel.forward``
-  calls it is rebound for the instance to :func:`falcon_no_model_bias`, so every release passes the plain causal mask,
-  and the patched attention derives the bias from it once per forward (:func:`falcon_key_bias`). Upstream rounds
-  Falcon's slopes to bfloat16 even in float32 models; torchembed does not (the two differ by that rounding for head
-  counts whose slopes are not powers of two). The patched attention computes upstream's **sdpa** path,
-  ``softmax(q k^T / sqrt(d) + alibi / sqrt(d))``, whatever ``attn_implementation`` says: upstream's eager path before
-  5.25 adds the bias a second time on top of the folded mask (an upstream bug), so a patched eager Falcon-ALiBi model
-  agrees with upstream sdpa, not eager (the registry's ``reference_attn="sdpa"``, which ``torchembed compare`` uses).
+  the bias folded in; 5.25: only the folded ``(b, h, q, k)`` mask), so ``build_alibi_tensor`` is rebound for the
+  instance to :func:`falcon_no_model_bias`: every release passes the plain causal mask, from which the patched attention
+  derives the bias once per forward (:func:`falcon_key_bias`). Upstream rounds Falcon's slopes to bfloat16 even in
+  float32 models; torchembed does not. The patched attention computes upstream's **sdpa** path whatever
+  ``attn_implementation`` says: upstream's eager path before 5.25 adds the bias a second time on top of the folded mask
+  (an upstream bug), hence the registry's ``reference_attn="sdpa"`` (what ``torchembed compare`` uses).
 
-All three also get torchembed's attention (``BloomAttention``/``MptAttention``/``FalconAttention`` forward, per
-instance). Upstream's eager attention materialises the scores in the model dtype, a float32 softmax and the
-probabilities; torchembed's runs ALiBi inside one fused Triton kernel (:func:`torchembed.kernels.attention.alibi_flash`:
-the bias computed in the kernel, any padding mask summarised per row once per forward, multi-query and grouped kv heads
-read in place, forward and backward, split-key decode steps; nothing quadratic materialised) and, where that measured
-faster (small prefills) or ``cudnn_decode=True`` asks for it (decode steps), SDPA with a row-centred bias built once
-per forward (:func:`torchembed.kernels.route.alibi_path` decides, :func:`torchembed.kernels.alibi.alibi_attention`).
-The patch's ``fused``: ``False`` builds the bias with PyTorch operations only, ``True`` takes the kernel for every
-call. ``output_attentions=True`` and BLOOM's ``slow_but_exact`` tensor-parallel emulation fall back to upstream's
-forward. On a model split over devices (accelerate ``device_map``), the layers of each device share one copy of the
-mask and bias (:mod:`torchembed.patches.devices`), so the masks derived from them are built once per device and
-forward, not once per layer.
+All three also get torchembed's attention forward, per instance: ALiBi inside one fused Triton kernel
+(:func:`torchembed.kernels.attention.alibi_flash`: the bias computed in the kernel, grouped kv heads read in place,
+split-key decode steps, nothing quadratic materialised) or, where that measured faster (small prefills) or
+``cudnn_decode=True`` asks for it (decode steps), SDPA with a row-centred bias built once per forward
+(:func:`torchembed.kernels.route.alibi_path` decides). ``output_attentions=True`` and BLOOM's ``slow_but_exact``
+tensor-parallel emulation fall back to upstream's forward. On a model split over devices, the layers of each device
+share one copy of the mask and bias (:mod:`torchembed.patches.devices`).
 """
 
 from __future__ import annotations
@@ -150,8 +143,8 @@ class BoundBuilder:
     """A family's bias builder with one model's :class:`InstanceConstants` bound (what a patched model
     calls as its ``build_alibi_tensor``/``build_mpt_alibi_tensor``); picklable, named as the function."""
 
-    def __init__(self, function: Any, constants: InstanceConstants | None = None) -> None:
-        self.function, self.constants = function, constants if constants is not None else InstanceConstants()
+    def __init__(self, function: Any) -> None:
+        self.function, self.constants = function, InstanceConstants()
         self.__module__, self.__qualname__, self.__name__ = function.__module__, function.__qualname__, function.__name__
         self.__doc__ = function.__doc__
 
@@ -175,7 +168,8 @@ class OverrideBuilder(OverrideMethod):
         return actions
 
 
-# Keyed by the upstream forward functions (a handful per process, alive as long as their classes).
+# Keyed by the upstream forward functions (a handful per process, alive as long as their classes). A dict, not
+# functools.cache: torch.compile traces through a cached function (and warns), while it reads the dict.
 _POSITIONAL_NAMES: dict[Any, tuple[str, ...]] = {}
 
 
@@ -186,12 +180,9 @@ def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     names = _POSITIONAL_NAMES.get(method)
     if names is None:
         params = inspect.signature(method).parameters.values()
-        names = _POSITIONAL_NAMES[method] = tuple(
-            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        )[1:]
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    return bound
+        names = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))[1:]
+        _POSITIONAL_NAMES[method] = names
+    return {**dict(zip(names, args)), **kwargs}
 
 
 def _cache_of(arguments: dict[str, Any]) -> Any:
@@ -199,12 +190,16 @@ def _cache_of(arguments: dict[str, Any]) -> Any:
     return next((arguments[name] for name in CACHE_KEYWORDS if arguments.get(name) is not None), None)
 
 
-def _cache_update(cache: Any, k: Tensor, v: Tensor, layer_idx: int, arguments: dict[str, Any]) -> tuple[Tensor, Tensor]:
-    """``cache.update`` as each release calls it (4.x passes ``cache_position`` for static caches) with ``k``, ``v``
-    made contiguous: they are strided views of the fused query-key-value projection (BLOOM's heads interleave q, k and
-    v), and a strided new key sends each decode step's concatenation of the whole cache down CUDA's slow copy path
-    (BLOOM-7B1 shape at 65k tokens on an H200: 1.7 ms per layer and tensor; ``benchmarks/results/long-context.md``).
-    A long ``DynamicCache`` layer grows in place instead (:mod:`torchembed.patches.kv_cache`)."""
+def _cache_update(arguments: dict[str, Any], k: Tensor, v: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
+    """``k``, ``v`` as they are without a KV cache among the ``arguments``; else ``cache.update`` as each release calls
+    it (4.x passes ``cache_position`` for static caches) with ``k``, ``v`` made contiguous: they are strided views of
+    the fused query-key-value projection (BLOOM's heads interleave q, k and v), and a strided new key sends each decode
+    step's concatenation of the whole cache down CUDA's slow copy path (BLOOM-7B1 shape at 65k tokens on an H200:
+    1.7 ms per layer and tensor; ``benchmarks/results/long-context.md``). A long ``DynamicCache`` layer grows in place
+    instead (:mod:`torchembed.patches.kv_cache`)."""
+    cache = _cache_of(arguments)
+    if cache is None:
+        return k, v
     position = arguments.get("cache_position")
     extra = () if position is None else ({"cache_position": position},)
     return kv_cache.update(cache, k.contiguous(), v.contiguous(), layer_idx, *extra)
@@ -231,9 +226,7 @@ def bloom_attention_forward(self: nn.Module, *args: Any, options: AlibiOptions |
         return _upstream(self, args, kwargs, alibi=alibi.to(hidden_states.dtype))  # upstream's baddbmm: model dtype
     batch, q_len, _ = hidden_states.shape
     q, k, v = self._reshape(self.query_key_value(hidden_states))  # (b, h, s, d) views
-    cache = _cache_of(a)
-    if cache is not None:
-        k, v = _cache_update(cache, k, v, self.layer_idx, a)
+    k, v = _cache_update(a, k, v, self.layer_idx)
     k_len = k.shape[-2]
     if alibi.shape[-1] != k_len:
         raise ValueError(f"ALiBi bias covers {alibi.shape[-1]} keys, attention has {k_len}")
@@ -279,9 +272,7 @@ def falcon_attention_forward(self: nn.Module, *args: Any, options: AlibiOptions 
         return _falcon_upstream(self, args, kwargs, a, options)
     batch, q_len, _ = hidden_states.shape
     q, k, v = _falcon_qkv(self, hidden_states)
-    cache = _cache_of(a)
-    if cache is not None:
-        k, v = _cache_update(cache, k, v, self.layer_idx, a)
+    k, v = _cache_update(a, k, v, self.layer_idx)
     k_len = k.shape[-2]
     scale, heads = self.inv_norm_factor, self.num_heads
     dropout = getattr(self.attention_dropout, "p", self.attention_dropout) if self.training else 0.0  # 5.25: a float
@@ -371,9 +362,7 @@ def mpt_attention_forward(self: nn.Module, *args: Any, options: AlibiOptions | N
         qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
     # (b, s, 3*h*d) -> three (b, h, s, d)
     q, k, v = (t.reshape(batch, q_len, self.n_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
-    cache = _cache_of(a)
-    if cache is not None:
-        k, v = _cache_update(cache, k, v, self.layer_idx, a)
+    k, v = _cache_update(a, k, v, self.layer_idx)
     k_len = k.shape[-2]
     if position_bias is not None and position_bias.shape[-1] < k_len:
         raise ValueError(f"{k_len} keys exceed MPT's ALiBi table of {position_bias.shape[-1]} positions "
@@ -490,9 +479,7 @@ class AlibiForward:
 
 
 class ReplaceAlibiForward(ReplaceForward):
-    """:class:`ReplaceForward` whose forwards (every layer of one model) share one :class:`AlibiOptions`: the patch's
-    ``fused`` (False keeps the attention to PyTorch operations, True requires the fused kernel) and ``cudnn_decode``,
-    and the model's constants."""
+    """:class:`ReplaceForward` whose forwards (every layer of one model) share one :class:`AlibiOptions`."""
 
     def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[Any]:
         shared = AlibiOptions(options.fused, options.cudnn_decode)

@@ -41,9 +41,6 @@ class HFPositionTable(LearnedPositionalEmbedding, nn.Embedding):
     def forward(self, position_ids: Tensor) -> Tensor:  # type: ignore[override]
         return self.lookup(position_ids)
 
-    def extra_repr(self) -> str:
-        return LearnedPositionalEmbedding.extra_repr(self)
-
 
 class SwapPositionTable:
     """Replace ``attr`` (an ``nn.Embedding``) of every module of ``class_name`` (or a subclass)."""

@@ -4,14 +4,12 @@ Upstream's SDPA attention hands a decode step (a few new queries over the KV cac
 ``scaled_dot_product_attention``, which on recent GPUs picks cuDNN for half precision; cuDNN builds a new execution plan
 for every new key length, which a decode loop meets at every step (20-90 ms of host time per call on an H200), and with
 a padding mask HF repeats the key/value heads and SDPA falls back to slower kernels. A patched model's attention code
-sees :class:`AttentionFunctions` in place of transformers' ``ALL_ATTENTION_FUNCTIONS`` (the name is rebound in that
-instance's rebuilt forward only, with its rotation helper: :mod:`torchembed.patches.rebind`), whose ``"sdpa"`` entry is
-a :class:`DecodeAttention`: for each call the route decides
-(:func:`torchembed.kernels.route.decode_attention_on_kernel`) whether it is a decode step for the kernel, and runs
-either the kernel (:func:`torchembed.kernels.attention.fused_attention` without a bias: grouped key/value
-heads and HF's cache layout read in place, the mask summarised once per forward into per-row key ranges, so padding and
-a static cache's empty slots are never read) or upstream's SDPA function with the same arguments. Nothing process-wide
-changes (no backend flags): other models and other threads see upstream's functions.
+sees :class:`AttentionFunctions` in place of transformers' ``ALL_ATTENTION_FUNCTIONS`` (rebound in that instance's
+rebuilt forward only: :mod:`torchembed.patches.rebind`), whose ``"sdpa"`` entry, a :class:`DecodeAttention`, runs the
+calls :func:`torchembed.kernels.route.decode_attention_on_kernel` gives the kernel on
+:func:`torchembed.kernels.attention.fused_attention` (no bias; grouped key/value heads and HF's cache layout read in
+place; the mask summarised once per forward, so padding and a static cache's empty slots are never read) and every
+other call on upstream's SDPA function. Nothing process-wide changes (no backend flags).
 ``torchembed.patch(model, cudnn_decode=True)`` leaves the decode steps to upstream.
 """
 

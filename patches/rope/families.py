@@ -12,10 +12,9 @@ every rope type (default, linear, dynamic, yarn, longrope, llama3, per-layer typ
 them. So HF's own machinery (``_init_weights``, dynamic frequency updates, ``rope_parameters`` handling) keeps working
 on a patched model, and a patched model can never pair torchembed's tables with upstream's rotation or the reverse.
 
-Checked before anything changes (:class:`~torchembed.patches.errors.StructureError` otherwise): a helper that is found
-but computes none of the known rotations next to one that does; a module whose class inherits a rotating forward but
-overrides it with one that calls ``super().forward`` (the parent's helper cannot be replaced per instance); and what a
-family declares (:class:`RopeExpectation`): the helper names it calls and one rotating attention per layer.
+Checked before anything changes (:meth:`ReplaceRotationHelpers._check`, a
+:class:`~torchembed.patches.errors.StructureError` otherwise): no half-recognised model, no rotating forward hidden
+behind ``super().forward``, and what a family declares (:class:`RopeExpectation`).
 """
 
 from __future__ import annotations

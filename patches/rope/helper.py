@@ -1,12 +1,11 @@
 """torchembed's replacement for an upstream rotation helper: the same call, the one rotation.
 
-:class:`RotaryHelper` takes the place of one recognised helper (:mod:`torchembed.patches.rope.recognition`). A call does
-its own work first: it is bound to upstream's signature with the defaults recognition read
-(:mod:`torchembed.patches.binding`), its tables are taken where the rotation's table source says, the route is asked
-once whether it runs on the kernel (:func:`torchembed.kernels.route.use_rope_kernel`), and what its tensors are rotated
-with is derived from the tables in one per-forward memo (:func:`torchembed.kernels.per_forward.derive`: every layer of
-a forward gets the same tables). Then it goes down once: to the kernel (:func:`torchembed.kernels.rotary_fused`) or to
-the one PyTorch rotation (:func:`torchembed.functional.apply_rotary`).
+A :class:`RotaryHelper` call is bound to upstream's signature with the defaults recognition read
+(:mod:`torchembed.patches.binding`), takes its tables where the rotation's table source says, asks the route once
+whether it runs on the kernel (:func:`torchembed.kernels.route.use_rope_kernel`) and derives what its tensors are
+rotated with once per forward (:func:`torchembed.kernels.per_forward.derive`: every layer gets the same tables). Then it
+goes down once: to the kernel (:func:`torchembed.kernels.rotary_fused`) or to
+:func:`torchembed.functional.apply_rotary`.
 """
 
 from __future__ import annotations
@@ -150,16 +149,13 @@ class RotaryHelper:
         rule = _unsqueezed_rule(u, c.dim()) if shape.broadcast == "param" else shape.rule_for(given[0], c)
         at = -2 if rule == "hs" else -3  # the tokens' axis (tail, prefix)
         shapes, first_tokens, everyone = [x.shape for x in given], given[0].shape[at], tuple(range(len(given)))
+        lead, parts = 0, [(everyone, c, s, full)]
         if shape.prefix and first_tokens > c.shape[-2]:  # the leading tokens pass through
             lead = first_tokens - c.shape[-2]
             shapes = [(*x[:at], x[at] - lead, *x[at:][1:]) for x in shapes]
-            parts = [(everyone, c, s, full)]
         elif shape.tail and len(given) > 1 and first_tokens < c.shape[-2]:  # the first tensor: the tables' last rows
-            lead = 0
-            last = (lambda t: t[..., -first_tokens:, :]) if first_tokens else (lambda t: t[..., :0, :])
-            parts = [((0,), last(c), last(s), full and (last(full[0]), last(full[1]))), (everyone[1:], c, s, full)]
-        else:
-            lead, parts = 0, [(everyone, c, s, full)]
+            last = (..., slice(c.shape[-2] - first_tokens, None), slice(None))
+            parts = [((0,), c[last], s[last], full and (full[0][last], full[1][last])), (everyone[1:], c, s, full)]
         groups = tuple(self._group(members, [shapes[i] for i in members], given[members[0]], c, s, full, u, kernel)
                        for members, c, s, full in parts)
         return _Plan(groups, 2 * c.shape[-1], lead, at)
@@ -233,7 +229,7 @@ class RotaryHelper:
                                                halves=group.full)
                     outs += out if pair else out[:1]
                     i += 2 if pair else 1
-                outs = [_back(x, group.kernel)(o) for x, o in zip(ts, outs)]
+                outs = [_from_bhsd(o, x, group.kernel) for x, o in zip(ts, outs)]
             else:
                 outs = [apply_rotary(x, group.cos, group.sin, interleaved=interleaved, conjugate=math.conjugate,
                                      full=group.full) for x in ts]
@@ -329,14 +325,13 @@ def _to_bhsd(x: Tensor, rule: str) -> Tensor:
     return x.transpose(-3, -2) if x.dim() == 4 else x.transpose(0, 1)[None]
 
 
-def _back(x: Tensor, rule: str) -> Callable[[Tensor], Tensor]:
-    """The inverse of :func:`_to_bhsd` for ``x``."""
-    nd = x.dim()
+def _from_bhsd(o: Tensor, x: Tensor, rule: str) -> Tensor:
+    """The kernel's output ``o`` for :func:`_to_bhsd` of ``x``, in ``x``'s layout (the inverse view)."""
     if rule == "flat":
-        return lambda o: o[:, 0]
+        return o[:, 0]
     if rule == "hs":
-        return (lambda o: o) if nd == 4 else (lambda o: o[0])
-    return (lambda o: o.transpose(-3, -2)) if nd == 4 else (lambda o: o[0].transpose(0, 1))
+        return o if x.dim() == 4 else o[0]
+    return o.transpose(-3, -2) if x.dim() == 4 else o[0].transpose(0, 1)
 
 
 def _pairable(q: Tensor, k: Tensor) -> bool:

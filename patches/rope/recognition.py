@@ -18,9 +18,8 @@ every known way of rotating and keeps the one whose result matches a float64 rot
   (``(x_{2i}, x_{2i+1})`` written in half-split order, DeepSeek-V3); by ``-θ`` where a helper rotates the other way;
   ``partial``: only the leading (or trailing) ``r`` features of a wider input.
 
-What is found (:class:`Rotation`: how the helper is called, :class:`Call`; what it computes, :class:`Math`; how its
-tables broadcast, :class:`Shape`; where they come from, :class:`TableSource`) is what the replacement
-(:class:`~torchembed.patches.rope.helper.RotaryHelper`) does.
+What is found, a :class:`Rotation`, is what the replacement (:class:`~torchembed.patches.rope.helper.RotaryHelper`)
+does.
 """
 
 from __future__ import annotations
@@ -187,14 +186,6 @@ class Rotation:
 # -- recognition ---------------------------------------------------------------------------------
 
 
-def _signature(helper: Any) -> inspect.Signature | None:
-    target = helper.forward if isinstance(helper, torch.nn.Module) else helper
-    try:
-        return inspect.signature(target)
-    except (TypeError, ValueError):
-        return None
-
-
 @dataclass(frozen=True)
 class _Parameters:
     """A helper's parameters sorted into roles (:func:`_roles`), or why they cannot be."""
@@ -210,8 +201,9 @@ class _Parameters:
 
 
 def _roles(helper: Any) -> _Parameters:
-    signature = _signature(helper)
-    if signature is None:
+    try:
+        signature = inspect.signature(helper.forward if isinstance(helper, torch.nn.Module) else helper)
+    except (TypeError, ValueError):
         return _Parameters(why="it has no inspectable signature")
     params = list(signature.parameters.values())
     variadic = [p.name for p in params if p.kind == p.VAR_POSITIONAL or (p.kind == p.KEYWORD_ONLY and p.default is p.empty)]
@@ -295,6 +287,23 @@ def _close(got: tuple, want: list[Tensor]) -> bool:
                and torch.allclose(g.double(), w, rtol=1e-5, atol=1e-5) for g, w in zip(got, want))
 
 
+_REJECTED = object()  # what _call returns where the helper raises
+
+
+def _call(helper: Any, *args: Any, **kwargs: Any) -> Any:
+    """``helper(*args, **kwargs)`` without autograd, or :data:`_REJECTED` where it rejects these inputs (raises)."""
+    try:
+        with torch.no_grad():
+            return helper(*args, **kwargs)
+    except Exception:
+        return _REJECTED
+
+
+def _table_args(roles: _Parameters, tables: tuple[Tensor, ...]) -> dict[str, Tensor]:
+    """The probe's ``(cos, sin)`` (or complex freqs) by the helper's table parameters."""
+    return dict(zip(roles.tables, tables if roles.tables[0] != "sin" else tables[::-1]))
+
+
 def _match(helper: Callable, roles: _Parameters, layout: str, feature_dim: int, half: int, gen: torch.Generator,
            keywords: dict | None = None, only: tuple | None = None, probes: tuple = _PROBES) -> list[tuple]:
     """Every (probe, pairing, conjugate, trailing) that ``helper`` computes on inputs of ``feature_dim`` features
@@ -310,13 +319,9 @@ def _match(helper: Callable, roles: _Parameters, layout: str, feature_dim: int, 
         theta = torch.rand(*t_lead, half, generator=gen, dtype=torch.float64) * 6.0 - 3.0
         xs = [torch.randn(*x_lead, feature_dim, generator=gen) for _ in roles.rotated]
         tables = _tables(theta, layout)
-        args = dict(zip(roles.rotated, xs), **dict(zip(roles.tables, tables if roles.tables[0] != "sin" else tables[::-1])))
-        try:
-            with torch.no_grad():
-                got = _outputs(helper(**args, **(keywords or {})), len(xs))
-        except Exception:  # the helper rejects these inputs: not this way of rotating
-            continue
-        if got is None:
+        got = _outputs(_call(helper, **dict(zip(roles.rotated, xs)), **_table_args(roles, tables), **(keywords or {})),
+                       len(xs))
+        if got is None:  # the helper rejects these inputs: not this way of rotating
             continue
         c, s = (broadcast_table(t, rule, (keywords or {}).get(UNSQUEEZE_DIM)) for t in (theta.cos(), theta.sin()))
         for pairing, conjugate, trailing in itertools.product(PAIRINGS, (False, True), (False, True)):
@@ -384,24 +389,22 @@ def _probe_plain(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
     rule = "param" if param else probe[0]
     wide = _match(helper, roles, layout, 4 * half, half, gen, {UNSQUEEZE_DIM: 1} if param else None,
                   only=(_PROBES[0] if param else probe, (pairing, conjugate)))
-    partial = bool(wide)
-    trailing = partial and all(m[2] for m in wide)
+    trailing = bool(wide) and all(m[2] for m in wide)
     single = _single(helper, roles, layout, half, probe, gen)
-    ignored = tuple(n for n in roles.extras if n == _POSITION_IDS)
-    if ignored and not _ignores_positions(helper, roles, layout, half, gen):
+    if _POSITION_IDS in roles.extras and not _ignores_positions(helper, roles, layout, half, gen):
         return None, f"its result depends on {_POSITION_IDS}, which torchembed's rotation does not take"
     unknown = [n for n in roles.extras if n not in (UNSQUEEZE_DIM, _POSITION_IDS)]
     if unknown:
         return None, f"it takes {', '.join(unknown)}, which torchembed's rotation does not model"
-    defaults = dict(roles.defaults)
     patterns = () if param else tuple(dict.fromkeys((p[0], len(p[1]) + 1, len(p[2]) + 1) for _, (p, _, _) in found))
     tail, prefix = (_uneven(helper, roles, layout, half, probe, (pairing, conjugate), param, gen, kind)
                     for kind in ("tail", "prefix"))
     if not param:  # the ranks these calls broadcast by
         patterns += tuple(p for p in (tail, prefix) if p is not None and p not in patterns)
     return Rotation(Call(roles.names, roles.rotated, roles.tables, roles.defaults, roles.keywords, single),
-                    Math(layout, pairing, partial, conjugate, trailing),
-                    Shape(rule, int(defaults.get(UNSQUEEZE_DIM, 1)), patterns, tail is not None, prefix is not None)), ""
+                    Math(layout, pairing, bool(wide), conjugate, trailing),
+                    Shape(rule, int(dict(roles.defaults).get(UNSQUEEZE_DIM, 1)), patterns, tail is not None,
+                          prefix is not None)), ""
 
 
 def _from(rotation: Rotation, roles: _Parameters, source: TableSource) -> Rotation:
@@ -434,10 +437,8 @@ def _probe_mrope(helper: Any, roles: _Parameters, gen: torch.Generator) -> tuple
     theta = torch.rand(3, 2, 5, 4, generator=gen, dtype=torch.float64) * 6.0 - 3.0  # three position axes
     cos, sin = _tables(theta, rotation.math.layout)
     q, k = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(2))
-    try:
-        with torch.no_grad():
-            got = helper(q, k, cos, sin, list(sections))
-    except Exception:
+    got = _call(helper, q, k, cos, sin, list(sections))
+    if got is _REJECTED:
         return None, f"it takes {_MROPE} in a way torchembed does not model"
     if rotation.math.layout != "cat":
         return None, f"its {_MROPE} tables are not laid out cat(freqs, freqs)"
@@ -466,10 +467,8 @@ def _probe_indexed(helper: Any, roles: _Parameters, gen: torch.Generator) -> tup
     tables = _tables(theta, rotation.math.layout)
     ids = torch.randint(0, 9, (2, 5), generator=gen)
     xs = [torch.randn(2, 3, 5, 8, generator=gen) for _ in roles.rotated]
-    try:
-        with torch.no_grad():
-            got = helper(*xs, *(tables if roles.tables[0] != "sin" else tables[::-1]), ids)
-    except Exception:
+    got = _call(helper, *xs, *_table_args(roles, tables).values(), ids)
+    if got is _REJECTED:
         return None, f"it takes {_POSITION_IDS} in a way torchembed does not model"
     c, s = (t[ids].unsqueeze(1) for t in (theta.cos(), theta.sin()))
     math = rotation.math
@@ -482,8 +481,7 @@ def _probe_sections(helper: Any, roles: _Parameters, gen: torch.Generator) -> tu
     """Multidimensional RoPE (Gemma 4's vision tower): ``helper(x, cos, sin, position_ids, ...)`` splits the features
     into ``position_ids.shape[-1]`` equal sections and rotates each half-split by its own slice of the (per-section
     ``cat``) tables."""
-    defaults = dict(roles.defaults)
-    unsqueeze = int(defaults.get(UNSQUEEZE_DIM, 1))
+    unsqueeze = int(dict(roles.defaults).get(UNSQUEEZE_DIM, 1))
     extras = [n for n in roles.extras if n not in (UNSQUEEZE_DIM, _POSITION_IDS)]
     if extras or len(roles.rotated) != 1 or unsqueeze not in (1, 2):
         return None, f"it takes {_POSITION_IDS} ({', '.join(roles.names)}) in a way torchembed does not model"
@@ -493,10 +491,8 @@ def _probe_sections(helper: Any, roles: _Parameters, gen: torch.Generator) -> tu
     full = torch.cat((theta, theta), dim=-1).flatten(-2)  # per section: cat(θ, θ)
     x = torch.randn(*lead, sections * width, generator=gen)
     tables = {"cos": full.cos().float(), "sin": full.sin().float()}
-    try:
-        with torch.no_grad():
-            got = helper(x, **tables, position_ids=torch.zeros(*t_lead, sections, dtype=torch.long))
-    except Exception:
+    got = _call(helper, x, **tables, position_ids=torch.zeros(*t_lead, sections, dtype=torch.long))
+    if got is _REJECTED:
         return None, f"it takes {_POSITION_IDS} ({', '.join(roles.names)}) in a way torchembed does not model"
     c, s = (t.unsqueeze(unsqueeze) for t in (theta.cos(), theta.sin()))
     want = apply_rotary(x.double().unflatten(-1, (sections, width)), c, s).flatten(-2)
@@ -516,14 +512,8 @@ def _single(helper: Any, roles: _Parameters, layout: str, half: int, probe: tupl
     _, x_lead, t_lead = probe if probe[0] != "param" else _PROBES[0]
     theta = torch.rand(*t_lead, half, generator=gen, dtype=torch.float64)
     tables = _tables(theta, layout)
-    args = {roles.rotated[0]: torch.randn(*x_lead, 2 * half, generator=gen),
-            **dict(zip(roles.tables, tables if roles.tables[0] != "sin" else tables[::-1]))}
-    try:
-        with torch.no_grad():
-            out = helper(**args)
-    except Exception:
-        return False
-    return isinstance(out, Tensor)
+    x = torch.randn(*x_lead, 2 * half, generator=gen)
+    return isinstance(_call(helper, **{roles.rotated[0]: x}, **_table_args(roles, tables)), Tensor)
 
 
 # Probe shapes of tensors whose tokens differ from the tables': (rule, x shape without its tokens'
@@ -547,11 +537,9 @@ def _uneven(helper: Any, roles: _Parameters, layout: str, half: int, probe: tupl
         xs = [torch.randn(*x_lead[:at], n, *x_lead[at:], 2 * half, generator=gen) for n in tokens]
         theta = torch.rand(*t_lead, 5, half, generator=gen, dtype=torch.float64) * 6.0 - 3.0
         tables = _tables(theta, layout)
-        args = dict(zip(roles.rotated, xs), **dict(zip(roles.tables, tables if roles.tables[0] != "sin" else tables[::-1])))
-        try:
-            with torch.no_grad():
-                got = _outputs(helper(**args, **({UNSQUEEZE_DIM: 1} if param else {})), len(xs))
-        except Exception:  # the helper rejects these inputs
+        got = _outputs(_call(helper, **dict(zip(roles.rotated, xs)), **_table_args(roles, tables),
+                             **({UNSQUEEZE_DIM: 1} if param else {})), len(xs))
+        if got is None:  # the helper rejects these inputs
             continue
         want = []
         for i, x in enumerate(xs):
@@ -562,7 +550,7 @@ def _uneven(helper: Any, roles: _Parameters, layout: str, half: int, probe: tupl
                 want.append(torch.cat((passed, reference_rotate(rotated, c, s, pairing, conjugate)), dim=at))
             else:
                 want.append(reference_rotate(x.double(), c, s, pairing, conjugate))
-        if got is not None and _close(got, want):
+        if _close(got, want):
             return rule, 4, len(t_lead) + 2
     return None
 
@@ -572,13 +560,10 @@ def _ignores_positions(helper: Any, roles: _Parameters, layout: str, half: int, 
     _, x_lead, t_lead = _PROBES[0]
     theta = torch.rand(*t_lead, half, generator=gen, dtype=torch.float64)
     tables = _tables(theta, layout)
-    args = {**{n: torch.randn(*x_lead, 2 * half, generator=gen) for n in roles.rotated},
-            **dict(zip(roles.tables, tables if roles.tables[0] != "sin" else tables[::-1]))}
-    try:
-        with torch.no_grad():
-            plain = helper(**args)
-            moved = helper(**args, position_ids=torch.randint(0, 5, (2, 5), generator=gen))
-    except Exception:
+    args = {**{n: torch.randn(*x_lead, 2 * half, generator=gen) for n in roles.rotated}, **_table_args(roles, tables)}
+    plain = _call(helper, **args)
+    moved = _call(helper, **args, position_ids=torch.randint(0, 5, (2, 5), generator=gen))
+    if plain is _REJECTED or moved is _REJECTED:
         return False
     plain, moved = (o if isinstance(o, tuple) else (o,) for o in (plain, moved))
     return all(torch.equal(a, b) for a, b in zip(plain, moved) if isinstance(a, Tensor))

@@ -11,16 +11,5 @@ from torchembed.functional.rope import (
 )
 from torchembed.functional.sinusoidal import sinusoidal_table
 
-__all__ = [
-    "ROPE_TYPES",
-    "alibi_attention_reference",
-    "alibi_bias",
-    "alibi_key_bias",
-    "alibi_slopes",
-    "apply_rotary",
-    "apply_rotary_qk",
-    "rope_cos_sin",
-    "rope_inv_freq",
-    "rope_positions",
-    "sinusoidal_table",
-]
+__all__ = ["ROPE_TYPES", "alibi_attention_reference", "alibi_bias", "alibi_key_bias", "alibi_slopes", "apply_rotary",
+           "apply_rotary_qk", "rope_cos_sin", "rope_inv_freq", "rope_positions", "sinusoidal_table"]

@@ -54,18 +54,17 @@ def check_nonnegative(positions: Tensor, name: str) -> None:
             raise ValueError(f"{name} must be non-negative, got a minimum of {low}")
 
 
-def _exponents(dim: int, device: torch.device | None) -> Tensor:
-    # arange(0, dim, 2) / dim, built exactly as HF does (int64 -> float32) so the bits match.
-    return torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+def _inv_freq(dim: int, base: float, device: torch.device | None) -> Tensor:
+    # 1 / base^(arange(0, dim, 2) / dim), the exponents built exactly as HF does (int64 -> float32) so the bits match.
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
 
 
 def _default(dim: int, base: float, p: Mapping[str, Any], max_pos: int, seq_len: int | None, device) -> tuple[Tensor, float]:
-    return 1.0 / (base ** _exponents(dim, device)), 1.0
+    return _inv_freq(dim, base, device), 1.0
 
 
 def _linear(dim, base, p, max_pos, seq_len, device):
-    inv_freq = 1.0 / (base ** _exponents(dim, device))
-    return inv_freq / p["factor"], 1.0
+    return _inv_freq(dim, base, device) / p["factor"], 1.0
 
 
 def _dynamic(dim, base, p, max_pos, seq_len, device):
@@ -73,7 +72,7 @@ def _dynamic(dim, base, p, max_pos, seq_len, device):
     factor = p["factor"]
     seq_len = max_pos if seq_len is None else max(int(seq_len), max_pos)
     base = base * ((factor * seq_len / max_pos) - (factor - 1)) ** (dim / (dim - 2))
-    return 1.0 / (base ** _exponents(dim, device)), 1.0
+    return _inv_freq(dim, base, device), 1.0
 
 
 def _yarn(dim, base, p, max_pos, seq_len, device):
@@ -126,7 +125,7 @@ def _longrope(dim, base, p, max_pos, seq_len, device):
 
 
 def _llama3(dim, base, p, max_pos, seq_len, device):
-    inv_freq = 1.0 / (base ** _exponents(dim, device))
+    inv_freq = _inv_freq(dim, base, device)
     factor, low_ff, high_ff = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
     old_len = p["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_len / low_ff, old_len / high_ff
@@ -158,15 +157,9 @@ _REQUIRED_KEYS = {
 }
 
 
-def rope_inv_freq(
-    dim: int,
-    base: float = 10000.0,
-    rope_parameters: Mapping[str, Any] | None = None,
-    *,
-    max_position_embeddings: int = 2048,
-    seq_len: int | None = None,
-    device: torch.device | str | None = None,
-) -> tuple[Tensor, float]:
+def rope_inv_freq(dim: int, base: float = 10000.0, rope_parameters: Mapping[str, Any] | None = None, *,
+                  max_position_embeddings: int = 2048, seq_len: int | None = None,
+                  device: torch.device | str | None = None) -> tuple[Tensor, float]:
     """Inverse frequencies ``theta_i = base^(-2i/r)`` of one rope type, and its attention scaling.
 
     Args:

@@ -12,9 +12,8 @@ from torch import Tensor
 __all__ = ["sinusoidal_table"]
 
 
-def sinusoidal_table(
-    num_positions: int, dim: int, *, base: float = 10000.0, offset: int = 0, device: torch.device | str | None = None
-) -> Tensor:
+def sinusoidal_table(num_positions: int, dim: int, *, base: float = 10000.0, offset: int = 0,
+                     device: torch.device | str | None = None) -> Tensor:
     """The table for positions ``offset .. offset + num_positions - 1``.
 
     Returns:

@@ -1,9 +1,8 @@
 """Fused Triton kernels, registered as PyTorch custom ops (optional dependency: ``triton``; imported on first launch).
 
 :mod:`~torchembed.kernels.route` decides which implementation runs (the one meaning of ``fused``, the one decode step);
-:mod:`~torchembed.kernels.rope` is the RoPE kernel (``rotary_fused``), :mod:`~torchembed.kernels.attention` the
-attention kernel (an ALiBi bias or none), :mod:`~torchembed.kernels.alibi` the ALiBi attention's entry and prefill
-bias; ``*_triton`` modules hold device code, :mod:`~torchembed.kernels.launch` how kernels launch and where they run.
+:mod:`~torchembed.kernels.rope` is the RoPE kernel, :mod:`~torchembed.kernels.attention` the attention kernel (an ALiBi
+bias or none), :mod:`~torchembed.kernels.alibi` the ALiBi attention's entry; ``*_triton`` modules hold device code.
 """
 
 from torchembed.kernels.launch import interpret_mode, kernel_can_run, triton_available

@@ -1,11 +1,7 @@
-"""ALiBi attention (host side): the entry that runs the route's answer, the masks SDPA takes, the prefill bias in one
-write (custom op ``torchembed::alibi_prefill_bias``).
-
-Press et al., "Train Short, Test Long", arXiv:2108.12409. :func:`alibi_attention` asks
-:func:`torchembed.kernels.route.alibi_path` once per call and runs its answer: the fused attention kernel
-(:func:`torchembed.kernels.attention.fused_attention`), SDPA with the decode mask or the materialised prefill bias
-(each built once per forward), or the PyTorch reference (:func:`torchembed.functional.alibi.alibi_attention_reference`).
-The prefill bias's device code: :mod:`torchembed.kernels.alibi_triton`.
+"""ALiBi attention (host side), Press et al., "Train Short, Test Long", arXiv:2108.12409: :func:`alibi_attention`
+runs :func:`torchembed.kernels.route.alibi_path`'s answer (the fused attention kernel, SDPA with the decode mask or the
+materialised prefill bias, or the PyTorch reference); the masks SDPA takes; the prefill bias in one write (custom op
+``torchembed::alibi_prefill_bias``; device code :mod:`torchembed.kernels.alibi_triton`).
 """
 
 from __future__ import annotations
@@ -77,23 +73,18 @@ def alibi_attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None = N
     if key_bias is None and slopes is None:
         raise ValueError("alibi_attention needs key_bias (b or 1, h, k) or slopes (h,)")
     path = alibi_path(q, k, v, keep, fused=fused, dropout_p=dropout_p, layer=layer, sdpa_decode=sdpa_decode)
-    if path == "decode":  # the mask is the same for every layer of the forward
-        mask = derive(cache, (key_bias, slopes, keep), ("decode", q.dtype), _decode_mask, key_bias, slopes, keep, q, k)
-        return masked_sdpa(q, k, v, mask, scale, dropout_p)
-    if path == "dense":  # the materialised bias, once per forward
-        if keep is None:
+    if path == "decode" or path == "dense":  # the mask (dense: the materialised bias) once per forward
+        if keep is None and path == "dense":
             keep = causal_keep(q.shape[-2], k.shape[-2], q.device, cache)
-        tag = ("dense", q.shape[-2], q.dtype)
-        mask = derive(cache, (key_bias, slopes, keep), tag, _dense_mask, key_bias, slopes, keep, q, k)
+        tag = ("decode", q.dtype) if path == "decode" else ("dense", q.shape[-2], q.dtype)
+        mask = derive(cache, (key_bias, slopes, keep), tag, _sdpa_mask, path, key_bias, slopes, keep, q, k)
         return masked_sdpa(q, k, v, mask, scale, dropout_p)
     if path == "kernel":
         rows = None if keep is None else derive(cache, keep, "rows", mask_rows, keep)
         bias, is_key_bias = (slopes, False) if slopes is not None else (key_bias, True)
         bias = check_bias(bias, is_key_bias, q, k)
         return fused_attention(q, k, v, bias, scale=scale, key_bias=is_key_bias, keep=keep, rows=rows)
-    if key_bias is None:  # slope * (j - (k - 1)): zero at the newest key, small near it
-        key_bias = alibi_key_bias(slopes.to(q.device), key_len=k.shape[-2])
-    return alibi_attention_reference(q, k, v, key_bias, keep, scale=scale, dropout_p=dropout_p)
+    return alibi_attention_reference(q, k, v, _key_bias(key_bias, slopes, q, k), keep, scale=scale, dropout_p=dropout_p)
 
 
 def _key_bias(key_bias: Tensor | None, slopes: Tensor | None, q: Tensor, k: Tensor) -> Tensor:
@@ -101,14 +92,11 @@ def _key_bias(key_bias: Tensor | None, slopes: Tensor | None, q: Tensor, k: Tens
     return key_bias if key_bias is not None else alibi_key_bias(slopes.to(q.device), key_len=k.shape[-2])
 
 
-def _decode_mask(key_bias: Tensor | None, slopes: Tensor | None, keep: Tensor | None, q: Tensor, k: Tensor) -> Tensor:
-    """The SDPA mask of a decode step (:func:`torchembed.functional.alibi.alibi_decode_bias`)."""
-    return alibi_decode_bias(_key_bias(key_bias, slopes, q, k), keep, q.dtype)
-
-
-def _dense_mask(key_bias: Tensor | None, slopes: Tensor | None, keep: Tensor, q: Tensor, k: Tensor) -> Tensor:
-    """The SDPA mask of a prefill, the bias materialised (:func:`prefill_bias`)."""
-    return prefill_bias(_key_bias(key_bias, slopes, q, k), keep, q.dtype)
+def _sdpa_mask(path: str, key_bias: Tensor | None, slopes: Tensor | None, keep: Tensor | None, q: Tensor,
+               k: Tensor) -> Tensor:
+    """The SDPA mask of a decode step (:func:`torchembed.functional.alibi.alibi_decode_bias`) or of a prefill, the
+    bias materialised (:func:`prefill_bias`)."""
+    return (alibi_decode_bias if path == "decode" else prefill_bias)(_key_bias(key_bias, slopes, q, k), keep, q.dtype)
 
 
 def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, dropout_p: float) -> Tensor:
@@ -134,9 +122,7 @@ def repeat_kv(x: Tensor, heads: int) -> Tensor:
     return x[:, :, None].expand(batch, kv, heads // kv, length, dim).reshape(batch, heads, length, dim)
 
 
-# ------------------------------------------------------------------------------------------------
-# The prefill bias in one write
-# ------------------------------------------------------------------------------------------------
+# --- The prefill bias in one write --------------------------------------------------------------
 
 
 def _shape(key_bias: Tensor, keep: Tensor) -> tuple[int, int, int, int]:
@@ -202,18 +188,13 @@ def _write_bias(key_bias: Tensor, keep: Tensor, out: Tensor) -> Tensor:
     key = (key_bias.dtype, out.dtype, out.device, batch, ints)
     kept = _BIAS_LAUNCHES.get(key)
     if kept is None:
+        from torchembed.kernels import alibi_triton  # (imports Triton)
+
         block_q, block_k = _BIAS_BLOCKS
         emulate = interpret_mode() and out.dtype == torch.bfloat16  # the interpreter's cast truncates
         grid = (-(-k_len // block_k), -(-q_len // block_q), batch * heads)
         kept = _BIAS_LAUNCHES.keep(key, Launch(
-            _bias_kernel(), grid, (*ints, torch.finfo(out.dtype).min),
+            alibi_triton.prefill_bias_kernel, grid, (*ints, torch.finfo(out.dtype).min),
             {"BLOCK_Q": block_q, "BLOCK_K": block_k, "EMULATE_RTNE": emulate}, num_warps=4))
     kept((key_bias, keep.view(torch.uint8), out))
     return out
-
-
-def _bias_kernel():
-    """The prefill bias's Triton kernel (:mod:`torchembed.kernels.alibi_triton`, imported with Triton on first use)."""
-    from torchembed.kernels import alibi_triton
-
-    return alibi_triton.prefill_bias_kernel

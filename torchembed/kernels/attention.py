@@ -1,16 +1,13 @@
-"""The fused attention kernel's entries (host side): ``alibi_flash`` and ``fused_attention``, the mask summary, the
-custom ops ``torchembed::alibi_flash`` / ``torchembed::alibi_flash_backward`` and the autograd.
+"""The fused attention kernel's entries (host side): :func:`alibi_flash` and :func:`fused_attention`, the mask summary,
+the custom ops ``torchembed::alibi_flash`` / ``torchembed::alibi_flash_backward`` and the autograd.
 
-Attention ``softmax(scale * q k^T + bias) v`` with an ALiBi bias computed inside (Press et al., "Train Short, Test
-Long", arXiv:2108.12409) or no bias (a patched RoPE model's decode steps), grouped kv heads read in place, any mask
-summarised into per-row key ranges; the tiling of Dao, "FlashAttention-2", arXiv:2307.08691. Which calls come here is
-decided by :mod:`torchembed.kernels.route`; the plans and launches are :mod:`torchembed.kernels.attention_plan`'s, the
-device code :mod:`torchembed.kernels.attention_triton`'s, the PyTorch reference
-:func:`torchembed.functional.alibi.alibi_attention_reference` (every path's oracle).
-
-Eager calls launch the plan kept per call signature (a repeated call skips validation), with gradients through
-:class:`_AlibiFlash`; ``torch.compile`` runs the custom ops (fake implementations: ``fullgraph=True``, CUDA graphs, no
-host sync), which compute the same function by the reference where the kernel cannot run.
+Press et al., "Train Short, Test Long", arXiv:2108.12409 (the bias); Dao, "FlashAttention-2", arXiv:2307.08691 (the
+tiling). :mod:`torchembed.kernels.route` decides which calls come here; the plans are
+:mod:`torchembed.kernels.attention_plan`'s, the device code :mod:`torchembed.kernels.attention_triton`'s, the oracle
+:func:`torchembed.functional.alibi.alibi_attention_reference`. Eager calls launch the plan kept per call signature,
+with gradients through :class:`_AlibiFlash`; ``torch.compile`` runs the custom ops (fake implementations:
+``fullgraph=True``, CUDA graphs, no host sync), which compute the same function by the reference where the kernel cannot
+run.
 """
 
 from __future__ import annotations
@@ -171,8 +168,7 @@ def _mask_rows_reference(keep: Tensor) -> Tensor:
 @torch.library.custom_op("torchembed::alibi_flash", mutates_args=())
 def _flash_op(q: Tensor, k: Tensor, v: Tensor, bias: Optional[Tensor], rows: Optional[Tensor], keep: Optional[Tensor],
               scale: float, key_bias: bool) -> tuple[Tensor, Tensor]:
-    out, lse, _ = _forward(q, k, v, bias, rows, keep, scale, key_bias, True)
-    return out, lse
+    return _forward(q, k, v, bias, rows, keep, scale, key_bias, True)[:2]  # (out, lse)
 
 
 @_flash_op.register_fake

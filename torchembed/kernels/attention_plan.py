@@ -1,11 +1,8 @@
 """The attention kernel's plans: block shapes, launches, the split-key decode's split, the skip of negligible keys,
-tensor descriptors (TMA); kept per call signature.
-
-Dao, "FlashAttention-2", arXiv:2307.08691 (the tiling); the split-key decode ("flash decoding") cuts the keys into
-parts, one program each, then combines their partial softmaxes. A :class:`ForwardPlan` or :class:`BackwardPlan` is made
-once per call signature (:func:`kept_plan`) and launched with each call's tensors. Device code:
-:mod:`torchembed.kernels.attention_triton` (imported with Triton on the first launch); the entries that use the plans:
-:mod:`torchembed.kernels.attention`.
+tensor descriptors (TMA). Dao, "FlashAttention-2", arXiv:2307.08691 (the tiling); the split-key decode ("flash
+decoding") cuts the keys into parts, one program each, then combines their partial softmaxes. A plan is made once per
+call signature (:func:`kept_plan`) and launched with each call's tensors; device code:
+:mod:`torchembed.kernels.attention_triton`, imported with Triton on the first launch.
 """
 
 from __future__ import annotations
@@ -30,9 +27,7 @@ DECODE_ROWS = 64  # the split-key kernel takes calls of at most this many querie
 LOG2E = 1.4426950408889634
 
 
-# ------------------------------------------------------------------------------------------------
-# Kept plans
-# ------------------------------------------------------------------------------------------------
+# --- Kept plans ---------------------------------------------------------------------------------
 
 # Plans (:class:`ForwardPlan` / :class:`BackwardPlan`) by call signature: everything the launches were derived from,
 # so a hit needs no validation. Cleared when full (many prefill lengths).
@@ -62,7 +57,6 @@ def kept_plan(q, k, v, bias, rows, keep, scale, key_bias, need_lse) -> "ForwardP
     return plan
 
 
-
 def kept_backward_plan(grad, q, k, v, out, bias, rows, keep, scale, key_bias, plan=None) -> "BackwardPlan":
     """The :class:`BackwardPlan` of a call: kept by the forward's ``plan`` under the output gradient's strides, else
     in the table of plans under the whole signature."""
@@ -80,9 +74,7 @@ def kept_backward_plan(grad, q, k, v, out, bias, rows, keep, scale, key_bias, pl
     return backward
 
 
-# ------------------------------------------------------------------------------------------------
-# Block shapes, launches
-# ------------------------------------------------------------------------------------------------
+# --- Block shapes, launches ---------------------------------------------------------------------
 
 
 _FP32_CONFIG = {"fwd": (64, 32, 4, 2), "dq": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "decode": (16, 32, 4, 2)}
@@ -123,11 +115,6 @@ def _strides4(t: Tensor) -> tuple[int, int, int, int]:
     """Strides of a ``(B, heads, S, D)`` tensor, 0 along a batch of 1."""
     s = t.stride()
     return (0 if t.shape[0] == 1 else s[0], s[1], s[2], s[3])
-
-
-def _out_strides(batch: int, heads: int, q_len: int, dim: int) -> tuple[int, int, int, int]:
-    """``(B, H, M, D)`` strides over ``(B, M, H, D)`` memory (the output's layout)."""
-    return (q_len * heads * dim, dim, heads * dim, 1)
 
 
 def _shapes(q: Tensor, k: Tensor, rows: Tensor | None) -> tuple:
@@ -280,9 +267,7 @@ class ForwardPlan:
         bounds = None if self.norms is None else self.norms(k, bias)  # (norms: the skip's NormPlan, prefill only)
         if self.prefill:
             self.main((q, k, v, out, lse_t, bias, rows_t, keep_t, *(bounds or (bias, bias))))
-        elif self.combine is None and not self.part:
-            self.main((q, k, v, out, lse_t, bias, rows_t, keep_t))
-        else:
+        else:  # (a single split has no workspace: out stands in for its pointer)
             part = torch.empty(self.part, dtype=torch.float32, device=self.device) if self.part else out
             self.main((q, k, v, out, lse_t, part, bias, rows_t, keep_t))
             if self.combine is not None:
@@ -314,7 +299,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Ten
     ``(H,)``, a key bias ``(B or 1, H, N)`` (``key_bias``), float32, or None. ``rows``/``keep``: the mask summary and
     the mask, or None (causal, queries last). Inputs checked by the caller."""
     batch, heads, q_len, head_dim, kv_heads, k_len, group, bd, prec, masked = _shapes(q, k, rows)
-    out_stride = _out_strides(batch, heads, q_len, head_dim)
+    out_stride = (q_len * heads * head_dim, head_dim, heads * head_dim, 1)  # (B, H, M, D) over (B, M, H, D) memory
     out4 = (0 if batch == 1 else out_stride[0], *out_stride[1:])
     strides = (*_strides4(q), *_strides4(k), *_strides4(v), *out4, *_bias_strides(bias, key_bias),
                *_mask_strides(rows, keep))
@@ -334,10 +319,7 @@ def forward_plan(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, rows: Ten
                            {"HEAD_DIM": head_dim, "BLOCK_R": block_r, "BLOCK_N": block_n, "BLOCK_D": bd,
                             "BIAS": _bias_mode(bias, key_bias), "MASK": int(masked), "PREC": prec, "SINGLE": single,
                             "STORE_LSE": need_lse}, num_warps=warps, num_stages=stages)
-        if single:  # the decode kernel's signature has the workspace pointer: pass out in its place
-            main = plan.main
-            plan.main = lambda t, main=main: main((t[0], t[1], t[2], t[3], t[4], t[3], t[5], t[6], t[7]))
-        else:
+        if not single:
             parts, features = settings().alibi.decode_combine
             chunk = min(bd, features)
             plan.combine = Launch(_device()._combine_kernel, (programs, group * q_len, bd // chunk),

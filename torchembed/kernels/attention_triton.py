@@ -44,9 +44,7 @@ from torchembed.kernels.triton_common import round_f32_to_bf16_rtne
 __all__ = ["NORM_PARTS"]
 
 
-# ----------------------------------------------------------------------------------------------
-# Mask summary: keep (B or 1, 1, M, N) -> rows (B or 1, 3, M) = [lo, hi, irregular]
-# ----------------------------------------------------------------------------------------------
+# --- Mask summary: keep (B or 1, 1, M, N) -> rows (B or 1, 3, M) = [lo, hi, irregular] ------------
 
 
 @triton.jit
@@ -75,9 +73,7 @@ def _rows_kernel(Keep, Rows, M, N, smb, smm, smn, srb, BLOCK_Q: tl.constexpr, BL
     tl.store(out + 2 * M, irregular, mask=row_ok)
 
 
-# ----------------------------------------------------------------------------------------------
-# Key norms (the skip's bound): k (B, Hk, N, D) -> (B * Hk, NORM_PARTS) float32, each a slice's largest
-# ----------------------------------------------------------------------------------------------
+# --- Key norms (the skip's bound): k (B, Hk, N, D) -> (B * Hk, NORM_PARTS) float32, each a slice's largest ---
 
 NORM_PARTS = 32  # slices of the keys per (batch, kv head): one program each; the kernels take their max
 _NORM_PARTS = tl.constexpr(NORM_PARTS)
@@ -111,9 +107,7 @@ def _head_key_norm(KNorm, bk, PARTS: tl.constexpr):
     return tl.max(tl.load(KNorm + bk * PARTS + tl.arange(0, PARTS)), 0)
 
 
-# ----------------------------------------------------------------------------------------------
-# Shared pieces
-# ----------------------------------------------------------------------------------------------
+# --- Shared pieces --------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -283,9 +277,7 @@ def _dot(a, b, PREC: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
-# ----------------------------------------------------------------------------------------------
-# Forward (prefill): one program per (query block, batch x head)
-# ----------------------------------------------------------------------------------------------
+# --- Forward (prefill): one program per (query block, batch x head) -------------------------------
 
 
 @triton.jit
@@ -449,9 +441,7 @@ def _fwd_kernel(
         tl.store(Lse + bh * M + offs_m, lse, mask=row_ok)
 
 
-# ----------------------------------------------------------------------------------------------
-# Forward (decode, few queries): split the keys over programs, then combine (flash-decoding)
-# ----------------------------------------------------------------------------------------------
+# --- Forward (decode, few queries): split the keys over programs, then combine (flash-decoding) ---
 
 
 # What grows with the cache is not specialised on (Triton would compile a variant each time the key count or a
@@ -647,9 +637,7 @@ def _combine_kernel(
             tl.store(Lse + (b * H + h) * M + i, lse)
 
 
-# ----------------------------------------------------------------------------------------------
-# Backward
-# ----------------------------------------------------------------------------------------------
+# --- Backward -------------------------------------------------------------------------------------
 
 
 @triton.jit

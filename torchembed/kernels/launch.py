@@ -7,11 +7,10 @@ only. What ``fused`` means, and every kernel-or-PyTorch decision, is :mod:`torch
 
 Launching: ``kernel[grid](...)`` re-derives the specialisation of every argument on each call (dtypes, 16-byte
 alignment of pointers, ints equal to 1 or divisible by 16): tens of microseconds of host time on a slow host, more
-than a decode-sized kernel runs. A :class:`Launch` is one launch set up once (grid, fixed scalars, constexprs, warps,
-stages), then called with its tensors and per-call scalars: on CUDA through the compiled kernel's launcher with raw
-pointers (``KernelSettings.direct_launch``), elsewhere (the interpreter, or a Triton whose launcher is called
-differently) through ``kernel[grid]``. A kernel's host code keeps its launches in a bounded :class:`Launches` table.
-Every kernel of the library launches through here; this module imports neither Triton nor a kernel.
+than a decode-sized kernel runs. Every kernel of the library launches through a :class:`Launch`, set up once (kept in a
+bounded :class:`Launches` table) and called with its tensors and per-call scalars: on CUDA through the compiled
+kernel's launcher with raw pointers (``KernelSettings.direct_launch``), elsewhere (the interpreter, or a Triton whose
+launcher is called differently) through ``kernel[grid]``. This module imports neither Triton nor a kernel.
 """
 
 from __future__ import annotations

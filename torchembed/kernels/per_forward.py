@@ -2,14 +2,11 @@
 
 Every layer of an HF model's forward receives the same attention mask, ALiBi bias and rotary ``(cos, sin)`` tables.
 What torchembed derives from them (the keep mask and its row summary, the key bias, the decode mask, the tables in the
-form the rotation reads) is computed by the first layer that needs it and kept in a :class:`PerForward`, which the
-other layers find with :func:`current`. A patched model opens one when its base model's forward starts and closes it
-when that forward ends (:mod:`torchembed.patches.forward_scope`); nothing is kept in module-level tables, across
-forwards or across models.
-
-Per thread, nested (a patched model called inside another's forward gets its own), and not inside a graph
-``torch.compile`` traces. Without an open forward (a layer called on its own) :func:`current` is None and every layer
-derives what it needs itself.
+form the rotation reads) is computed by the first layer that needs it and kept in a :class:`PerForward` for that
+forward only (:mod:`torchembed.patches.forward_scope` opens and closes it), where the other layers find it
+(:func:`current`); nothing is kept in module-level tables. Per thread, nested (a patched model called inside another's
+forward gets its own), never inside a graph ``torch.compile`` traces; without an open forward (a layer called on its
+own) :func:`current` is None and every layer derives what it needs itself.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""``rotary_fused``: the one entry into the fused RoPE kernel (host side).
+"""``rotary_fused``: the one entry into the fused RoPE kernel (host side), Su et al., "RoFormer", arXiv:2104.09864.
 
-Rotary embedding: Su et al., "RoFormer", arXiv:2104.09864. The Triton code is :mod:`torchembed.kernels.rope_triton`
-(imported on the first launch); this module owns validation, the launch configuration and cache, the PyTorch
-fallback, the custom ops and the autograd. Every caller (the public function, its backward, ``RotaryEmbedding``, the
-patched HF attention) calls :func:`rotary_fused`.
+Validation, the launch configuration and cache, the PyTorch fallback, the custom ops and the autograd; every caller
+(``RotaryEmbedding``, the patched HF attention, the backward) goes through :func:`rotary_fused`. Device code:
+:mod:`torchembed.kernels.rope_triton`, imported on the first launch.
 
 Positions, one meaning per form (``B`` batch, ``S`` tokens, ``R`` rotated features):
 
@@ -18,15 +17,14 @@ int ``o``              ``o + s``                                  cache ``(T, R/
 =====================  ========================================  ===========================
 
 A call is keyed by what its tensors are, never their values (:func:`_key`). The first call of a key is validated and
-launched through Triton; the launch is kept (:data:`LAUNCHES`) and a later call of the same key repeats it with its
-own pointers, offset and scale, skipping validation and Triton's per-call binding: a decode step costs little more
-than the launch itself. ``settings().rope`` (:class:`~torchembed.kernels.settings.RopeTuning`) configures launches.
+launched through Triton and the launch kept (:data:`LAUNCHES`): a later call of the key repeats it with its own
+pointers, offset and scale, without validation or Triton's per-call binding (a decode step costs little more than the
+launch itself).
 
 Routes: eager without gradients -> :func:`_rotate`; eager with autograd -> :class:`_Rotary`; ``torch.compile`` -> the
 custom ops ``torchembed::rotary`` (out of place, same autograd) and ``torchembed::rotary_`` (in place, no autograd),
-whose arguments are :class:`RopeArgs` in order. Where the kernel cannot run
-(:func:`~torchembed.kernels.launch.kernel_can_run`) the same float32 math runs in PyTorch
-(:func:`torchembed.functional.apply_rotary`). Whether a caller takes the kernel is
+whose arguments are :class:`RopeArgs` in order. Where the kernel cannot run, the same float32 math runs in PyTorch
+(:func:`torchembed.functional.apply_rotary`); whether a caller takes the kernel is
 :func:`torchembed.kernels.route.use_rope_kernel`'s answer.
 """
 
@@ -46,15 +44,10 @@ __all__ = ["LAUNCHES", "RopeArgs", "clear_launches", "rotary_fused", "rotary_fus
 
 
 class RopeArgs(NamedTuple):
-    """The arguments of one rotation, validated (the custom ops' schema, in order).
-
-    ``q (B, Hq, S, D)``, ``k (B, Hk, S, D)``; ``cos``/``sin`` tables or ``inv_freq (R/2,)``; ``positions`` a tensor
-    (see the module docstring) or None, with ``offset`` the int offset (0 for tensor positions and per-token tables);
-    ``scale`` multiplies cos and sin; ``interleaved`` pairs features ``(2j, 2j + 1)`` instead of ``(j, j + R/2)``;
-    ``conjugate`` rotates by ``-theta``; ``halves`` (half-split pairing, tables): 1 where the tables are full-width
-    rows of ``R`` entries, the first ``R/2`` for each pair's first feature and the last ``R/2`` for its second, 2 the
-    same with the two halves' sines exchanged (the backward of 1), else 0 (rows of ``R/2`` entries).
-    """
+    """The arguments of one rotation, validated (the custom ops' schema, in order): :func:`rotary_fused`'s, with
+    ``positions`` a tensor (the module docstring's forms) or None and ``offset`` the int offset (0 for tensor positions
+    and per-token tables); ``halves`` 1 for full-width tables (``rotary_fused(halves=True)``), 2 the same with the two
+    halves' sines exchanged (the backward of 1), else 0 (rows of ``R/2`` entries)."""
 
     q: Tensor
     k: Tensor
@@ -120,14 +113,10 @@ def _tensor_key(t: Tensor) -> tuple:
 def _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conjugate, halves) -> Optional[tuple]:
     """The launch-cache key of a call with these arguments (``positions`` as given to :func:`rotary_fused`), built
     here only: shapes, strides, dtypes, devices, position form and flags, never values; an int offset enters as the
-    facts Triton specialises on. None for calls never kept (tensor subclasses, flags that are not bools, a scale that
-    is not a Python number, a negative int offset or one past the end of a cache table, tensor positions indexing a
-    CPU table: range-checked on every call)."""
-    if type(q) is not Tensor or type(k) is not Tensor or q.dim() != 4:
-        return None
-    if type(interleaved) is not bool or type(inplace) is not bool or type(conjugate) is not bool:
-        return None
-    if type(scale) is not float and type(scale) is not int:
+    facts Triton specialises on. None for the calls below, never kept (tensor positions indexing a CPU table, say, are
+    range-checked on every call)."""
+    if (type(q) is not Tensor or type(k) is not Tensor or q.dim() != 4 or type(interleaved) is not bool
+            or type(inplace) is not bool or type(conjugate) is not bool or type(scale) not in (float, int)):
         return None
     if positions is None:
         pos = None
@@ -153,19 +142,13 @@ def _key(q, k, cos, sin, inv_freq, positions, scale, interleaved, inplace, conju
             interleaved, inplace, conjugate, halves)
 
 
-_triton = None  # rope_triton, imported with Triton on the first launch
-
-
 def _setup(a: RopeArgs, qo: Tensor, ko: Tensor) -> launch.Launch:
     """The launch that rotates ``a`` into ``qo``/``ko`` (which may be ``a.q``/``a.k``)."""
-    global _triton
-    if _triton is None:
-        from torchembed.kernels import rope_triton
+    from torchembed.kernels import rope_triton  # (and Triton: on the first launch only)
 
-        _triton = rope_triton
     q, k, cos, positions = a.q, a.k, a.cos, a.positions
     grid, meta, nqg, warps = _config(a, qo is q)
-    meta["CDT"] = _triton.COMPUTE_DTYPES[meta["CDT"]]  # float32 math (float64 for float64 inputs)
+    meta["CDT"] = rope_triton.COMPUTE_DTYPES[meta["CDT"]]  # float32 math (float64 for float64 inputs)
     if cos is None:
         sc_b = sc_s = 0
     elif cos.dim() == 3:  # per-token (Bc, S, R/2), Bc in {1, B}
@@ -180,7 +163,7 @@ def _setup(a: RopeArgs, qo: Tensor, ko: Tensor) -> launch.Launch:
     sq, sk, sqo, sko = q.stride(), k.stride(), qo.stride(), ko.stride()
     fixed = (q.shape[2], nqg, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sqo[0], sqo[1], sqo[2], sko[0], sko[1], sko[2],
              sc_b, sc_s, sp_b, sp_s)
-    return launch.Launch(_triton.rope_kernel, grid, fixed, meta, num_warps=warps)
+    return launch.Launch(rope_triton.rope_kernel, grid, fixed, meta, num_warps=warps)
 
 
 def _tensors(q, k, qo, ko, cos, sin, inv_freq, positions) -> tuple:
@@ -474,20 +457,10 @@ def rotary_fused_usual(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> Option
     return None if isinstance(a, str) else _call(a, inplace, compiling, recorded)
 
 
-def rotary_fused(
-    q: Tensor,
-    k: Tensor,
-    cos: Optional[Tensor] = None,
-    sin: Optional[Tensor] = None,
-    *,
-    inv_freq: Optional[Tensor] = None,
-    scale: float = 1.0,
-    positions: Union[None, int, Tensor] = None,
-    interleaved: bool = False,
-    inplace: bool = False,
-    conjugate: bool = False,
-    halves: bool = False,
-) -> Tuple[Tensor, Tensor]:
+def rotary_fused(q: Tensor, k: Tensor, cos: Optional[Tensor] = None, sin: Optional[Tensor] = None, *,
+                 inv_freq: Optional[Tensor] = None, scale: float = 1.0, positions: Union[None, int, Tensor] = None,
+                 interleaved: bool = False, inplace: bool = False, conjugate: bool = False,
+                 halves: bool = False) -> Tuple[Tensor, Tensor]:
     """Rotate q and k by their positions' angles with one fused kernel launch.
 
     Args:
@@ -531,20 +504,18 @@ def rotary_fused(
 
 def _call(a: RopeArgs, inplace: bool, compiling: bool, recorded: bool) -> Tuple[Tensor, Tensor]:
     """Checked arguments on their route: the eager launch, the custom op under compile, autograd where recorded."""
-    q, k = a.q, a.k
-    if not recorded:
+    if inplace and not recorded:
         if compiling:
-            if inplace:
-                torch.ops.torchembed.rotary_(*a)
-                return q, k
-            return torch.ops.torchembed.rotary(*a)
-        if inplace:
+            torch.ops.torchembed.rotary_(*a)
+        else:
             _rotate_(a)
-            return q, k
-        return _rotate(a)
-    qo, ko = (torch.ops.torchembed.rotary if compiling else _Rotary.apply)(*a)
+        return a.q, a.k
+    if compiling:
+        qo, ko = torch.ops.torchembed.rotary(*a)
+    else:
+        qo, ko = _Rotary.apply(*a) if recorded else _rotate(a)
     if inplace:  # a mutating op has no autograd formula: out of place, then copy_ (which autograd tracks)
-        q.copy_(qo)
-        k.copy_(ko)
-        return q, k
+        a.q.copy_(qo)
+        a.k.copy_(ko)
+        return a.q, a.k
     return qo, ko

@@ -10,9 +10,8 @@ traces, which could not build it), from the defaults below and these environment
 
 ``TORCHEMBED_DISABLE_TRITON`` and ``TRITON_INTERPRET`` are read per call instead (:mod:`torchembed.kernels.launch`).
 
-:func:`changed` replaces fields for a block (benchmarks, tests) and forgets every kept launch on entry and exit (they
-were set up with the old values). The settings are process-wide: change them in a program's setup or a benchmark, not
-while other threads launch kernels.
+:func:`changed` replaces fields for a block (benchmarks, tests). The settings are process-wide: change them in a
+program's setup or a benchmark, not while other threads launch kernels.
 """
 
 from __future__ import annotations
@@ -147,17 +146,12 @@ class KernelSettings:
     tma: bool = True  # ALiBi prefill reads keys and values through tensor descriptors on Hopper and later
 
 
-def _from_environment() -> KernelSettings:
-    env = os.environ
-    return KernelSettings(
-        alibi=AlibiTuning(skip=env.get("TORCHEMBED_ALIBI_SKIP", "1") == "1"),
-        policy=AlibiPolicy(prefill=env.get("TORCHEMBED_ALIBI_PREFILL", "auto")),
-        direct_launch=env.get("TORCHEMBED_DIRECT_LAUNCH", "1") == "1",
-        tma=env.get("TORCHEMBED_ALIBI_TMA", "1") == "1",
-    )
-
-
-_settings: KernelSettings = _from_environment()
+_settings: KernelSettings = KernelSettings(  # from the environment, once
+    alibi=AlibiTuning(skip=os.environ.get("TORCHEMBED_ALIBI_SKIP", "1") == "1"),
+    policy=AlibiPolicy(prefill=os.environ.get("TORCHEMBED_ALIBI_PREFILL", "auto")),
+    direct_launch=os.environ.get("TORCHEMBED_DIRECT_LAUNCH", "1") == "1",
+    tma=os.environ.get("TORCHEMBED_ALIBI_TMA", "1") == "1",
+)
 
 
 def settings() -> KernelSettings:
@@ -169,7 +163,7 @@ def settings() -> KernelSettings:
 def changed(**changes: Any) -> Iterator[KernelSettings]:
     """Within the block, the settings in force with ``changes``: a field's new value, or for ``rope``, ``alibi`` and
     ``policy`` a mapping of their fields' new values (``alibi={"blocks": {...}}`` merges block entries into the current
-    ones). Kept launches are forgotten on entry and exit.
+    ones). Kept launches are forgotten on entry and exit (they were set up with the old values).
 
     Raises:
         TypeError: a name that is not a field; ValueError: an unknown prefill path.

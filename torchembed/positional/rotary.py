@@ -58,19 +58,9 @@ class RotaryEmbedding(nn.Module):
             (at the call).
     """
 
-    def __init__(
-        self,
-        dim: int,
-        max_seq_len: int = 2048,
-        base: int = 10000,
-        fused: bool | None = False,
-        device: torch.device | str | None = None,
-        *,
-        rotary_dim: int | None = None,
-        interleaved: bool = False,
-        rope_parameters: Mapping[str, Any] | None = None,
-        use_fused: Any = _UNSET,
-    ) -> None:
+    def __init__(self, dim: int, max_seq_len: int = 2048, base: int = 10000, fused: bool | None = False,
+                 device: torch.device | str | None = None, *, rotary_dim: int | None = None, interleaved: bool = False,
+                 rope_parameters: Mapping[str, Any] | None = None, use_fused: Any = _UNSET) -> None:
         super().__init__()
         if not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0 or dim % 2:
             raise ValueError(f"RotaryEmbedding dim must be a positive even int, got {dim!r}")
@@ -106,20 +96,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cached", cos, persistent=False)  # (t, r/2) float32
         self.register_buffer("sin_cached", sin, persistent=False)
 
-    def _ensure_cache(self, length: int) -> None:
-        if length > self.cos_cached.shape[0]:
-            # Grow geometrically so a decode loop past max_seq_len rebuilds the table rarely.
-            self._build_cache(max(length, 2 * self.cos_cached.shape[0]))
-
-    def forward(
-        self,
-        q: Tensor,
-        k: Tensor,
-        seq_dim: int = -2,
-        *,
-        offset: int | Tensor = 0,
-        position_ids: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
+    def forward(self, q: Tensor, k: Tensor, seq_dim: int = -2, *, offset: int | Tensor = 0,
+                position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Rotate ``q`` and ``k``.
 
         Args:
@@ -273,7 +251,8 @@ class RotaryEmbedding(nn.Module):
                    position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         seq_len = q.shape[-2]
         if position_ids is None and not isinstance(offset, Tensor):
-            self._ensure_cache(offset + seq_len)
+            if offset + seq_len > self.cos_cached.shape[0]:  # grown geometrically: a decode loop rebuilds it rarely
+                self._build_cache(max(offset + seq_len, 2 * self.cos_cached.shape[0]))
             cos = self.cos_cached[offset : offset + seq_len]
             sin = self.sin_cached[offset : offset + seq_len]
         else:
