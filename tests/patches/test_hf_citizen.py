@@ -4,6 +4,7 @@ Each test compares a patched model with an upstream copy put through the same st
 """
 
 import copy
+import inspect
 import io
 import pickle
 
@@ -418,10 +419,15 @@ def test_continuous_batching_generate_batch_gives_upstreams_tokens():
     patched = torchembed.patch(copy.deepcopy(upstream))
     gen = torch.Generator().manual_seed(1)
     requests = [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (7, 12, 5)]
-    settings = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    # a bounded paged cache: sized by default from the GPU's free memory, which other test processes share
+    limits, extra = dict(num_blocks=16, max_batch_tokens=64), {}
+    if "continuous_batching_config" in inspect.signature(transformers.LlamaForCausalLM.generate_batch).parameters:
+        extra["continuous_batching_config"] = transformers.ContinuousBatchingConfig(**limits)
+        limits = {}
+    settings = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0, **limits)
 
     def tokens(model):
-        out = model.generate_batch(inputs=requests, generation_config=settings)
+        out = model.generate_batch(inputs=requests, generation_config=settings, **extra)
         return [out[key].generated_tokens for key in sorted(out)]
 
     want = tokens(upstream)

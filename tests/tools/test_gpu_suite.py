@@ -55,6 +55,11 @@ def test_the_status_is_current_while_the_tested_commit_holds_the_newest_core_cha
     _git(tmp_path, "commit", "-qm", "the record")  # (a commit after the tested one, outside the core)
     current, line = gpu_suite.status(tmp_path)
     assert current and line.startswith(f"GPU suite: current: gpu-suite.md tested {tested[:9]}")
+    record.write_text(f"- commit: {tested}\n- **9 passed, 1 failed, 0 errors, 2 skipped**\n")  # a run with a failure
+    current, line = gpu_suite.status(tmp_path)
+    assert not current and line.startswith("GPU suite: failing (1 failed, 0 errors)"), line
+    record.write_text(f"- commit: {tested}\n- **9 passed, 0 failed, 0 errors, 2 skipped**\n")
+    assert gpu_suite.status(tmp_path)[0]
     (tmp_path / "patches" / "x.py").write_text("a = 2\n")
     _git(tmp_path, "add", "-A")
     changed = _git(tmp_path, "commit", "-qm", "core again")
