@@ -8,5 +8,5 @@ source scripts/python.sh
 # so processes use the cores better than intra-op threads. TORCHEMBED_TEST_WORKERS=0: one process.
 # tests.tools.xdist_quiet_exit: the workers end before xdist interrupts them (its docstring says why).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-echo "test.sh: running the test suite (about 30 minutes on a 2-core CPU; a dot per passed test)"
+echo "test.sh: running the test suite (about 10 minutes on a 2-core CPU; a dot per passed test)"
 "$PYTHON" -m pytest -q -n "${TORCHEMBED_TEST_WORKERS:-auto}" --dist loadgroup -p tests.tools.xdist_quiet_exit "$@"
