@@ -28,21 +28,23 @@ CACHE_KEYWORDS = ("cache", "past_key_values", "layer_past", "past_key_value")  #
 # device time than the host time of the extra operations (a few microseconds each, per layer and step).
 IN_PLACE_BYTES = 16 * 2**20
 _ROOM = "_torchembed_room"  # a DynamicLayer's key and value buffers with room to grow (per cache layer)
+EMPTY = "empty"  # growing_layer's answer for a DynamicLayer that holds no tokens yet
 
 
 def growing_layer(cache: Any, layer_idx: int) -> Any:
     """The cache's ``DynamicLayer`` at ``layer_idx`` (exactly that class) when it grows in place: it holds
-    :data:`IN_PLACE_BYTES` of keys or more, or room already; else None (the cache's own update runs)."""
+    :data:`IN_PLACE_BYTES` of keys or more, or room already; :data:`EMPTY` when it holds no tokens yet (a cache made
+    without a config adds its layers at their first update); else None (the cache's own update runs)."""
     layers = getattr(cache, "layers", None)
-    if (torch.compiler.is_compiling() or not isinstance(layers, list) or not 0 <= layer_idx < len(layers)
+    if (torch.compiler.is_compiling() or not isinstance(layers, list) or not 0 <= layer_idx <= len(layers)
             or getattr(cache, "offloading", False)):
         return None
-    layer = layers[layer_idx]
-    if type(layer).__name__ != "DynamicLayer" or not getattr(layer, "is_initialized", False):
-        return None
+    layer = layers[layer_idx] if layer_idx < len(layers) else None
+    if layer is None or not getattr(layer, "is_initialized", False) or type(layer).__name__ != "DynamicLayer":
+        return EMPTY if layer is None or type(layer).__name__ == "DynamicLayer" else None
     keys = getattr(layer, "keys", None)
     if not isinstance(keys, Tensor) or keys.dim() != 4:
-        return None
+        return EMPTY if isinstance(keys, Tensor) and keys.numel() == 0 else None
     return layer if _ROOM in layer.__dict__ or keys.numel() * keys.element_size() >= IN_PLACE_BYTES else None
 
 
@@ -64,13 +66,19 @@ def append_in_place(layer: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return layer.keys, layer.values
 
 
-def update(cache: Any, k: Tensor, v: Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-    """``cache.update(k, v, layer_idx, *args, **kwargs)``, in place where :func:`growing_layer` finds the
-    layer: the one way a patched layer's cache takes new keys and values."""
+def update(cache: Any, k: Tensor, v: Tensor, layer_idx: int, *args: Any, strided_copy: bool = False,
+           **kwargs: Any) -> tuple[Tensor, Tensor]:
+    """``cache.update(k, v, layer_idx, *args, **kwargs)``, in place where :func:`growing_layer` finds the layer: the
+    one way a patched layer's cache takes new keys and values. ``strided_copy``: ``k``, ``v`` may be strided views,
+    made contiguous before the cache concatenates them to tokens it holds (a strided input sends CUDA's concatenation
+    of the whole cache down its slow copy path; BLOOM-7B1 shape at 65k tokens on an H200: 1.7 ms per layer and
+    tensor, ``benchmarks/results/long-context.md``); a layer's first tokens are copied once by its update anyway."""
     layer = growing_layer(cache, layer_idx)
-    if layer is None:
-        return cache.update(k, v, layer_idx, *args, **kwargs)
-    return append_in_place(layer, k, v)
+    if layer is not None and layer is not EMPTY:
+        return append_in_place(layer, k, v)
+    if strided_copy and layer is not EMPTY:
+        k, v = k.contiguous(), v.contiguous()
+    return cache.update(k, v, layer_idx, *args, **kwargs)
 
 
 def _prefix(t: Tensor, buffer: Tensor) -> bool:

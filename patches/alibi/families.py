@@ -191,18 +191,15 @@ def _cache_of(arguments: dict[str, Any]) -> Any:
 
 
 def _cache_update(arguments: dict[str, Any], k: Tensor, v: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
-    """``k``, ``v`` as they are without a KV cache among the ``arguments``; else ``cache.update`` as each release calls
-    it (4.x passes ``cache_position`` for static caches) with ``k``, ``v`` made contiguous: they are strided views of
-    the fused query-key-value projection (BLOOM's heads interleave q, k and v), and a strided new key sends each decode
-    step's concatenation of the whole cache down CUDA's slow copy path (BLOOM-7B1 shape at 65k tokens on an H200:
-    1.7 ms per layer and tensor; ``benchmarks/results/long-context.md``). A long ``DynamicCache`` layer grows in place
-    instead (:mod:`torchembed.patches.kv_cache`)."""
+    """``k``, ``v`` as they are without a KV cache among the ``arguments``; else :func:`kv_cache.update
+    <torchembed.patches.kv_cache.update>` as each release calls the cache (4.x passes ``cache_position`` for static
+    caches), told that ``k``, ``v`` are strided views of the fused query-key-value projection."""
     cache = _cache_of(arguments)
     if cache is None:
         return k, v
     position = arguments.get("cache_position")
     extra = () if position is None else ({"cache_position": position},)
-    return kv_cache.update(cache, k.contiguous(), v.contiguous(), layer_idx, *extra)
+    return kv_cache.update(cache, k, v, layer_idx, *extra, strided_copy=True)
 
 
 def _upstream(module: nn.Module, args: tuple, kwargs: dict, **changed: Any) -> Any:
@@ -311,15 +308,16 @@ def _falcon_qkv(attn: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor,
     release reads it (``kv`` = 1 for multi-query; new_decoder_architecture: each kv group's queries, then its key and
     value; otherwise q, k, v interleaved per head)."""
     batch, seq = hidden_states.shape[:2]
-    fused = attn.query_key_value(hidden_states).view(batch, seq, -1, attn.head_dim)  # (b, s, parts, d)
+    fused, heads, dim = attn.query_key_value(hidden_states), attn.num_heads, attn.head_dim  # (b, s, parts * d)
     if attn.new_decoder_architecture:
-        grouped = fused.view(batch, seq, attn.num_kv_heads, -1, attn.head_dim)  # (b, s, kv, group + 2, d)
+        grouped = fused.view(batch, seq, attn.num_kv_heads, -1, dim)  # (b, s, kv, group + 2, d)
         q, k, v = grouped[..., :-2, :].flatten(2, 3), grouped[..., -2, :], grouped[..., -1, :]
-    elif attn.multi_query:
-        q, k, v = fused.split([attn.num_heads, 1, 1], dim=2)
-    else:
-        q, k, v = fused.unflatten(2, (attn.num_heads, 3)).unbind(3)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if attn.multi_query:
+        parts = fused.view(batch, seq, heads + 2, dim).transpose(1, 2)  # (b, h + 2, s, d)
+        return parts[:, :heads], parts[:, heads:heads + 1], parts[:, heads + 1:]
+    parts = fused.view(batch, seq, heads, 3, dim).permute(3, 0, 2, 1, 4)  # (3, b, h, s, d): the fewest view ops
+    return parts[0], parts[1], parts[2]
 
 
 def _bloom_keep(mask: Tensor) -> Tensor:
@@ -428,11 +426,14 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor | None, t
     forward): ``to_keep`` makes HF's mask a keep mask, ``key_bias()`` builds the ``(b or 1, h, k)`` float32 bias from
     ``source``, the tensor every layer receives (``tag`` names the family's derivation)."""
     cache = current()
-    keep = None if attention_mask is None else derive(cache, attention_mask, "keep", to_keep, attention_mask)
-    bias = derive(cache, source, tag, key_bias)
+    keep, bias = derive(cache, (attention_mask, source), tag, _keep_and_bias, attention_mask, to_keep, key_bias)
     fused, sdpa_decode = (options.fused, options.sdpa_decode) if options is not None else (None, False)
     return alibi_attention(q, k, v, bias, keep, scale=scale, dropout_p=dropout_p, cache=cache, fused=fused, layer=True,
                            sdpa_decode=sdpa_decode)
+
+
+def _keep_and_bias(attention_mask: Tensor | None, to_keep: Any, key_bias: Any) -> tuple[Tensor | None, Tensor]:
+    return None if attention_mask is None else to_keep(attention_mask), key_bias()
 
 
 def _parameter_names(fn: Any) -> tuple[str, ...]:

@@ -131,6 +131,32 @@ def test_decode_mask_is_built_once_per_forward_and_matches_per_layer(monkeypatch
         torch.testing.assert_close(out, uncached, atol=2e-6, rtol=2e-6)
 
 
+def test_a_forward_decides_its_route_once(monkeypatch, alibi_policy):
+    """The layers of one forward ask the route with the same inputs: it decides once (and prepares the mask
+    once); a call of another shape in the same forward decides again; results equal the undecided call's."""
+    alibi_policy(dense_devices=("cuda", "cpu"))  # the small prefill's SDPA path on either device
+    decided = _count(monkeypatch, module, "alibi_path")
+    q, k, v, key_bias, keep = _case(2, 4, 12, 12, 16, torch.float32)
+    cache = PerForward()
+    outs = [alibi_attention(q, k, v, key_bias, keep, scale=0.25, cache=cache, layer=True) for _ in range(4)]
+    assert len(decided) == 1
+    fresh = alibi_attention(q, k, v, key_bias, keep, scale=0.25, layer=True)
+    for out in outs:
+        assert torch.equal(out, fresh)
+    alibi_attention(q[:, :2], k[:, :2], v[:, :2], key_bias[:, :2], keep, scale=0.25, cache=cache, layer=True)
+    assert len(decided) == 3  # (the call without a forward decided too)
+
+
+def test_a_patched_model_forward_decides_its_route_once(monkeypatch):
+    decided = _count(monkeypatch, module, "alibi_path")
+    upstream = _tiny("bloom")
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    ids = torch.randint(0, upstream.config.vocab_size, (2, 10), device=DEV)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(ids).logits, upstream(ids).logits, rtol=1e-5, atol=1e-5)
+    assert upstream.config.num_hidden_layers > 1 and len(decided) == 1
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_decode_steps_take_the_split_key_kernel(monkeypatch, dtype, tol, q_len):

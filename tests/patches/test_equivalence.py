@@ -129,6 +129,31 @@ def test_alibi_families_fill_the_cache_as_upstream(name, load):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_strided_keys_reach_a_short_cache_contiguous_after_its_first_tokens(monkeypatch):
+    """``kv_cache.update(..., strided_copy=True)`` (the ALiBi layers' views of their fused projection): a
+    ``DynamicLayer``'s first tokens go in as given (its concatenation with nothing copies them once), later ones
+    contiguous (a strided input sends the concatenation of the whole cache down CUDA's slow path); the cache holds
+    the same values either way."""
+    import transformers
+
+    from torchembed.patches import kv_cache
+
+    cache, given = transformers.DynamicCache(), []
+    original = type(cache).update
+    monkeypatch.setattr(type(cache), "update", lambda self, k, v, *a, **kw: given.append(
+        (k.is_contiguous(), v.is_contiguous())) or original(self, k, v, *a, **kw))
+    fused = torch.randn(2, 7, 3, 4, 8)  # (b, s, parts, h, d): k and v are strided views
+    views = lambda t: (t[:, :, 1].transpose(1, 2), t[:, :, 2].transpose(1, 2))  # noqa: E731
+    keys, values = kv_cache.update(cache, *views(fused), 0, strided_copy=True)
+    step = torch.randn(2, 1, 3, 4, 8)
+    keys, values = kv_cache.update(cache, *views(step), 0, strided_copy=True)
+    assert given == [(False, False), (True, True)]
+    torch.testing.assert_close(keys, torch.cat([views(fused)[0], views(step)[0]], dim=2), rtol=0, atol=0)
+    torch.testing.assert_close(values, torch.cat([views(fused)[1], views(step)[1]], dim=2), rtol=0, atol=0)
+    kv_cache.update(cache, *views(step), 0)  # (without strided_copy: as given)
+    assert given[-1] == (False, False)
+
+
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi", "llama", "falcon", "mistral"])
 def test_a_long_cache_grows_in_place(name, load, monkeypatch):
     """From ``IN_PLACE_BYTES`` of keys a patched layer (ALiBi, or a RoPE attention through its per-call view

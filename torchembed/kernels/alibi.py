@@ -72,19 +72,35 @@ def alibi_attention(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None = N
     """
     if key_bias is None and slopes is None:
         raise ValueError("alibi_attention needs key_bias (b or 1, h, k) or slopes (h,)")
+    args = (q, k, v, key_bias, slopes, keep, fused, dropout_p, layer, sdpa_decode, cache)
+    if cache is None:
+        path, prepared = _route(*args)
+    else:  # every layer of the forward asks the same: decided and prepared once (keyed by what the answer reads)
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        tag = ("route", q.shape, k.shape, v.shape, q.dtype, q.device, fused, dropout_p, layer, sdpa_decode, grad)
+        path, prepared = cache.memo((key_bias, slopes, keep), tag, _route, *args)
+    if path == "kernel":
+        bias, is_key_bias, rows = prepared
+        return fused_attention(q, k, v, bias, scale=scale, key_bias=is_key_bias, keep=keep, rows=rows)
+    if path != "reference":
+        return masked_sdpa(q, k, v, prepared, scale, dropout_p)
+    return alibi_attention_reference(q, k, v, _key_bias(key_bias, slopes, q, k), keep, scale=scale, dropout_p=dropout_p)
+
+
+def _route(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None, slopes: Tensor | None, keep: Tensor | None,
+           fused: bool | None, dropout_p: float, layer: bool, sdpa_decode: bool, cache: PerForward | None) -> tuple:
+    """:func:`~torchembed.kernels.route.alibi_path`'s answer and what it runs with: the SDPA mask (``"decode"``,
+    ``"dense"``), the kernel's float32 bias, its kind and the mask's row summary (``"kernel"``), or nothing."""
     path = alibi_path(q, k, v, keep, fused=fused, dropout_p=dropout_p, layer=layer, sdpa_decode=sdpa_decode)
-    if path == "decode" or path == "dense":  # the mask (dense: the materialised bias) once per forward
+    if path == "decode" or path == "dense":  # dense: the materialised bias
         if keep is None and path == "dense":
             keep = causal_keep(q.shape[-2], k.shape[-2], q.device, cache)
-        tag = ("decode", q.dtype) if path == "decode" else ("dense", q.shape[-2], q.dtype)
-        mask = derive(cache, (key_bias, slopes, keep), tag, _sdpa_mask, path, key_bias, slopes, keep, q, k)
-        return masked_sdpa(q, k, v, mask, scale, dropout_p)
+        return path, _sdpa_mask(path, key_bias, slopes, keep, q, k)
     if path == "kernel":
         rows = None if keep is None else derive(cache, keep, "rows", mask_rows, keep)
         bias, is_key_bias = (slopes, False) if slopes is not None else (key_bias, True)
-        bias = check_bias(bias, is_key_bias, q, k)
-        return fused_attention(q, k, v, bias, scale=scale, key_bias=is_key_bias, keep=keep, rows=rows)
-    return alibi_attention_reference(q, k, v, _key_bias(key_bias, slopes, q, k), keep, scale=scale, dropout_p=dropout_p)
+        return path, (check_bias(bias, is_key_bias, q, k), is_key_bias, rows)
+    return path, None
 
 
 def _key_bias(key_bias: Tensor | None, slopes: Tensor | None, q: Tensor, k: Tensor) -> Tensor:
