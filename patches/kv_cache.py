@@ -76,9 +76,8 @@ def update(cache: Any, k: Tensor, v: Tensor, layer_idx: int, *args: Any, strided
     layer = growing_layer(cache, layer_idx)
     if layer is not None and layer is not EMPTY:
         return append_in_place(layer, k, v)
-    if strided_copy and layer is not EMPTY:
-        k, v = k.contiguous(), v.contiguous()
-    return cache.update(k, v, layer_idx, *args, **kwargs)
+    copy = strided_copy and layer is not EMPTY
+    return cache.update(k.contiguous() if copy else k, v.contiguous() if copy else v, layer_idx, *args, **kwargs)
 
 
 def _prefix(t: Tensor, buffer: Tensor) -> bool:
