@@ -36,6 +36,7 @@ from torchembed.tools.launch import free_port, run_launcher
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 safetensors_torch = pytest.importorskip("safetensors.torch")
+pytestmark = pytest.mark.slow  # (every test here starts processes and trains: 15-40 s each)
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_distributed.py"
 STEPS, BATCH, SEQ, LR, SEED = 3, 4, 16, 1e-3, 0

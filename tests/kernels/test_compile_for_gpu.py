@@ -78,6 +78,7 @@ def _has_nvidia_backend() -> bool:
     return _compile(probe).stdout.strip() == "yes"
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_sm90():
     if not _has_nvidia_backend():
         pytest.skip("the installed Triton has no NVIDIA backend")

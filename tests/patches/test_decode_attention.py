@@ -201,6 +201,7 @@ def test_compiled_static_cache_decode_is_one_graph_with_the_kernel(route_on_cpu)
     assert sum("torchembed.alibi_flash" in op for op in ops) == patched.config.num_hidden_layers
 
 
+@pytest.mark.slow
 def test_compiled_decode_step_summarises_the_mask_without_launches_of_its_own(route_on_cpu):
     """Inside ``torch.compile`` the mask summary is tensor ops, which inductor fuses into the kernels around it: the
     step's only library calls are the attention's, one per layer (the summary as a custom op of its own was one

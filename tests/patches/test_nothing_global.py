@@ -88,6 +88,7 @@ def _jobs(models) -> list[tuple[str, str, int]]:
     return [(model, path, seed) for model in models for path in PATHS for seed in (0, 1)]
 
 
+@pytest.mark.slow
 def test_threads_see_what_calls_in_sequence_see(load, gpu_route):
     """3 families x upstream/patched x 3 paths x 2 inputs, each 3 times, on 6 threads in shuffled order:
     every output is bit-identical to the same call made alone; no thread ever sees a flag change."""
@@ -236,6 +237,7 @@ def _cuda_models(names=("llama", "falcon-alibi")) -> dict[str, torch.nn.Module]:
     return models
 
 
+@pytest.mark.slow
 @cuda
 def test_cuda_threads_see_what_calls_in_sequence_see():
     """As on the CPU, with the kernels (bf16; each output bit-identical to the same call alone)."""

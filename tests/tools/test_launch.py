@@ -35,6 +35,7 @@ def _processes_naming(arg: str, grace_s: float = 10.0) -> list[int]:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="lists processes through /proc")
 def test_timed_out_launch_stops_its_workers(tmp_path: Path) -> None:
     out = tmp_path / "run.safetensors"

@@ -18,6 +18,7 @@ pytest.importorskip("safetensors")
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "multi_gpu.py"
 
 
+@pytest.mark.slow
 def test_multi_gpu_smoke(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--repeats", "1", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)

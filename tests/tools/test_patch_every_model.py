@@ -85,6 +85,7 @@ def test_without_the_plugin_the_same_tests_fail(pytester):
     assert not any(line.startswith("torchembed: ") for line in result.outlines)
 
 
+@pytest.mark.slow
 def test_under_xdist_the_workers_counts_are_summed(pytester):
     pytest.importorskip("xdist")
     pytester.makepyfile(test_inner=INNER_TESTS)
