@@ -97,7 +97,7 @@ def _route(q: Tensor, k: Tensor, v: Tensor, key_bias: Tensor | None, slopes: Ten
             keep = causal_keep(q.shape[-2], k.shape[-2], q.device, cache)
         return path, _sdpa_mask(path, key_bias, slopes, keep, q, k)
     if path == "kernel":
-        rows = None if keep is None else derive(cache, keep, "rows", mask_rows, keep)
+        rows = None if keep is None else mask_rows(keep)  # (once per forward: the route is kept whole)
         bias, is_key_bias = (slopes, False) if slopes is not None else (key_bias, True)
         return path, (check_bias(bias, is_key_bias, q, k), is_key_bias, rows)
     return path, None
