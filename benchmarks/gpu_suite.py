@@ -202,10 +202,14 @@ def status(root: Path = ROOT) -> tuple[bool, str]:
     if not tested:
         return False, f"GPU suite: stale: {record.name} names no commit of this history; core last changed in {core[:9]}"
     current = subprocess.run(["git", "merge-base", "--is-ancestor", core, tested], cwd=root).returncode == 0
-    counts = re.search(r"^- \*\*(\d+) passed, (\d+) failed, (\d+) errors", record.read_text(), re.M)
+    text = record.read_text()
+    counts = re.search(r"^- \*\*(\d+) passed, (\d+) failed, (\d+) errors", text, re.M)
     failing = counts is not None and (int(counts.group(2)) or int(counts.group(3)))
-    state = "stale" if not current else f"failing ({counts.group(2)} failed, {counts.group(3)} errors)" if failing else "current"
-    return current and not failing, (
+    cut_short = "(cut short" in text  # the record of a run stopped at its time limit: some tests never ended
+    state = ("stale" if not current
+             else f"failing ({counts.group(2)} failed, {counts.group(3)} errors{'; cut short' if cut_short else ''})"
+             if failing else "cut short (some tests never ended)" if cut_short else "current")
+    return state == "current", (
         f"GPU suite: {state}: {record.name} tested {tested[:9]}; the core (kernels, functional, positional, patches) last "
         f"changed in {core[:9]}" + ("" if state == "current" else ": run `bash benchmarks/gpu_session.sh suite` on a GPU"))
 

@@ -12,6 +12,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # (a stable sort: marked first)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest-xdist's ``--dist loadgroup`` (the suite's) hands out groups of tests largest first unless told not to
+    (``--loadscope-reorder``, its default): every ungrouped test, the ``slow`` ones included, would wait behind the
+    model zoo's groups, as it did on the GPU (the smoke test started last and ran out of time). Keep the order above."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 @pytest.fixture
 def alibi_policy():
     """``alibi_policy(**changes)``: the ALiBi attention policy with ``changes`` for the rest of the test

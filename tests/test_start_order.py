@@ -3,9 +3,14 @@ that under pytest-xdist none of the suite's longest runs alone at the end."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from tests import conftest
+
+pytest_plugins = ["pytester"]
 
 
 class _Item:
@@ -30,3 +35,51 @@ def test_the_longest_test_is_collected_before_the_rest(request: pytest.FixtureRe
     if not smoke:
         pytest.skip("the multi-GPU smoke test is not collected in this session")
     assert smoke[0] < names.index(request.node.nodeid)
+
+
+INNER = '''
+import os
+
+import pytest
+
+
+def _started(name):  # each worker writes the tests it starts, in order, to its own file
+    with open(os.path.join(os.environ["START_LOG"], os.environ.get("PYTEST_XDIST_WORKER", "main")), "a") as log:
+        log.write(name + "\\n")
+
+
+@pytest.mark.xdist_group("one")
+def test_grouped_1a(): _started("grouped_1a")
+@pytest.mark.xdist_group("one")
+def test_grouped_1b(): _started("grouped_1b")
+@pytest.mark.xdist_group("two")
+def test_grouped_2a(): _started("grouped_2a")
+@pytest.mark.xdist_group("two")
+def test_grouped_2b(): _started("grouped_2b")
+@pytest.mark.xdist_group("three")
+def test_grouped_3a(): _started("grouped_3a")
+@pytest.mark.xdist_group("three")
+def test_grouped_3b(): _started("grouped_3b")
+def test_single_1(): _started("single_1")
+def test_single_2(): _started("single_2")
+@pytest.mark.slow
+def test_z_slow_collected_last(): _started("z_slow_collected_last")
+'''
+
+
+def test_under_xdist_loadgroup_a_slow_test_collected_last_is_the_first_its_worker_runs(pytester, monkeypatch):
+    """The suite's own scheduling (``-n N --dist loadgroup``, as scripts/test.sh and benchmarks/gpu_suite.py run it)
+    with this folder's conftest hooks: the slow test, collected last after groups of two, is the first test on its
+    worker. Without the sort it would be collected last; with xdist reordering groups by size, run after them."""
+    pytest.importorskip("xdist")
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    logs = pytester.mkdir("started")
+    monkeypatch.setenv("START_LOG", str(logs))
+    pytester.makeini("[pytest]\nmarkers =\n    slow: long\n")
+    pytester.makepyfile(test_inner=INNER)
+    result = pytester.runpytest_subprocess("-p", "tests.conftest", "-p", "no:cacheprovider", "-p", "no:randomly",
+                                           "-n", "2", "--dist", "loadgroup")
+    result.assert_outcomes(passed=9)
+    firsts = {path.name: path.read_text().split()[0] for path in logs.iterdir()}
+    assert len(firsts) == 2 and "z_slow_collected_last" in firsts.values(), firsts

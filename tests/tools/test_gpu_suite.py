@@ -58,6 +58,12 @@ def test_the_status_is_current_while_the_tested_commit_holds_the_newest_core_cha
     record.write_text(f"- commit: {tested}\n- **9 passed, 1 failed, 0 errors, 2 skipped**\n")  # a run with a failure
     current, line = gpu_suite.status(tmp_path)
     assert not current and line.startswith("GPU suite: failing (1 failed, 0 errors)"), line
+    record.write_text(f"- commit: {tested}\n- command: `python benchmarks/gpu_suite.py run` (`(cut short: the tests that "
+                      f"finished)`), 0 s wall, pytest exit code -1\n- **9 passed, 0 failed, 0 errors, 2 skipped**\n")
+    current, line = gpu_suite.status(tmp_path)  # a run stopped at its time limit is not a green record
+    assert not current and line.startswith("GPU suite: cut short (some tests never ended)"), line
+    record.write_text(record.read_text().replace("0 failed", "1 failed"))
+    assert gpu_suite.status(tmp_path)[1].startswith("GPU suite: failing (1 failed, 0 errors; cut short)")
     record.write_text(f"- commit: {tested}\n- **9 passed, 0 failed, 0 errors, 2 skipped**\n")
     assert gpu_suite.status(tmp_path)[0]
     (tmp_path / "patches" / "x.py").write_text("a = 2\n")

@@ -19,9 +19,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "multi_gpu.py"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 220-300+ s beside 13 busy workers on a 16-core GPU machine (the suite's --timeout is 300)
 def test_multi_gpu_smoke(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--repeats", "1", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     result = json.loads((tmp_path / "multi_gpu_smoke.json").read_text())
     assert [r["model"] for r in result["infer"]] == ["llama", "bloom"]
