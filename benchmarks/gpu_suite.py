@@ -197,12 +197,12 @@ def status(root: Path = ROOT) -> tuple[bool, str]:
         return False, "GPU suite: unknown (no git history here)"
     if not record.exists():
         return False, f"GPU suite: stale: never recorded ({record.relative_to(root)} is missing); core last changed in {core[:9]}"
-    match = re.search(r"^- commit: ([0-9a-f]{7,40})", record.read_text(), re.M)
+    text = record.read_text()
+    match = re.search(r"^- commit: ([0-9a-f]{7,40})", text, re.M)
     tested = _git("rev-parse", "-q", "--verify", f"{match.group(1)}^{{commit}}", root=root) if match else ""
     if not tested:
         return False, f"GPU suite: stale: {record.name} names no commit of this history; core last changed in {core[:9]}"
     current = subprocess.run(["git", "merge-base", "--is-ancestor", core, tested], cwd=root).returncode == 0
-    text = record.read_text()
     counts = re.search(r"^- \*\*(\d+) passed, (\d+) failed, (\d+) errors", text, re.M)
     failing = counts is not None and (int(counts.group(2)) or int(counts.group(3)))
     cut_short = "(cut short" in text  # the record of a run stopped at its time limit: some tests never ended

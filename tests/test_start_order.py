@@ -1,5 +1,6 @@
-"""The order tests start in (``pytest_collection_modifyitems`` in tests/conftest.py): those marked ``slow`` first, so
-that under pytest-xdist none of the suite's longest runs alone at the end."""
+"""The order tests start in (tests/conftest.py): those marked ``slow`` first, and pytest-xdist's ``--dist loadgroup``
+keeping that order (not handing out the largest groups first), so that none of the suite's longest runs alone at the
+end."""
 
 from __future__ import annotations
 
@@ -48,20 +49,15 @@ def _started(name):  # each worker writes the tests it starts, in order, to its 
         log.write(name + "\\n")
 
 
-@pytest.mark.xdist_group("one")
-def test_grouped_1a(): _started("grouped_1a")
-@pytest.mark.xdist_group("one")
-def test_grouped_1b(): _started("grouped_1b")
-@pytest.mark.xdist_group("two")
-def test_grouped_2a(): _started("grouped_2a")
-@pytest.mark.xdist_group("two")
-def test_grouped_2b(): _started("grouped_2b")
-@pytest.mark.xdist_group("three")
-def test_grouped_3a(): _started("grouped_3a")
-@pytest.mark.xdist_group("three")
-def test_grouped_3b(): _started("grouped_3b")
-def test_single_1(): _started("single_1")
-def test_single_2(): _started("single_2")
+@pytest.mark.parametrize("name", [pytest.param(f"grouped_{group}_{i}", marks=pytest.mark.xdist_group(group))
+                                  for group in ("one", "two", "three") for i in (1, 2)])
+def test_grouped(name): _started(name)
+
+
+@pytest.mark.parametrize("name", ["single_1", "single_2"])
+def test_single(name): _started(name)
+
+
 @pytest.mark.slow
 def test_z_slow_collected_last(): _started("z_slow_collected_last")
 '''
