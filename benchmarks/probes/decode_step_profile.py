@@ -129,31 +129,39 @@ def _kernels_by_kind(events) -> dict[str, dict[str, float]]:
     return kinds
 
 
-def _owner(event) -> str | None:
-    """Whose Python frame an event is: ``"torchembed"``, ``"transformers"``, or None (torch's own frames,
-    operators, anything else)."""
-    name = event.name
-    if ".py(" not in name:
+def _owner_of(frame: str) -> str | None:
+    """Whose Python frame (``"path(line): function"``) this is: ``"torchembed"``, ``"transformers"``, or None."""
+    if ".py(" not in frame:
         return None
-    if "torchembed/" in name or "/patches/" in name:
+    if "torchembed/" in frame or "/patches/" in frame:
         return "torchembed"
-    return "transformers" if "transformers/" in name else None
+    return "transformers" if "transformers/" in frame else None
 
 
-def _host_by_owner(events) -> dict[str, float]:
+def _host_by_owner(events) -> dict[str, float] | None:
     """Host time (ms) of one step by owner: every event's self time goes to the nearest enclosing Python frame
     of torchembed or transformers (operators and torch's frames count for whoever called them); the rest,
-    ``other``, is the probe's loop and what no such frame encloses."""
+    ``other``, is the probe's loop and what no such frame encloses. The frames are the profiler's Python-function
+    events where it records them, else each operator's ``stack``; None where it recorded neither (then every
+    operator would count as ``other``, which is no measurement)."""
     total: dict[str, float] = {"torchembed": 0.0, "transformers": 0.0, "other": 0.0}
+    frames = 0
     for e in events:
         if e.device_type != torch.autograd.DeviceType.CPU:
             continue
-        owner, up = _owner(e), e
+        owner, up = _owner_of(e.name), e
+        frames += ".py(" in e.name
         while owner is None and up.cpu_parent is not None:
             up = up.cpu_parent
-            owner = _owner(up)
+            owner = _owner_of(up.name)
+        stack = list(getattr(e, "stack", None) or ())  # innermost frame first
+        frames += bool(stack)
+        for frame in stack if owner is None else ():
+            owner = _owner_of(frame)
+            if owner is not None:
+                break
         total[owner or "other"] += e.self_cpu_time_total / 1e3
-    return total
+    return total if frames else None
 
 
 def _measure(model, config, keys: int, steps: int, compiled: bool = False, dev: torch.device = torch.device("cuda"),
@@ -203,7 +211,7 @@ def _measure(model, config, keys: int, steps: int, compiled: bool = False, dev: 
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     return {"step_ms": statistics.median(times[5 if compiled else 2:]), "steps_ms": times, "gpu_ms": gpu_us / 1e3,
             "kernels_by_kind": _kernels_by_kind(prof.events()) if cuda else {},
-            "host_ms_by_owner": min(owners, key=lambda h: sum(h.values())),
+            "host_ms_by_owner": min((h for h in owners if h is not None), key=lambda h: sum(h.values()), default=None),
             "host_syncs": sum("synchroniz" in str(message) for message, _ in caught),
             "sync_sites": sorted({f"{str(message).splitlines()[0][:80]} at {site}" for message, site in caught}),
             "top_host_ops": [{"name": e.key[:70], "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
@@ -282,6 +290,9 @@ def main() -> None:
     for variant, r in rows.items():
         if not r.get("oom"):
             h = r["host_ms_by_owner"]
+            if h is None:
+                lines.append(f"| {variant} | not recorded: this torch's profiler kept no Python frames | | | |")
+                continue
             lines.append(f"| {variant} | {h['torchembed']:.2f} | {h['transformers']:.2f} | {h['other']:.2f} "
                          f"| {h['torchembed'] / args.layers:.3f} |")
     kind_floor = {"matmul": weights_floor, "torchembed attention": floor - weights_floor,

@@ -154,6 +154,26 @@ def test_gc_paused_collects_the_last_runs_cycles_and_keeps_the_collector_off() -
     assert gc.isenabled()
 
 
+def test_a_failing_variant_keeps_its_whole_error_and_the_others_run() -> None:
+    """A variant whose run raises is recorded, not fatal: the table gets the first line, the JSON the whole message
+    (an error from inductor's compile subprocess says only "An exception occurred in a subprocess:" on its first
+    line; the worker's traceback follows it)."""
+    worker_trace = "Traceback (most recent call last):\n  File \"worker.py\", line 7\nValueError: the real cause"
+
+    def run(model: torch.nn.Module) -> float:
+        if isinstance(model, torch.nn.Identity):
+            raise RuntimeError("An exception occurred in a subprocess:\n\n" + worker_trace)
+        return 1.0
+
+    res = bench.measure({"broken": torch.nn.Identity(), "fine": torch.nn.Linear(1, 1)}, run, 2, torch.device("cpu"))
+    assert res["broken"]["ms"] == "error (RuntimeError: An exception occurred in a subprocess:)"
+    assert res["broken"]["error_detail"].endswith("ValueError: the real cause")
+    assert worker_trace in res["broken"]["error_detail"]
+    assert res["fine"]["ms"]["n"] == 2 and "error_detail" not in res["fine"]
+    long = RuntimeError("x" * 10_000 + " the end")
+    assert len(bench.error_detail(long)) == 4000 and bench.error_detail(long).endswith(" the end")
+
+
 def test_paired_ratio() -> None:
     a, b = bench.stats([2.0, 9.0, 3.0]), bench.stats([1.0, 3.0, 6.0])
     assert bench.paired_ratio(a, b) == bench.stats([2.0, 3.0, 0.5])

@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 PROBE = Path(__file__).resolve().parents[2] / "benchmarks" / "probes" / "decode_step_profile.py"
@@ -40,3 +41,27 @@ def test_kernels_are_summed_by_kind_with_their_longest_names(monkeypatch) -> Non
     assert attention["names"] == {"_decode_kernel": 0.06, "_combine_kernel": 0.005}
     assert (other["kernels"], round(other["ms"], 6)) == (5, 0.026)
     assert list(other["names"]) == ["mystery_a", "mystery_c", "mystery_b"]  # the three longest, longest first
+
+
+def _host(name: str, self_us: float, parent=None, stack=()):
+    return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CPU, cpu_parent=parent,
+                           self_cpu_time_total=self_us, stack=list(stack))
+
+
+def test_host_time_goes_to_the_nearest_frame_and_is_not_recorded_without_frames(monkeypatch) -> None:
+    probe = _load(monkeypatch)
+    # the profiler's Python-function events, operators below them
+    loop = _host("probe.py(10): main", 100)
+    patched = _host("/x/torchembed/patches/rope.py(5): __call__", 20, loop)
+    upstream = _host("/usr/lib/transformers/models/llama/modeling_llama.py(9): forward", 30, loop)
+    events = [loop, patched, upstream, _host("aten::mul", 7, patched), _host("aten::mm", 11, upstream),
+              _host("aten::empty", 1, _host("aten::to", 2, patched))]
+    assert probe._host_by_owner(events) == pytest.approx({"torchembed": 0.028, "transformers": 0.041, "other": 0.1})
+    # no such events, each operator's own stack instead (innermost frame first)
+    events = [_host("aten::mul", 7, stack=["/x/torchembed/patches/rope.py(5): __call__", "probe.py(10): main"]),
+              _host("aten::mm", 11, stack=["/t/torch/nn/functional.py(3): linear",
+                                           "/t/transformers/models/llama/modeling_llama.py(9): forward"]),
+              _host("aten::add", 5, stack=["probe.py(10): main"])]
+    assert probe._host_by_owner(events) == pytest.approx({"torchembed": 0.007, "transformers": 0.011, "other": 0.005})
+    # neither: every operator would count as "other", which measures nothing
+    assert probe._host_by_owner([_host("aten::mul", 7), _host("aten::mm", 11, _host("aten::matmul", 1))]) is None

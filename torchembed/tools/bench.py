@@ -312,6 +312,13 @@ def short_error(exc: BaseException) -> str:
     return "OOM" if is_oom(exc) else f"error ({type(exc).__name__}: {first_line})"
 
 
+def error_detail(exc: BaseException, limit: int = 4000) -> str:
+    """The whole message's last ``limit`` characters, kept in the JSON beside the table's ``short_error``: an error
+    raised in a worker process (inductor's compile subprocess) carries the worker's traceback in its message, below
+    a first line that says only that a subprocess failed."""
+    return f"{type(exc).__name__}: {exc}"[-limit:]
+
+
 def _peak_run(run: Callable[[], float], device: torch.device, peaks: list[float]) -> float:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -334,7 +341,7 @@ def measure(models: dict[str, nn.Module], run: Callable[[nn.Module], float], rep
         try:
             return fn()
         except Exception as exc:  # OOM or a failing variant: recorded, the others go on
-            res.setdefault(variant, {})["ms"] = short_error(exc)
+            res.setdefault(variant, {}).update(ms=short_error(exc), error_detail=error_detail(exc))
         free_memory(device)  # outside the except block, once the traceback's tensors are gone
         return math.nan
 
