@@ -27,6 +27,8 @@
 #   plain   - what a user's plain call costs: ALiBi prefills of one 128-2048-token sequence, upstream against patched,
 #             profiled (alibi_prefill_profile.py); plain generate() per token (LLaMA and MPT, 8 layers, 16k); the eager
 #             decode step by kind (LLaMA, 8 layers, 64k)
+#   plain-depth - plain generate() per token at full depth (LLaMA-3.1-8B at 128k, MPT-7B-StoryWriter and BLOOM-7B1 at
+#             65k), patched, beside the model's own decode loop and the floor (bench long --generate)
 #   growth  - one decode step over a long DynamicCache, patched (grows in place) against upstream (torch.cat)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,6 +74,12 @@ for phase in "$@"; do
         set -- $spec
         timeout 100 python3 -m torchembed bench long --models "$1" --variants patched --layers "$2" --contexts "$3" \
           --steps 6 --name "long-depth-$1" --out "$OUT" 2>&1 | grep "^| $1"
+      done ;;
+    plain-depth)  # plain generate() per token at full depth, patched (upstream runs out of memory or crawls there)
+      for spec in "llama 32 131072" "mpt 32 65536" "bloom 30 65536"; do
+        set -- $spec
+        timeout 190 python3 -m torchembed bench long --models "$1" --variants patched --layers "$2" --contexts "$3" \
+          --steps 6 --generate 16 --max-seconds 180 --name "long-plain-depth-$1" --out "$OUT" 2>&1 | grep "^| $1"
       done ;;
     compiled)
       timeout 200 python3 -m torchembed bench long --models llama --contexts 65536 --layers 8 --steps 6 \
