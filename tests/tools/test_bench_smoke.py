@@ -196,6 +196,29 @@ def test_alibi_smoke(tmp_path: Path) -> None:
     assert "tanh-GELU" in md  # BLOOM's own activation is named as what is left
 
 
+def test_alibi_on_the_cpu_runs_with_its_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--device cpu --threads N``: the CPU, N intra-op threads in this benchmark's process, named in the results;
+    ``--threads`` without the CPU is refused."""
+    pytest.importorskip("transformers")
+    from torchembed.tools import bench_alibi
+
+    full_size = bench_alibi.make_config
+    monkeypatch.setattr(bench_alibi, "make_config", lambda name, smoke, max_len: full_size(name, True, max_len))  # tiny
+    before = torch.get_num_threads()
+    try:
+        assert bench.main(["alibi", "--device", "cpu", "--threads", "1", "--dtype", "float32", "--models", "mpt",
+                           "--phases", "prefill", "--seq-lens", "8", "--batch-sizes", "1", "--repeats", "1",
+                           "--out", str(tmp_path)]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    data = json.loads((tmp_path / "alibi-cpu-mpt-prefill.json").read_text())
+    assert data["env"]["threads"] == 1 and data["options"]["device"] == "cpu"
+    assert _finite(_one(data["results"], model="mpt", seq_len=8, variant="patched")["ms"])
+    with pytest.raises(SystemExit):
+        bench.main(["alibi", "--threads", "2", "--out", str(tmp_path)])
+
+
 def test_alibi_kernel_smoke(tmp_path: Path) -> None:
     assert bench.main(["alibi", "--kernel", "--smoke", "--out", str(tmp_path), "--passes", "forward",
                        "--rounds", "2"]) == 0

@@ -1,7 +1,7 @@
 """``torchembed bench alibi``: ALiBi models (BLOOM-, MPT-, Falcon-style), upstream vs torchembed-patched.
 
 Random-weight configs (hidden 1024, 8 layers, 16 heads, vocabulary 32000; Falcon in falcon-rw-1b's
-layout: ``alibi=True``, multi-head, sequential attention and MLP, biases) in bf16 on CUDA; the
+layout: ``alibi=True``, multi-head, sequential attention and MLP, biases) in bf16 on CUDA (``--device cpu``: on the CPU); the
 patched variant is ``copy.deepcopy`` + ``torchembed.patch`` (same weights). Upstream BLOOM and MPT
 run their eager attention (the only one they have); upstream Falcon runs
 ``attn_implementation="sdpa"``, the function the patched model computes (Falcon's eager path adds
@@ -210,8 +210,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--new-tokens", type=count(2), default=None, help="decode steps, >= 2 (default 64; --smoke: 4)")
     parser.add_argument("--repeats", type=count(1), default=None, help="interleaved repeats (default 3; --smoke: 2)")
     parser.add_argument("--slow-ms", type=seconds, default=2000.0, help="skip longer lengths after a median above this (ms)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: full-size runs on the CPU (pass --dtype float32 where bf16 matmuls are slow)")
+    parser.add_argument("--threads", type=count(1), default=None,
+                        help="with --device cpu: CPU intra-op threads (default: torch's)")
     args = parser.parse_args(argv)
-    device = bench.setup(args)
+    if args.threads is not None and args.device != "cpu":
+        parser.error("--threads is for --device cpu")
+    device = bench.setup(args, args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)  # (this benchmark's own process)
     smoke = args.smoke
     args.batch_sizes = args.batch_sizes or ([1, 2] if smoke else [1, 4])
     args.seq_lens = args.seq_lens or ([16, 32] if smoke else [1024, 2048, 4096, 8192, 16384])
@@ -220,9 +228,12 @@ def main(argv: list[str]) -> int:
     args.repeats = args.repeats or (2 if smoke else 3)
     if smoke and args.dtype == "bfloat16":
         args.torch_dtype = torch.float32  # CPU smoke: float32
-    name = "-".join(["alibi", *(args.models if args.models != list(MODELS) else []),
+    name = "-".join(["alibi", *(["cpu"] if device.type == "cpu" and not smoke else []),
+                     *(args.models if args.models != list(MODELS) else []),
                      *(args.phases if len(args.phases) == 1 else [])])
     env, records = bench.environment(device), []
+    if device.type == "cpu" and not smoke:
+        env["threads"] = torch.get_num_threads()
     budget = bench.Budget(args.max_seconds)
     variants = list(args.variants)
 
