@@ -1,8 +1,8 @@
 """``torchembed bench alibi``: ALiBi models (BLOOM-, MPT-, Falcon-style), upstream vs torchembed-patched.
 
 Random-weight configs (hidden 1024, 8 layers, 16 heads, vocabulary 32000; Falcon in falcon-rw-1b's
-layout: ``alibi=True``, multi-head, sequential attention and MLP, biases) in bf16 on CUDA (``--device cpu``: on the CPU); the
-patched variant is ``copy.deepcopy`` + ``torchembed.patch`` (same weights). Upstream BLOOM and MPT
+layout: ``alibi=True``, multi-head, sequential attention and MLP, biases) in bf16 on CUDA (``--device cpu``:
+on the CPU); the patched variant is ``copy.deepcopy`` + ``torchembed.patch`` (same weights). Upstream BLOOM and MPT
 run their eager attention (the only one they have); upstream Falcon runs
 ``attn_implementation="sdpa"``, the function the patched model computes (Falcon's eager path adds
 the bias twice), with the bias folded into a ``(b, h, q, k)`` mask. ``--variants ... patched-kernel``
