@@ -147,6 +147,28 @@ def test_a_forward_decides_its_route_once(monkeypatch, alibi_policy):
     assert len(decided) == 3  # (the call without a forward decided too)
 
 
+def test_a_cpu_prefill_takes_sdpa_with_the_bias_not_the_reference(monkeypatch):
+    """On the CPU, where the kernel does not run, prefills take SDPA with the materialised bias (upstream's speed; the
+    PyTorch reference measured 0.49-0.98x upstream there): a model layer's within the bound and beyond it, a lone
+    call's; one-query decode steps SDPA with the decode mask; ``fused=False`` the reference. The dense results match
+    float64 as the reference's do."""
+    monkeypatch.setattr(route, "kernel_can_run", lambda t: False)  # (the CPU without Triton's interpreter)
+    q, k, v, key_bias, keep = (t.cpu() for t in _case(2, 4, 12, 12, 16, torch.float32))
+    path = lambda q, k, **kw: route.alibi_path(q, k, k, None, dropout_p=0.0, **{"fused": None, "layer": True, **kw})
+    assert path(q, k) == "dense"
+    long = torch.zeros(1, 1, 1, 8).expand(1, 1, 8193, 8)  # 8193^2 bias elements: above the bound (a view: no memory)
+    assert 8193**2 > route.settings().policy.dense_max_elements and path(long, long) == "dense"
+    assert path(q, k, layer=False) == "dense"
+    assert path(q[:, :, -1:], k) == "decode"
+    assert path(q, k, fused=False) == "reference"
+    truth, rows = _truth(q, k, v, key_bias, keep, 0.25), keep.expand(2, 4, 12, 12).any(-1)
+    taken = _count(monkeypatch, module, "masked_sdpa")
+    for layer in (True, False):
+        out = alibi_attention(q, k, v, key_bias, keep, scale=0.25, layer=layer)
+        torch.testing.assert_close(out.double()[rows], truth[rows], atol=2e-5, rtol=2e-5)
+    assert len(taken) == 2
+
+
 def test_a_patched_model_forward_decides_its_route_once(monkeypatch):
     decided = _count(monkeypatch, module, "alibi_path")
     upstream = _tiny("bloom")

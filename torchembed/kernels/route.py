@@ -166,10 +166,10 @@ def alibi_path(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, *, fused: b
 
     * ``"kernel"``: the fused attention kernel: a model layer's decode steps, prefills above the
       :class:`~torchembed.kernels.settings.AlibiPolicy` bound (``fused=None``), every call (``fused=True``);
-    * ``"dense"``: a model layer's small prefill on a dense device: SDPA with the bias materialised once per forward;
+    * ``"dense"``: a layer's small prefill, or any without the kernel, on CUDA or the CPU: SDPA with the bias;
     * ``"decode"``: a layer's one-query decode step with ``sdpa_decode`` (the patch's ``cudnn_decode``), without a
       kernel or with ``fused=False``: SDPA with the decode mask built once per forward;
-    * ``"reference"``: everything else (``fused=False``, the CPU): the PyTorch reference.
+    * ``"reference"``: everything else (``fused=False``, compiled without the kernel): the PyTorch reference.
 
     ``layer``: a model layer's call (its forward shares what it derives across its layers).
 
