@@ -95,10 +95,11 @@ def _check_fused(model: nn.Module, family: Family, fused: bool | None) -> None:
         use_kernel(True, param, "the fused kernel")  # (raises, naming the fix)
 
 
-def _plan(model: nn.Module, family: Family, fused: bool | None, cudnn_decode: bool = False) -> list[Any]:
+def _plan(model: nn.Module, family: Family, fused: bool | None, cudnn_decode: bool = False,
+          cuda_graphs: bool = True) -> list[Any]:
     """Every action of every adapter, each adapter having checked the structure it relies on; then the
     hooks that keep one forward's derivations for that forward (:mod:`torchembed.patches.forward_scope`)."""
-    options = PatchOptions(fused=fused, cudnn_decode=cudnn_decode)
+    options = PatchOptions(fused=fused, cudnn_decode=cudnn_decode, cuda_graphs=cuda_graphs)
     actions = [action for adapter in family.adapters for action in adapter.plan(model, model.config, options, family)]
     if not actions:
         raise StructureError(family.name, type(model).__name__, "at least one positional component",
@@ -131,7 +132,8 @@ def is_patched(model: nn.Module) -> bool:
     return getattr(_base(model), _RECORD, None) is not None
 
 
-def patch(model: M, fused: bool | None = None, *, strict: bool = True, cudnn_decode: bool = False) -> M:
+def patch(model: M, fused: bool | None = None, *, strict: bool = True, cudnn_decode: bool = False,
+          cuda_graphs: bool = True) -> M:
     """Swap torchembed's positional components into a loaded HF model, in place.
 
     Args:
@@ -147,6 +149,9 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True, cudnn_dec
             step (:func:`torchembed.kernels.route.decode_step`: at most 16 new tokens over a KV cache) runs
             torchembed's split-key decode kernel, decided per call for this model only
             (:mod:`torchembed.patches.rope.decode_attention`).
+        cuda_graphs: a CUDA decode step of one token (what ``generate`` runs) of a LLaMA, Mistral, Qwen2/3, Gemma,
+            Phi-3, Granite or OLMo-2 model is replayed from a CUDA graph captured by this model
+            (:mod:`torchembed.patches.decode_graphs`); False runs every step eagerly.
 
     Returns:
         The same model object. Patching a patched model is a no-op. A patched model inside
@@ -171,7 +176,7 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True, cudnn_dec
     inner = _take_over_inner_patches(model)
     record = PatchRecord(family)
     try:
-        actions = _plan(model, family, fused, cudnn_decode)
+        actions = _plan(model, family, fused, cudnn_decode, cuda_graphs)
         for action in actions:
             action.apply()
             record.actions.append(action)
@@ -221,13 +226,14 @@ def unpatch(model: M) -> M:
 
 
 @contextlib.contextmanager
-def patched(model: M, fused: bool | None = None, *, cudnn_decode: bool = False) -> Iterator[M]:
+def patched(model: M, fused: bool | None = None, *, cudnn_decode: bool = False,
+            cuda_graphs: bool = True) -> Iterator[M]:
     """``with torchembed.patched(model): ...`` patches for the block, then restores.
 
     A model that was already patched on entry stays patched on exit.
     """
     was_patched = is_patched(model)
-    patch(model, fused=fused, cudnn_decode=cudnn_decode)
+    patch(model, fused=fused, cudnn_decode=cudnn_decode, cuda_graphs=cuda_graphs)
     try:
         yield model
     finally:

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CACHE_KEYWORDS", "IN_PLACE_BYTES", "GrowInPlace", "append_in_place", "growing_layer", "grow_in_place", "update"]
+__all__ = ["CACHE_KEYWORDS", "IN_PLACE_BYTES", "GrowInPlace", "append_in_place", "growing_layer", "grow_in_place", "has_room",
+           "room_for", "update"]
 
 CACHE_KEYWORDS = ("cache", "past_key_values", "layer_past", "past_key_value")  # an attention's KV cache, by release
 
@@ -51,19 +52,37 @@ def growing_layer(cache: Any, layer_idx: int) -> Any:
 def append_in_place(layer: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """``DynamicLayer.update`` of ``k``, ``v`` ``(b, h, new, d)`` into the room of a :func:`growing_layer` (the module
     docstring), without the concatenation of the whole cache. Returns the layer's keys and values as its update does."""
-    keys, values = layer.keys, layer.values
-    filled, new = keys.shape[-2], k.shape[-2]
-    room = layer.__dict__.get(_ROOM)
-    if room is None or not (_prefix(keys, room[0]) and _prefix(values, room[1])) or filled + new > room[0].shape[-2]:
-        size = filled + new + max(256, (filled + new) // 8)
-        room = tuple(t.new_empty(*t.shape[:-2], size, t.shape[-1]) for t in (keys, values))
-        room[0][..., :filled, :].copy_(keys)
-        room[1][..., :filled, :].copy_(values)
-        layer.__dict__[_ROOM] = room
+    filled, new = layer.keys.shape[-2], k.shape[-2]
+    room = room_for(layer, new)
     room[0][..., filled:filled + new, :].copy_(k)
     room[1][..., filled:filled + new, :].copy_(v)
     layer.keys, layer.values = room[0][..., :filled + new, :], room[1][..., :filled + new, :]
     return layer.keys, layer.values
+
+
+def room_for(layer: Any, new: int) -> tuple[Tensor, Tensor]:
+    """The key and value buffers ``(b, h, size, d)`` of a ``DynamicLayer`` holding ``(b, h, filled, d)``, whose first
+    ``filled`` tokens are the layer's and which have space for ``new`` more: the layer's room where it has one that fits,
+    else new buffers with 1/8 more space than needed (at least 256 tokens), the filled part moved there once and the
+    space zeroed."""
+    keys, values = layer.keys, layer.values
+    filled = keys.shape[-2]
+    room = layer.__dict__.get(_ROOM)
+    if room is None or not has_room(layer) or filled + new > room[0].shape[-2]:
+        size = filled + new + max(256, (filled + new) // 8)
+        room = tuple(t.new_empty(*t.shape[:-2], size, t.shape[-1]) for t in (keys, values))
+        for buffer, held in zip(room, (keys, values)):
+            buffer[..., :filled, :].copy_(held)
+            buffer[..., filled:, :].zero_()  # (a step over the whole room masks the space: never NaN from new memory)
+        layer.__dict__[_ROOM] = room
+    return room
+
+
+def has_room(layer: Any) -> bool:
+    """The layer's keys and values are views of its room from its start (False where it has none, or they were
+    replaced since: beam search reorders them)."""
+    room = layer.__dict__.get(_ROOM)
+    return room is not None and _prefix(layer.keys, room[0]) and _prefix(layer.values, room[1])
 
 
 def update(cache: Any, k: Tensor, v: Tensor, layer_idx: int, *args: Any, strided_copy: bool = False,

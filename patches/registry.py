@@ -25,6 +25,7 @@ class PatchOptions:
 
     fused: bool | None  # None: Triton where it can run; True: always (checked up front); False: never
     cudnn_decode: bool = False  # decode steps' attention left to upstream (SDPA's backend choice)
+    cuda_graphs: bool = True  # CUDA decode steps replayed from a graph (torchembed.patches.decode_graphs)
 
 
 class Adapter(Protocol):

@@ -32,6 +32,7 @@ from torchembed.kernels.route import refuse
 from torchembed.patches.actions import Component, InstanceMethod, OverrideAttribute
 from torchembed.patches.rope.decode_attention import AttentionFunctions
 from torchembed.patches.adapters import qualname
+from torchembed.patches.decode_graphs import ReplayDecodeSteps
 from torchembed.patches.errors import StructureError, UnsupportedModelError
 from torchembed.patches.rebind import attribute_names, chain, find_globals, global_names
 from torchembed.patches.registry import Family, PatchOptions, register, set_fallback
@@ -260,8 +261,8 @@ def _falcon_rotary(config: Any) -> bool:
 _DECLARED = RopeExpectation()
 _DESCRIPTION = "apply_rotary_pos_emb of each attention -> torchembed rotation (fused RoPE kernel)"
 for _model_type in ("llama", "mistral"):
-    register(Family(model_type=_model_type, encoding="rope", adapters=(ReplaceRotationHelpers(_DECLARED),),
-                    description=_DESCRIPTION))
+    register(Family(model_type=_model_type, encoding="rope",
+                    adapters=(ReplaceRotationHelpers(_DECLARED), ReplayDecodeSteps()), description=_DESCRIPTION))
 register(Family(model_type="falcon", encoding="rope", variant="rotary", applies=_falcon_rotary,
                 adapters=(ReplaceRotationHelpers(_DECLARED),), description=_DESCRIPTION))
 
@@ -269,7 +270,8 @@ register(Family(model_type="falcon", encoding="rope", variant="rotary", applies=
 @functools.lru_cache(maxsize=None)
 def discovered_family(model_type: str) -> Family:
     """The family of a RoPE model_type with no registered adapter: found by structure."""
-    return Family(model_type=model_type, encoding="rope", adapters=(ReplaceRotationHelpers(),), discovered=True,
+    return Family(model_type=model_type, encoding="rope", adapters=(ReplaceRotationHelpers(), ReplayDecodeSteps()),
+                  discovered=True,
                   description="rotation helpers found by structure -> torchembed rotation (fused RoPE kernel)")
 
 

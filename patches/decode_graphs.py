@@ -1,0 +1,401 @@
+"""A patched model's decode steps replayed from a CUDA graph: plain ``generate`` without most of its host time.
+
+An eager decode step spends more time on the host than on the GPU: about 40 launches per layer, each some microseconds
+of Python (a LLaMA-8B-shaped step of 8 layers over 64k keys on an H100: 4.0 ms of host time for 2.5 ms of GPU work,
+``benchmarks/results/decode-step-profile.md``). A CUDA graph replays the launches without the Python, but needs every
+tensor at a fixed address and shape, where a ``DynamicCache`` grows by a token per step. So a graphed step runs the model
+over each cache layer's room (:func:`torchembed.patches.kv_cache.room_for`: buffers with space to grow), the new token
+written at a position held in a device tensor, under a keep mask over the whole room whose empty slots the decode
+kernel never reads (:func:`torchembed.kernels.attention.fused_attention`). The first step over a room runs the model
+eagerly on a side stream (the warm-up, whose result is that step's) and captures the graph; the next steps copy their
+inputs into the graph's and replay it. After every step the cache's layers are views of their room's filled part:
+what ``DynamicCache.update`` would hold, for ``generate`` and any other reader.
+
+:func:`decode_graph_step` is the one answer to "is this forward replayed from a graph?"; every other call runs the
+model's own forward. Per instance: one captured step at a time lives on the model (``_torchembed_decode_graphs``),
+``unpatch`` drops it; ``torchembed.patch(model, cuda_graphs=False)`` leaves every step eager. Nothing process-wide:
+capture is thread-local (``capture_error_mode="thread_local"``) on the caller's device, the graph is keyed by the
+caller's stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from torchembed.patches.actions import Component, InstanceMethod, OverrideAttribute
+from torchembed.patches.kv_cache import has_room, room_for
+from torchembed.patches.registry import Family, PatchOptions
+
+__all__ = ["GRAPHED_MODEL_TYPES", "DecodeGraphs", "ReplayDecodeSteps", "Step", "decode_graph_step", "graphed_forward"]
+
+# The decoder-only text models whose decode step is checked to compute upstream's step over a room (tests/patches/
+# test_decode_graphs.py): plain full-attention stacks whose forward keeps no Python state between steps.
+GRAPHED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "granite", "olmo2"})
+_STATE = "_torchembed_decode_graphs"
+_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache_position", "past_key_values", "use_cache",
+                     "return_dict", "logits_to_keep", "inputs_embeds", "output_attentions", "output_hidden_states",
+                     "labels"})
+_NONE_KWARGS = ("inputs_embeds", "labels")  # taken only when None
+_FALSE_KWARGS = ("output_attentions", "output_hidden_states")  # taken only when falsy
+
+
+@dataclass
+class Step:
+    """One decode step a graph can run: ``input_ids (b, 1)`` after ``filled`` cached tokens in every layer of
+    ``cache`` (a ``DynamicCache``), the caller's ``attention_mask (b, filled + 1)``, ``position_ids``,
+    ``cache_position`` (each None where not passed) and ``logits_to_keep``."""
+
+    input_ids: Tensor
+    cache: Any
+    filled: int
+    attention_mask: Tensor | None
+    position_ids: Tensor | None
+    cache_position: Tensor | None
+    logits_to_keep: Any
+    takes_cache_position: bool = False  # the forward has a ``cache_position`` parameter (transformers 4.x)
+
+
+def decode_graph_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step | str:
+    """Whether this forward of a patched model is replayed from a CUDA graph: the :class:`Step` if so, else why not.
+
+    Replayed: a decode step of one token per sequence (``input_ids (b, 1)`` on a CUDA device, no autograd, not in
+    training, not while ``torch.compile`` traces or a graph is being captured) of a model type in
+    :data:`GRAPHED_MODEL_TYPES` with SDPA attention, over a ``DynamicCache`` of plain layers holding the same number
+    of tokens, within any sliding window, with no hooks beyond torchembed's and only the arguments ``generate`` passes.
+    """
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(ids, Tensor) or ids.device.type != "cuda":
+        return "the input ids are not a CUDA tensor"
+    if torch.cuda.is_current_stream_capturing():
+        return "a CUDA graph is being captured"
+    return inspect_step(model, args, kwargs)
+
+
+def inspect_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step | str:
+    """:func:`decode_graph_step` but for the device (what a graph needs of the call and the model on any device)."""
+    if len(args) > 1 or (args and "input_ids" in kwargs):
+        return "positional arguments beyond the input ids"
+    unknown = sorted(set(kwargs) - _KWARGS)
+    if unknown:
+        return f"the call passes {', '.join(unknown)}"
+    if any(kwargs.get(name) is not None for name in _NONE_KWARGS) or any(kwargs.get(n) for n in _FALSE_KWARGS):
+        return "the call asks for embeddings, a loss, attentions or hidden states"
+    if kwargs.get("use_cache") is False or kwargs.get("return_dict") is False:
+        return "use_cache=False or return_dict=False"
+    if torch.is_grad_enabled() or model.training or torch.compiler.is_compiling():
+        return "autograd, training or torch.compile"
+    config = model.config
+    if config.model_type not in GRAPHED_MODEL_TYPES:
+        return f"model type {config.model_type!r} is not one whose step is checked over a room"
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return "the attention implementation is not sdpa"
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[1] != 1 or ids.dtype != torch.long:
+        return "not one new token per sequence"
+    cache = kwargs.get("past_key_values")
+    layers = getattr(cache, "layers", None)
+    if type(cache).__name__ != "DynamicCache" or not isinstance(layers, list) or getattr(cache, "offloading", False):
+        return "the cache is not a DynamicCache"
+    if len(layers) != config.num_hidden_layers or not layers:
+        return "the cache does not hold every layer"
+    first = layers[0]
+    filled = _filled(first, ids)
+    if filled is None or any(type(layer).__name__ != "DynamicLayer" or _filled(layer, ids) != filled for layer in layers):
+        return "the cache's layers are not plain DynamicLayers holding the same tokens on the ids' device"
+    if any(layer.__dict__.get("_torchembed_room") is not None and not has_room(layer) for layer in layers):
+        return "the cache's tensors were replaced (beam search reorders them every step)"
+    window = _window(config)
+    if window is not None and filled + 1 > window:
+        return f"the keys exceed the sliding window ({window})"
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != (ids.shape[0], filled + 1)
+                             or mask.device != ids.device):
+        return "the attention mask is not (batch, cached + 1)"
+    positions, cache_position = kwargs.get("position_ids"), kwargs.get("cache_position")
+    if positions is not None and (positions.dim() != 2 or positions.shape[1] != 1 or positions.device != ids.device):
+        return "the position ids are not (batch or 1, 1)"
+    if cache_position is not None and (tuple(cache_position.shape) != (1,) or cache_position.device != ids.device):
+        return "the cache position is not (1,)"
+    keep = kwargs.get("logits_to_keep", 0)
+    if not isinstance(keep, int):
+        return "logits_to_keep is not an int"
+    if _hooked(model):
+        return "the model has hooks or modules a graph would not run"
+    return Step(ids, cache, filled, mask, positions, cache_position, keep, _takes_cache_position(type(model)))
+
+
+@functools.cache
+def _takes_cache_position(cls: type) -> bool:
+    return "cache_position" in inspect.signature(cls.forward).parameters
+
+
+def _filled(layer: Any, ids: Tensor) -> int | None:
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if (not getattr(layer, "is_initialized", False) or not isinstance(keys, Tensor) or not isinstance(values, Tensor)
+            or keys.dim() != 4 or values.dim() != 4 or keys.shape[0] != ids.shape[0] or keys.device != ids.device
+            or keys.shape[-2] == 0 or values.shape[-2] != keys.shape[-2]):
+        return None
+    return keys.shape[-2]
+
+
+def _window(config: Any) -> int | None:
+    """The sliding window some layer attends within, None where every layer attends to all keys."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if any(t != "full_attention" for t in types) else None
+    return window if getattr(config, "use_sliding_window", True) else None
+
+
+def _hooked(model: nn.Module) -> bool:
+    """A hook a graph would run only at its capture: a global module hook, or one on a module that is not
+    torchembed's per-forward pair; or a module whose forward is an instance attribute (an adapter's, accelerate's)."""
+    from torch.nn.modules import module as torch_module
+    from torchembed.patches.forward_scope import CloseForward, OpenForward
+
+    if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+            or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks):
+        return True
+    for module in model.modules():
+        hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
+        if any(not isinstance(hook, (OpenForward, CloseForward)) for hook in hooks):
+            return True
+        if module is not model and "forward" in module.__dict__ and not isinstance(module.__dict__["forward"], InstanceMethod):
+            return True
+    return False
+
+
+class RoomView:
+    """The cache as a graphed step sees it: each layer's room ``(b, hk, size, d)``, the step's keys and values written
+    at ``slot`` (a ``(1,)`` device tensor) by ``update``, which returns the whole room."""
+
+    def __init__(self, rooms: list[tuple[Tensor, Tensor]], slot: Tensor) -> None:
+        self.rooms, self.slot = rooms, slot
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[Tensor, Tensor]:
+        keys, values = self.rooms[layer_idx]
+        keys.index_copy_(2, self.slot, key_states)
+        values.index_copy_(2, self.slot, value_states)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        raise RuntimeError("a graphed decode step passes its positions; nothing should ask the cache's length")
+
+
+@dataclass
+class FixedShapeStep:
+    """The tensors one graphed step reads, at fixed addresses: the ids, the positions (where upstream derives them
+    from the cache's length: ``(1, 1)``), the cache position (where passed), the write ``slot`` and the keep mask
+    ``(b, 1, 1, size)`` over the rooms."""
+
+    rooms: list[tuple[Tensor, Tensor]]
+    input_ids: Tensor
+    slot: Tensor
+    mask: Tensor
+    position_ids: Tensor | None
+    cache_position: Tensor | None
+    logits_to_keep: Any
+
+    @classmethod
+    def for_step(cls, step: Step, rooms: list[tuple[Tensor, Tensor]]) -> "FixedShapeStep":
+        ids = step.input_ids
+        size = rooms[0][0].shape[-2]
+        slot = torch.zeros(1, dtype=torch.long, device=ids.device)
+        mask = torch.zeros(ids.shape[0], 1, 1, size, dtype=torch.bool, device=ids.device)
+        cache_position = None if not step.takes_cache_position else torch.zeros(1, dtype=torch.long, device=ids.device)
+        positions = (torch.zeros_like(step.position_ids) if step.position_ids is not None
+                     else None if cache_position is not None  # (upstream derives them from the cache position)
+                     else torch.zeros(1, 1, dtype=torch.long, device=ids.device))
+        return cls(rooms, torch.zeros_like(ids), slot, mask, positions, cache_position, step.logits_to_keep)
+
+    def load(self, step: Step) -> None:
+        """Copy ``step``'s inputs into these tensors (device copies and fills, no host sync)."""
+        n = step.filled
+        self.input_ids.copy_(step.input_ids)
+        self.slot.fill_(n)
+        if step.attention_mask is None:
+            self.mask[..., : n + 1].fill_(True)
+        else:
+            self.mask[:, 0, 0, : n + 1].copy_(step.attention_mask)
+        self.mask[..., n + 1:].fill_(False)
+        if self.cache_position is not None:
+            if step.cache_position is not None:
+                self.cache_position.copy_(step.cache_position)
+            else:
+                self.cache_position.fill_(n)
+        if self.position_ids is not None:
+            if step.position_ids is not None:
+                self.position_ids.copy_(step.position_ids)
+            else:
+                self.position_ids.fill_(n)
+
+    def run(self, model: nn.Module) -> Any:
+        """The model's own forward over the rooms (what a graph captures)."""
+        kwargs: dict[str, Any] = {"input_ids": self.input_ids, "attention_mask": self.mask, "use_cache": True,
+                                  "past_key_values": RoomView(self.rooms, self.slot), "return_dict": True}
+        if self.position_ids is not None:
+            kwargs["position_ids"] = self.position_ids
+        if self.cache_position is not None:
+            kwargs["cache_position"] = self.cache_position
+        if self.logits_to_keep:
+            kwargs["logits_to_keep"] = self.logits_to_keep
+        return type(model).forward(model, **kwargs)
+
+
+@dataclass
+class _Captured:
+    key: tuple
+    inputs: FixedShapeStep
+    graph: Any  # torch.cuda.CUDAGraph
+    output: Any  # the captured forward's output (its logits are rewritten by every replay)
+
+
+@dataclass
+class DecodeGraphs:
+    """A patched model's captured decode step (one at a time) and the keys that failed to capture (bounded)."""
+
+    captured: _Captured | None = None
+    failed: set = field(default_factory=set)
+    captures: int = 0  # graphs captured
+    replays: int = 0  # steps replayed
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __deepcopy__(self, memo: dict) -> "DecodeGraphs":
+        return DecodeGraphs()  # a copy of the model captures its own
+
+    def __reduce__(self) -> tuple:
+        return (DecodeGraphs, ())
+
+    def step(self, model: nn.Module, step: Step) -> Any:
+        """``model``'s forward of ``step``: replayed where this step's key was captured, else run over the rooms
+        eagerly (on a side stream) and captured for the next steps."""
+        if not self.lock.acquire(blocking=False):  # another thread is in a step of this model: eager
+            return type(model).forward(model, **_as_kwargs(step))
+        try:
+            layers = step.cache.layers
+            rooms = [room_for(layer, 1) for layer in layers]
+            if len({keys.shape[-2] for keys, _ in rooms} | {values.shape[-2] for _, values in rooms}) != 1:
+                return type(model).forward(model, **_as_kwargs(step))  # (rooms made apart: the cache's own update)
+            key = _key(model, step, rooms)
+            if key in self.failed:
+                return type(model).forward(model, **_as_kwargs(step))
+            captured = self.captured if self.captured is not None and self.captured.key == key else None
+            if captured is None:
+                self.captured = None  # (its inputs and pool go before the next capture's)
+                out = self._capture(model, step, rooms, key)
+            else:
+                captured.inputs.load(step)
+                captured.graph.replay()
+                self.replays += 1
+                out = captured.output
+            n = step.filled + 1
+            for layer, (keys, values) in zip(layers, rooms):
+                layer.keys, layer.values = keys[..., :n, :], values[..., :n, :]
+            return _result(out, step.cache)
+        finally:
+            self.lock.release()
+
+    def _capture(self, model: nn.Module, step: Step, rooms: list[tuple[Tensor, Tensor]], key: tuple) -> Any:
+        inputs = FixedShapeStep.for_step(step, rooms)
+        inputs.load(step)
+        caller = torch.cuda.current_stream(step.input_ids.device)
+        side = torch.cuda.Stream(step.input_ids.device)
+        side.wait_stream(caller)
+        with torch.cuda.stream(side):
+            out = inputs.run(model)  # the warm-up: this step's result
+        caller.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                captured_out = inputs.run(model)
+        except Exception as err:  # a model the graph cannot take: every step with this key eager
+            if len(self.failed) >= 64:
+                self.failed.clear()
+            self.failed.add(key)
+            warnings.warn(f"torchembed: a decode step of this {type(model).__name__} could not be captured as a CUDA "
+                          f"graph ({type(err).__name__}: {err}); its steps run eagerly", stacklevel=4)
+            return out
+        caller.wait_stream(side)
+        inputs.rooms = []  # the graph holds their addresses; the cache holds them
+        self.captured = _Captured(key, inputs, graph, captured_out)
+        self.captures += 1
+        return out
+
+
+def _key(model: nn.Module, step: Step, rooms: list[tuple[Tensor, Tensor]]) -> tuple:
+    """What a captured step depends on beyond its inputs' values: the rooms (addresses and shapes), the weights'
+    addresses (a model moved or cast is captured again), the caller's stream, the arguments' form."""
+    first, head = next(model.parameters()), model.lm_head.weight
+    ids = step.input_ids
+    return (tuple((k.data_ptr(), v.data_ptr()) for k, v in rooms), tuple(rooms[0][0].shape), rooms[0][0].dtype,
+            tuple(ids.shape), ids.device, torch.cuda.current_stream(ids.device).cuda_stream, first.data_ptr(), head.data_ptr(),
+            step.attention_mask is None, None if step.position_ids is None else tuple(step.position_ids.shape),
+            step.cache_position is None, step.takes_cache_position, step.logits_to_keep)
+
+
+def _as_kwargs(step: Step) -> dict[str, Any]:
+    kwargs = {"input_ids": step.input_ids, "past_key_values": step.cache, "attention_mask": step.attention_mask,
+              "use_cache": True, "return_dict": True}
+    for name in ("position_ids", "cache_position"):
+        if getattr(step, name) is not None:
+            kwargs[name] = getattr(step, name)
+    if step.logits_to_keep:
+        kwargs["logits_to_keep"] = step.logits_to_keep
+    return kwargs
+
+
+def _result(out: Any, cache: Any) -> Any:
+    """``out`` as upstream returns it: its own logits (a copy: a replay rewrites the graph's) and the caller's cache."""
+    fields = {name: value for name, value in out.items() if name != "past_key_values"}
+    fields["logits"] = out.logits.clone()
+    return type(out)(**fields, past_key_values=cache)
+
+
+def graphed_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A patched model's forward: decode steps :func:`decode_graph_step` takes from a CUDA graph, every other call
+    the model's own forward."""
+    step = decode_graph_step(model, args, kwargs)
+    if isinstance(step, str):
+        return type(model).forward(model, *args, **kwargs)
+    graphs = model.__dict__.get(_STATE)
+    if graphs is None:
+        graphs = model.__dict__[_STATE] = DecodeGraphs()
+    return graphs.step(model, step)
+
+
+@dataclass
+class _DropGraphs:
+    """``unpatch``: the model's captured step goes with the forward."""
+
+    component: Component
+    model: nn.Module
+
+    def apply(self) -> None:
+        pass
+
+    def undo(self) -> None:
+        self.model.__dict__.pop(_STATE, None)
+
+
+class ReplayDecodeSteps:
+    """Adapter: a causal LM of :data:`GRAPHED_MODEL_TYPES` gets :func:`graphed_forward` as its forward (instance
+    only), unless ``patch(..., cuda_graphs=False)``."""
+
+    def plan(self, model: nn.Module, config: Any, options: PatchOptions, family: Family) -> list[Any]:
+        if (not options.cuda_graphs or getattr(config, "model_type", None) not in GRAPHED_MODEL_TYPES
+                or not hasattr(model, "generate") or getattr(model, "lm_head", None) is None):
+            return []
+        component = Component("", "decode-graphs", f"{type(model).__qualname__}.forward",
+                              "torchembed.patches.decode_graphs.graphed_forward (CUDA decode steps replayed from a "
+                              "graph)")
+        return [_DropGraphs(component, model),
+                OverrideAttribute(component, model, "forward", InstanceMethod(model, graphed_forward))]

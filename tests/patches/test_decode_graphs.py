@@ -1,0 +1,227 @@
+"""A patched model's decode steps replayed from a CUDA graph (torchembed.patches.decode_graphs).
+
+On any device: a step over the cache's room (what a graph captures) computes upstream's step, leaves the cache as
+upstream's update would, and the decision refuses every call a graph would get wrong. On CUDA: plain ``generate``
+replays its steps and gives upstream's tokens (float32), across room growth, padding, beam search and hand-written loops.
+"""
+
+import copy
+import threading
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import torchembed  # noqa: E402
+from torchembed.patches import decode_graphs as dg  # noqa: E402
+from torchembed.patches.kv_cache import has_room, room_for  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# float32 on both sides, the same operations but for the masked keys' zero terms in the softmax sums: a few ulp
+ATOL = RTOL = 2e-5
+
+
+def tiny(model_type, device="cpu", **extra):
+    kwargs = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if model_type == "gemma":
+        kwargs["head_dim"] = 16
+    if model_type == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(extra)
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+def prefill(model, batch=2, length=7, device="cpu"):
+    """A prompt with the first row left-padded, its cache, the next ids and the mask for the next step."""
+    ids = torch.randint(3, 128, (batch, length), device=device)
+    mask = torch.ones(batch, length, dtype=torch.long, device=device)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    step_mask = torch.cat([mask, mask.new_ones(batch, 1)], 1)
+    return out.past_key_values, out.logits[:, -1:].argmax(-1), step_mask
+
+
+def step_kwargs(cache, ids, mask):
+    kwargs = dict(input_ids=ids, past_key_values=cache, attention_mask=mask, use_cache=True, return_dict=True)
+    if dg._takes_cache_position(transformers.LlamaForCausalLM):  # transformers 4.x: generate passes it
+        kwargs["cache_position"] = torch.tensor([cache.get_seq_length()], device=ids.device)
+    return kwargs
+
+
+def over_the_room(model, step):
+    """One step as a graph captures it, run eagerly; the cache's layers made views of the rooms again."""
+    rooms = [room_for(layer, 1) for layer in step.cache.layers]
+    inputs = dg.FixedShapeStep.for_step(step, rooms)
+    inputs.load(step)
+    out = inputs.run(model)
+    for layer, (keys, values) in zip(step.cache.layers, rooms):
+        layer.keys, layer.values = keys[..., : step.filled + 1, :], values[..., : step.filled + 1, :]
+    return dg._result(out, step.cache)
+
+
+@pytest.mark.parametrize("model_type", sorted(dg.GRAPHED_MODEL_TYPES))
+def test_a_step_over_the_room_is_upstreams_step(model_type):
+    torch.manual_seed(0)
+    model = torchembed.patch(tiny(model_type))
+    cache, ids, mask = prefill(model)
+    ours = cache
+    theirs = copy.deepcopy(cache)
+    for _ in range(3):  # the first step makes the rooms, the next ones write into them
+        with torch.no_grad():
+            expected = type(model).forward(model, **step_kwargs(theirs, ids, mask))
+            step = dg.inspect_step(model, (), step_kwargs(ours, ids, mask))
+            assert isinstance(step, dg.Step), step
+            got = over_the_room(model, step)
+        torch.testing.assert_close(got.logits, expected.logits, atol=ATOL, rtol=RTOL)
+        assert got.past_key_values is ours
+        for mine, upstream in zip(ours.layers, theirs.layers):
+            assert has_room(mine)
+            torch.testing.assert_close(mine.keys, upstream.keys, atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(mine.values, upstream.values, atol=ATOL, rtol=RTOL)
+        ids = expected.logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+
+
+def test_new_room_space_is_zero_not_new_memory():
+    layer = transformers.cache_utils.DynamicLayer()
+    layer.update(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
+    keys, values = room_for(layer, 1)
+    assert keys.shape[-2] >= 6
+    assert not keys[..., 5:, :].any() and not values[..., 5:, :].any()  # a masked slot holding NaN poisons SDPA
+
+
+def test_the_decision_refuses_what_a_graph_would_get_wrong():
+    torch.manual_seed(0)
+    model = torchembed.patch(tiny("llama"))
+    cache, ids, mask = prefill(model)
+    good = step_kwargs(cache, ids, mask)
+    assert dg.decode_graph_step(model, (), good) == "the input ids are not a CUDA tensor"
+    with torch.no_grad():
+        assert isinstance(dg.inspect_step(model, (), good), dg.Step)
+        refused = {
+            "prefill": dg.inspect_step(model, (), {**good, "input_ids": torch.cat([ids, ids], 1)}),
+            "attentions": dg.inspect_step(model, (), {**good, "output_attentions": True}),
+            "labels": dg.inspect_step(model, (), {**good, "labels": ids}),
+            "unknown": dg.inspect_step(model, (), {**good, "token_type_ids": ids}),
+            "no cache": dg.inspect_step(model, (), {**good, "use_cache": False}),
+            "bad mask": dg.inspect_step(model, (), {**good, "attention_mask": mask[:, 1:]}),
+            "tuple": dg.inspect_step(model, (), {**good, "return_dict": False}),
+        }
+    refused["autograd"] = dg.inspect_step(model, (), good)
+    assert all(isinstance(why, str) for why in refused.values()), refused
+    with torch.no_grad():
+        model.train()
+        assert isinstance(dg.inspect_step(model, (), good), str)
+        model.eval()
+        handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+        assert "hooks" in dg.inspect_step(model, (), good)
+        handle.remove()
+        beams = copy.deepcopy(cache)
+        over_the_room(model, dg.inspect_step(model, (), step_kwargs(beams, ids, mask)))
+        beams.reorder_cache(torch.tensor([1, 0]))  # beam search: new tensors, not views of the rooms
+        assert "replaced" in dg.inspect_step(model, (), step_kwargs(beams, ids, torch.cat([mask, mask[:, :1]], 1)))
+        windowed = torchembed.patch(tiny("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0))
+        cache, ids, mask = prefill(windowed)
+        assert isinstance(dg.inspect_step(windowed, (), step_kwargs(cache, ids, mask)), str)
+
+
+def test_patch_installs_the_forward_for_this_instance_and_unpatch_restores_it():
+    model = tiny("llama")
+    other = tiny("llama")
+    torchembed.patch(model)
+    assert isinstance(vars(model)["forward"], torchembed.patches.actions.InstanceMethod)
+    assert "forward" not in vars(other)
+    assert any(c.kind == "decode-graphs" for c in torchembed.find_positional_components(model))
+    vars(model)[dg._STATE] = dg.DecodeGraphs()
+    clone = copy.deepcopy(model)
+    assert vars(clone)[dg._STATE] is not vars(model)[dg._STATE]
+    torchembed.unpatch(model)
+    assert "forward" not in vars(model) and dg._STATE not in vars(model)
+    assert "forward" not in vars(torchembed.patch(tiny("llama"), cuda_graphs=False))
+    assert "forward" not in vars(torchembed.patch(tiny("gpt_neox")))  # not a model type checked over a room
+
+
+# ----------------------------------------------------------------------------------------------- on a CUDA device
+
+
+def _pair(model_type="llama", **extra):
+    torch.manual_seed(0)
+    upstream = tiny(model_type, "cuda", **extra)
+    patched = torchembed.patch(copy.deepcopy(upstream))
+    return upstream, patched
+
+
+def _graphs(model):
+    return vars(model).get(dg._STATE)
+
+
+@cuda
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_cuda_plain_generate_replays_its_steps_and_gives_upstreams_tokens(model_type):
+    upstream, patched = _pair(model_type)
+    ids = torch.randint(3, 128, (2, 9), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=300, do_sample=False, min_new_tokens=300)  # past one room
+    with torch.no_grad():
+        expected = upstream.generate(ids, **kwargs)
+        got = patched.generate(ids, **kwargs)
+    assert torch.equal(got, expected)
+    graphs = _graphs(patched)
+    assert graphs.captures >= 2 and graphs.replays >= 290  # a new room after 256 tokens: captured again
+    with torch.no_grad():
+        again = patched.generate(ids, **kwargs)  # a second call: new cache, its own rooms
+    assert torch.equal(again, expected)
+
+
+@cuda
+def test_cuda_beam_search_sampling_and_a_hand_written_loop_keep_upstreams_results():
+    upstream, patched = _pair()
+    ids = torch.randint(3, 128, (1, 12), device="cuda")
+    with torch.no_grad():
+        beams = dict(num_beams=3, max_new_tokens=20, do_sample=False)
+        assert torch.equal(patched.generate(ids, **beams), upstream.generate(ids, **beams))
+        torch.manual_seed(1)
+        expected = upstream.generate(ids, do_sample=True, max_new_tokens=30)
+        torch.manual_seed(1)
+        assert torch.equal(patched.generate(ids, do_sample=True, max_new_tokens=30), expected)
+        ours, theirs = transformers.DynamicCache(), transformers.DynamicCache()
+        a, b = patched(ids, past_key_values=ours), upstream(ids, past_key_values=theirs)
+        nxt = b.logits[:, -1:].argmax(-1)
+        for _ in range(5):
+            a, b = patched(nxt, past_key_values=ours), upstream(nxt, past_key_values=theirs)
+            torch.testing.assert_close(a.logits, b.logits, atol=ATOL, rtol=RTOL)
+            nxt = b.logits[:, -1:].argmax(-1)
+    assert _graphs(patched).replays >= 3
+
+
+@cuda
+def test_cuda_graphs_stay_per_instance_and_threads_get_upstreams_tokens():
+    upstream, patched = _pair()
+    second = torchembed.patch(copy.deepcopy(upstream))
+    prompts = [torch.randint(3, 128, (1, 10), device="cuda") for _ in range(4)]
+    with torch.no_grad():
+        expected = [upstream.generate(p, max_new_tokens=40, do_sample=False) for p in prompts]
+    results = {}
+
+    def run(i, model):
+        with torch.no_grad():
+            results[i] = model.generate(prompts[i], max_new_tokens=40, do_sample=False)
+
+    threads = [threading.Thread(target=run, args=(i, patched if i % 2 else second)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, want in enumerate(expected):
+        assert torch.equal(results[i], want), i
+    assert _graphs(patched) is not _graphs(second)
+    torchembed.unpatch(patched)
+    assert _graphs(patched) is None
+    with torch.no_grad():
+        assert torch.equal(patched.generate(prompts[0], max_new_tokens=40, do_sample=False), expected[0])
