@@ -314,9 +314,13 @@ class DecodeGraphs:
             out = inputs.run(model)  # the warm-up: this step's result
         caller.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-                captured_out = inputs.run(model)
+        try:  # (not torch.cuda.graph, which collects garbage and empties the allocator's cache for the process)
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    captured_out = inputs.run(model)
+                finally:
+                    graph.capture_end()
         except Exception as err:  # a model the graph cannot take: every step with this key eager
             if len(self.failed) >= 64:
                 self.failed.clear()
