@@ -31,6 +31,7 @@ __all__ = ["patch", "unpatch", "is_patched", "patched", "find_positional_compone
 M = TypeVar("M", bound=nn.Module)
 _RECORD = "_torchembed_patch"
 _SCOPE = "forward-scope"  # the kind of the per-forward hooks (not a positional component)
+_NOT_POSITIONAL = (_SCOPE, "decode-graphs")  # (the graphed forward: torchembed.patches.decode_graphs)
 
 
 @dataclass
@@ -42,8 +43,8 @@ class PatchRecord:
 
     @property
     def components(self) -> list[Component]:
-        """The positional components swapped (not the per-forward hooks)."""
-        return [a.component for a in self.actions if a.component.kind != _SCOPE]
+        """The positional components swapped (not the per-forward hooks or the graphed forward)."""
+        return [a.component for a in self.actions if a.component.kind not in _NOT_POSITIONAL]
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -124,7 +125,7 @@ def find_positional_components(model: nn.Module) -> list[Component]:
     if record is not None:
         return record.components
     family = _family_of(model)
-    return [action.component for action in _plan(model, family, None) if action.component.kind != _SCOPE]
+    return [action.component for action in _plan(model, family, None) if action.component.kind not in _NOT_POSITIONAL]
 
 
 def is_patched(model: nn.Module) -> bool:

@@ -136,7 +136,9 @@ def test_patch_installs_the_forward_for_this_instance_and_unpatch_restores_it():
     torchembed.patch(model)
     assert isinstance(vars(model)["forward"], torchembed.patches.actions.InstanceMethod)
     assert "forward" not in vars(other)
-    assert any(c.kind == "decode-graphs" for c in torchembed.find_positional_components(model))
+    record = vars(model)["_torchembed_patch"]
+    assert [a.component.kind for a in record.actions].count("decode-graphs") == 2  # the forward, the graphs' drop
+    assert all(c.kind != "decode-graphs" for c in torchembed.find_positional_components(model))  # not positional
     vars(model)[dg._STATE] = dg.DecodeGraphs()
     clone = copy.deepcopy(model)
     assert vars(clone)[dg._STATE] is not vars(model)[dg._STATE]
