@@ -77,7 +77,7 @@ class InstanceMethod:
         return self.__func__(self.__self__, *args, **kwargs)
 
     def __reduce__(self) -> tuple:
-        return (InstanceMethod, (self.__self__, self.function, self.replacements, self.grow_cache))
+        return (type(self), (self.__self__, self.function, self.replacements, self.grow_cache))
 
     @property
     def __wrapped__(self) -> types.MethodType:
@@ -107,7 +107,7 @@ def replicate_rebinding(module: nn.Module) -> nn.Module:
     attrs = vars(replica)
     for name, value in list(attrs.items()):
         if isinstance(value, InstanceMethod) and value.__self__ is module:
-            attrs[name] = InstanceMethod(replica, value.function, value.replacements, value.grow_cache)
+            attrs[name] = type(value)(replica, value.function, value.replacements, value.grow_cache)
     return replica
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import types
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ from torchembed.patches.actions import Component, InstanceMethod, OverrideAttrib
 from torchembed.patches.kv_cache import has_room, room_for
 from torchembed.patches.registry import Family, PatchOptions
 
-__all__ = ["GRAPHED_MODEL_TYPES", "DecodeGraphs", "ReplayDecodeSteps", "Step", "decode_graph_step", "graphed_forward"]
+__all__ = ["GRAPHED_MODEL_TYPES", "DecodeGraphs", "GraphedForward", "ReplayDecodeSteps", "Step", "decode_graph_step", "graphed_forward"]
 
 # The decoder-only text models whose decode step is checked to compute upstream's step over a room (tests/patches/
 # test_decode_graphs.py): plain full-attention stacks whose forward keeps no Python state between steps.
@@ -376,6 +377,21 @@ def graphed_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return graphs.step(model, step)
 
 
+class GraphedForward(InstanceMethod):
+    """:func:`graphed_forward` installed on one model: an :class:`InstanceMethod` whose signature and
+    ``__wrapped__`` are the model class's ``forward`` (what ``Trainer`` and ``generate`` inspect)."""
+
+    __slots__ = ()
+
+    @property
+    def __wrapped__(self) -> types.MethodType:
+        return types.MethodType(type(self.__self__).forward, self.__self__)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.__wrapped__)
+
+
 @dataclass
 class _DropGraphs:
     """``unpatch``: the model's captured step goes with the forward."""
@@ -402,4 +418,4 @@ class ReplayDecodeSteps:
                               "torchembed.patches.decode_graphs.graphed_forward (CUDA decode steps replayed from a "
                               "graph)")
         return [_DropGraphs(component, model),
-                OverrideAttribute(component, model, "forward", InstanceMethod(model, graphed_forward))]
+                OverrideAttribute(component, model, "forward", GraphedForward(model, graphed_forward))]

@@ -6,6 +6,8 @@ replays its steps and gives upstream's tokens (float32), across room growth, pad
 """
 
 import copy
+import inspect
+import pickle
 import threading
 
 import pytest
@@ -134,7 +136,9 @@ def test_patch_installs_the_forward_for_this_instance_and_unpatch_restores_it():
     model = tiny("llama")
     other = tiny("llama")
     torchembed.patch(model)
-    assert isinstance(vars(model)["forward"], torchembed.patches.actions.InstanceMethod)
+    assert isinstance(vars(model)["forward"], dg.GraphedForward)
+    assert inspect.signature(model.forward) == inspect.signature(other.forward)  # what Trainer and generate read
+    assert pickle.loads(pickle.dumps(model)).forward.__self__ is not model
     assert "forward" not in vars(other)
     record = vars(model)["_torchembed_patch"]
     assert [a.component.kind for a in record.actions].count("decode-graphs") == 2  # the forward, the graphs' drop
