@@ -257,7 +257,8 @@ class _Captured:
     key: tuple
     inputs: FixedShapeStep
     graph: Any  # torch.cuda.CUDAGraph
-    output: Any  # the captured forward's output (its logits are rewritten by every replay)
+    kind: type  # the forward's output class
+    logits: Tensor  # the captured forward's logits, rewritten by every replay (nothing else of its output is kept)
 
 
 @dataclass
@@ -292,20 +293,22 @@ class DecodeGraphs:
             captured = self.captured if self.captured is not None and self.captured.key == key else None
             if captured is None:
                 self.captured = None  # (its inputs and pool go before the next capture's)
-                out = self._capture(model, step, rooms, key)
+                kind, logits = self._capture(model, step, rooms, key)
             else:
                 captured.inputs.load(step)
                 captured.graph.replay()
                 self.replays += 1
-                out = captured.output
+                kind, logits = captured.kind, captured.logits
             n = step.filled + 1
             for layer, (keys, values) in zip(layers, rooms):
                 layer.keys, layer.values = keys[..., :n, :], values[..., :n, :]
-            return _result(out, step.cache)
+            return kind(logits=logits.clone(), past_key_values=step.cache)  # (a copy: the next replay rewrites it)
         finally:
             self.lock.release()
 
-    def _capture(self, model: nn.Module, step: Step, rooms: list[tuple[Tensor, Tensor]], key: tuple) -> Any:
+    def _capture(self, model: nn.Module, step: Step, rooms: list[tuple[Tensor, Tensor]],
+                 key: tuple) -> tuple[type, Tensor]:
+        """The step run eagerly (its output class and logits), then captured for the next steps with its key."""
         inputs = FixedShapeStep.for_step(step, rooms)
         inputs.load(step)
         caller = torch.cuda.current_stream(step.input_ids.device)
@@ -328,12 +331,12 @@ class DecodeGraphs:
             self.failed.add(key)
             warnings.warn(f"torchembed: a decode step of this {type(model).__name__} could not be captured as a CUDA "
                           f"graph ({type(err).__name__}: {err}); its steps run eagerly", stacklevel=4)
-            return out
+            return type(out), out.logits
         caller.wait_stream(side)
         inputs.rooms = []  # the graph holds their addresses; the cache holds them
-        self.captured = _Captured(key, inputs, graph, captured_out)
+        self.captured = _Captured(key, inputs, graph, type(captured_out), captured_out.logits)
         self.captures += 1
-        return out
+        return type(out), out.logits
 
 
 def _key(model: nn.Module, step: Step, rooms: list[tuple[Tensor, Tensor]]) -> tuple:
@@ -356,13 +359,6 @@ def _as_kwargs(step: Step) -> dict[str, Any]:
     if step.logits_to_keep:
         kwargs["logits_to_keep"] = step.logits_to_keep
     return kwargs
-
-
-def _result(out: Any, cache: Any) -> Any:
-    """``out`` as upstream returns it: its own logits (a copy: a replay rewrites the graph's) and the caller's cache."""
-    fields = {name: value for name, value in out.items() if name != "past_key_values"}
-    fields["logits"] = out.logits.clone()
-    return type(out)(**fields, past_key_values=cache)
 
 
 def graphed_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
