@@ -231,3 +231,21 @@ def test_cuda_graphs_stay_per_instance_and_threads_get_upstreams_tokens():
     assert _graphs(patched) is None
     with torch.no_grad():
         assert torch.equal(patched.generate(prompts[0], max_new_tokens=40, do_sample=False), expected[0])
+
+
+@cuda
+def test_cuda_the_captured_step_does_not_keep_the_cache_alive():
+    upstream, patched = _pair()
+    ids = torch.randint(3, 128, (1, 2000), device="cuda")
+    config = patched.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    cache_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * 2300 * head_dim * 4
+    with torch.no_grad():
+        patched.generate(ids, max_new_tokens=4, do_sample=False)  # the first call: Triton compiles, launches kept
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        patched.generate(ids, max_new_tokens=20, do_sample=False)
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_allocated()
+    assert _graphs(patched).replays > 0
+    assert after - before < cache_bytes // 2, (after - before, cache_bytes)  # the graph's own inputs, not the rooms
