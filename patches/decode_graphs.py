@@ -72,6 +72,8 @@ def decode_graph_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> 
     :data:`GRAPHED_MODEL_TYPES` with SDPA attention, over a ``DynamicCache`` of plain layers holding the same number
     of tokens, within any sliding window, with no hooks beyond torchembed's and only the arguments ``generate`` passes.
     """
+    if torch.compiler.is_compiling():  # (first: nothing below is traced)
+        return "torch.compile traces the forward"
     ids = kwargs.get("input_ids", args[0] if args else None)
     if not isinstance(ids, Tensor) or ids.device.type != "cuda":
         return "the input ids are not a CUDA tensor"

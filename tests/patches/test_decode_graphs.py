@@ -6,9 +6,11 @@ replays its steps and gives upstream's tokens (float32), across room growth, pad
 """
 
 import copy
+import gc
 import inspect
 import pickle
 import threading
+import weakref
 
 import pytest
 import torch
@@ -236,16 +238,12 @@ def test_cuda_graphs_stay_per_instance_and_threads_get_upstreams_tokens():
 @cuda
 def test_cuda_the_captured_step_does_not_keep_the_cache_alive():
     upstream, patched = _pair()
-    ids = torch.randint(3, 128, (1, 2000), device="cuda")
-    config = patched.config
-    head_dim = config.hidden_size // config.num_attention_heads
-    cache_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * 2300 * head_dim * 4
+    ids = torch.randint(3, 128, (1, 50), device="cuda")
     with torch.no_grad():
-        patched.generate(ids, max_new_tokens=4, do_sample=False)  # the first call: Triton compiles, launches kept
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        patched.generate(ids, max_new_tokens=20, do_sample=False)
-        torch.cuda.synchronize()
-        after = torch.cuda.memory_allocated()
+        out = patched.generate(ids, max_new_tokens=20, do_sample=False, return_dict_in_generate=True)
     assert _graphs(patched).replays > 0
-    assert after - before < cache_bytes // 2, (after - before, cache_bytes)  # the graph's own inputs, not the rooms
+    room = weakref.ref(vars(out.past_key_values.layers[0])["_torchembed_room"][0])
+    del out
+    gc.collect()
+    assert room() is None  # the graph holds the rooms' addresses, not the rooms
+    assert _graphs(patched).captured is not None
