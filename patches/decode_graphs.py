@@ -24,12 +24,14 @@ import functools
 import inspect
 import threading
 import types
+import weakref
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from torchembed.patches.actions import Component, InstanceMethod, OverrideAttribute
 from torchembed.patches.kv_cache import has_room, room_for
@@ -44,6 +46,7 @@ _STATE = "_torchembed_decode_graphs"
 _KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache_position", "past_key_values", "use_cache",
                      "return_dict", "logits_to_keep", "inputs_embeds", "output_attentions", "output_hidden_states",
                      "labels"})
+_LIBRARIES = ("torch.", "transformers.", "torchembed.")  # where a graphed model's modules come from
 _NONE_KWARGS = ("inputs_embeds", "labels")  # taken only when None
 _FALSE_KWARGS = ("output_attentions", "output_hidden_states")  # taken only when falsy
 
@@ -130,8 +133,9 @@ def inspect_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step 
     keep = kwargs.get("logits_to_keep", 0)
     if not isinstance(keep, int):
         return "logits_to_keep is not an int"
-    if _hooked(model):
-        return "the model has hooks or modules a graph would not run"
+    why = _modules_checked(model, cache)
+    if why is not None:
+        return why
     return Step(ids, cache, filled, mask, positions, cache_position, keep, _takes_cache_position(type(model)))
 
 
@@ -158,22 +162,41 @@ def _window(config: Any) -> int | None:
     return window if getattr(config, "use_sliding_window", True) else None
 
 
-def _hooked(model: nn.Module) -> bool:
-    """A hook a graph would run only at its capture: a global module hook, or one on a module that is not
-    torchembed's per-forward pair; or a module whose forward is an instance attribute (an adapter's, accelerate's)."""
+def _modules_checked(model: nn.Module, cache: Any) -> str | None:
+    """:func:`_modules_differ` for ``model``, scanned again where the cache is not the one last scanned for (a new
+    ``generate`` call) or a hook was registered anywhere since (torch numbers every hook handle)."""
+    graphs = model.__dict__.get(_STATE)
+    if graphs is None:
+        graphs = model.__dict__[_STATE] = DecodeGraphs()
+    stamp = RemovableHandle.next_id
+    last = graphs.scanned
+    if last is not None and last[0]() is cache and last[1] == stamp:
+        return last[2]
+    why = _modules_differ(model)
+    graphs.scanned = (weakref.ref(cache), stamp, why)
+    return why
+
+
+def _modules_differ(model: nn.Module) -> str | None:
+    """Why a graph could replay something other than what the model's forward runs, or None: a module hook (a graph
+    runs it only at its capture), on any module but torchembed's per-forward pair, or a global one; a module whose
+    ``forward`` is an instance attribute (an adapter's, accelerate's); a module from outside torch, transformers and
+    torchembed (PEFT's LoRA layers, a user's module: their Python may change what they compute between calls)."""
     from torch.nn.modules import module as torch_module
     from torchembed.patches.forward_scope import CloseForward, OpenForward
 
     if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
             or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks):
-        return True
+        return "global module hooks are registered"
     for module in model.modules():
+        if not type(module).__module__.startswith(_LIBRARIES):
+            return f"the model holds a {type(module).__qualname__} (from {type(module).__module__})"
         hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
         if any(not isinstance(hook, (OpenForward, CloseForward)) for hook in hooks):
-            return True
+            return f"the model's {type(module).__qualname__} has hooks"
         if module is not model and "forward" in module.__dict__ and not isinstance(module.__dict__["forward"], InstanceMethod):
-            return True
-    return False
+            return f"the model's {type(module).__qualname__} has a forward of its own instance"
+    return None
 
 
 class RoomView:
@@ -269,6 +292,7 @@ class DecodeGraphs:
 
     captured: _Captured | None = None
     failed: set = field(default_factory=set)
+    scanned: tuple | None = None  # (the cache, hook handle count, verdict) of the last module scan
     captures: int = 0  # graphs captured
     replays: int = 0  # steps replayed
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -369,10 +393,7 @@ def graphed_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
     step = decode_graph_step(model, args, kwargs)
     if isinstance(step, str):
         return type(model).forward(model, *args, **kwargs)
-    graphs = model.__dict__.get(_STATE)
-    if graphs is None:
-        graphs = model.__dict__[_STATE] = DecodeGraphs()
-    return graphs.step(model, step)
+    return model.__dict__[_STATE].step(model, step)
 
 
 class GraphedForward(InstanceMethod):

@@ -123,8 +123,15 @@ def test_the_decision_refuses_what_a_graph_would_get_wrong():
         assert isinstance(dg.inspect_step(model, (), good), str)
         model.eval()
         handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
-        assert "hooks" in dg.inspect_step(model, (), good)
+        assert "hooks" in dg.inspect_step(model, (), good)  # (a hook registered since the last scan: scanned again)
         handle.remove()
+        assert isinstance(dg.inspect_step(model, (), good), str)  # (no new hook: the same cache's verdict kept)
+        assert isinstance(dg.inspect_step(model, (), step_kwargs(copy.deepcopy(cache), ids, mask)), dg.Step)
+        mlp = model.model.layers[0].mlp
+        original = mlp.down_proj
+        mlp.down_proj = Adapted(original.in_features, original.out_features, bias=False)  # e.g. PEFT's LoRA layer
+        assert "Adapted" in dg.inspect_step(model, (), step_kwargs(copy.deepcopy(cache), ids, mask))
+        mlp.down_proj = original
         beams = copy.deepcopy(cache)
         over_the_room(model, dg.inspect_step(model, (), step_kwargs(beams, ids, mask)))
         beams.reorder_cache(torch.tensor([1, 0]))  # beam search: new tensors, not views of the rooms
@@ -132,6 +139,29 @@ def test_the_decision_refuses_what_a_graph_would_get_wrong():
         windowed = torchembed.patch(tiny("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0))
         cache, ids, mask = prefill(windowed)
         assert isinstance(dg.inspect_step(windowed, (), step_kwargs(cache, ids, mask)), str)
+
+
+class Adapted(torch.nn.Linear):
+    """A module from outside torch and transformers, whose Python may change what it computes between calls."""
+
+
+def test_the_module_scan_runs_once_per_cache_unless_a_hook_is_registered(monkeypatch):
+    torch.manual_seed(0)
+    model = torchembed.patch(tiny("llama"))
+    cache, ids, mask = prefill(model)
+    scans = []
+    original = dg._modules_differ
+    monkeypatch.setattr(dg, "_modules_differ", lambda m: scans.append(1) or original(m))
+    with torch.no_grad():
+        for _ in range(3):
+            assert isinstance(dg.inspect_step(model, (), step_kwargs(cache, ids, mask)), dg.Step)
+        assert len(scans) == 1
+        other = copy.deepcopy(cache)
+        assert isinstance(dg.inspect_step(model, (), step_kwargs(other, ids, mask)), dg.Step)
+        assert len(scans) == 2  # another cache: another generate call
+        model.lm_head.register_forward_pre_hook(lambda *a: None).remove()
+        assert isinstance(dg.inspect_step(model, (), step_kwargs(other, ids, mask)), dg.Step)
+        assert len(scans) == 3  # a hook registered (and removed) since: scanned again
 
 
 def test_patch_installs_the_forward_for_this_instance_and_unpatch_restores_it():
@@ -247,3 +277,16 @@ def test_cuda_the_captured_step_does_not_keep_the_cache_alive():
     gc.collect()
     assert room() is None  # the graph holds the rooms' addresses, not the rooms
     assert _graphs(patched).captured is not None
+
+
+def test_a_peft_lora_model_is_never_replayed():
+    """Its LoRA layers compute with whichever adapter is active (``disable_adapter()`` for a reference model): a
+    graph would replay the one it captured."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = torchembed.patch(tiny("llama"))
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    cache, ids, mask = prefill(lora.base_model.model)
+    with torch.no_grad():
+        why = dg.inspect_step(lora.base_model.model, (), step_kwargs(cache, ids, mask))
+    assert isinstance(why, str) and "peft" in why
