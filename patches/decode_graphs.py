@@ -367,13 +367,16 @@ class DecodeGraphs:
 
 def _key(model: nn.Module, step: Step, rooms: list[tuple[Tensor, Tensor]]) -> tuple:
     """What a captured step depends on beyond its inputs' values: the rooms (addresses and shapes), the weights'
-    addresses (a model moved or cast is captured again), the caller's stream, the arguments' form."""
+    addresses (a model moved or cast is captured again), the caller's stream, inference mode (its tensors take no
+    copies outside it) and autocast (the casts a graph bakes in), the arguments' form."""
     first, head = next(model.parameters()), model.lm_head.weight
     ids = step.input_ids
+    autocast = torch.is_autocast_enabled(ids.device.type) and torch.get_autocast_dtype(ids.device.type)
     return (tuple((k.data_ptr(), v.data_ptr()) for k, v in rooms), tuple(rooms[0][0].shape), rooms[0][0].dtype,
-            tuple(ids.shape), ids.device, torch.cuda.current_stream(ids.device).cuda_stream, first.data_ptr(), head.data_ptr(),
-            step.attention_mask is None, None if step.position_ids is None else tuple(step.position_ids.shape),
-            step.cache_position is None, step.takes_cache_position, step.logits_to_keep)
+            tuple(ids.shape), ids.device, torch.cuda.current_stream(ids.device).cuda_stream, first.data_ptr(),
+            head.data_ptr(), torch.is_inference_mode_enabled(), autocast, step.attention_mask is None,
+            None if step.position_ids is None else tuple(step.position_ids.shape), step.cache_position is None,
+            step.takes_cache_position, step.logits_to_keep)
 
 
 def _as_kwargs(step: Step) -> dict[str, Any]:

@@ -290,3 +290,25 @@ def test_a_peft_lora_model_is_never_replayed():
     with torch.no_grad():
         why = dg.inspect_step(lora.base_model.model, (), step_kwargs(cache, ids, mask))
     assert isinstance(why, str) and "peft" in why
+
+
+@cuda
+def test_cuda_inference_mode_and_autocast_are_captured_apart():
+    """A step captured under ``torch.inference_mode()`` holds inference tensors, which take no copies outside it; one
+    captured under autocast bakes its casts in: neither is replayed for a call without them."""
+    upstream, patched = _pair()
+    ids = torch.randint(3, 128, (1, 30), device="cuda")
+    kwargs = dict(max_new_tokens=12, do_sample=False)
+    with torch.no_grad():
+        expected = upstream.generate(ids, **kwargs)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            cast = upstream.generate(ids, **kwargs)
+    with torch.inference_mode():
+        assert torch.equal(patched.generate(ids, **kwargs), expected)
+    with torch.no_grad():
+        assert torch.equal(patched.generate(ids, **kwargs), expected)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got = patched.generate(ids, **kwargs)
+        assert got.shape == cast.shape
+        assert torch.equal(patched.generate(ids, **kwargs), expected)
+    assert _graphs(patched).captures >= 3
