@@ -30,6 +30,9 @@
 #   plain-depth - plain generate() per token at full depth (LLaMA-3.1-8B at 128k, MPT-7B-StoryWriter and BLOOM-7B1 at
 #             65k), patched, beside the model's own decode loop and the floor (bench long --generate)
 #   growth  - one decode step over a long DynamicCache, patched (grows in place) against upstream (torch.cat)
+#   graphs  - plain generate() with the patched model's decode steps replayed from CUDA graphs: the graphs' CUDA tests,
+#             LLaMA-3.1-8B shape 8 layers at 64k (upstream and patched), eager generate of ~1B LLaMA and Qwen3 at 512
+#             and 4k (upstream and patched); `plain-depth` measures the full-depth shapes
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-torchembed-results}
@@ -142,6 +145,13 @@ for phase in "$@"; do
         --generate 32 --max-seconds 140 --name long-plain-generate --out "$OUT" 2>&1 | grep -E "^\| (llama|mpt)"
       timeout 190 python3 benchmarks/probes/decode_step_profile.py --model llama --keys 65536 --layers 8 \
         --variants upstream patched --out "$OUT" 2>&1 | grep -E "^\||^GPU" ;;
+    graphs)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/patches/test_decode_graphs.py --tb=short 2>&1 | tail -n 12
+      timeout 170 python3 -m torchembed bench long --models llama --contexts 65536 --layers 8 --steps 6 --generate 32 \
+        --max-seconds 150 --name long-plain-graphs --out "$OUT" 2>&1 | grep -E "^\| llama"
+      timeout 200 python3 -m torchembed bench e2e --models llama qwen3 --variants upstream patched --phases decode \
+        --batch-sizes 1 --prompt-lens 512 4096 --repeats 3 --max-seconds 180 --name e2e-plain-graphs --out "$OUT" 2>&1 \
+        | grep -E "^\| (llama|qwen3)" ;;
     growth)
       for model in llama bloom; do
         timeout 120 python3 benchmarks/probes/cache_growth.py --model "$model" --keys 16384 65536 --layers 8 \
