@@ -34,7 +34,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from torchembed.patches.actions import Component, InstanceMethod, OverrideAttribute
-from torchembed.patches.kv_cache import has_room, room_for
+from torchembed.kernels.route import decode_step
+from torchembed.patches.kv_cache import room_for, room_replaced
 from torchembed.patches.registry import Family, PatchOptions
 
 __all__ = ["GRAPHED_MODEL_TYPES", "DecodeGraphs", "GraphedForward", "ReplayDecodeSteps", "Step", "decode_graph_step", "graphed_forward"]
@@ -64,7 +65,9 @@ class Step:
     position_ids: Tensor | None
     cache_position: Tensor | None
     logits_to_keep: Any
-    takes_cache_position: bool = False  # the forward has a ``cache_position`` parameter (transformers 4.x)
+    takes_cache_position: bool  # the forward has a ``cache_position`` parameter (transformers 4.x)
+    args: tuple  # the call as made (what runs where the step is not replayed after all)
+    kwargs: dict[str, Any]
 
 
 def decode_graph_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step | str:
@@ -105,19 +108,21 @@ def inspect_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step 
         return "the attention implementation is not sdpa"
     ids = kwargs.get("input_ids", args[0] if args else None)
     if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[1] != 1 or ids.dtype != torch.long:
-        return "not one new token per sequence"
+        return "not one new token per sequence (the one decode step a graph writes: one slot per layer)"
     cache = kwargs.get("past_key_values")
     layers = getattr(cache, "layers", None)
     if type(cache).__name__ != "DynamicCache" or not isinstance(layers, list) or getattr(cache, "offloading", False):
         return "the cache is not a DynamicCache"
     if len(layers) != config.num_hidden_layers or not layers:
         return "the cache does not hold every layer"
-    first = layers[0]
-    filled = _filled(first, ids)
-    if filled is None or any(type(layer).__name__ != "DynamicLayer" or _filled(layer, ids) != filled for layer in layers):
-        return "the cache's layers are not plain DynamicLayers holding the same tokens on the ids' device"
-    if any(layer.__dict__.get("_torchembed_room") is not None and not has_room(layer) for layer in layers):
-        return "the cache's tensors were replaced (beam search reorders them every step)"
+    filled = _filled(layers[0], ids)
+    for layer in layers:
+        if filled is None or type(layer).__name__ != "DynamicLayer" or _filled(layer, ids) != filled:
+            return "the cache's layers are not plain DynamicLayers holding the same tokens on the ids' device"
+        if room_replaced(layer):
+            return "the cache's tensors were replaced (beam search reorders them every step)"
+    if not decode_step(1, filled + 1):  # (always: one query; asked, so that a decode step has one definition)
+        return "not a decode step"
     window = _window(config)
     if window is not None and filled + 1 > window:
         return f"the keys exceed the sliding window ({window})"
@@ -136,7 +141,8 @@ def inspect_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step 
     why = _modules_checked(model, cache)
     if why is not None:
         return why
-    return Step(ids, cache, filled, mask, positions, cache_position, keep, _takes_cache_position(type(model)))
+    return Step(ids, cache, filled, mask, positions, cache_position, keep, _takes_cache_position(type(model)), args,
+                kwargs)
 
 
 @functools.cache
@@ -307,15 +313,15 @@ class DecodeGraphs:
         """``model``'s forward of ``step``: replayed where this step's key was captured, else run over the rooms
         eagerly (on a side stream) and captured for the next steps."""
         if not self.lock.acquire(blocking=False):  # another thread is in a step of this model: eager
-            return type(model).forward(model, **_as_kwargs(step))
+            return type(model).forward(model, *step.args, **step.kwargs)
         try:
             layers = step.cache.layers
             rooms = [room_for(layer, 1) for layer in layers]
             if len({keys.shape[-2] for keys, _ in rooms} | {values.shape[-2] for _, values in rooms}) != 1:
-                return type(model).forward(model, **_as_kwargs(step))  # (rooms made apart: the cache's own update)
+                return type(model).forward(model, *step.args, **step.kwargs)  # (rooms made apart: the cache's update)
             key = _key(model, step, rooms)
             if key in self.failed:
-                return type(model).forward(model, **_as_kwargs(step))
+                return type(model).forward(model, *step.args, **step.kwargs)
             captured = self.captured if self.captured is not None and self.captured.key == key else None
             if captured is None:
                 self.captured = None  # (its inputs and pool go before the next capture's)
@@ -377,17 +383,6 @@ def _key(model: nn.Module, step: Step, rooms: list[tuple[Tensor, Tensor]]) -> tu
             head.data_ptr(), torch.is_inference_mode_enabled(), autocast, step.attention_mask is None,
             None if step.position_ids is None else tuple(step.position_ids.shape), step.cache_position is None,
             step.takes_cache_position, step.logits_to_keep)
-
-
-def _as_kwargs(step: Step) -> dict[str, Any]:
-    kwargs = {"input_ids": step.input_ids, "past_key_values": step.cache, "attention_mask": step.attention_mask,
-              "use_cache": True, "return_dict": True}
-    for name in ("position_ids", "cache_position"):
-        if getattr(step, name) is not None:
-            kwargs[name] = getattr(step, name)
-    if step.logits_to_keep:
-        kwargs["logits_to_keep"] = step.logits_to_keep
-    return kwargs
 
 
 def graphed_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:

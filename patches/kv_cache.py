@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["CACHE_KEYWORDS", "IN_PLACE_BYTES", "GrowInPlace", "append_in_place", "growing_layer", "grow_in_place", "has_room",
-           "room_for", "update"]
+           "room_for", "room_replaced", "update"]
 
 CACHE_KEYWORDS = ("cache", "past_key_values", "layer_past", "past_key_value")  # an attention's KV cache, by release
 
@@ -76,6 +76,11 @@ def room_for(layer: Any, new: int) -> tuple[Tensor, Tensor]:
             buffer[..., filled:, :].zero_()  # (a step over the whole room masks the space: never NaN from new memory)
         layer.__dict__[_ROOM] = room
     return room
+
+
+def room_replaced(layer: Any) -> bool:
+    """The layer had a room, and its keys or values are no longer views of it (beam search reorders them)."""
+    return layer.__dict__.get(_ROOM) is not None and not has_room(layer)
 
 
 def has_room(layer: Any) -> bool:
