@@ -97,13 +97,14 @@ def _cache_tensors(cache) -> list:
 
 def _decode(model, ids, steps: int) -> tuple:
     """A prefill, then ``steps`` greedy decode steps on a ``DynamicCache``: the steps' logits, the cache's
-    keys and values after the last, and the cache tensors' data pointers after each step."""
+    keys and values after the last, and the cache tensors' data pointers after the prefill and each step."""
     import transformers
 
     cache = transformers.DynamicCache()
     logits, pointers = [], []
     with torch.no_grad():
         out = model(ids, past_key_values=cache, use_cache=True)
+        pointers.append({t.data_ptr() for t in _cache_tensors(cache)})
         for _ in range(steps):
             out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
             logits.append(out.logits)
@@ -158,7 +159,8 @@ def test_strided_keys_reach_a_short_cache_contiguous_after_its_first_tokens(monk
 def test_a_long_cache_grows_in_place(name, load, monkeypatch):
     """From ``IN_PLACE_BYTES`` of keys a patched layer (ALiBi, or a RoPE attention through its per-call view
     of the cache) appends each decode step's token into room kept beside its cache (no concatenation of the
-    whole cache per step): the layer's keys stay views of one buffer across steps, and the cache, the
+    whole cache per step): the prefill's keys go into that room, the layer's keys stay views of one buffer from
+    the prefill on, and the cache, the
     logits, beam search (which reorders the cache) and greedy tokens are upstream's. (``generate`` gives
     Mistral a sliding-window cache, which is not grown in place: the same tokens.)"""
     from torchembed.patches import kv_cache
@@ -172,7 +174,8 @@ def test_a_long_cache_grows_in_place(name, load, monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(want_cache, got_cache):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
-    assert all(p == pointers[0] for p in pointers[1:])  # the same buffers: no copy of the cache per step
+    # the same buffers from the prefill on: no copy of the cache per step, nor a move at the first step
+    assert all(p == pointers[0] for p in pointers[1:])
     assert not got_cache[0].is_contiguous()  # (a view of a buffer with room)
     kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0, use_cache=True)
     with torch.no_grad():
