@@ -4,7 +4,8 @@ transformers' ``DynamicLayer.update`` appends each decode step's keys and values
 per step it reads and writes twice the cache's bytes, more than the attention itself reads. From :data:`IN_PLACE_BYTES`
 of keys a patched layer's cache lives in buffers with room for 1/8 more tokens (at least 256); the layer holds views of
 their filled part and a step writes its tokens into the room (:func:`append_in_place`). A first update that long (a
-prefill) goes into a room directly, so the first decode step after it moves nothing. When the room is used up, or the
+prefill) goes into a room directly, with space for 1/64 more (at least 256), so the first decode steps after it
+move nothing and the prefill's peak memory stays near upstream's. When the room is used up, or the
 layer's tensors were replaced (beam search reorders them, a crop), the filled part moves to new buffers once. What the
 cache holds, and what every reader sees, is upstream's.
 
@@ -65,12 +66,14 @@ def room_for(layer: Any, new: int) -> tuple[Tensor, Tensor]:
     """The key and value buffers ``(b, h, size, d)`` of a ``DynamicLayer`` holding ``(b, h, filled, d)``, whose first
     ``filled`` tokens are the layer's and which have space for ``new`` more: the layer's room where it has one that fits,
     else new buffers with 1/8 more space than needed (at least 256 tokens), the filled part moved there once and the
-    space zeroed."""
+    space zeroed. A layer's first tokens (a prefill) get 1/64 more (at least 256): the prefill's peak memory stays
+    near upstream's (a long prompt's activations and cache can fill the device), and the move to 1/8 more waits
+    until the decode steps need it."""
     keys, values = layer.keys, layer.values
     filled = keys.shape[-2]
     room = layer.__dict__.get(_ROOM)
     if room is None or not has_room(layer) or filled + new > room[0].shape[-2]:
-        size = filled + new + max(256, (filled + new) // 8)
+        size = filled + new + max(256, (filled + new) // (8 if filled else 64))
         room = tuple(t.new_empty(*t.shape[:-2], size, t.shape[-1]) for t in (keys, values))
         for buffer, held in zip(room, (keys, values)):
             buffer[..., :filled, :].copy_(held)

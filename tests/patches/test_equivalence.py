@@ -155,6 +155,32 @@ def test_strided_keys_reach_a_short_cache_contiguous_after_its_first_tokens(monk
     assert given[-1] == (False, False)
 
 
+def test_a_prefill_goes_into_a_room_with_little_space_and_later_steps_into_one_with_more(monkeypatch):
+    """A long first update (a prefill) lands in buffers with space for 1/64 more tokens (at least 256): its peak
+    memory stays near upstream's concatenation, and the decode steps that follow move nothing until that space is
+    used; then the cache moves once to buffers with 1/8 more. The layer holds upstream's tokens throughout."""
+    import transformers
+
+    from torchembed.patches import kv_cache
+
+    monkeypatch.setattr(kv_cache, "IN_PLACE_BYTES", 0)
+    cache, prompt = transformers.DynamicCache(), 64 * 300
+    k, v = torch.randn(2, 3, prompt, 4), torch.randn(2, 3, prompt, 4)
+    keys, values = kv_cache.update(cache, k, v, 0)
+    room = kv_cache.room_for(cache.layers[0], 0)
+    assert room[0].shape == (2, 3, prompt + 300, 4) and keys.data_ptr() == room[0].data_ptr()
+    assert torch.equal(keys, k) and torch.equal(values, v)
+    steps = [torch.randn(2, 3, 1, 4) for _ in range(301)]
+    for step in steps[:300]:
+        keys, values = kv_cache.update(cache, step, -step, 0)
+    assert keys.data_ptr() == room[0].data_ptr() and keys.shape[-2] == prompt + 300  # no move yet
+    keys, values = kv_cache.update(cache, steps[300], -steps[300], 0)
+    assert keys.data_ptr() != room[0].data_ptr()
+    assert kv_cache.room_for(cache.layers[0], 0)[0].shape[-2] == prompt + 301 + (prompt + 301) // 8
+    torch.testing.assert_close(keys, torch.cat([k, *steps], dim=2), rtol=0, atol=0)
+    torch.testing.assert_close(values, torch.cat([v, *[-s for s in steps]], dim=2), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", ["bloom", "mpt", "falcon-alibi", "llama", "falcon", "mistral"])
 def test_a_long_cache_grows_in_place(name, load, monkeypatch):
     """From ``IN_PLACE_BYTES`` of keys a patched layer (ALiBi, or a RoPE attention through its per-call view
