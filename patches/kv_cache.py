@@ -3,9 +3,7 @@
 transformers' ``DynamicLayer.update`` appends each decode step's keys and values with ``torch.cat`` of the whole cache:
 per step it reads and writes twice the cache's bytes, more than the attention itself reads. From :data:`IN_PLACE_BYTES`
 of keys a patched layer's cache lives in buffers with room for 1/8 more tokens (at least 256); the layer holds views of
-their filled part and a step writes its tokens into the room (:func:`append_in_place`). A first update that long (a
-prefill) goes into a room directly, with space for 1/64 more (at least 256), so the first decode steps after it
-move nothing and the prefill's peak memory stays near upstream's. When the room is used up, or the
+their filled part and a step writes its tokens into the room (:func:`append_in_place`). When the room is used up, or the
 layer's tensors were replaced (beam search reorders them, a crop), the filled part moves to new buffers once. What the
 cache holds, and what every reader sees, is upstream's.
 
@@ -66,14 +64,12 @@ def room_for(layer: Any, new: int) -> tuple[Tensor, Tensor]:
     """The key and value buffers ``(b, h, size, d)`` of a ``DynamicLayer`` holding ``(b, h, filled, d)``, whose first
     ``filled`` tokens are the layer's and which have space for ``new`` more: the layer's room where it has one that fits,
     else new buffers with 1/8 more space than needed (at least 256 tokens), the filled part moved there once and the
-    space zeroed. A layer's first tokens (a prefill) get 1/64 more (at least 256): the prefill's peak memory stays
-    near upstream's (a long prompt's activations and cache can fill the device), and the move to 1/8 more waits
-    until the decode steps need it."""
+    space zeroed."""
     keys, values = layer.keys, layer.values
     filled = keys.shape[-2]
     room = layer.__dict__.get(_ROOM)
     if room is None or not has_room(layer) or filled + new > room[0].shape[-2]:
-        size = filled + new + max(256, (filled + new) // (8 if filled else 64))
+        size = filled + new + max(256, (filled + new) // 8)
         room = tuple(t.new_empty(*t.shape[:-2], size, t.shape[-1]) for t in (keys, values))
         for buffer, held in zip(room, (keys, values)):
             buffer[..., :filled, :].copy_(held)
@@ -102,24 +98,10 @@ def update(cache: Any, k: Tensor, v: Tensor, layer_idx: int, *args: Any, strided
     of the whole cache down its slow copy path; BLOOM-7B1 shape at 65k tokens on an H200: 1.7 ms per layer and
     tensor, ``benchmarks/results/long-context.md``); a layer's first tokens are copied once by its update anyway."""
     layer = growing_layer(cache, layer_idx)
-    if layer is EMPTY and k.numel() * k.element_size() >= IN_PLACE_BYTES:
-        layer = _started(cache, k, v, layer_idx, *args, **kwargs) or EMPTY
     if layer is not None and layer is not EMPTY:
         return append_in_place(layer, k, v)
     copy = strided_copy and layer is not EMPTY
     return cache.update(k.contiguous() if copy else k, v.contiguous() if copy else v, layer_idx, *args, **kwargs)
-
-
-def _started(cache: Any, k: Tensor, v: Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
-    """The cache's layer at ``layer_idx`` after the cache's own update with none of ``k``, ``v``'s tokens (it makes and
-    initialises the layer, as upstream's first update would), where that is a plain ``DynamicLayer`` holding no tokens:
-    a long first update (a prefill) then goes straight into a room, so the first decode step moves nothing. Else
-    None."""
-    cache.update(k[..., :0, :], v[..., :0, :], layer_idx, *args, **kwargs)
-    layer = cache.layers[layer_idx]
-    keys = getattr(layer, "keys", None)
-    fresh = isinstance(keys, Tensor) and keys.dim() == 4 and keys.shape[-2] == 0
-    return layer if type(layer).__name__ == "DynamicLayer" and fresh else None
 
 
 def _prefix(t: Tensor, buffer: Tensor) -> bool:
