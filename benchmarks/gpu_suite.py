@@ -202,7 +202,9 @@ def status(root: Path = ROOT) -> tuple[bool, str]:
     tested = _git("rev-parse", "-q", "--verify", f"{match.group(1)}^{{commit}}", root=root) if match else ""
     if not tested:
         return False, f"GPU suite: stale: {record.name} names no commit of this history; core last changed in {core[:9]}"
-    current = subprocess.run(["git", "merge-base", "--is-ancestor", core, tested], cwd=root).returncode == 0
+    # current: the tested commit holds the newest core change, or the core here is the tested one (a change reverted)
+    current = (subprocess.run(["git", "merge-base", "--is-ancestor", core, tested], cwd=root).returncode == 0
+               or subprocess.run(["git", "diff", "--quiet", tested, "HEAD", "--", *CORE], cwd=root).returncode == 0)
     counts = re.search(r"^- \*\*(\d+) passed, (\d+) failed, (\d+) errors", text, re.M)
     failing = counts is not None and (int(counts.group(2)) or int(counts.group(3)))
     cut_short = "(cut short" in text  # the record of a run stopped at its time limit: some tests never ended

@@ -1,5 +1,6 @@
 """``benchmarks/gpu_suite.py``: the GPU suite's record (counts per directory and file, failures, skips, the tests that
-ran only on CUDA) and its status line (current while the tested commit holds the newest change to the core)."""
+ran only on CUDA) and its status line (current while the tested commit holds the newest change to the core, or the
+core is the tested one again)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def _git(root, *args):
     return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
 
 
-def test_the_status_is_current_while_the_tested_commit_holds_the_newest_core_change(tmp_path):
+def test_the_status_is_current_while_the_tested_commit_holds_the_newest_core_change_or_its_content(tmp_path):
     _git(tmp_path, "init", "-q")
     (tmp_path / "patches").mkdir()
     (tmp_path / "patches" / "x.py").write_text("a = 1\n")
@@ -71,6 +72,11 @@ def test_the_status_is_current_while_the_tested_commit_holds_the_newest_core_cha
     changed = _git(tmp_path, "commit", "-qm", "core again")
     current, line = gpu_suite.status(tmp_path)
     assert not current and "stale" in line and changed[:9] in line
+    (tmp_path / "patches" / "x.py").write_text("a = 1\n")  # the change reverted: the core is the tested one again
+    _git(tmp_path, "add", "-A")
+    reverted = _git(tmp_path, "commit", "-qm", "core reverted")
+    current, line = gpu_suite.status(tmp_path)
+    assert current and line.startswith(f"GPU suite: current: gpu-suite.md tested {tested[:9]}") and reverted[:9] in line
     record.write_text("- commit: 0000000\n")
     assert "names no commit of this history" in gpu_suite.status(tmp_path)[1]
 
