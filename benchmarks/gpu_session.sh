@@ -33,6 +33,8 @@
 #   graphs  - plain generate() with the patched model's decode steps replayed from CUDA graphs: the graphs' CUDA tests,
 #             LLaMA-3.1-8B shape 8 layers at 64k (upstream and patched), eager generate of ~1B LLaMA and Qwen3 at 512
 #             and 4k (upstream and patched); `plain-depth` measures the full-depth shapes
+#   batch   - transformers' continuous batching (generate_batch) of a ~1B LLaMA, upstream against patched: float32
+#             tokens equal, bf16 throughput (benchmarks/probes/generate_batch_throughput.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-torchembed-results}
@@ -152,6 +154,8 @@ for phase in "$@"; do
       timeout 200 python3 -m torchembed bench e2e --models llama qwen3 --variants upstream patched --phases decode \
         --batch-sizes 1 --prompt-lens 512 4096 --repeats 3 --max-seconds 180 --name e2e-plain-graphs --out "$OUT" 2>&1 \
         | grep -E "^\| (llama|qwen3)" ;;
+    batch)
+      timeout 300 python3 benchmarks/probes/generate_batch_throughput.py --out "$OUT" 2>&1 | grep -E "^\||tokens|Error" ;;
     growth)
       for model in llama bloom; do
         timeout 120 python3 benchmarks/probes/cache_growth.py --model "$model" --keys 16384 65536 --layers 8 \
