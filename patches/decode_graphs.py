@@ -9,7 +9,8 @@ written at a position held in a device tensor, under a keep mask over the whole 
 kernel never reads (:func:`torchembed.kernels.attention.fused_attention`). The first step over a room runs the model
 eagerly on a side stream (the warm-up, whose result is that step's) and captures the graph; the next steps copy their
 inputs into the graph's and replay it. After every step the cache's layers are views of their room's filled part:
-what ``DynamicCache.update`` would hold, for ``generate`` and any other reader.
+what ``DynamicCache.update`` would hold, for ``generate`` and any other reader; the next step over the same cache finds
+those views unchanged by identity (:class:`Handed`, weak references) and skips the per-layer checks.
 
 :func:`decode_graph_step` is the one answer to "is this forward replayed from a graph?"; every other call runs the
 model's own forward. Per instance: one captured step at a time lives on the model (``_torchembed_decode_graphs``),
@@ -68,6 +69,7 @@ class Step:
     takes_cache_position: bool  # the forward has a ``cache_position`` parameter (transformers 4.x)
     args: tuple  # the call as made (what runs where the step is not replayed after all)
     kwargs: dict[str, Any]
+    rooms: list[tuple[Tensor, Tensor]] | None = None  # each layer's room, where the cache is as the last step left it
 
 
 def decode_graph_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step | str:
@@ -115,8 +117,11 @@ def inspect_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step 
         return "the cache is not a DynamicCache"
     if len(layers) != config.num_hidden_layers or not layers:
         return "the cache does not hold every layer"
-    filled = _filled(layers[0], ids)
-    for layer in layers:
+    graphs = model.__dict__.get(_STATE)
+    handed = graphs.handed if graphs is not None else None
+    found = handed.rooms_if_unchanged(cache, ids) if handed is not None else None
+    filled = handed.filled if found is not None else _filled(layers[0], ids)
+    for layer in layers if found is None else ():  # (the cache as the last step left it: checked by identity)
         if filled is None or type(layer).__name__ != "DynamicLayer" or _filled(layer, ids) != filled:
             return "the cache's layers are not plain DynamicLayers holding the same tokens on the ids' device"
         if room_replaced(layer):
@@ -142,7 +147,7 @@ def inspect_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step 
     if why is not None:
         return why
     return Step(ids, cache, filled, mask, positions, cache_position, keep, _takes_cache_position(type(model)), args,
-                kwargs)
+                kwargs, found)
 
 
 @functools.cache
@@ -203,6 +208,36 @@ def _modules_differ(model: nn.Module) -> str | None:
         if module is not model and "forward" in module.__dict__ and not isinstance(module.__dict__["forward"], InstanceMethod):
             return f"the model's {type(module).__qualname__} has a forward of its own instance"
     return None
+
+
+class Handed:
+    """What the last replayed or captured step left in the cache, held weakly (never the cache or its tensors): the
+    cache, its layers, the views of the rooms each layer holds, and the rooms. Where the next step finds every one
+    unchanged (by identity), the cache holds ``filled`` tokens in every layer's room and none was replaced: the
+    per-layer checks of :func:`inspect_step` are skipped."""
+
+    __slots__ = ("cache", "filled", "batch", "device", "layers")
+
+    def __init__(self, cache: Any, filled: int, rooms: list[tuple[Tensor, Tensor]]) -> None:
+        self.cache, self.filled = weakref.ref(cache), filled
+        first = cache.layers[0].keys
+        self.batch, self.device = first.shape[0], first.device
+        self.layers = [tuple(map(weakref.ref, (layer, layer.keys, layer.values, keys, values)))
+                       for layer, (keys, values) in zip(cache.layers, rooms)]
+
+    def rooms_if_unchanged(self, cache: Any, ids: Tensor) -> list[tuple[Tensor, Tensor]] | None:
+        """Each layer's room where ``cache`` is the one handed back and each layer still holds the views it was given
+        (a crop, beam search's reordering, an eager step's update replace them), else None."""
+        layers = cache.layers
+        if self.cache() is not cache or len(layers) != len(self.layers) or ids.shape[0] != self.batch or ids.device != self.device:
+            return None
+        rooms = []
+        for layer, (held, keys, values, room_keys, room_values) in zip(layers, self.layers):
+            k, v = room_keys(), room_values()
+            if layer is not held() or layer.keys is not keys() or layer.values is not values() or k is None or v is None:
+                return None
+            rooms.append((k, v))
+        return rooms
 
 
 class RoomView:
@@ -299,6 +334,7 @@ class DecodeGraphs:
     captured: _Captured | None = None
     failed: set = field(default_factory=set)
     scanned: tuple | None = None  # (the cache, hook handle count, verdict) of the last module scan
+    handed: Handed | None = None  # what the last step left in the cache (held weakly)
     captures: int = 0  # graphs captured
     replays: int = 0  # steps replayed
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -315,8 +351,7 @@ class DecodeGraphs:
         if not self.lock.acquire(blocking=False):  # another thread is in a step of this model: eager
             return type(model).forward(model, *step.args, **step.kwargs)
         try:
-            layers = step.cache.layers
-            rooms = [room_for(layer, 1) for layer in layers]
+            rooms = self.rooms_for(step)
             if len({keys.shape[-2] for keys, _ in rooms} | {values.shape[-2] for _, values in rooms}) != 1:
                 return type(model).forward(model, *step.args, **step.kwargs)  # (rooms made apart: the cache's update)
             key = _key(model, step, rooms)
@@ -331,12 +366,27 @@ class DecodeGraphs:
                 captured.graph.replay()
                 self.replays += 1
                 kind, logits = captured.kind, captured.logits
-            n = step.filled + 1
-            for layer, (keys, values) in zip(layers, rooms):
-                layer.keys, layer.values = keys[..., :n, :], values[..., :n, :]
+            self.hand_back(step, rooms)
             return kind(logits=logits.clone(), past_key_values=step.cache)  # (a copy: the next replay rewrites it)
         finally:
             self.lock.release()
+
+    @staticmethod
+    def rooms_for(step: Step) -> list[tuple[Tensor, Tensor]]:
+        """Each cache layer's room with space for the step's token: those :func:`inspect_step` found as the last step
+        left them where they fit, else each layer's made or moved (:func:`~torchembed.patches.kv_cache.room_for`)."""
+        rooms = step.rooms
+        if rooms is None or step.filled + 1 > rooms[0][0].shape[-2]:
+            rooms = [room_for(layer, 1) for layer in step.cache.layers]
+        return rooms
+
+    def hand_back(self, step: Step, rooms: list[tuple[Tensor, Tensor]]) -> None:
+        """After a step over the rooms: the cache's layers made views of their filled part (what ``DynamicCache.update``
+        would hold), and what they were given remembered weakly (:class:`Handed`)."""
+        n = step.filled + 1
+        for layer, (keys, values) in zip(step.cache.layers, rooms):
+            layer.keys, layer.values = keys.narrow(2, 0, n), values.narrow(2, 0, n)
+        self.handed = Handed(step.cache, n, rooms)
 
     def _capture(self, model: nn.Module, step: Step, rooms: list[tuple[Tensor, Tensor]],
                  key: tuple) -> tuple[type, Tensor]:
@@ -406,7 +456,15 @@ class GraphedForward(InstanceMethod):
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return inspect.signature(self.__wrapped__)
+        return _bound_signature(type(self.__self__))
+
+
+@functools.cache
+def _bound_signature(cls: type) -> inspect.Signature:
+    """The signature of ``cls.forward`` bound to an instance (``self`` left out): what ``inspect.signature`` gives for
+    ``model.forward``, made once per class (``generate`` asks it at every step)."""
+    signature = inspect.signature(cls.forward)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
 @dataclass

@@ -58,13 +58,14 @@ def step_kwargs(cache, ids, mask):
 
 
 def over_the_room(model, step):
-    """One step as a graph captures it, run eagerly; the cache's layers made views of the rooms again."""
-    rooms = [room_for(layer, 1) for layer in step.cache.layers]
+    """One step as a graph captures it, run eagerly (the rooms as a replayed step takes them); the cache's layers made
+    views of the rooms again, as a replayed step hands them back."""
+    graphs = model.__dict__[dg._STATE]
+    rooms = graphs.rooms_for(step)
     inputs = dg.FixedShapeStep.for_step(step, rooms)
     inputs.load(step)
     out = inputs.run(model)
-    for layer, (keys, values) in zip(step.cache.layers, rooms):
-        layer.keys, layer.values = keys[..., : step.filled + 1, :], values[..., : step.filled + 1, :]
+    graphs.hand_back(step, rooms)
     return type(out)(logits=out.logits, past_key_values=step.cache)
 
 
@@ -83,12 +84,48 @@ def test_a_step_over_the_room_is_upstreams_step(model_type):
             got = over_the_room(model, step)
         torch.testing.assert_close(got.logits, expected.logits, atol=ATOL, rtol=RTOL)
         assert got.past_key_values is ours
+        assert (step.rooms is not None) == (_ > 0)  # (after the first step: the cache as that step left it)
         for mine, upstream in zip(ours.layers, theirs.layers):
             assert has_room(mine)
             torch.testing.assert_close(mine.keys, upstream.keys, atol=ATOL, rtol=RTOL)
             torch.testing.assert_close(mine.values, upstream.values, atol=ATOL, rtol=RTOL)
         ids = expected.logits[:, -1:].argmax(-1)
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+
+
+def test_a_cache_as_the_last_step_left_it_skips_the_layer_checks_and_anything_else_is_checked_again(monkeypatch):
+    """The decision checks each cache layer (its tokens, its room, whether beam search replaced its tensors) unless
+    the cache is the one the last step handed back and every layer holds the views it was given, found by identity;
+    a crop, a reorder or an eager step's update replaces them and the layers are checked again. What is remembered
+    is held weakly: the cache goes when its owner drops it."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model = torchembed.patch(tiny("llama"))
+        cache, ids, mask = prefill(model)
+        checked, replaced = [], dg.room_replaced
+        monkeypatch.setattr(dg, "room_replaced", lambda layer: checked.append(layer) or replaced(layer))
+        step = dg.inspect_step(model, (), step_kwargs(cache, ids, mask))
+        assert step.rooms is None and len(checked) == 2  # (a cache never handed back: each layer checked)
+        over_the_room(model, step)
+        mask = torch.cat([mask, mask.new_ones(2, 1)], 1)
+        checked.clear()
+        step = dg.inspect_step(model, (), step_kwargs(cache, ids, mask))
+        assert step.rooms is not None and not checked and step.filled == 8
+        assert [room[0].data_ptr() for room in step.rooms] == [room_for(layer, 0)[0].data_ptr() for layer in cache.layers]
+        over_the_room(model, step)
+        cache.crop(-1)  # (the layers now hold other views of their rooms: checked again, and taken)
+        step = dg.inspect_step(model, (), step_kwargs(cache, ids, mask))
+        assert step.rooms is None and len(checked) == 2 and step.filled == 8
+        over_the_room(model, step)
+        cache.layers[1].keys = cache.layers[1].keys[[1, 0]]  # (what beam search's reorder does to a layer)
+        mask = torch.cat([mask, mask.new_ones(2, 1)], 1)
+        assert "replaced" in dg.inspect_step(model, (), step_kwargs(cache, ids, mask))
+        other, _, _ = prefill(model)
+        assert dg.inspect_step(model, (), step_kwargs(other, ids, mask[:, :-2])).rooms is None  # (another cache)
+    gone = weakref.ref(cache)
+    del cache, step, other
+    gc.collect()
+    assert gone() is None and model.__dict__[dg._STATE].handed.cache() is None
 
 
 def test_new_room_space_is_zero_not_new_memory():
