@@ -39,11 +39,14 @@ from torchembed.kernels.route import decode_step
 from torchembed.patches.kv_cache import room_for, room_replaced
 from torchembed.patches.registry import Family, PatchOptions
 
-__all__ = ["GRAPHED_MODEL_TYPES", "DecodeGraphs", "GraphedForward", "ReplayDecodeSteps", "Step", "decode_graph_step", "graphed_forward"]
+__all__ = ["GRAPHED_MODEL_TYPES", "PADDING_MASK_TYPES", "DecodeGraphs", "GraphedForward", "ReplayDecodeSteps", "Step", "decode_graph_step", "graphed_forward"]
 
 # The decoder-only text models whose decode step is checked to compute upstream's step over a room (tests/patches/
 # test_decode_graphs.py): plain full-attention stacks whose forward keeps no Python state between steps.
-GRAPHED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "granite", "olmo2"})
+GRAPHED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "granite", "olmo2", "bloom"})
+# Those whose step takes the room as a (b, size) padding mask, from which the model derives its ALiBi positions and, with
+# the room's query offset (a device tensor), its causal mask; the rest take a (b, 1, 1, size) keep mask and positions.
+PADDING_MASK_TYPES = frozenset({"bloom"})
 _STATE = "_torchembed_decode_graphs"
 _KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache_position", "past_key_values", "use_cache",
                      "return_dict", "logits_to_keep", "inputs_embeds", "output_attentions", "output_hidden_states",
@@ -70,6 +73,7 @@ class Step:
     args: tuple  # the call as made (what runs where the step is not replayed after all)
     kwargs: dict[str, Any]
     rooms: list[tuple[Tensor, Tensor]] | None = None  # each layer's room, where the cache is as the last step left it
+    padding: bool = False  # the model takes the room as a padding mask (:data:`PADDING_MASK_TYPES`)
 
 
 def decode_graph_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step | str:
@@ -106,8 +110,9 @@ def inspect_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step 
     config = model.config
     if config.model_type not in GRAPHED_MODEL_TYPES:
         return f"model type {config.model_type!r} is not one whose step is checked over a room"
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        return "the attention implementation is not sdpa"
+    padding = config.model_type in PADDING_MASK_TYPES
+    if not padding and getattr(config, "_attn_implementation", None) != "sdpa":
+        return "the attention implementation is not sdpa"  # (a patched ALiBi model's attention is torchembed's)
     ids = kwargs.get("input_ids", args[0] if args else None)
     if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[1] != 1 or ids.dtype != torch.long:
         return "not one new token per sequence (the one decode step a graph writes: one slot per layer)"
@@ -115,6 +120,8 @@ def inspect_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step 
     layers = getattr(cache, "layers", None)
     if type(cache).__name__ != "DynamicCache" or not isinstance(layers, list) or getattr(cache, "offloading", False):
         return "the cache is not a DynamicCache"
+    if padding and not hasattr(cache, "get_query_offset"):  # (transformers 4.x: the mask from the cache's length)
+        return "this transformers release builds the causal mask from the cache's length, which a graph cannot follow"
     if len(layers) != config.num_hidden_layers or not layers:
         return "the cache does not hold every layer"
     graphs = model.__dict__.get(_STATE)
@@ -136,7 +143,8 @@ def inspect_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step 
                              or mask.device != ids.device):
         return "the attention mask is not (batch, cached + 1)"
     positions, cache_position = kwargs.get("position_ids"), kwargs.get("cache_position")
-    if positions is not None and (positions.dim() != 2 or positions.shape[1] != 1 or positions.device != ids.device):
+    if positions is not None and (padding or positions.dim() != 2 or positions.shape[1] != 1
+                                  or positions.device != ids.device):
         return "the position ids are not (batch or 1, 1)"
     if cache_position is not None and (tuple(cache_position.shape) != (1,) or cache_position.device != ids.device):
         return "the cache position is not (1,)"
@@ -147,7 +155,7 @@ def inspect_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step 
     if why is not None:
         return why
     return Step(ids, cache, filled, mask, positions, cache_position, keep, _takes_cache_position(type(model)), args,
-                kwargs, found)
+                kwargs, found, padding)
 
 
 @functools.cache
@@ -258,11 +266,28 @@ class RoomView:
         raise RuntimeError("a graphed decode step passes its positions; nothing should ask the cache's length")
 
 
+class PaddedRoomView(RoomView):
+    """:class:`RoomView` for a model that takes the room as a padding mask (:data:`PADDING_MASK_TYPES`): transformers'
+    causal mask asks the cache where the query stands (the write ``slot``, a device tensor, as a static cache answers
+    under ``torch.compile``) and how many keys it covers (the room's size)."""
+
+    def get_query_offset(self, layer_idx: int | None = None) -> Tensor:
+        return self.slot
+
+    def get_mask_sizes(self, query_length: Any, layer_idx: int | None = None) -> tuple[int, int]:
+        return self.rooms[0][0].shape[-2], 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The room's last slot: BLOOM's forward asks it, and reads it only where no mask is passed (a graphed step
+        always passes one)."""
+        return self.rooms[0][0].shape[-2] - 1
+
+
 @dataclass
 class FixedShapeStep:
     """The tensors one graphed step reads, at fixed addresses: the ids, the positions (where upstream derives them
     from the cache's length: ``(1, 1)``), the cache position (where passed), the write ``slot`` and the keep mask
-    ``(b, 1, 1, size)`` over the rooms."""
+    ``(b, 1, 1, size)`` over the rooms (for :data:`PADDING_MASK_TYPES`: a ``(b, size)`` padding mask, no positions)."""
 
     rooms: list[tuple[Tensor, Tensor]]
     input_ids: Tensor
@@ -271,12 +296,16 @@ class FixedShapeStep:
     position_ids: Tensor | None
     cache_position: Tensor | None
     logits_to_keep: Any
+    padding: bool = False
 
     @classmethod
     def for_step(cls, step: Step, rooms: list[tuple[Tensor, Tensor]]) -> "FixedShapeStep":
         ids = step.input_ids
         size = rooms[0][0].shape[-2]
         slot = torch.zeros(1, dtype=torch.long, device=ids.device)
+        if step.padding:
+            mask = torch.zeros(ids.shape[0], size, dtype=torch.long, device=ids.device)
+            return cls(rooms, torch.zeros_like(ids), slot, mask, None, None, step.logits_to_keep, True)
         mask = torch.zeros(ids.shape[0], 1, 1, size, dtype=torch.bool, device=ids.device)
         cache_position = None if not step.takes_cache_position else torch.zeros(1, dtype=torch.long, device=ids.device)
         positions = (torch.zeros_like(step.position_ids) if step.position_ids is not None
@@ -289,11 +318,12 @@ class FixedShapeStep:
         n = step.filled
         self.input_ids.copy_(step.input_ids)
         self.slot.fill_(n)
+        filled = self.mask[..., : n + 1]  # ((b, 1, 1, n + 1) or (b, n + 1))
         if step.attention_mask is None:
-            self.mask[..., : n + 1].fill_(True)
+            filled.fill_(1)
         else:
-            self.mask[:, 0, 0, : n + 1].copy_(step.attention_mask)
-        self.mask[..., n + 1:].fill_(False)
+            filled.copy_(step.attention_mask.view(filled.shape))
+        self.mask[..., n + 1:].fill_(0)
         if self.cache_position is not None:
             if step.cache_position is not None:
                 self.cache_position.copy_(step.cache_position)
@@ -307,8 +337,9 @@ class FixedShapeStep:
 
     def run(self, model: nn.Module) -> Any:
         """The model's own forward over the rooms (what a graph captures)."""
+        view = (PaddedRoomView if self.padding else RoomView)(self.rooms, self.slot)
         kwargs: dict[str, Any] = {"input_ids": self.input_ids, "attention_mask": self.mask, "use_cache": True,
-                                  "past_key_values": RoomView(self.rooms, self.slot), "return_dict": True}
+                                  "past_key_values": view, "return_dict": True}
         if self.position_ids is not None:
             kwargs["position_ids"] = self.position_ids
         if self.cache_position is not None:

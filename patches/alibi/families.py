@@ -40,6 +40,7 @@ from torchembed.kernels.per_forward import current, derive
 from torchembed.patches.actions import AddForwardPreHook, Component
 from torchembed.patches.adapters import (KeepGenerationCache, OverrideMethod, ReplaceForward, ReplaceGlobals, modules_of,
                                         qualname, require_params)
+from torchembed.patches.decode_graphs import ReplayDecodeSteps
 from torchembed.patches.devices import ShareDeviceCopies
 from torchembed.patches.errors import StructureError
 from torchembed.patches import kv_cache
@@ -507,6 +508,7 @@ register(Family(
         ReplaceGlobals("BloomModel", required={}, optional={"_get_alibi_slopes": alibi_slopes}),  # same signature
         ReplaceAlibiForward("BloomAttention", bloom_attention_forward, _ATTENTION_NEEDS["bloom"], CACHE_KEYWORDS),
         ShareDeviceCopies(),
+        ReplayDecodeSteps(),
     ),
     description="build_alibi_tensor / slopes -> torchembed ALiBi; attention -> fused ALiBi attention",
 ))
