@@ -98,6 +98,38 @@ def test_a_step_over_the_room_is_upstreams_step(model_type):
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "bloom"])
+def test_one_steps_inputs_serve_a_cache_cropped_within_its_room(model_type):
+    """A captured step's inputs are loaded again for every step over the same rooms, also one over fewer tokens
+    (a crop, as assisted decoding makes): the mask past the step's token is cleared, so the keys the earlier steps
+    wrote there are not read."""
+    if model_type in dg.PADDING_MASK_TYPES and not hasattr(transformers.DynamicCache, "get_query_offset"):
+        pytest.skip(f"transformers {transformers.__version__} builds BLOOM's causal mask from the cache's length")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model = torchembed.patch(tiny(model_type))
+        cache, ids, mask = prefill(model)
+        theirs, graphs = copy.deepcopy(cache), None
+        inputs = None
+        for tokens in (8, 5):  # (a step after 7 cached tokens, then one after cropping to 4)
+            if tokens < 8:
+                cache.crop(-(8 - tokens) - 1)
+                theirs.crop(-(8 - tokens) - 1)
+            step_mask = mask[:, :tokens]
+            expected = type(model).forward(model, **step_kwargs(theirs, ids, step_mask))
+            step = dg.inspect_step(model, (), step_kwargs(cache, ids, step_mask))
+            graphs = model.__dict__[dg._STATE]
+            rooms = graphs.rooms_for(step)
+            inputs = inputs or dg.FixedShapeStep.for_step(step, rooms)
+            assert [k.data_ptr() for k, _ in inputs.rooms] == [k.data_ptr() for k, _ in rooms]  # (the same rooms)
+            inputs.load(step)
+            got = inputs.run(model)
+            graphs.hand_back(step, rooms)
+            torch.testing.assert_close(got.logits, expected.logits, atol=ATOL, rtol=RTOL)
+            for mine, upstream in zip(cache.layers, theirs.layers):
+                torch.testing.assert_close(mine.keys, upstream.keys, atol=ATOL, rtol=RTOL)
+
+
 def test_a_cache_as_the_last_step_left_it_skips_the_layer_checks_and_anything_else_is_checked_again(monkeypatch):
     """The decision checks each cache layer (its tokens, its room, whether beam search replaced its tensors) unless
     the cache is the one the last step handed back and every layer holds the views it was given, found by identity;
