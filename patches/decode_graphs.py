@@ -43,10 +43,10 @@ __all__ = ["GRAPHED_MODEL_TYPES", "PADDING_MASK_TYPES", "DecodeGraphs", "Graphed
 
 # The decoder-only text models whose decode step is checked to compute upstream's step over a room (tests/patches/
 # test_decode_graphs.py): plain full-attention stacks whose forward keeps no Python state between steps.
-GRAPHED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "granite", "olmo2", "bloom"})
+GRAPHED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "granite", "olmo2", "bloom", "mpt"})
 # Those whose step takes the room as a (b, size) padding mask, from which the model derives its ALiBi positions and, with
 # the room's query offset (a device tensor), its causal mask; the rest take a (b, 1, 1, size) keep mask and positions.
-PADDING_MASK_TYPES = frozenset({"bloom"})
+PADDING_MASK_TYPES = frozenset({"bloom", "mpt"})
 _STATE = "_torchembed_decode_graphs"
 _KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache_position", "past_key_values", "use_cache",
                      "return_dict", "logits_to_keep", "inputs_embeds", "output_attentions", "output_hidden_states",
@@ -198,11 +198,11 @@ def _modules_checked(model: nn.Module, cache: Any) -> str | None:
 
 def _modules_differ(model: nn.Module) -> str | None:
     """Why a graph could replay something other than what the model's forward runs, or None: a module hook (a graph
-    runs it only at its capture), on any module but torchembed's per-forward pair, or a global one; a module whose
+    runs it only at its capture), on any module, but torchembed's that declare ``replayable`` (the per-forward pair,
+    MPT's attention-weights flag: the same effect in every graphed step), or a global one; a module whose
     ``forward`` is an instance attribute (an adapter's, accelerate's); a module from outside torch, transformers and
     torchembed (PEFT's LoRA layers, a user's module: their Python may change what they compute between calls)."""
     from torch.nn.modules import module as torch_module
-    from torchembed.patches.forward_scope import CloseForward, OpenForward
 
     if (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
             or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks):
@@ -211,7 +211,7 @@ def _modules_differ(model: nn.Module) -> str | None:
         if not type(module).__module__.startswith(_LIBRARIES):
             return f"the model holds a {type(module).__qualname__} (from {type(module).__module__})"
         hooks = list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values())
-        if any(not isinstance(hook, (OpenForward, CloseForward)) for hook in hooks):
+        if any(not getattr(hook, "replayable", False) for hook in hooks):  # (torchembed's that declare it)
             return f"the model's {type(module).__qualname__} has hooks"
         if module is not model and "forward" in module.__dict__ and not isinstance(module.__dict__["forward"], InstanceMethod):
             return f"the model's {type(module).__qualname__} has a forward of its own instance"

@@ -23,6 +23,8 @@ __all__ = ["ForwardScopeHooks", "OpenForward", "CloseForward"]
 class OpenForward:
     """Forward pre-hook: open this thread's :class:`~torchembed.kernels.per_forward.PerForward` of the module."""
 
+    replayable = True  # (a graphed decode step may run without it: see torchembed.patches.decode_graphs)
+
     def __call__(self, module: nn.Module, args: tuple) -> None:
         if not torch.compiler.is_compiling():
             open_forward(module)
@@ -30,6 +32,8 @@ class OpenForward:
 
 class CloseForward:
     """Forward hook (always called, also when the forward raised): close it."""
+
+    replayable = True
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not torch.compiler.is_compiling():

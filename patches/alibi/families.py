@@ -390,6 +390,8 @@ class AttentionWeightsRequest:
     """Forward pre-hook (with kwargs) of an ``MptBlock``: tells its attention whether this call was asked for attention
     weights (``output_attentions``), which the block does not pass on."""
 
+    replayable = True  # (a graphed decode step never asks for attention weights: the flag it sets is the same)
+
     def __init__(self, position: int) -> None:
         self.position = position  # index of output_attentions among the block's positional args
 
@@ -521,6 +523,7 @@ register(Family(
         RequestAttentionWeights("MptBlock"),
         ShareDeviceCopies(),
         KeepGenerationCache(),
+        ReplayDecodeSteps(),
     ),
     description=("build_mpt_alibi_tensor -> torchembed ALiBi; attention -> fused ALiBi attention; generate keeps a KV "
                  "cache (MptConfig turns it off)"),

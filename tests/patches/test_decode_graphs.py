@@ -35,7 +35,7 @@ def tiny(model_type, device="cpu", **extra):
         kwargs["sliding_window"] = None
     kwargs.update(extra)
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
-    implementation = {} if model_type in dg.PADDING_MASK_TYPES else {"attn_implementation": "sdpa"}  # (BLOOM: eager)
+    implementation = {} if model_type in dg.PADDING_MASK_TYPES else {"attn_implementation": "sdpa"}  # (BLOOM, MPT: eager)
     model = transformers.AutoModelForCausalLM.from_config(config, **implementation)
     return model.to(device).eval()
 
@@ -98,13 +98,13 @@ def test_a_step_over_the_room_is_upstreams_step(model_type):
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "bloom"])
+@pytest.mark.parametrize("model_type", ["llama", "bloom", "mpt"])
 def test_one_steps_inputs_serve_a_cache_cropped_within_its_room(model_type):
     """A captured step's inputs are loaded again for every step over the same rooms, also one over fewer tokens
     (a crop, as assisted decoding makes): the mask past the step's token is cleared, so the keys the earlier steps
     wrote there are not read."""
     if model_type in dg.PADDING_MASK_TYPES and not hasattr(transformers.DynamicCache, "get_query_offset"):
-        pytest.skip(f"transformers {transformers.__version__} builds BLOOM's causal mask from the cache's length")
+        pytest.skip(f"transformers {transformers.__version__} builds {model_type}'s causal mask from the cache's length")
     torch.manual_seed(0)
     with torch.no_grad():
         model = torchembed.patch(tiny(model_type))
@@ -273,10 +273,10 @@ def _graphs(model):
 
 
 @cuda
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "bloom"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "bloom", "mpt"])
 def test_cuda_plain_generate_replays_its_steps_and_gives_upstreams_tokens(model_type):
     if model_type in dg.PADDING_MASK_TYPES and not hasattr(transformers.DynamicCache, "get_query_offset"):
-        pytest.skip(f"transformers {transformers.__version__} builds BLOOM's causal mask from the cache's length")
+        pytest.skip(f"transformers {transformers.__version__} builds {model_type}'s causal mask from the cache's length")
     upstream, patched = _pair(model_type)
     ids = torch.randint(3, 128, (2, 9), device="cuda")
     mask = torch.ones_like(ids)
