@@ -33,6 +33,8 @@
 #   graphs  - plain generate() with the patched model's decode steps replayed from CUDA graphs: the graphs' CUDA tests,
 #             LLaMA-3.1-8B shape 8 layers at 64k (upstream and patched), eager generate of ~1B LLaMA and Qwen3 at 512
 #             and 4k (upstream and patched); `plain-depth` measures the full-depth shapes
+#   alibi-graphs - BLOOM and MPT decode steps replayed from CUDA graphs: the graphs' CUDA tests, then plain generate()
+#             per token, patched, at 16k (8 layers) beside the model's own loop and the floor; `plain-depth` for 65k
 #   batch   - transformers' continuous batching (generate_batch) of a ~1B LLaMA, upstream against patched: float32
 #             tokens equal, bf16 throughput (benchmarks/probes/generate_batch_throughput.py)
 set -uo pipefail
@@ -154,6 +156,10 @@ for phase in "$@"; do
       timeout 200 python3 -m torchembed bench e2e --models llama qwen3 --variants upstream patched --phases decode \
         --batch-sizes 1 --prompt-lens 512 4096 --repeats 3 --max-seconds 180 --name e2e-plain-graphs --out "$OUT" 2>&1 \
         | grep -E "^\| (llama|qwen3)" ;;
+    alibi-graphs)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/patches/test_decode_graphs.py --tb=short -k cuda 2>&1 | tail -n 12
+      timeout 220 python3 -m torchembed bench long --models bloom mpt --variants patched --contexts 16384 --layers 8 \
+        --steps 6 --generate 32 --max-seconds 200 --name long-plain-alibi-graphs --out "$OUT" 2>&1 | grep -E "^\| (bloom|mpt)" ;;
     batch)
       timeout 300 python3 benchmarks/probes/generate_batch_throughput.py --out "$OUT" 2>&1 | grep -E "^\||tokens|Error" ;;
     growth)
