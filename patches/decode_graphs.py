@@ -39,7 +39,8 @@ from torchembed.kernels.route import decode_step
 from torchembed.patches.kv_cache import room_for, room_replaced
 from torchembed.patches.registry import Family, PatchOptions
 
-__all__ = ["GRAPHED_MODEL_TYPES", "PADDING_MASK_TYPES", "DecodeGraphs", "GraphedForward", "ReplayDecodeSteps", "Step", "decode_graph_step", "graphed_forward"]
+__all__ = ["GRAPHED_MODEL_TYPES", "PADDING_MASK_TYPES", "DecodeGraphs", "GraphedForward", "ReplayDecodeSteps", "Step", "decode_graph_step",
+           "graphed_forward", "keys_limit", "padding_mask_refusal"]
 
 # The decoder-only text models whose decode step is checked to compute upstream's step over a room (tests/patches/
 # test_decode_graphs.py): plain full-attention stacks whose forward keeps no Python state between steps.
@@ -74,6 +75,7 @@ class Step:
     kwargs: dict[str, Any]
     rooms: list[tuple[Tensor, Tensor]] | None = None  # each layer's room, where the cache is as the last step left it
     padding: bool = False  # the model takes the room as a padding mask (:data:`PADDING_MASK_TYPES`)
+    limit: int | None = None  # the most keys the model attends (:func:`keys_limit`): no room is seen longer
 
 
 def decode_graph_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step | str:
@@ -120,8 +122,9 @@ def inspect_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step 
     layers = getattr(cache, "layers", None)
     if type(cache).__name__ != "DynamicCache" or not isinstance(layers, list) or getattr(cache, "offloading", False):
         return "the cache is not a DynamicCache"
-    if padding and not hasattr(cache, "get_query_offset"):  # (transformers 4.x: the mask from the cache's length)
-        return "this transformers release builds the causal mask from the cache's length, which a graph cannot follow"
+    why = padding_mask_refusal() if padding else None
+    if why is not None:
+        return why
     if len(layers) != config.num_hidden_layers or not layers:
         return "the cache does not hold every layer"
     graphs = model.__dict__.get(_STATE)
@@ -135,6 +138,9 @@ def inspect_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step 
             return "the cache's tensors were replaced (beam search reorders them every step)"
     if not decode_step(1, filled + 1):  # (always: one query; asked, so that a decode step has one definition)
         return "not a decode step"
+    limit = keys_limit(config)
+    if limit is not None and filled + 1 > limit:
+        return f"the keys exceed the {limit} positions of the model's ALiBi table"
     window = _window(config)
     if window is not None and filled + 1 > window:
         return f"the keys exceed the sliding window ({window})"
@@ -155,7 +161,31 @@ def inspect_step(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Step 
     if why is not None:
         return why
     return Step(ids, cache, filled, mask, positions, cache_position, keep, _takes_cache_position(type(model)), args,
-                kwargs, found, padding)
+                kwargs, found, padding, limit)
+
+
+@functools.cache
+def padding_mask_refusal() -> str | None:
+    """Why this transformers release cannot replay a step that takes its room as a padding mask
+    (:data:`PADDING_MASK_TYPES`), or None: 4.x builds the causal mask from the cache's length, which a graph cannot
+    follow; before 5.21 the eager causal mask (BLOOM's and MPT's) is made from a host scalar, a host-to-device copy
+    that a CUDA graph cannot capture."""
+    import transformers
+    from packaging.version import Version
+
+    if not hasattr(transformers.DynamicCache, "get_query_offset"):
+        return "this transformers release builds the causal mask from the cache's length, which a graph cannot follow"
+    if Version(transformers.__version__).release < (5, 21):
+        return (f"transformers {transformers.__version__} builds the eager causal mask from a host scalar, a copy a "
+                "CUDA graph cannot capture (5.21 and later build it on the device)")
+    return None
+
+
+def keys_limit(config: Any) -> int | None:
+    """The most keys a step of the model may attend, where its positions end: MPT's ALiBi table of
+    ``config.max_seq_len`` keys (upstream's attention fails past it; a graphed step's room is cut there); None for the
+    rest."""
+    return getattr(config, "max_seq_len", None) if config.model_type == "mpt" else None
 
 
 @functools.cache
@@ -405,10 +435,13 @@ class DecodeGraphs:
     @staticmethod
     def rooms_for(step: Step) -> list[tuple[Tensor, Tensor]]:
         """Each cache layer's room with space for the step's token: those :func:`inspect_step` found as the last step
-        left them where they fit, else each layer's made or moved (:func:`~torchembed.patches.kv_cache.room_for`)."""
+        left them where they fit, else each layer's made or moved (:func:`~torchembed.patches.kv_cache.room_for`), cut
+        to the step's :attr:`~Step.limit` of keys (views of the rooms' first part)."""
         rooms = step.rooms
         if rooms is None or step.filled + 1 > rooms[0][0].shape[-2]:
             rooms = [room_for(layer, 1) for layer in step.cache.layers]
+            if step.limit is not None and rooms[0][0].shape[-2] > step.limit:
+                rooms = [(keys.narrow(2, 0, step.limit), values.narrow(2, 0, step.limit)) for keys, values in rooms]
         return rooms
 
     def hand_back(self, step: Step, rooms: list[tuple[Tensor, Tensor]]) -> None:

@@ -9,6 +9,7 @@ import copy
 import gc
 import inspect
 import pickle
+import sys
 import threading
 import weakref
 
@@ -77,9 +78,9 @@ def test_a_step_over_the_room_is_upstreams_step(model_type):
     cache, ids, mask = prefill(model)
     ours = cache
     theirs = copy.deepcopy(cache)
-    if model_type in dg.PADDING_MASK_TYPES and not hasattr(cache, "get_query_offset"):  # (transformers 4.x)
+    if model_type in dg.PADDING_MASK_TYPES and dg.padding_mask_refusal() is not None:  # (transformers < 5.21)
         with torch.no_grad():
-            assert "causal mask from the cache's length" in dg.inspect_step(model, (), step_kwargs(ours, ids, mask))
+            assert dg.inspect_step(model, (), step_kwargs(ours, ids, mask)) == dg.padding_mask_refusal()
         return
     for _ in range(3):  # the first step makes the rooms, the next ones write into them
         with torch.no_grad():
@@ -103,8 +104,8 @@ def test_one_steps_inputs_serve_a_cache_cropped_within_its_room(model_type):
     """A captured step's inputs are loaded again for every step over the same rooms, also one over fewer tokens
     (a crop, as assisted decoding makes): the mask past the step's token is cleared, so the keys the earlier steps
     wrote there are not read."""
-    if model_type in dg.PADDING_MASK_TYPES and not hasattr(transformers.DynamicCache, "get_query_offset"):
-        pytest.skip(f"transformers {transformers.__version__} builds {model_type}'s causal mask from the cache's length")
+    if model_type in dg.PADDING_MASK_TYPES and dg.padding_mask_refusal() is not None:
+        pytest.skip(dg.padding_mask_refusal())
     torch.manual_seed(0)
     with torch.no_grad():
         model = torchembed.patch(tiny(model_type))
@@ -128,6 +129,52 @@ def test_one_steps_inputs_serve_a_cache_cropped_within_its_room(model_type):
             torch.testing.assert_close(got.logits, expected.logits, atol=ATOL, rtol=RTOL)
             for mine, upstream in zip(cache.layers, theirs.layers):
                 torch.testing.assert_close(mine.keys, upstream.keys, atol=ATOL, rtol=RTOL)
+
+
+def test_mpts_rooms_are_cut_at_its_alibi_table_and_steps_past_it_run_upstreams_way():
+    """MPT's ALiBi table covers ``config.max_seq_len`` keys (upstream's attention fails past it): a graphed step sees
+    each room cut there, so its keys never outnumber the table while the cache's tokens fit; a step past the table
+    is not replayed (the eager step raises as upstream's does)."""
+    if dg.padding_mask_refusal() is not None:
+        pytest.skip(dg.padding_mask_refusal())
+    torch.manual_seed(0)
+    model = torchembed.patch(tiny("mpt", max_seq_len=11))
+    cache, ids, mask = prefill(model)  # 7 tokens cached
+    theirs = copy.deepcopy(cache)
+    with torch.no_grad():
+        for _ in range(4):  # steps after 7, 8, 9 and 10 tokens: the last one fills the table
+            expected = type(model).forward(model, **step_kwargs(theirs, ids, mask))
+            step = dg.inspect_step(model, (), step_kwargs(cache, ids, mask))
+            assert isinstance(step, dg.Step) and step.limit == 11, step
+            got = over_the_room(model, step)
+            assert all(keys.shape[-2] == 11 for keys, _ in model.__dict__[dg._STATE].rooms_for(step))
+            torch.testing.assert_close(got.logits, expected.logits, atol=ATOL, rtol=RTOL)
+            ids = expected.logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+        assert "ALiBi table" in dg.inspect_step(model, (), step_kwargs(cache, ids, mask))
+        with pytest.raises(ValueError, match="exceed MPT's ALiBi table"):
+            model(**step_kwargs(cache, ids, mask))
+
+
+def test_alibi_steps_are_refused_where_transformers_builds_the_eager_mask_on_the_host(monkeypatch):
+    """Before 5.21 transformers' eager causal mask (BLOOM's, MPT's) is made with ``torch.tensor(0.0, device=...)``,
+    a host-to-device copy that fails a CUDA graph's capture: such steps are refused up front, not captured to fail."""
+    torch.manual_seed(0)
+    model = torchembed.patch(tiny("bloom"))
+    cache, ids, mask = prefill(model)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.20.0")  # (the module imported now)
+    dg.padding_mask_refusal.cache_clear()
+    try:
+        with torch.no_grad():
+            why = dg.inspect_step(model, (), step_kwargs(cache, ids, mask))
+        assert isinstance(why, str) and ("5.21" in why or "cache's length" in why), why
+        llama = torchembed.patch(tiny("llama"))  # (its step takes a keep mask: not concerned)
+        cache, ids, mask = prefill(llama)
+        with torch.no_grad():
+            assert isinstance(dg.inspect_step(llama, (), step_kwargs(cache, ids, mask)), dg.Step)
+    finally:
+        monkeypatch.undo()
+        dg.padding_mask_refusal.cache_clear()
 
 
 def test_a_cache_as_the_last_step_left_it_skips_the_layer_checks_and_anything_else_is_checked_again(monkeypatch):
@@ -275,8 +322,8 @@ def _graphs(model):
 @cuda
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "bloom", "mpt"])
 def test_cuda_plain_generate_replays_its_steps_and_gives_upstreams_tokens(model_type):
-    if model_type in dg.PADDING_MASK_TYPES and not hasattr(transformers.DynamicCache, "get_query_offset"):
-        pytest.skip(f"transformers {transformers.__version__} builds {model_type}'s causal mask from the cache's length")
+    if model_type in dg.PADDING_MASK_TYPES and dg.padding_mask_refusal() is not None:
+        pytest.skip(dg.padding_mask_refusal())
     upstream, patched = _pair(model_type)
     ids = torch.randint(3, 128, (2, 9), device="cuda")
     mask = torch.ones_like(ids)
