@@ -63,8 +63,9 @@ def append_in_place(layer: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 def room_for(layer: Any, new: int) -> tuple[Tensor, Tensor]:
     """The key and value buffers ``(b, h, size, d)`` of a ``DynamicLayer`` holding ``(b, h, filled, d)``, whose first
     ``filled`` tokens are the layer's and which have space for ``new`` more: the layer's room where it has one that fits,
-    else new buffers with 1/8 more space than needed (at least 256 tokens), the filled part moved there once and the
-    space zeroed."""
+    else new buffers with 1/8 more space than needed (at least 256 tokens), the filled part moved there once, the
+    space zeroed and the layer's keys and values made views of the filled part (its old tensors let go at once: a
+    cache moved layer by layer is never held twice)."""
     keys, values = layer.keys, layer.values
     filled = keys.shape[-2]
     room = layer.__dict__.get(_ROOM)
@@ -75,6 +76,7 @@ def room_for(layer: Any, new: int) -> tuple[Tensor, Tensor]:
             buffer[..., :filled, :].copy_(held)
             buffer[..., filled:, :].zero_()  # (a step over the whole room masks the space: never NaN from new memory)
         layer.__dict__[_ROOM] = room
+        layer.keys, layer.values = room[0][..., :filled, :], room[1][..., :filled, :]
     return room
 
 

@@ -220,6 +220,20 @@ def test_new_room_space_is_zero_not_new_memory():
     assert not keys[..., 5:, :].any() and not values[..., 5:, :].any()  # a masked slot holding NaN poisons SDPA
 
 
+def test_a_layer_moved_into_its_room_lets_go_of_its_old_tensors():
+    """A graphed step makes every layer's room before it runs: each layer must drop its old keys and values as its
+    room is made, or the whole cache is held twice at that step (a 65k full-depth MPT ran out of memory on 80 GB)."""
+    layer = transformers.cache_utils.DynamicLayer()
+    layer.update(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
+    before = layer.keys.clone()
+    old = weakref.ref(layer.keys), weakref.ref(layer.values)
+    keys, _ = room_for(layer, 1)
+    gc.collect()
+    assert old[0]() is None and old[1]() is None
+    assert has_room(layer) and layer.keys.shape[-2] == 5 and torch.equal(layer.keys, before)
+    assert layer.keys.data_ptr() == keys.data_ptr()
+
+
 def test_the_decision_refuses_what_a_graph_would_get_wrong():
     torch.manual_seed(0)
     model = torchembed.patch(tiny("llama"))
