@@ -41,10 +41,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-torchembed-results}
 mkdir -p "$OUT"
-if [ -n "${WHEELS:-}" ]; then  # another transformers, from wheels carried in the folder WHEELS, e.g. made here with
-  # pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl transformers==5.22.2
-  python3 -m venv --system-site-packages /tmp/venv-wheels && . /tmp/venv-wheels/bin/activate
-  python3 -m pip install -q --no-index --find-links "$WHEELS" transformers
+if [ -n "${WHEELS:-}" ]; then  # another transformers, from the wheel carried in the folder WHEELS (run's carry), made
+  # here with `pip download --no-deps -d .whl transformers==5.23.0` (its needs must be the machine's: a venv made from
+  # the machine's python3, itself a venv, would not see them). Installed beside the machine's packages, ahead of them.
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl || exit
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   python3 -c "import transformers; print('transformers', transformers.__version__)"
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1

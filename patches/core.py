@@ -151,7 +151,7 @@ def patch(model: M, fused: bool | None = None, *, strict: bool = True, cudnn_dec
             torchembed's split-key decode kernel, decided per call for this model only
             (:mod:`torchembed.patches.rope.decode_attention`).
         cuda_graphs: a CUDA decode step of one token (what ``generate`` runs) of a LLaMA, Mistral, Qwen2/3, Gemma,
-            Phi-3, Granite, OLMo-2 or (with transformers 5) BLOOM or MPT model is replayed from a CUDA graph captured by this model
+            Phi-3, Granite, OLMo-2 or (with transformers 5.21 or later) BLOOM or MPT model is replayed from a CUDA graph captured by this model
             (:mod:`torchembed.patches.decode_graphs`); False runs every step eagerly.
 
     Returns:

@@ -69,6 +69,9 @@ def test_the_row_of_the_installed_transformers_is_the_survey() -> None:
     version = transformers.__version__
     if version not in TABLE:
         pytest.skip(f"the README's table has no row for transformers {version} ({', '.join(TABLE)})")
+    if _torchvision_imports():
+        pytest.skip("torchvision imports here, so timm's backbones (gemma3n's vision tower) build: the README's counts "
+                    "are a survey where it does not (beside the CPU build of torch, as `pip install .[hf,dev]` gives)")
     statuses = survey()
     assert TABLE[version] == survey_counts(statuses), (
         f"the README's counts for transformers {version} are not the survey's: python scripts/readme_counts.py "
@@ -77,3 +80,11 @@ def test_the_row_of_the_installed_transformers_is_the_survey() -> None:
     refused, versions = _refused_in_readme()
     if ".".join(version.split(".")[:2]) in versions:
         assert refused == {s.model_type for s in statuses if s.state == "refused"}
+
+
+def _torchvision_imports() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # (not installed, or built for another torch: it fails at import)
+        return False
+    return True
