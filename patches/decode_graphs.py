@@ -36,7 +36,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torchembed.patches.actions import Component, InstanceMethod, OverrideAttribute
 from torchembed.kernels.route import decode_step
-from torchembed.patches.kv_cache import room_for, room_replaced
+from torchembed.patches.kv_cache import hold, room_for, room_replaced
 from torchembed.patches.registry import Family, PatchOptions
 
 __all__ = ["GRAPHED_MODEL_TYPES", "PADDING_MASK_TYPES", "DecodeGraphs", "GraphedForward", "ReplayDecodeSteps", "Step", "decode_graph_step",
@@ -448,8 +448,8 @@ class DecodeGraphs:
         """After a step over the rooms: the cache's layers made views of their filled part (what ``DynamicCache.update``
         would hold), and what they were given remembered weakly (:class:`Handed`)."""
         n = step.filled + 1
-        for layer, (keys, values) in zip(step.cache.layers, rooms):
-            layer.keys, layer.values = keys.narrow(2, 0, n), values.narrow(2, 0, n)
+        for layer, room in zip(step.cache.layers, rooms):
+            hold(layer, room, n)
         self.handed = Handed(step.cache, n, rooms)
 
     def _capture(self, model: nn.Module, step: Step, rooms: list[tuple[Tensor, Tensor]],

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CACHE_KEYWORDS", "IN_PLACE_BYTES", "GrowInPlace", "append_in_place", "growing_layer", "grow_in_place", "has_room",
+__all__ = ["CACHE_KEYWORDS", "IN_PLACE_BYTES", "GrowInPlace", "append_in_place", "growing_layer", "grow_in_place", "has_room", "hold",
            "room_for", "room_replaced", "update"]
 
 CACHE_KEYWORDS = ("cache", "past_key_values", "layer_past", "past_key_value")  # an attention's KV cache, by release
@@ -56,7 +56,13 @@ def append_in_place(layer: Any, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     room = room_for(layer, new)
     room[0][..., filled:filled + new, :].copy_(k)
     room[1][..., filled:filled + new, :].copy_(v)
-    layer.keys, layer.values = room[0][..., :filled + new, :], room[1][..., :filled + new, :]
+    return hold(layer, room, filled + new)
+
+
+def hold(layer: Any, room: tuple[Tensor, Tensor], n: int) -> tuple[Tensor, Tensor]:
+    """The layer's keys and values made views of the first ``n`` tokens of ``room`` (``(b, h, size, d)`` buffers): what
+    ``DynamicLayer.update`` would hold, returned as it returns them."""
+    layer.keys, layer.values = room[0].narrow(-2, 0, n), room[1].narrow(-2, 0, n)
     return layer.keys, layer.values
 
 
@@ -76,7 +82,7 @@ def room_for(layer: Any, new: int) -> tuple[Tensor, Tensor]:
             buffer[..., :filled, :].copy_(held)
             buffer[..., filled:, :].zero_()  # (a step over the whole room masks the space: never NaN from new memory)
         layer.__dict__[_ROOM] = room
-        layer.keys, layer.values = room[0][..., :filled, :], room[1][..., :filled, :]
+        hold(layer, room, filled)
     return room
 
 
