@@ -4,8 +4,10 @@ Falcon-ALiBi (falcon-rw-1b's layout: hidden 2048, 32 heads), BLOOM and MPT shape
 weights, bf16, batch 1. For each length: the prefill's wall time (synchronised; median of ``--repeats`` interleaved
 runs, upstream and patched back to back), the paths the patched layers took (``torchembed.kernels.route.alibi_path``,
 counted), and, profiled once each, the GPU busy time (the union of the kernels' intervals; wall minus it is what the
-host adds) and the GPU time by kernel name (the largest ``--top``). ``--device cpu`` runs a small shape in float32
-(no GPU columns) to check the probe itself.
+host adds) and the GPU time by kernel name (the largest ``--top``). ``--python N``: also ``N`` prefills of each under
+``cProfile``, the Python functions' own time per prefill, patched less upstream (the ``--top`` largest differences
+each way: where the host time goes that one adds). ``--device cpu`` runs a small shape in float32 (no GPU columns) to
+check the probe itself.
 
     python benchmarks/probes/alibi_prefill_profile.py [--models falcon bloom mpt] [--lengths 128 512 1024 2048]
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import pstats
 import copy
 import datetime
 import json
@@ -65,6 +69,28 @@ def profile(model, ids, sync, top: int) -> dict:
             "aten_ops": sum(1 for e in events if e.name.startswith("aten::")), "kernels_ms": dict(kernels.most_common(top))}
 
 
+def python_diff(upstream, patched, ids, sync, calls: int, top: int) -> dict:
+    """Own time per prefill of each Python function (and builtin) under ``cProfile``, patched less upstream (us)."""
+    own = {}
+    for variant, model in (("upstream", upstream), ("patched", patched)):
+        profiler = cProfile.Profile()
+        with torch.no_grad():
+            profiler.enable()
+            for _ in range(calls):
+                model(ids)
+            sync()
+            profiler.disable()
+        own[variant] = {f"{path.split('site-packages/')[-1].split('/main/')[-1]}:{line}({fn})": (n / calls, t / calls * 1e6)
+                        for (path, line, fn), (_, n, t, _, _) in pstats.Stats(profiler).stats.items()}
+    rows = []
+    for key in own["upstream"].keys() | own["patched"].keys():
+        (cu, tu), (cp, tp) = own["upstream"].get(key, (0, 0.0)), own["patched"].get(key, (0, 0.0))
+        rows.append({"function": key, "us": tp - tu, "calls_upstream": cu, "calls_patched": cp})
+    rows.sort(key=lambda r: r["us"])
+    totals = {v: sum(t for _, t in o.values()) / 1e3 for v, o in own.items()}
+    return {"profiled_ms": totals, "patched_more": rows[::-1][:top], "upstream_more": rows[:top]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["falcon", "bloom", "mpt"], choices=["falcon", "bloom", "mpt"])
@@ -72,6 +98,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--python", type=int, default=0, metavar="N", help="N prefills of each under cProfile (0: none)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -109,6 +136,8 @@ def main() -> None:
                       **{f"{v}_all_ms": t for v, t in times.items()}}
             if dev.type == "cuda":
                 record["profile"] = {v: profile(m, ids, sync, args.top) for v, m in (("upstream", upstream), ("patched", patched))}
+            if args.python:
+                record["python"] = python_diff(upstream, patched, ids, sync, args.python, 2 * args.top)
             records.append(record)
             print(f"{name} 1x{length}: upstream {record['upstream_ms']:.3f} ms, patched {record['patched_ms']:.3f} ms "
                   f"({record['upstream_ms'] / record['patched_ms']:.2f}x), paths {dict(paths)}", flush=True)
@@ -136,6 +165,15 @@ def main() -> None:
                 lines.append(f"- {variant}: by kind " + "; ".join(f"{k} {v['ms']:.3f} ({v['kernels']})"
                                                                 for k, v in prof["kinds"].items()))
                 lines.append(f"- {variant}: longest " + "; ".join(f"`{k}` {v:.3f}" for k, v in prof["kernels_ms"].items()))
+    for r in records:
+        if r.get("python"):
+            py = r["python"]
+            lines += ["", f"## {r['model']} 1x{r['length']}: Python own time per prefill under cProfile, patched less "
+                      f"upstream (profiled ms: upstream {py['profiled_ms']['upstream']:.3f}, patched "
+                      f"{py['profiled_ms']['patched']:.3f})", "", "| us | calls u / p | function |", "|---:|---:|---|"]
+            for row in py["patched_more"] + py["upstream_more"]:
+                lines.append(f"| {row['us']:.1f} | {row['calls_upstream']:.0f} / {row['calls_patched']:.0f} | "
+                             f"`{row['function']}` |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:
