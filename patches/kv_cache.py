@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["CACHE_KEYWORDS", "IN_PLACE_BYTES", "GrowInPlace", "append_in_place", "growing_layer", "grow_in_place", "has_room", "hold",
-           "room_for", "room_replaced", "update"]
+           "move_into", "room_for", "room_replaced", "update"]
 
 CACHE_KEYWORDS = ("cache", "past_key_values", "layer_past", "past_key_value")  # an attention's KV cache, by release
 
@@ -79,11 +79,34 @@ def room_for(layer: Any, new: int) -> tuple[Tensor, Tensor]:
         size = filled + new + max(256, (filled + new) // 8)
         room = tuple(t.new_empty(*t.shape[:-2], size, t.shape[-1]) for t in (keys, values))
         for buffer, held in zip(room, (keys, values)):
-            buffer[..., :filled, :].copy_(held)
-            buffer[..., filled:, :].zero_()  # (a step over the whole room masks the space: never NaN from new memory)
+            move_into(buffer, held)
         layer.__dict__[_ROOM] = room
         hold(layer, room, filled)
     return room
+
+
+# A move copies each (batch, head) row of the cache as one contiguous block (a device-to-device memcpy at the copy
+# bandwidth) where rows are at least this large and at most MOVE_ROWS of them; else one strided copy, which CUDA runs
+# through an elementwise kernel at about half that (LLaMA-3.1-8B, 32 layers at 128k keys on an H100: 25 ms per move).
+MOVE_ROW_BYTES = 2**20
+MOVE_ROWS = 256
+
+
+def move_into(buffer: Tensor, held: Tensor) -> None:
+    """``buffer (b, h, size, d)``'s first ``filled`` tokens made ``held (b, h, filled, d)``'s, the rest zeroed (a step
+    over the whole room masks the space: never NaN from new memory)."""
+    filled = held.shape[-2]
+    rows = held.shape[:-2].numel()
+    row_bytes = filled * held.shape[-1] * held.element_size()
+    if not (held.is_contiguous() and buffer.is_contiguous() and row_bytes >= MOVE_ROW_BYTES and rows <= MOVE_ROWS):
+        buffer[..., :filled, :].copy_(held)
+        buffer[..., filled:, :].zero_()
+        return
+    width = filled * held.shape[-1]
+    target, source = buffer.view(rows, -1), held.view(rows, width)
+    for row in range(rows):  # (each a contiguous block: one memcpy and one memset)
+        target[row, :width].copy_(source[row])
+        target[row, width:].zero_()
 
 
 def room_replaced(layer: Any) -> bool:

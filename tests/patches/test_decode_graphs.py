@@ -220,6 +220,24 @@ def test_new_room_space_is_zero_not_new_memory():
     assert not keys[..., 5:, :].any() and not values[..., 5:, :].any()  # a masked slot holding NaN poisons SDPA
 
 
+@pytest.mark.parametrize("rows", ["row by row", "one strided copy"])
+@pytest.mark.parametrize("held", ["contiguous", "strided"])
+def test_a_move_into_a_room_keeps_every_token_and_zeroes_the_space(rows, held, monkeypatch):
+    """A move copies each (batch, head) row as one block where rows are large enough (a memcpy), else one strided
+    copy: either way the room's first tokens are the cache's, bit for bit, and its space is zero, not the new
+    memory's contents (NaN here)."""
+    from torchembed.patches import kv_cache
+
+    monkeypatch.setattr(kv_cache, "MOVE_ROW_BYTES", 0 if rows == "row by row" else 2**62)
+    cache = torch.randn(2, 3, 7, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    if held == "strided":
+        cache = torch.randn(2, 7, 3, 8).to(torch.bfloat16).transpose(1, 2)  # (the strided copy, whatever the rows)
+    room = torch.full((2, 3, 11, 8), float("nan"), dtype=torch.bfloat16)
+    kv_cache.move_into(room, cache)
+    assert torch.equal(room[..., :7, :], cache)
+    assert torch.equal(room[..., 7:, :], torch.zeros(2, 3, 4, 8, dtype=torch.bfloat16))
+
+
 def test_a_layer_moved_into_its_room_lets_go_of_its_old_tensors():
     """A graphed step makes every layer's room before it runs: each layer must drop its old keys and values as its
     room is made, or the whole cache is held twice at that step (a 65k full-depth MPT ran out of memory on 80 GB)."""
