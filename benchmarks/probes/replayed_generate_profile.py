@@ -1,7 +1,8 @@
 """Where plain ``generate`` of a patched model spends each new token once its decode steps replay from the CUDA
-graph (``torchembed.patches.decode_graphs``): the wall time per token (the median gap between steps) and of the first
-decode step (the cache moved into rooms, the warm-up and the capture: each timed apart with the device synchronised
-around it in one more call), then the same ``generate`` under ``cProfile``, its Python functions' time per new token
+graph (``torchembed.patches.decode_graphs``): the wall time per token (the median gap between steps), the first
+decode step's parts (the cache moved into rooms, the warm-up and the capture: each timed apart with the device
+synchronised around it in one more call; the gap before the first step holds the prefill's GPU time, since the logits
+processor that clocks it runs when the prefill is queued), then the same ``generate`` under ``cProfile``, its Python functions' time per new token
 (cumulative and own), so the host work left (``generate``'s own, the graphed forward's decision and input copies, the
 replay) is named; on CUDA also one ``generate`` under ``torch.profiler`` from its third decode step on: the GPU's busy
 time per token and its kernels by kind, against the wall time (the rest is host time with the GPU idle).
@@ -119,14 +120,12 @@ def main(argv: list[str]) -> int:
               "transformers": transformers.__version__}
     with torch.no_grad():
         generate(model, ids, args.tokens)  # warm-up: the capture
-        gaps, first = [], []
+        gaps = []
         for _ in range(3):
             clock = StepClock()
             generate(model, ids, args.tokens, clock)
             gaps += clock.gaps_ms()[2:]
-            first.append(clock.gaps_ms()[0])
         record["wall_ms_per_token"] = statistics.median(gaps)
-        record["first_step_ms"] = statistics.median(first)  # (the step after the prefill: rooms, warm-up, capture)
         if device.type == "cuda":
             record["first_step_parts"] = first_step_parts(model, ids, args.tokens)
         graphs = getattr(model, "_torchembed_decode_graphs", None)
@@ -163,7 +162,7 @@ def main(argv: list[str]) -> int:
     record["profiled_ms_per_token"] = sum(r["own_us_per_token"] for r in rows) / 1e3
     record["by_cumulative"] = sorted(rows, key=lambda r: -r["cumulative_us_per_token"])[:args.top]
     record["by_own"] = sorted(rows, key=lambda r: -r["own_us_per_token"])[:args.top]
-    print(f"wall {record['wall_ms_per_token']:.3f} ms per token; first decode step {record['first_step_ms']:.1f} ms; "
+    print(f"wall {record['wall_ms_per_token']:.3f} ms per token; "
           f"under cProfile {record['profiled_ms_per_token']:.3f}; graphs {record['graph_counters']}")
     if "first_step_parts" in record:
         print(f"first step's parts, synchronised: {record['first_step_parts']}")
