@@ -1,6 +1,7 @@
 """What moving a long cache into rooms costs (``torchembed.patches.kv_cache.room_for``: the first decode step after a
 prefill, and a room grown past its space): each (batch, head) row copied as one block against one strided copy of
-the whole layer, for LLaMA-3.1-8B's (8 kv heads at 128k tokens) and BLOOM-7B1's (32 heads at 64k) cache layers, in ms
+the whole layer (and, for comparison, one strided copy of the rows read as 16-byte elements, ``complex128``: wide loads in
+CUDA's elementwise copy), for LLaMA-3.1-8B's (8 kv heads at 128k tokens) and BLOOM-7B1's (32 heads at 64k) cache layers, in ms
 per layer and as a fraction of the copy bandwidth measured alike (a contiguous copy of the same bytes).
 
     python benchmarks/probes/room_move.py [--layers 8] [--repeats 5] [--out DIR]
@@ -60,11 +61,26 @@ def main() -> None:
                 runs.append(timed_ms(lambda: [kv_cache.room_for(layer, 1) for layer in layers]) / len(layers))
             times[way] = statistics.median(runs)
         kv_cache.MOVE_ROW_BYTES = 2**20
+        runs = []
+        for _ in range(args.repeats):  # the same move with the rows read as 16-byte elements
+            def wide() -> None:
+                for layer in layers:
+                    for held in (layer.keys, layer.values):
+                        buffer = held.new_empty(*held.shape[:-2], held.shape[-2] + held.shape[-2] // 8 + 256, held.shape[-1])
+                        rows, width = held.shape[:-2].numel(), held.shape[-2] * held.shape[-1]
+                        target, source = buffer.view(rows, -1), held.reshape(rows, width)
+                        target[:, :width].view(torch.complex128).copy_(source.view(torch.complex128))
+                        target[:, width:].view(torch.complex128).zero_()
+            torch.cuda.empty_cache()
+            runs.append(timed_ms(wide) / len(layers))
+        times["wide"] = statistics.median(runs)
         record = {"shape": name, "kv": list(shape), "gb_per_layer": nbytes / 1e9, "contiguous_copy_ms": copy_ms,
-                  "rows_ms_per_layer": times["rows"], "strided_ms_per_layer": times["strided"]}
+                  "rows_ms_per_layer": times["rows"], "strided_ms_per_layer": times["strided"],
+                  "wide_strided_ms_per_layer": times["wide"]}
         records.append(record)
         print(f"{name}: per layer {nbytes / 1e9:.2f} GB; contiguous copy {copy_ms:.2f} ms; move row by row "
-              f"{times['rows']:.2f} ms; one strided copy {times['strided']:.2f} ms", flush=True)
+              f"{times['rows']:.2f} ms; one strided copy {times['strided']:.2f} ms; one strided copy of 16-byte "
+              f"elements {times['wide']:.2f} ms", flush=True)
         del layers
         torch.cuda.empty_cache()
     if args.out is not None:
