@@ -1,10 +1,12 @@
 """What moving a long cache into rooms costs (``torchembed.patches.kv_cache.room_for``: the first decode step after a
-prefill, and a room grown past its space): each (batch, head) row copied as one block against one strided copy of
-the whole layer (and, for comparison, one strided copy of the rows read as 16-byte elements, ``complex128``: wide loads in
-CUDA's elementwise copy), for LLaMA-3.1-8B's (8 kv heads at 128k tokens) and BLOOM-7B1's (32 heads at 64k) cache layers, in ms
-per layer and as a fraction of the copy bandwidth measured alike (a contiguous copy of the same bytes).
+prefill, and a room grown past its space), for LLaMA-3.1-8B's (8 kv heads at 128k tokens) and BLOOM-7B1's (32 heads at
+64k) cache layers, in ms per layer: the library's move (the cache read as 16-byte elements) against one strided copy
+of 2-byte elements (how it moved a cache before) and a contiguous copy of the same bytes (the copy bandwidth).
 
     python benchmarks/probes/room_move.py [--layers 8] [--repeats 5] [--out DIR]
+
+The run in ``benchmarks/results/long-plain-generate-h100.md`` (15:37 UTC) used this probe at commit 190263a, which also
+timed a move copying each (batch, head) row as one block (``git show 190263a:benchmarks/probes/room_move.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ def timed_ms(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
+def strided_move(layers) -> None:
+    """The move as one strided copy of 2-byte elements per tensor (and a strided zeroing of the space)."""
+    for layer in layers:
+        for held in (layer.keys, layer.values):
+            buffer = held.new_empty(*held.shape[:-2], held.shape[-2] + max(256, held.shape[-2] // 8), held.shape[-1])
+            buffer[..., :held.shape[-2], :].copy_(held)
+            buffer[..., held.shape[-2]:, :].zero_()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -49,38 +60,21 @@ def main() -> None:
         scratch = torch.empty_like(layers[0].keys)
         copy_ms = statistics.median(timed_ms(lambda: scratch.copy_(layers[0].keys)) for _ in range(args.repeats)) * 2
         del scratch
-        times = {}
-        for way, row_bytes in (("rows", kv_cache.MOVE_ROW_BYTES), ("strided", 2**62)):
-            kv_cache.MOVE_ROW_BYTES = row_bytes
-            runs = []
-            for _ in range(args.repeats):
-                for layer in layers:  # (a fresh move each time: the layer forgets its room)
-                    layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
-                    layer.__dict__.pop("_torchembed_room", None)
-                torch.cuda.empty_cache()
-                runs.append(timed_ms(lambda: [kv_cache.room_for(layer, 1) for layer in layers]) / len(layers))
-            times[way] = statistics.median(runs)
-        kv_cache.MOVE_ROW_BYTES = 2**20
-        runs = []
-        for _ in range(args.repeats):  # the same move with the rows read as 16-byte elements
-            def wide() -> None:
-                for layer in layers:
-                    for held in (layer.keys, layer.values):
-                        buffer = held.new_empty(*held.shape[:-2], held.shape[-2] + held.shape[-2] // 8 + 256, held.shape[-1])
-                        rows, width = held.shape[:-2].numel(), held.shape[-2] * held.shape[-1]
-                        target, source = buffer.view(rows, -1), held.reshape(rows, width)
-                        target[:, :width].view(torch.complex128).copy_(source.view(torch.complex128))
-                        target[:, width:].view(torch.complex128).zero_()
+        library, strided = [], []
+        for _ in range(args.repeats):
+            for layer in layers:  # (a fresh move each time: the layer forgets its room)
+                layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+                layer.__dict__.pop("_torchembed_room", None)
             torch.cuda.empty_cache()
-            runs.append(timed_ms(wide) / len(layers))
-        times["wide"] = statistics.median(runs)
+            library.append(timed_ms(lambda: [kv_cache.room_for(layer, 1) for layer in layers]) / len(layers))
+            torch.cuda.empty_cache()
+            strided.append(timed_ms(lambda: strided_move(layers)) / len(layers))
         record = {"shape": name, "kv": list(shape), "gb_per_layer": nbytes / 1e9, "contiguous_copy_ms": copy_ms,
-                  "rows_ms_per_layer": times["rows"], "strided_ms_per_layer": times["strided"],
-                  "wide_strided_ms_per_layer": times["wide"]}
+                  "library_ms_per_layer": statistics.median(library), "strided_ms_per_layer": statistics.median(strided)}
         records.append(record)
-        print(f"{name}: per layer {nbytes / 1e9:.2f} GB; contiguous copy {copy_ms:.2f} ms; move row by row "
-              f"{times['rows']:.2f} ms; one strided copy {times['strided']:.2f} ms; one strided copy of 16-byte "
-              f"elements {times['wide']:.2f} ms", flush=True)
+        print(f"{name}: per layer {nbytes / 1e9:.2f} GB; contiguous copy {copy_ms:.2f} ms; the library's move "
+              f"{record['library_ms_per_layer']:.2f} ms; one strided copy of 2-byte elements "
+              f"{record['strided_ms_per_layer']:.2f} ms", flush=True)
         del layers
         torch.cuda.empty_cache()
     if args.out is not None:

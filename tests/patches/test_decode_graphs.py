@@ -220,22 +220,23 @@ def test_new_room_space_is_zero_not_new_memory():
     assert not keys[..., 5:, :].any() and not values[..., 5:, :].any()  # a masked slot holding NaN poisons SDPA
 
 
-@pytest.mark.parametrize("rows", ["row by row", "one strided copy"])
-@pytest.mark.parametrize("held", ["contiguous", "strided"])
-def test_a_move_into_a_room_keeps_every_token_and_zeroes_the_space(rows, held, monkeypatch):
-    """A move copies each (batch, head) row as one block where rows are large enough (a memcpy), else one strided
-    copy: either way the room's first tokens are the cache's, bit for bit, and its space is zero, not the new
-    memory's contents (NaN here)."""
+@pytest.mark.parametrize("layout", ["16-byte elements", "head dim of 6 bytes", "strided cache"])
+def test_a_move_into_a_room_keeps_every_byte_and_zeroes_the_space(layout):
+    """A move copies the cache read as 16-byte elements where the layout allows, else as it is: either way the room's
+    first tokens are the cache's, byte for byte (random bits: NaN and denormal patterns included), and its space is
+    zero, not the new memory's contents (NaN here)."""
     from torchembed.patches import kv_cache
 
-    monkeypatch.setattr(kv_cache, "MOVE_ROW_BYTES", 0 if rows == "row by row" else 2**62)
-    cache = torch.randn(2, 3, 7, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    if held == "strided":
-        cache = torch.randn(2, 7, 3, 8).to(torch.bfloat16).transpose(1, 2)  # (the strided copy, whatever the rows)
-    room = torch.full((2, 3, 11, 8), float("nan"), dtype=torch.bfloat16)
+    dim = 3 if layout == "head dim of 6 bytes" else 8
+    bits = torch.randint(-2**15, 2**15, (2, 7, 3, dim), dtype=torch.int16, generator=torch.Generator().manual_seed(0))
+    cache = bits.view(torch.bfloat16).transpose(1, 2)  # (2, 3, 7, dim)
+    if layout != "strided cache":
+        cache = cache.contiguous()
+    room = torch.full((2, 3, 11, dim), float("nan"), dtype=torch.bfloat16)
+    assert kv_cache._widens(room[..., :7, :], cache) == (layout != "head dim of 6 bytes")  # (strided rows of 16 bytes too)
     kv_cache.move_into(room, cache)
-    assert torch.equal(room[..., :7, :], cache)
-    assert torch.equal(room[..., 7:, :], torch.zeros(2, 3, 4, 8, dtype=torch.bfloat16))
+    assert torch.equal(room[..., :7, :].view(torch.int16), cache.view(torch.int16))
+    assert torch.equal(room[..., 7:, :].view(torch.int16), torch.zeros(2, 3, 4, dim, dtype=torch.int16))
 
 
 def test_a_layer_moved_into_its_room_lets_go_of_its_old_tensors():
