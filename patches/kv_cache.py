@@ -102,10 +102,13 @@ def move_into(buffer: Tensor, held: Tensor) -> None:
 def _widens(*tensors: Tensor) -> bool:
     """Every tensor can be read as 16-byte elements along its last dimension (contiguous there, every stride, size
     and offset a whole number of them), as one dtype, on a CUDA or CPU device (MPS has no 16-byte dtype)."""
-    return len({t.dtype for t in tensors}) == 1 and all(
-        t.device.type in ("cuda", "cpu") and t.dim() > 0 and t.stride(-1) == 1 and (t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-        and (t.storage_offset() * t.element_size()) % 16 == 0
-        and all((stride * t.element_size()) % 16 == 0 for stride in t.stride()[:-1]) for t in tensors)
+    return len({t.dtype for t in tensors}) == 1 and all(_wide_layout(t) for t in tensors)
+
+
+def _wide_layout(t: Tensor) -> bool:
+    size = t.element_size()
+    return (t.device.type in ("cuda", "cpu") and t.dim() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(n * size % 16 == 0 for n in (t.shape[-1], t.storage_offset(), *t.stride()[:-1])))
 
 
 def _wide(t: Tensor) -> Tensor:
