@@ -27,6 +27,7 @@ share one copy of the mask and bias (:mod:`torchembed.patches.devices`).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -177,6 +178,8 @@ _POSITIONAL_NAMES: dict[Any, tuple[str, ...]] = {}
 def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     """Upstream forward's arguments after ``self`` by name (positional ones mapped through its signature, the names
     cached per function): the patched forwards accept whatever each release passes."""
+    if not args:  # (what the releases' layers pass: keywords after the hidden states, read only here)
+        return kwargs
     method = type(module).forward
     names = _POSITIONAL_NAMES.get(method)
     if names is None:
@@ -188,7 +191,11 @@ def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 def _cache_of(arguments: dict[str, Any]) -> Any:
     """The KV cache among the arguments, under whichever name the release gives it; None without one."""
-    return next((arguments[name] for name in CACHE_KEYWORDS if arguments.get(name) is not None), None)
+    for name in CACHE_KEYWORDS:
+        cache = arguments.get(name)
+        if cache is not None:
+            return cache
+    return None
 
 
 def _cache_update(arguments: dict[str, Any], k: Tensor, v: Tensor, layer_idx: int) -> tuple[Tensor, Tensor]:
@@ -317,8 +324,8 @@ def _falcon_qkv(attn: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor,
     if attn.multi_query:
         parts = fused.view(batch, seq, heads + 2, dim).transpose(1, 2)  # (b, h + 2, s, d)
         return parts[:, :heads], parts[:, heads:heads + 1], parts[:, heads + 1:]
-    parts = fused.view(batch, seq, heads, 3, dim).permute(3, 0, 2, 1, 4)  # (3, b, h, s, d): the fewest view ops
-    return parts[0], parts[1], parts[2]
+    q, k, v = fused.view(batch, seq, heads, 3, dim).permute(3, 0, 2, 1, 4).unbind()  # (3, b, h, s, d): the fewest ops
+    return q, k, v
 
 
 def _bloom_keep(mask: Tensor) -> Tensor:
@@ -462,21 +469,27 @@ class AlibiOptions:
         return f"AlibiOptions(fused={self.fused}, sdpa_decode={self.sdpa_decode})"
 
 
-class AlibiForward:
+class AlibiForward(functools.partial):
     """A family's patched attention forward with one model's :class:`AlibiOptions` bound: called as
-    ``forward(module, *args, **kwargs)``; picklable and deep-copyable (rebuilt from the module-level function and the
-    choices), named as the function."""
+    ``forward(module, *args, **kwargs)`` (a ``functools.partial``: no Python frame of its own in every layer's call);
+    picklable and deep-copyable (rebuilt from the module-level function and the choices), named as the function."""
 
-    def __init__(self, forward: Any, options: AlibiOptions) -> None:
-        self.forward, self.options = forward, options
+    def __new__(cls, forward: Any, options: AlibiOptions) -> "AlibiForward":
+        self = super().__new__(cls, forward, options=options)
         self.__module__, self.__qualname__, self.__name__ = forward.__module__, forward.__qualname__, forward.__name__
         self.__doc__ = forward.__doc__
+        return self
 
-    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(module, *args, options=self.options, **kwargs)
+    @property
+    def forward(self) -> Any:
+        return self.func
+
+    @property
+    def options(self) -> AlibiOptions:
+        return self.keywords["options"]
 
     def __reduce__(self) -> tuple:
-        return (AlibiForward, (self.forward, self.options))
+        return (AlibiForward, (self.func, self.options))
 
     def __repr__(self) -> str:
         return f"<{self.__qualname__} {self.options}>"
