@@ -5,7 +5,8 @@ synchronised around it in one more call; the gap before the first step holds the
 processor that clocks it runs when the prefill is queued), then the same ``generate`` under ``cProfile``, its Python functions' time per new token
 (cumulative and own), so the host work left (``generate``'s own, the graphed forward's decision and input copies, the
 replay) is named; on CUDA also one ``generate`` under ``torch.profiler`` from its third decode step on: the GPU's busy
-time per token and its kernels by kind, against the wall time (the rest is host time with the GPU idle).
+time per token and its kernels by kind, against the wall time (the rest is host time with the GPU idle), and the
+captured step replayed on its own (the graph's time with the gaps between its kernels, which the busy time leaves out).
 
     python benchmarks/probes/replayed_generate_profile.py [--model llama] [--prompt 512] [--tokens 64] --out DIR
     python benchmarks/probes/replayed_generate_profile.py --long --layers 32 --prompt 131072 --tokens 32 --out DIR
@@ -93,6 +94,31 @@ def generate(model, ids, tokens: int, clock: StepClock | None = None, extra=()) 
                    logits_processor=processors)
 
 
+def replay_alone(graphs: object, n: int = 20) -> dict | None:
+    """The last captured decode step replayed on its own (its inputs as the last step left them: each replay writes
+    the same slot again): ms per replay ``n`` back to back (the graph's own time, gaps between its kernels included)
+    and each followed by a synchronisation (plus the launch's host time). A token's wall time less the first is
+    host time with the GPU idle and ``generate``'s own kernels."""
+    captured = getattr(graphs, "captured", None)
+    if captured is None:
+        return None
+    graph = captured.graph
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        graph.replay()
+    torch.cuda.synchronize()
+    back_to_back = (time.perf_counter() - start) * 1e3 / n
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"back_to_back_ms": back_to_back, "synchronised_ms": statistics.median(times), "replays": n}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama")
@@ -153,6 +179,7 @@ def main(argv: list[str]) -> int:
                                                     "longest": v["names"]} for k, v in kinds.items()}
             weights = sum(p.numel() * p.element_size() for p in model.parameters())
             record["weights_gb"] = weights / 1e9
+            record["replay_alone"] = replay_alone(graphs)
     stats = pstats.Stats(profile)
     rows = []
     for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items():
@@ -171,6 +198,10 @@ def main(argv: list[str]) -> int:
               f"wall (steps {record['profiled_steps']}); weights {record['weights_gb']:.2f} GB")
         for kind, v in sorted(record["gpu_kinds_ms_per_token"].items(), key=lambda kv: -kv[1]["ms"]):
             print(f"  {kind}: {v['ms']:.3f} ms, {v['kernels']:.1f} kernels per token; longest {list(v['longest'])[:2]}")
+        if record.get("replay_alone"):
+            alone = record["replay_alone"]
+            print(f"the captured step replayed alone: {alone['back_to_back_ms']:.3f} ms back to back, "
+                  f"{alone['synchronised_ms']:.3f} ms with a synchronisation after each")
     for title in ("by_cumulative", "by_own"):
         print(f"## {title} (us per token: cumulative / own; calls per token)")
         for r in record[title]:
