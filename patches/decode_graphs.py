@@ -7,9 +7,8 @@ tensor at a fixed address and shape, where a ``DynamicCache`` grows by a token p
 over each cache layer's room (:func:`torchembed.patches.kv_cache.room_for`: buffers with space to grow), the new token
 written at a position held in a device tensor, under a keep mask over the whole room whose empty slots the decode
 kernel never reads (:func:`torchembed.kernels.attention.fused_attention`). The first step over a room runs the model
-eagerly on a side stream (the warm-up, whose result is that step's) and captures the graph, in pieces begun before
-decoder layers 1, 2, 4, 8, ... (:class:`PieceCapture`: the GPU starts on the first while the host launches the rest);
-the next steps copy their inputs into the graph's and replay it. After every step the cache's layers are views of their room's filled part:
+eagerly on a side stream (the warm-up, whose result is that step's) and captures the graph; the next steps copy their
+inputs into the graph's and replay it. After every step the cache's layers are views of their room's filled part:
 what ``DynamicCache.update`` would hold, for ``generate`` and any other reader; the next step over the same cache finds
 those views unchanged by identity (:class:`Handed`, weak references) and skips the per-layer checks.
 
@@ -40,9 +39,8 @@ from torchembed.kernels.route import decode_step
 from torchembed.patches.kv_cache import hold, room_for, room_replaced
 from torchembed.patches.registry import Family, PatchOptions
 
-__all__ = ["GRAPHED_MODEL_TYPES", "PADDING_MASK_TYPES", "DecodeGraphs", "GraphedForward", "PieceCapture", "ReplayDecodeSteps",
-           "Step", "decode_graph_step", "decoder_layers", "graphed_forward", "keys_limit", "padding_mask_refusal",
-           "piece_starts"]
+__all__ = ["GRAPHED_MODEL_TYPES", "PADDING_MASK_TYPES", "DecodeGraphs", "GraphedForward", "ReplayDecodeSteps", "Step", "decode_graph_step",
+           "graphed_forward", "keys_limit", "padding_mask_refusal"]
 
 # The decoder-only text models whose decode step is checked to compute upstream's step over a room (tests/patches/
 # test_decode_graphs.py): plain full-attention stacks whose forward keeps no Python state between steps.
@@ -385,7 +383,7 @@ class FixedShapeStep:
 class _Captured:
     key: tuple
     inputs: FixedShapeStep
-    graphs: list  # the step's torch.cuda.CUDAGraph pieces, replayed in order (:class:`PieceCapture`)
+    graph: Any  # torch.cuda.CUDAGraph
     kind: type  # the forward's output class
     logits: Tensor  # the captured forward's logits, rewritten by every replay (nothing else of its output is kept)
 
@@ -426,8 +424,7 @@ class DecodeGraphs:
                 kind, logits = self._capture(model, step, rooms, key)
             else:
                 captured.inputs.load(step)
-                for graph in captured.graphs:
-                    graph.replay()
+                captured.graph.replay()
                 self.replays += 1
                 kind, logits = captured.kind, captured.logits
             self.hand_back(step, rooms)
@@ -466,10 +463,14 @@ class DecodeGraphs:
         with torch.cuda.stream(side):
             out = inputs.run(model)  # the warm-up: this step's result
         caller.wait_stream(side)
-        pieces = PieceCapture(decoder_layers(model))
+        graph = torch.cuda.CUDAGraph()
         try:  # (not torch.cuda.graph, which collects garbage and empties the allocator's cache for the process)
             with torch.cuda.stream(side):
-                captured_out = pieces.capture(lambda: inputs.run(model))
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    captured_out = inputs.run(model)
+                finally:
+                    graph.capture_end()
         except Exception as err:  # a model the graph cannot take: every step with this key eager
             if len(self.failed) >= 64:
                 self.failed.clear()
@@ -479,75 +480,9 @@ class DecodeGraphs:
             return type(out), out.logits
         caller.wait_stream(side)
         inputs.rooms = []  # the graph holds their addresses; the cache holds them
-        self.captured = _Captured(key, inputs, pieces.graphs, type(captured_out), captured_out.logits)
+        self.captured = _Captured(key, inputs, graph, type(captured_out), captured_out.logits)
         self.captures += 1
         return type(out), out.logits
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
-    """The model's stack of decoder layers: its first ``nn.ModuleList`` of ``config.num_hidden_layers`` modules (None
-    where it has none)."""
-    count = getattr(model.config, "num_hidden_layers", None)
-    return next((m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == count), None)
-
-
-def piece_starts(layers: int) -> list[int]:
-    """The decoder layers that begin a new graph piece: 1, 2, 4, 8, ... below ``layers`` (the first piece: the
-    embeddings and layer 0; the last: the rest, the final norm and the logits)."""
-    starts, layer = [], 1
-    while layer < layers:
-        starts.append(layer)
-        layer *= 2
-    return starts
-
-
-class PieceCapture:
-    """One forward captured as consecutive CUDA graphs sharing one memory pool, each begun before a decoder layer of
-    :func:`piece_starts` (a forward pre-hook on it while the capture runs), replayed in order on one stream: the same
-    work as one graph, but the GPU starts on the first piece while the host still launches the rest. A graph's launch
-    costs host time per kernel (LLaMA-3.1-8B's step, about 1,250 kernels: a replay started from an idle GPU took
-    0.9 ms longer than one queued behind another on an H200, ``benchmarks/results/long-plain-generate-h100.md``),
-    and plain ``generate`` starts every step from an idle GPU (it synchronises on each token).
-
-    ``graph`` makes each piece (``torch.cuda.CUDAGraph``; another class with ``capture_begin(pool=...,
-    capture_error_mode=...)``, ``capture_end()`` and ``pool()`` in tests)."""
-
-    def __init__(self, layers: nn.ModuleList | None, graph: Any = None) -> None:
-        self.layers = layers
-        self.make = graph if graph is not None else torch.cuda.CUDAGraph
-        self.graphs: list[Any] = []
-        self.open = False  # a piece is being captured
-
-    def capture(self, run: Any) -> Any:
-        """``run()`` captured (on the current stream) into :attr:`graphs`; every piece begun is ended, also when
-        ``run`` raises, and the hooks are removed."""
-        starts = piece_starts(len(self.layers)) if self.layers is not None else []
-        handles = [self.layers[i].register_forward_pre_hook(self._split) for i in starts]
-        try:
-            self._begin()
-            try:
-                return run()
-            finally:
-                self._end()
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def _begin(self) -> None:
-        pool = self.graphs[0].pool() if self.graphs else None
-        graph = self.make()
-        self.graphs.append(graph)
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        self.open = True
-
-    def _end(self) -> None:
-        if self.open:
-            self.open = False
-            self.graphs[-1].capture_end()
-
-    def _split(self, module: nn.Module, args: tuple) -> None:
-        self._end()
-        self._begin()
 
 
 def _key(model: nn.Module, step: Step, rooms: list[tuple[Tensor, Tensor]]) -> tuple:
