@@ -31,7 +31,8 @@ for spec in "${specs[@]}"; do
   "$venv/bin/python" scripts/install_transformers.py "$spec"
   version=$("$venv/bin/python" -c "import transformers; print(transformers.__version__)")
   echo "== transformers $version ($spec): tests/patches"
-  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${TORCHEMBED_TEST_WORKERS:-auto}" --dist loadgroup tests/patches
+  # (the tests marked slow, which start processes or compile, run with the pinned release only)
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${TORCHEMBED_TEST_WORKERS:-auto}" --dist loadgroup -m "not slow" tests/patches
   echo "== transformers $version ($spec): torchembed compare"
   "$venv/bin/python" -m torchembed compare
 done

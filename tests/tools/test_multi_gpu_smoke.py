@@ -29,7 +29,7 @@ def test_multi_gpu_smoke(tmp_path: Path) -> None:
     for record in result["infer"]:
         assert record["ok"] and record["unpatch_bit_exact"] and record["components_patched"] > 0
         assert {"upstream", "patched"} <= set(record["generate"][0])
-    assert [(r["model"], r["mode"]) for r in result["parity"]] == [("llama", "ddp"), ("falcon", "ddp"), ("bloom", "ddp")]
+    assert [(r["model"], r["mode"]) for r in result["parity"]] == [("falcon", "ddp")]  # (LLaMA, BLOOM: test_ddp.py)
     assert all(r["ok"] and r["max_param_diff"] <= max(1e-5, 2 * r["max_param_diff_upstream"]) for r in result["parity"])
     tp = result["tp"]  # transformers' tensor parallelism (gloo, 2 processes): patched, exact undo
     assert tp["ok"] and tp["world_size"] == 2 and tp["weights"] == "DTensor" and tp["unpatch_bit_exact"]
