@@ -2,6 +2,11 @@
 
     python scripts/install_transformers.py latest      # the newest release on the package index
     python scripts/install_transformers.py "4.57.*"    # the newest release matching a version spec
+    python scripts/install_transformers.py --no-project latest   # all of it but torchembed itself
+
+``--no-project`` installs what torchembed's extras require, not torchembed: it leaves the repository alone (an
+editable install writes ``torchembed.egg-info`` there), so it can run beside another install from the same clone
+(CI makes these virtualenvs while the main suite runs); ``pip install --no-deps -e .`` completes it.
 
 A release is tested the day it appears, even when the index does not (yet) serve one of its
 dependencies: if pip cannot install the release with its dependencies, the rest is installed first,
@@ -17,12 +22,14 @@ import argparse
 import importlib.metadata
 import subprocess
 import sys
+from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 EXTRAS = ".[triton,hf,dev]"
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
 
 def pip(*args: str, quiet: bool = True) -> subprocess.CompletedProcess:
@@ -64,13 +71,27 @@ def unmet_requirements() -> list[Requirement]:
     return unmet
 
 
+def extras_requirements() -> list[str]:
+    """What ``EXTRAS`` brings besides torchembed: its dependencies and its extras', as ``pyproject.toml`` lists them."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        from pip._vendor import tomli as tomllib
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    extras = EXTRAS[EXTRAS.index("[") + 1:-1].split(",")
+    return [*project["dependencies"], *(r for extra in extras for r in project["optional-dependencies"][extra])]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("spec", help='"latest" or a version spec such as "4.57.*" or "5.25.0"')
+    parser.add_argument("--no-project", action="store_true",
+                        help="install what torchembed's extras require, not torchembed (the repository is not written)")
     args = parser.parse_args(argv)
     version = pick(args.spec)
     print(f"install_transformers: {args.spec} -> transformers {version}", flush=True)
-    done = pip("-e", EXTRAS, f"transformers=={version}")
+    targets = extras_requirements() if args.no_project else ["-e", EXTRAS]
+    done = pip(*targets, f"transformers=={version}")
     if done.returncode == 0:
         print(f"install_transformers: transformers {version} with its dependencies")
     else:
@@ -78,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
                   if line.startswith("ERROR:") and "Ignored the following versions" not in line][-3:]
         print(f"install_transformers: pip cannot install transformers {version} with its dependencies:")
         print("  " + "\n  ".join(reason))
-        print(f"install_transformers: installing torchembed{EXTRAS[1:]} first, then transformers {version} "
-              "without dependencies, then each of its dependencies the index serves")
-        for step in (pip("-e", EXTRAS), pip("--no-deps", f"transformers=={version}")):
+        first = f"what torchembed{EXTRAS[1:]} requires" if args.no_project else f"torchembed{EXTRAS[1:]}"
+        print(f"install_transformers: installing {first} first, then transformers {version} without dependencies, "
+              "then each of its dependencies the index serves")
+        for step in (pip(*targets), pip("--no-deps", f"transformers=={version}")):
             if step.returncode != 0:
                 print(step.stderr, file=sys.stderr)
                 return 1

@@ -4,6 +4,8 @@
 #
 #   bash scripts/test_versions.sh                  # 4.57.x (the last 4.x) and the newest release
 #   bash scripts/test_versions.sh 5.17.0 latest    # any version spec; "latest" = the newest release
+#   bash scripts/test_versions.sh --install SPEC.. # only make the virtualenvs (CI: while the main suite runs)
+#   bash scripts/test_versions.sh --test SPEC..    # only test in the virtualenvs --install made
 #
 # TORCHEMBED_ZOO_TYPES=sample: the zoo's per-model-type tests only for its sample (every kind of
 # rotation and the most used models; CI), else for every model type of each release.
@@ -18,17 +20,34 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 root=${TORCHEMBED_VENVS:-$HOME/.cache/torchembed/venvs}
+install=1 test=1
+case "${1:-}" in
+  --install) test=0; shift ;;
+  --test) install=0; shift ;;
+  --*) echo "test_versions.sh: unknown option $1 (--install or --test)" >&2; exit 2 ;;
+esac
 specs=("$@")
 [ ${#specs[@]} -gt 0 ] || specs=("4.57.*" "latest")
 for spec in "${specs[@]}"; do
   venv="$root/transformers-${spec//\*/x}"
-  rm -rf "$venv"
-  "$PYTHON" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip packaging
-  "$venv/bin/python" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
-  # the newest release matching the spec, even where the index lacks one of its dependencies (then
-  # installed without it, and the log says so)
-  "$venv/bin/python" scripts/install_transformers.py "$spec"
+  if [ "$install" = 1 ]; then
+    rm -rf "$venv"
+    "$PYTHON" -m venv "$venv"
+    "$venv/bin/python" -m pip install -q --upgrade pip packaging
+    "$venv/bin/python" -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+    # the newest release matching the spec, even where the index lacks one of its dependencies (then
+    # installed without it, and the log says so); --install leaves torchembed itself to --test: its
+    # editable install writes into the repository, which another install may be writing (CI)
+    "$venv/bin/python" scripts/install_transformers.py $([ "$test" = 1 ] || echo --no-project) "$spec"
+  fi
+  [ "$test" = 1 ] || continue
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "test_versions.sh: no virtualenv for $spec at $venv (run with --install first)" >&2
+    exit 1
+  fi
+  if ! "$venv/bin/python" -c 'import importlib.metadata as m; m.version("torchembed")' 2>/dev/null; then
+    "$venv/bin/python" -m pip install -q --no-deps -e .
+  fi
   version=$("$venv/bin/python" -c "import transformers; print(transformers.__version__)")
   echo "== transformers $version ($spec): tests/patches"
   # (the tests marked slow, which start processes or compile, run with the pinned release only)

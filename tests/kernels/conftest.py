@@ -29,6 +29,10 @@ if _INTERPRET:
         import torchembed.kernels.rope_triton  # noqa: F401  (decorate the kernels as interpreted)
     except ImportError:  # no triton: the test module skips itself
         pass
+    else:
+        from tests.kernels import interpreter_calls
+
+        interpreter_calls.install()  # (device-function calls without re-patching triton.language: its docstring)
 
 
 def pytest_collection_finish(session):

@@ -1,0 +1,61 @@
+"""The kernel tests' shortcut under Triton's interpreter (``tests/kernels/interpreter_calls.py``): a device function
+called from a kernel skips re-patching only the language modules its launch already patched, and kernels compute
+what they compute without the shortcut."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels import interpreter_calls
+
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shortcut is for the interpreter (CPU)")
+
+
+@triton.jit
+def _doubled(x):
+    return x * 2.0
+
+
+@triton.jit
+def _calls_kernel(X, Y, N, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N, other=0.0)
+    y = _doubled(_doubled(x))  # device functions that see triton.language only
+    total = tl.sum(y, axis=0)  # triton.language.standard's functions, which see triton.language.core
+    tl.store(Y + offs, y + tl.max(y, axis=0) + total, mask=offs < N)
+
+
+def _run(x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty_like(x)
+    _calls_kernel[(1,)](x, y, x.numel(), BLOCK=64)
+    return y
+
+
+def test_device_calls_skip_only_a_repeated_patch_and_compute_the_same(monkeypatch):
+    from triton.runtime import interpreter
+
+    shortcut = interpreter._patch_lang
+    assert getattr(shortcut, interpreter_calls.INSTALLED, False), "the conftest installs it under the interpreter"
+    walked = []
+    patch_builtin = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda pkg, *a: walked.append(pkg) or patch_builtin(pkg, *a))
+    x = torch.randn(50, generator=torch.Generator().manual_seed(7))
+    expected = x.double() * 4
+    expected = (expected + expected.max() + expected.sum()).float()
+
+    fast = _run(x)
+    walked_fast, walked[:] = list(walked), []
+    monkeypatch.setattr(interpreter, "_patch_lang", shortcut.original)  # Triton's own: a patch per device call
+    slow = _run(x)
+    walked_slow = list(walked)
+
+    assert torch.equal(fast, slow)
+    torch.testing.assert_close(fast, expected, rtol=1e-6, atol=1e-5)  # float32 sums of 50 values
+    # the launch patches triton.language's modules; the first call into triton.language.standard patches
+    # triton.language.core (a module the launch did not); every other device call patches nothing
+    assert tl.core in walked_fast and len(walked_fast) < len(walked_slow)
+    assert walked_fast.count(tl) == 1 and walked_slow.count(tl) > 1
