@@ -178,7 +178,7 @@ _POSITIONAL_NAMES: dict[Any, tuple[str, ...]] = {}
 def _arguments(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     """Upstream forward's arguments after ``self`` by name (positional ones mapped through its signature, the names
     cached per function): the patched forwards accept whatever each release passes."""
-    if not args:  # (a call by keywords only: they are read here, never changed)
+    if not args:  # (what the releases' layers pass: keywords after the hidden states, read only here)
         return kwargs
     method = type(module).forward
     names = _POSITIONAL_NAMES.get(method)
@@ -479,6 +479,10 @@ class AlibiForward(functools.partial):
         self.__module__, self.__qualname__, self.__name__ = forward.__module__, forward.__qualname__, forward.__name__
         self.__doc__ = forward.__doc__
         return self
+
+    @property
+    def forward(self) -> Any:
+        return self.func
 
     @property
     def options(self) -> AlibiOptions:

@@ -387,7 +387,7 @@ def test_the_bound_forward_pickles_and_copies():
     bound = AlibiForward(bloom_attention_forward, AlibiOptions(False, sdpa_decode=True))
     bound.options.constants.get(("slopes",), lambda: torch.ones(2))
     for twin in (pickle.loads(pickle.dumps(bound)), copy.deepcopy(bound)):
-        assert twin.func is bloom_attention_forward and twin.options.fused is False and twin.options.sdpa_decode
+        assert twin.forward is bloom_attention_forward and twin.options.fused is False and twin.options.sdpa_decode
         assert len(twin.options.constants) == 0  # a copy keeps no tensors of the original
     assert bound.__qualname__ == bloom_attention_forward.__qualname__
 
