@@ -5,9 +5,9 @@ Under ``TRITON_INTERPRET=1`` a kernel launch (``GridExecutor``) patches the lang
 them again on every call of a device function from inside the kernel (``InterpretedFunction.__call__`` ->
 ``_patch_lang``), which walks the modules' members with ``inspect.getmembers``: about 2 ms a call on a 2-core CPU,
 some 40 % of an interpreted attention kernel's time, for modules the launch already patched (the repeat changes no
-member and is never undone). :func:`install` skips that repeat while a launch runs in the thread; a device function
-that sees a language module the launch has not patched (Triton's own ``triton.language.standard`` sees ``core``)
-patches it as before. The kernels run the same operations either way (``test_interpreter_calls.py`` checks it).
+member and is never undone). :func:`install` skips that repeat while a launch runs in the thread (marked from its
+start to its end); a device function that sees a language module the launch has not patched yet (Triton's own
+``triton.language.standard`` sees ``core``) patches as before, and so does a call outside any launch. The kernels run the same operations either way (``test_interpreter_calls.py`` checks it).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import inspect
 import threading
 from typing import Any
 
-_STATE = threading.local()  # .patched: ids of the language modules the launch running in this thread patched
+_STATE = threading.local()  # .launching, .patched: a launch runs in this thread; the language modules it patched
 INSTALLED = "_torchembed_tests_skip_repeats"
 
 
@@ -51,9 +51,17 @@ def install() -> bool:
     if not _shape_expected(interpreter):
         return False
     tl = interpreter.tl
+    launch = interpreter.GridExecutor.__call__
 
     def languages(fn: Any) -> set[int]:
         return {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+
+    def marked_launch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _STATE.launching, _STATE.patched = True, None  # (its own _patch_lang comes next in this thread)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            _STATE.launching, _STATE.patched = False, None
 
     def patch_lang(fn: Any) -> Any:
         patched = getattr(_STATE, "patched", None)
@@ -63,18 +71,13 @@ def install() -> bool:
                 return _Nothing()
             patched |= seen
             return original(fn)
-        scope = original(fn)  # a launch: until it restores its scope
-        _STATE.patched = languages(fn)
-        restore = scope.restore
-
-        def restore_and_end() -> None:
-            _STATE.patched = None
-            restore()
-
-        scope.restore = restore_and_end
+        scope = original(fn)  # the launch's own patch, or a call outside any launch (Triton's way)
+        if getattr(_STATE, "launching", False):
+            _STATE.patched = languages(fn)
         return scope
 
     setattr(patch_lang, INSTALLED, True)
-    patch_lang.original = original
+    patch_lang.original, marked_launch.original = original, launch
     interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = marked_launch
     return True
