@@ -9,6 +9,7 @@
 #
 # TORCHEMBED_ZOO_TYPES=sample: the zoo's per-model-type tests only for its sample (every kind of
 # rotation and the most used models; CI), else for every model type of each release.
+# COMPARE_ARGS: options of `torchembed compare` (CI: --dtype bfloat16; the float32 check is the tests').
 #
 # Only torch is pinned (TORCH_SPEC, default the CPU wheel torch==2.13.0); transformers is the newest
 # release matching the spec ("latest": the newest on the index, the day it appears) and its
@@ -53,5 +54,6 @@ for spec in "${specs[@]}"; do
   # (the tests marked slow, which start processes or compile, run with the pinned release only)
   OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$venv/bin/python" -m pytest -q -p no:cacheprovider -n "${TORCHEMBED_TEST_WORKERS:-auto}" --dist loadgroup -m "not slow" tests/patches
   echo "== transformers $version ($spec): torchembed compare"
-  "$venv/bin/python" -m torchembed compare
+  # shellcheck disable=SC2086
+  "$venv/bin/python" -m torchembed compare ${COMPARE_ARGS:-}
 done
